@@ -1,1 +1,61 @@
-//! placeholder
+//! # idempotency-plane
+//!
+//! Repeating a command has the same effect as making it once, for workers
+//! that reach PostgreSQL only over HTTPS through PostgREST (or Supabase).
+//!
+//! Layers, each calling only the one below:
+//!
+//! - [`postgrest`]: an HTTP client for the plane's SQL functions, with typed
+//!   errors, safe retries, and `Content-Range` checks on bounded reads.
+//! - [`repo`]: the five atomic operations (`try_claim`, `reclaim`, `get`,
+//!   `complete`, `release`); every decision is one SQL statement.
+//! - [`service`]: the duplicate semantics: five endings of a claim, scope
+//!   retention, request hashes, input validation.
+//!
+//! The database owns every clock: callers pass lease and retention
+//! durations, and the functions compute instants from the database's `now()`.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), idempotency_plane::Error> {
+//! use std::time::Duration;
+//! use idempotency_plane::{ClaimOutcome, ClientConfig, Completion, IdempotencyService,
+//!     PostgrestClient, PostgrestRepository, RequestHash};
+//!
+//! let client = PostgrestClient::new(ClientConfig::new("http://localhost:3000", "service-key")?)?;
+//! let service = IdempotencyService::new(PostgrestRepository::new(client));
+//! let org = uuid::Uuid::new_v4();
+//! let request = serde_json::json!({"to": "a@example.com", "subject": "hi"});
+//! let hash = RequestHash::of_json(&request);
+//! match service.claim(org, "tool.email.send", "run-1:step-3", &hash, Duration::from_secs(90)).await? {
+//!     ClaimOutcome::Claimed(claim) => {
+//!         // ... perform the effect, passing claim.key() to the vendor ...
+//!         let _ = service.complete(&claim, Completion::resource("email.message", "m-1")).await?;
+//!     }
+//!     ClaimOutcome::Completed { response, resource } => { /* replay it */ }
+//!     ClaimOutcome::Processing { .. } => { /* in flight elsewhere: raise or drop */ }
+//!     ClaimOutcome::Conflict => { /* same key, different content */ }
+//!     ClaimOutcome::Absent => unreachable!("claim never answers absent"),
+//! }
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+mod error;
+pub mod postgrest;
+pub mod repo;
+pub mod service;
+
+/// SQL migrations, in order, as `(file name, contents)`. The same files are
+/// under `sql/` and `supabase/migrations/`.
+pub mod migrations;
+
+#[cfg(feature = "local")]
+pub mod local;
+
+pub use error::{Error, InvalidInput};
+pub use postgrest::{ClientConfig, ClientError, PostgrestClient, RetryConfig};
+pub use repo::{IdempotencyRecord, IdempotencyRepository, PostgrestRepository};
+pub use service::{
+    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef,
+    ScopeRegistry,
+};

@@ -1,0 +1,308 @@
+//! The HTTP client: calls `POST /rpc/<function>` and turns every answer into
+//! a value or a typed error.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
+use reqwest::StatusCode;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::config::ClientConfig;
+use super::error::{ClientError, PostgrestError, TransportKind};
+use super::range::{ContentRange, ContentRangeError};
+
+/// Whether a call may be sent again after its response was lost.
+///
+/// Every function of the plane is designed so that it may (a repeat with the
+/// same lease token answers the same row). A call that is not, is retried only
+/// when the server proves it never ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repeat {
+    /// Repeating the call after a lost response has no further effect.
+    Safe,
+    /// Repeating the call could repeat an effect.
+    Unsafe,
+}
+
+/// A PostgREST client for one server and schema. Cheap to clone: clones share
+/// one connection pool.
+#[derive(Clone, Debug)]
+pub struct PostgrestClient {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    http: reqwest::Client,
+    config: ClientConfig,
+}
+
+/// A success answer, before decoding.
+struct Answer {
+    status: StatusCode,
+    content_range: Option<Result<ContentRange, ContentRangeError>>,
+    body: bytes::Bytes,
+}
+
+impl PostgrestClient {
+    /// Builds the client and its connection pool. Fails on a service key or
+    /// schema a header cannot carry.
+    pub fn new(config: ClientConfig) -> Result<Self, ClientError> {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            AUTHORIZATION,
+            sensitive(&format!("Bearer {}", config.service_key), "service key")?,
+        );
+        if let Some(apikey) = &config.apikey {
+            headers.insert(
+                HeaderName::from_static("apikey"),
+                sensitive(apikey, "apikey")?,
+            );
+        }
+        let profile = HeaderValue::from_str(&config.schema).map_err(|_| {
+            ClientError::Config(format!("schema {:?} cannot be a header", config.schema))
+        })?;
+        headers.insert(HeaderName::from_static("content-profile"), profile.clone());
+        headers.insert(HeaderName::from_static("accept-profile"), profile);
+        headers.insert(ACCEPT, HeaderValue::from_static("application/json"));
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+
+        let http = reqwest::Client::builder()
+            .default_headers(headers)
+            .timeout(config.request_timeout)
+            .connect_timeout(config.connect_timeout)
+            .pool_max_idle_per_host(config.pool_max_idle_per_host)
+            .tcp_nodelay(true)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| ClientError::Config(format!("building the HTTP client: {e}")))?;
+        Ok(PostgrestClient {
+            inner: Arc::new(Inner { http, config }),
+        })
+    }
+
+    /// The configuration this client was built with.
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.config
+    }
+
+    /// Calls `function` with named arguments and decodes its answer as `T`:
+    /// a `Vec` for a set-returning function (`[]` when it returned no row),
+    /// the value itself for a scalar.
+    pub async fn rpc<T: DeserializeOwned>(
+        &self,
+        function: &'static str,
+        args: &impl Serialize,
+        repeat: Repeat,
+    ) -> Result<T, ClientError> {
+        let answer = self.call(function, args, &[], false, repeat).await?;
+        decode(function, &answer.body)
+    }
+
+    /// A read of at most `bound` rows from a function that returns a set of
+    /// table rows, which must take the bound as an argument itself.
+    ///
+    /// Refused with [`ClientError::BoundAboveCap`] before any request when
+    /// `bound` exceeds the configured `max_rows`. Sends `Prefer: count=exact`
+    /// and fails with [`ClientError::Truncated`] when the server counted more
+    /// rows than arrived, so a server whose real cap is lower than configured
+    /// is loud, never a silent short page. `select` trims the columns
+    /// (`?select=id,retain_until`).
+    pub async fn rpc_bounded<T: DeserializeOwned>(
+        &self,
+        function: &'static str,
+        args: &impl Serialize,
+        bound: u64,
+        select: Option<&str>,
+        repeat: Repeat,
+    ) -> Result<Vec<T>, ClientError> {
+        let cap = u64::from(self.inner.config.max_rows);
+        if bound > cap {
+            return Err(ClientError::BoundAboveCap { bound, cap });
+        }
+        if bound == 0 {
+            return Ok(Vec::new());
+        }
+        let query: Vec<(&str, &str)> = select.map(|s| ("select", s)).into_iter().collect();
+        let answer = self.call(function, args, &query, true, repeat).await?;
+        let range = answer
+            .content_range
+            .unwrap_or_else(|| {
+                Err(ContentRangeError {
+                    value: String::new(),
+                    reason: "missing from a counted read",
+                })
+            })
+            .map_err(|source| ClientError::ContentRange { function, source })?;
+        let rows: Vec<T> = decode(function, &answer.body)?;
+        let received = rows.len() as u64;
+        let Some(total) = range.total else {
+            return Err(ClientError::ContentRange {
+                function,
+                source: ContentRangeError {
+                    value: range.to_string(),
+                    reason: "the server did not count the rows, so truncation cannot be ruled out",
+                },
+            });
+        };
+        if range.rows() != received {
+            return Err(ClientError::Decode {
+                function,
+                reason: format!(
+                    "Content-Range {range} announces {} rows, the body holds {received}",
+                    range.rows()
+                ),
+            });
+        }
+        if received < total || answer.status == StatusCode::PARTIAL_CONTENT {
+            return Err(ClientError::Truncated {
+                function,
+                received,
+                total,
+            });
+        }
+        Ok(rows)
+    }
+
+    /// Sends the call, retrying what [`ClientError::is_retryable`] allows.
+    async fn call(
+        &self,
+        function: &'static str,
+        args: &impl Serialize,
+        query: &[(&str, &str)],
+        count: bool,
+        repeat: Repeat,
+    ) -> Result<Answer, ClientError> {
+        let body =
+            bytes::Bytes::from(serde_json::to_vec(args).map_err(|e| ClientError::Decode {
+                function,
+                reason: format!("arguments do not serialize: {e}"),
+            })?);
+        let url = self
+            .inner
+            .config
+            .base_url
+            .join(&format!("rpc/{function}"))
+            .map_err(|e| ClientError::Config(format!("function name {function:?}: {e}")))?;
+        let retry = &self.inner.config.retry;
+        let started = Instant::now();
+        let mut retries = 0u32;
+        loop {
+            let outcome = self
+                .attempt(function, &url, query, body.clone(), count)
+                .await;
+            let error = match outcome {
+                Ok(answer) => return Ok(answer),
+                Err(error) => error,
+            };
+            let may_retry = error.is_retryable(repeat == Repeat::Safe)
+                && retries < retry.max_retries
+                && started.elapsed() < retry.max_elapsed;
+            if !may_retry {
+                return Err(error);
+            }
+            retries += 1;
+            let wait = retry.backoff(retries, error.retry_after());
+            tracing::info!(
+                function,
+                retry = retries,
+                max_retries = retry.max_retries,
+                wait_ms = wait.as_millis() as u64,
+                error = %error,
+                "retrying PostgREST call"
+            );
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    async fn attempt(
+        &self,
+        function: &'static str,
+        url: &url::Url,
+        query: &[(&str, &str)],
+        body: bytes::Bytes,
+        count: bool,
+    ) -> Result<Answer, ClientError> {
+        let mut request = self.inner.http.post(url.clone()).body(body);
+        if !query.is_empty() {
+            request = request.query(query);
+        }
+        if count {
+            request = request.header("prefer", "count=exact");
+        }
+        let transport = |source: reqwest::Error| ClientError::Transport {
+            function,
+            kind: transport_kind(&source),
+            source,
+        };
+        let response = request.send().await.map_err(transport)?;
+        let status = response.status();
+        let content_range = response.headers().get("content-range").map(|value| {
+            value
+                .to_str()
+                .map_err(|_| ContentRangeError {
+                    value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                    reason: "not visible ASCII",
+                })
+                .and_then(str::parse)
+        });
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        let body = response.bytes().await.map_err(transport)?;
+        if status.is_success() {
+            return Ok(Answer {
+                status,
+                content_range,
+                body,
+            });
+        }
+        Err(match serde_json::from_slice::<PostgrestError>(&body) {
+            Ok(error) => ClientError::Api {
+                function,
+                status: status.as_u16(),
+                error,
+                retry_after,
+            },
+            Err(_) => ClientError::Http {
+                function,
+                status: status.as_u16(),
+                body_excerpt: String::from_utf8_lossy(&body[..body.len().min(256)]).into_owned(),
+                retry_after,
+            },
+        })
+    }
+}
+
+fn decode<T: DeserializeOwned>(function: &'static str, body: &[u8]) -> Result<T, ClientError> {
+    serde_json::from_slice(body).map_err(|e| ClientError::Decode {
+        function,
+        reason: e.to_string(),
+    })
+}
+
+fn sensitive(value: &str, what: &str) -> Result<HeaderValue, ClientError> {
+    let mut header = HeaderValue::from_str(value).map_err(|_| {
+        ClientError::Config(format!("the {what} holds characters a header cannot carry"))
+    })?;
+    header.set_sensitive(true);
+    Ok(header)
+}
+
+/// Classifies a reqwest failure by whether the request can have reached the server.
+fn transport_kind(error: &reqwest::Error) -> TransportKind {
+    if error.is_connect() {
+        TransportKind::Connect
+    } else if error.is_timeout() {
+        TransportKind::Timeout
+    } else if error.is_request() || error.is_body() || error.is_decode() {
+        TransportKind::Interrupted
+    } else {
+        TransportKind::Other
+    }
+}

@@ -1,0 +1,289 @@
+//! Errors of the PostgREST client: what PostgREST said, or why we could not
+//! find out.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::range::ContentRangeError;
+
+/// The error body PostgREST sends: `{code, message, details, hint}`.
+///
+/// `code` is a SQLSTATE for database errors (`23505`, `P0001`), a
+/// `PGRSTnnn` code for PostgREST's own, see [`codes`].
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct PostgrestError {
+    /// SQLSTATE or `PGRSTnnn`.
+    pub code: String,
+    /// Human-readable message.
+    pub message: String,
+    /// Not always a string (PGRST201 sends an array), so kept as JSON.
+    #[serde(default)]
+    pub details: Option<serde_json::Value>,
+    /// A hint, when the server has one.
+    #[serde(default)]
+    pub hint: Option<String>,
+}
+
+/// Error codes this crate reacts to, named so callers need no string literals.
+pub mod codes {
+    /// 503: PostgREST cannot connect to the database. The request never ran.
+    pub const PGRST000: &str = "PGRST000";
+    /// 503: database client error, e.g. the connection dropped mid-request.
+    pub const PGRST001: &str = "PGRST001";
+    /// 503: the schema cache is not loaded yet. The request never ran.
+    pub const PGRST002: &str = "PGRST002";
+    /// 504: timed out waiting for a pool connection. The request never ran.
+    pub const PGRST003: &str = "PGRST003";
+    /// 406: the requested schema is not exposed (`db-schemas`).
+    pub const PGRST106: &str = "PGRST106";
+    /// 404: no function with these argument names.
+    pub const PGRST202: &str = "PGRST202";
+    /// 300: ambiguous overload.
+    pub const PGRST203: &str = "PGRST203";
+    /// 401: JWT malformed or badly signed.
+    pub const PGRST301: &str = "PGRST301";
+    /// 401: JWT claims invalid, e.g. expired.
+    pub const PGRST303: &str = "PGRST303";
+    /// SQLSTATE insufficient_privilege: 401 as the anonymous role, 403 otherwise.
+    pub const INSUFFICIENT_PRIVILEGE: &str = "42501";
+    /// SQLSTATE unique_violation (409).
+    pub const UNIQUE_VIOLATION: &str = "23505";
+    /// SQLSTATE check_violation (400).
+    pub const CHECK_VIOLATION: &str = "23514";
+    /// SQLSTATE invalid_parameter_value (400): what the plane's functions raise
+    /// for bad arguments.
+    pub const INVALID_PARAMETER_VALUE: &str = "22023";
+    /// SQLSTATE raise_exception (400), a plain `RAISE EXCEPTION`.
+    pub const RAISE_EXCEPTION: &str = "P0001";
+    /// SQLSTATE serialization_failure (500): rolled back, safe to retry.
+    pub const SERIALIZATION_FAILURE: &str = "40001";
+    /// SQLSTATE deadlock_detected (500): rolled back, safe to retry.
+    pub const DEADLOCK_DETECTED: &str = "40P01";
+}
+
+/// What went wrong with a transport-level failure, and so whether a retry can
+/// repeat an effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// The connection was never made: the request never left. Always safe to retry.
+    Connect,
+    /// No answer in time: the request may have run. Retried only when the call
+    /// is safe to repeat.
+    Timeout,
+    /// The connection failed after the request was sent (reset, closed).
+    /// Retried only when the call is safe to repeat.
+    Interrupted,
+    /// Anything else (building the request, a redirect loop). Never retried.
+    Other,
+}
+
+/// Everything the PostgREST client can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The configuration cannot work (bad URL, key with characters a header cannot hold).
+    #[error("invalid client configuration: {0}")]
+    Config(String),
+
+    /// PostgREST answered with its error body.
+    #[error("{function}: PostgREST answered {status} {}: {}", error.code, error.message)]
+    Api {
+        /// The function called.
+        function: &'static str,
+        /// The HTTP status.
+        status: u16,
+        /// The body, as PostgREST sent it.
+        error: PostgrestError,
+        /// `Retry-After` in seconds, when sent (PostgREST sends `0` on every 503).
+        retry_after: Option<Duration>,
+    },
+
+    /// A non-success status whose body is not PostgREST's error shape, e.g. a
+    /// gateway's HTML page.
+    #[error("{function}: the server answered {status} with a body that is not a PostgREST error: {body_excerpt:?}")]
+    Http {
+        /// The function called.
+        function: &'static str,
+        /// The HTTP status.
+        status: u16,
+        /// The first bytes of the body, for the log.
+        body_excerpt: String,
+        /// `Retry-After` in seconds, when sent.
+        retry_after: Option<Duration>,
+    },
+
+    /// The request did not complete at the transport level.
+    #[error("{function}: transport failure ({kind:?})")]
+    Transport {
+        /// The function called.
+        function: &'static str,
+        /// What failed, which decides retries.
+        kind: TransportKind,
+        /// reqwest's error.
+        #[source]
+        source: reqwest::Error,
+    },
+
+    /// A success answer whose body is not what the function returns.
+    #[error("{function}: could not decode the answer: {reason}")]
+    Decode {
+        /// The function called.
+        function: &'static str,
+        /// What did not match.
+        reason: String,
+    },
+
+    /// A bounded read whose `Content-Range` is missing or malformed.
+    #[error("{function}: {source}")]
+    ContentRange {
+        /// The function called.
+        function: &'static str,
+        /// The parse failure, with the raw value.
+        #[source]
+        source: ContentRangeError,
+    },
+
+    /// The server cut a bounded read short: its real row cap is lower than
+    /// the one this client was configured with. Never a silent short page.
+    #[error(
+        "{function}: the server truncated the read to {received} of {total} rows; \
+         its row cap (db-max-rows) is lower than the configured max_rows"
+    )]
+    Truncated {
+        /// The function called.
+        function: &'static str,
+        /// Rows that arrived.
+        received: u64,
+        /// Rows the server counted.
+        total: u64,
+    },
+
+    /// A bounded read asked for more rows than the server's cap, refused
+    /// before any request was sent. PostgREST would clamp it silently.
+    #[error(
+        "bound {bound} is above the server's row cap {cap} (PostgREST db-max-rows, \
+         PGRST_DB_MAX_ROWS, Supabase api.max_rows); refused rather than clamped"
+    )]
+    BoundAboveCap {
+        /// The bound asked for.
+        bound: u64,
+        /// The configured cap.
+        cap: u64,
+    },
+}
+
+impl ClientError {
+    /// The PostgREST or SQLSTATE code, when the server sent one.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ClientError::Api { error, .. } => Some(&error.code),
+            _ => None,
+        }
+    }
+
+    /// The HTTP status, when the server answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Api { status, .. } | ClientError::Http { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// The server's `Retry-After`, when it sent one.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ClientError::Api { retry_after, .. } | ClientError::Http { retry_after, .. } => {
+                *retry_after
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether a retry may help, given whether the call is safe to repeat
+    /// after a lost response. The single place this crate decides it:
+    ///
+    /// | failure | any call | repeat-safe call |
+    /// |---|---|---|
+    /// | connection refused / not made | yes | yes |
+    /// | 503 `PGRST000`/`PGRST002`, 504 `PGRST003` (never ran) | yes | yes |
+    /// | other 503 (`PGRST001`, `08*`, `53*`, `57P01`) | no | yes |
+    /// | 500 `40001` / `40P01` (rolled back) | yes | yes |
+    /// | timeout, connection reset after sending | no | yes |
+    /// | 503/504 without a PostgREST body (a gateway) | no | yes |
+    /// | anything else | no | no |
+    pub fn is_retryable(&self, repeat_safe: bool) -> bool {
+        match self {
+            ClientError::Transport { kind, .. } => match kind {
+                TransportKind::Connect => true,
+                TransportKind::Timeout | TransportKind::Interrupted => repeat_safe,
+                TransportKind::Other => false,
+            },
+            ClientError::Api { status, error, .. } => {
+                let never_ran = matches!(
+                    (status, error.code.as_str()),
+                    (503, codes::PGRST000) | (503, codes::PGRST002) | (504, codes::PGRST003)
+                );
+                let rolled_back = matches!(
+                    error.code.as_str(),
+                    codes::SERIALIZATION_FAILURE | codes::DEADLOCK_DETECTED
+                );
+                never_ran || rolled_back || (*status == 503 && repeat_safe)
+            }
+            ClientError::Http { status, .. } => repeat_safe && matches!(status, 502..=504),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(status: u16, code: &str) -> ClientError {
+        ClientError::Api {
+            function: "f",
+            status,
+            error: PostgrestError {
+                code: code.into(),
+                message: String::new(),
+                details: None,
+                hint: None,
+            },
+            retry_after: None,
+        }
+    }
+
+    #[test]
+    fn retry_table_matches_the_documented_one() {
+        let cases = [
+            (api(503, codes::PGRST000), true, true),
+            (api(503, codes::PGRST002), true, true),
+            (api(504, codes::PGRST003), true, true),
+            (api(503, codes::PGRST001), false, true),
+            (api(503, "57P01"), false, true),
+            (api(500, codes::SERIALIZATION_FAILURE), true, true),
+            (api(500, codes::DEADLOCK_DETECTED), true, true),
+            (api(500, "57014"), false, false),
+            (api(400, codes::INVALID_PARAMETER_VALUE), false, false),
+            (api(404, codes::PGRST202), false, false),
+            (api(409, codes::UNIQUE_VIOLATION), false, false),
+            (api(401, codes::INSUFFICIENT_PRIVILEGE), false, false),
+        ];
+        for (error, any_call, repeat_safe) in cases {
+            assert_eq!(error.is_retryable(false), any_call, "{error}");
+            assert_eq!(error.is_retryable(true), repeat_safe, "{error}");
+        }
+        let gateway = ClientError::Http {
+            function: "f",
+            status: 502,
+            body_excerpt: "<html>".into(),
+            retry_after: None,
+        };
+        assert!(!gateway.is_retryable(false));
+        assert!(gateway.is_retryable(true));
+        let refused = ClientError::BoundAboveCap { bound: 2, cap: 1 };
+        assert!(!refused.is_retryable(true));
+    }
+}

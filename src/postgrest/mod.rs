@@ -1,0 +1,17 @@
+//! A PostgREST client for calling the plane's SQL functions over HTTPS.
+//!
+//! Works against plain PostgREST (`http://host:3000`) and Supabase
+//! (`https://<ref>.supabase.co/rest/v1`). Knows the server's row cap, refuses
+//! bounds above it, and reads `Content-Range` so a truncated read is an error.
+
+mod client;
+mod config;
+mod error;
+mod range;
+mod retry;
+
+pub use client::{PostgrestClient, Repeat};
+pub use config::{ClientConfig, DEFAULT_MAX_ROWS};
+pub use error::{codes, ClientError, PostgrestError, TransportKind};
+pub use range::{ContentRange, ContentRangeError};
+pub use retry::RetryConfig;

@@ -1,0 +1,165 @@
+//! PostgREST's `Content-Range` header.
+//!
+//! PostgREST writes `{lower}-{upper}/{total}` with no unit prefix: `0-24/*`,
+//! `0-999/5000`, `*/0`, `*/*` (`postgrest-behavior.md` §3). The range part is
+//! `*` when no rows came back; the total is `*` when nothing was counted.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// A parsed `Content-Range` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContentRange {
+    /// The rows this response holds, inclusive; `None` for `*` (no rows).
+    pub range: Option<(u64, u64)>,
+    /// The whole result's size; `None` for `*` (not counted).
+    pub total: Option<u64>,
+}
+
+/// A `Content-Range` value that is not one of PostgREST's forms.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed Content-Range {value:?}: {reason}")]
+pub struct ContentRangeError {
+    /// The header as received (lossily decoded when it was not UTF-8).
+    pub value: String,
+    /// What is wrong with it.
+    pub reason: &'static str,
+}
+
+impl ContentRange {
+    /// How many rows the response says it holds.
+    pub fn rows(&self) -> u64 {
+        match self.range {
+            Some((lower, upper)) => upper - lower + 1,
+            None => 0,
+        }
+    }
+
+    /// True when the server counted more rows than this response holds from
+    /// its offset on, that is when it cut the result short.
+    pub fn is_truncated(&self) -> bool {
+        match (self.range, self.total) {
+            (Some((_, upper)), Some(total)) => upper + 1 < total,
+            (None, Some(total)) => total > 0,
+            (_, None) => false,
+        }
+    }
+}
+
+impl FromStr for ContentRange {
+    type Err = ContentRangeError;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        let fail = |reason| ContentRangeError {
+            value: value.to_owned(),
+            reason,
+        };
+        let (range, total) = value
+            .split_once('/')
+            .ok_or_else(|| fail("expected `range/total`"))?;
+        let total = match total {
+            "*" => None,
+            digits => Some(parse_number(digits).ok_or_else(|| fail("total is not a number"))?),
+        };
+        let range = match range {
+            "*" => None,
+            bounds => {
+                let (lower, upper) = bounds
+                    .split_once('-')
+                    .ok_or_else(|| fail("expected `lower-upper`"))?;
+                let lower =
+                    parse_number(lower).ok_or_else(|| fail("lower bound is not a number"))?;
+                let upper =
+                    parse_number(upper).ok_or_else(|| fail("upper bound is not a number"))?;
+                if upper < lower {
+                    return Err(fail("upper bound below lower bound"));
+                }
+                Some((lower, upper))
+            }
+        };
+        if let (Some((_, upper)), Some(total)) = (range, total) {
+            if upper >= total {
+                return Err(fail("range ends past the total"));
+            }
+        }
+        Ok(ContentRange { range, total })
+    }
+}
+
+/// Plain ASCII digits only: no sign, no spaces, no `+`, which `u64::from_str` would take.
+fn parse_number(s: &str) -> Option<u64> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
+}
+
+impl fmt::Display for ContentRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.range {
+            Some((lower, upper)) => write!(f, "{lower}-{upper}/")?,
+            None => f.write_str("*/")?,
+        }
+        match self.total {
+            Some(total) => write!(f, "{total}"),
+            None => f.write_str("*"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<ContentRange, ContentRangeError> {
+        s.parse()
+    }
+
+    #[test]
+    fn parses_every_postgrest_form() {
+        let cases = [
+            ("0-24/*", Some((0, 24)), None, 25, false),
+            ("0-999/5000", Some((0, 999)), Some(5000), 1000, true),
+            ("0-4/5", Some((0, 4)), Some(5), 5, false),
+            ("*/0", None, Some(0), 0, false),
+            ("*/*", None, None, 0, false),
+            ("*/15", None, Some(15), 0, true),
+            ("1-1/2", Some((1, 1)), Some(2), 1, false),
+        ];
+        for (text, range, total, rows, truncated) in cases {
+            let parsed = parse(text).unwrap();
+            assert_eq!(parsed.range, range, "{text}");
+            assert_eq!(parsed.total, total, "{text}");
+            assert_eq!(parsed.rows(), rows, "{text}");
+            assert_eq!(parsed.is_truncated(), truncated, "{text}");
+            assert_eq!(parsed.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn rejects_malformed_values_without_panicking() {
+        for text in [
+            "",
+            "*",
+            "0-24",
+            "bytes 0-24/*",
+            "items=0-9/10",
+            "a-b/*",
+            "0-/5",
+            "-1/5",
+            "5-1/*",
+            "0-9/5",
+            "0-24/x",
+            "0-24/",
+            "+1-2/*",
+            " 0-1/2",
+            "0-1/ 2",
+            "*/-1",
+            "0-99999999999999999999/*",
+            "0-1/2/3",
+        ] {
+            let err = parse(text).unwrap_err();
+            assert_eq!(err.value, text);
+        }
+    }
+}

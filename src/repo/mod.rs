@@ -1,0 +1,94 @@
+//! The repository: the five atomic operations on the claim table.
+//!
+//! The repository owns atomic SQL behaviour; the service owns duplicate
+//! semantics. Every decision here is one SQL statement in the database.
+
+mod postgrest;
+mod record;
+
+use std::future::Future;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::Error;
+
+pub use self::postgrest::PostgrestRepository;
+pub use record::{ClaimStatus, IdempotencyRecord};
+
+/// The arguments of a claim or a reclaim.
+///
+/// Durations, not instants: the database computes `lease_expires_at` and
+/// `retain_until` from its own clock (design.md, "One clock").
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// The tenant; the unique key starts with it.
+    pub organization_id: Uuid,
+    /// The scope, e.g. `tool.email.send`.
+    pub scope: &'a str,
+    /// The idempotency key within the scope.
+    pub key: &'a str,
+    /// Lowercase hex SHA-256 of the request content.
+    pub request_hash: &'a str,
+    /// The fence the caller minted and will carry to `complete`/`release`.
+    pub lease_token: Uuid,
+    /// How long the worker holds the key.
+    pub lease: Duration,
+    /// How long the answer is remembered; the database raises it to `lease`.
+    pub retain: Duration,
+}
+
+/// What a completion stores. The database refuses one that carries neither a
+/// response nor a resource id, and a resource id without its type.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CompletionArgs<'a> {
+    /// The kind of resource the effect made, e.g. `nylas.message`.
+    pub resource_type: Option<&'a str>,
+    /// The resource's id.
+    pub resource_id: Option<&'a str>,
+    /// The answer to replay.
+    pub response: Option<&'a serde_json::Value>,
+}
+
+/// The spec's `IdempotencyRepository`: atomic operations, no policy.
+pub trait IdempotencyRepository: Send + Sync {
+    /// Inserts a new processing claim. `None` when the key is already claimed.
+    fn try_claim(
+        &self,
+        request: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Option<IdempotencyRecord>, Error>> + Send;
+
+    /// Moves a passed lease to `request.lease_token`, when the row is still
+    /// processing, its lease has passed and its hash matches. `None` when any
+    /// of that fails, e.g. another worker reclaimed it first. Never shortens
+    /// `retain_until`.
+    fn reclaim(
+        &self,
+        request: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Option<IdempotencyRecord>, Error>> + Send;
+
+    /// Reads a claim. Never writes.
+    fn get(
+        &self,
+        organization_id: Uuid,
+        scope: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<IdempotencyRecord>, Error>> + Send;
+
+    /// Completes the claim `claim_id` if `lease_token` still holds it. `None`
+    /// when the lease moved on: the caller must do nothing more.
+    fn complete(
+        &self,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        completion: CompletionArgs<'_>,
+    ) -> impl Future<Output = Result<Option<IdempotencyRecord>, Error>> + Send;
+
+    /// Deletes the unfinished claim `claim_id` if `lease_token` still holds
+    /// it. `false` when the lease moved on: the caller must do nothing more.
+    fn release(
+        &self,
+        claim_id: Uuid,
+        lease_token: Uuid,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
+}

@@ -1,0 +1,162 @@
+//! The repository over PostgREST: one RPC per operation.
+
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::{ClaimRequest, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
+use crate::postgrest::{PostgrestClient, Repeat};
+use crate::Error;
+
+/// [`IdempotencyRepository`] over the `agent.idempotency_*` functions.
+///
+/// Every call is safe to repeat after a lost response (the functions answer
+/// the caller's own row to a repeat with the same token), so the client
+/// retries transient failures on all of them.
+#[derive(Debug, Clone)]
+pub struct PostgrestRepository {
+    client: PostgrestClient,
+}
+
+impl PostgrestRepository {
+    /// A repository over `client`.
+    pub fn new(client: PostgrestClient) -> Self {
+        PostgrestRepository { client }
+    }
+
+    /// The client underneath, for the sweeper and operator tools.
+    pub fn client(&self) -> &PostgrestClient {
+        &self.client
+    }
+
+    async fn at_most_one(
+        &self,
+        function: &'static str,
+        args: &impl Serialize,
+    ) -> Result<Option<IdempotencyRecord>, Error> {
+        let mut rows: Vec<IdempotencyRecord> =
+            self.client.rpc(function, args, Repeat::Safe).await?;
+        match rows.len() {
+            0 | 1 => Ok(rows.pop()),
+            n => Err(Error::Inconsistent(format!(
+                "{function} answered {n} rows, at most 1 expected"
+            ))),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct ClaimArgs<'a> {
+    p_organization_id: Uuid,
+    p_scope: &'a str,
+    p_key: &'a str,
+    p_request_hash: &'a str,
+    p_lease_token: Uuid,
+    p_lease_ms: u64,
+    p_retain_ms: u64,
+}
+
+impl<'a> From<&ClaimRequest<'a>> for ClaimArgs<'a> {
+    fn from(r: &ClaimRequest<'a>) -> Self {
+        ClaimArgs {
+            p_organization_id: r.organization_id,
+            p_scope: r.scope,
+            p_key: r.key,
+            p_request_hash: r.request_hash,
+            p_lease_token: r.lease_token,
+            p_lease_ms: millis(r.lease),
+            p_retain_ms: millis(r.retain),
+        }
+    }
+}
+
+/// Whole milliseconds, rounded up so a sub-millisecond lease is not zero.
+fn millis(d: std::time::Duration) -> u64 {
+    let ms = d.as_nanos().div_ceil(1_000_000);
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+#[derive(Serialize)]
+struct KeyArgs<'a> {
+    p_organization_id: Uuid,
+    p_scope: &'a str,
+    p_key: &'a str,
+}
+
+/// Absent values are omitted, never sent as JSON `null`: postrust-server
+/// binds a `null` as `''` (see `postrust-differences.md`).
+#[derive(Serialize)]
+struct CompleteArgs<'a> {
+    p_claim_id: Uuid,
+    p_lease_token: Uuid,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_resource_type: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_resource_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_response: Option<&'a serde_json::Value>,
+}
+
+#[derive(Serialize)]
+struct FenceArgs {
+    p_claim_id: Uuid,
+    p_lease_token: Uuid,
+}
+
+impl IdempotencyRepository for PostgrestRepository {
+    async fn try_claim(
+        &self,
+        request: &ClaimRequest<'_>,
+    ) -> Result<Option<IdempotencyRecord>, Error> {
+        self.at_most_one("idempotency_try_claim", &ClaimArgs::from(request))
+            .await
+    }
+
+    async fn reclaim(
+        &self,
+        request: &ClaimRequest<'_>,
+    ) -> Result<Option<IdempotencyRecord>, Error> {
+        self.at_most_one("idempotency_reclaim", &ClaimArgs::from(request))
+            .await
+    }
+
+    async fn get(
+        &self,
+        organization_id: Uuid,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<IdempotencyRecord>, Error> {
+        let args = KeyArgs {
+            p_organization_id: organization_id,
+            p_scope: scope,
+            p_key: key,
+        };
+        self.at_most_one("idempotency_get", &args).await
+    }
+
+    async fn complete(
+        &self,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        completion: CompletionArgs<'_>,
+    ) -> Result<Option<IdempotencyRecord>, Error> {
+        let args = CompleteArgs {
+            p_claim_id: claim_id,
+            p_lease_token: lease_token,
+            p_resource_type: completion.resource_type,
+            p_resource_id: completion.resource_id,
+            p_response: completion.response,
+        };
+        self.at_most_one("idempotency_complete", &args).await
+    }
+
+    async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
+        let args = FenceArgs {
+            p_claim_id: claim_id,
+            p_lease_token: lease_token,
+        };
+        Ok(self
+            .client
+            .rpc("idempotency_release", &args, Repeat::Safe)
+            .await?)
+    }
+}

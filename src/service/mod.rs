@@ -1,0 +1,298 @@
+//! The service: the spec's duplicate semantics over any repository.
+//!
+//! It validates input, mints every lease token, looks up the scope's
+//! retention, and turns the rows the repository answers into one of five
+//! endings ([`ClaimOutcome`]). The request hash is compared before anything
+//! else, whatever the lease says.
+
+mod hash;
+mod outcome;
+mod scope;
+mod validate;
+
+use std::time::Duration;
+
+use tracing::{field, Instrument};
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::repo::{
+    ClaimRequest, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository,
+};
+
+pub use hash::RequestHash;
+pub use outcome::{Claim, ClaimOutcome, Completion, Ending, ResourceRef};
+pub use scope::{
+    ScopeRegistry, DAY, MAX_SCOPE_CHARS, SAVED_SEARCH_START_RETENTION, SAVED_SEARCH_START_SCOPE,
+    TOOL_RETENTION, WEBHOOK_RETENTION,
+};
+pub use validate::{MAX_KEY_CHARS, MAX_LEASE};
+
+/// How many repository steps one `claim` may take before it gives up on a key
+/// that keeps changing under it. Ordinary contention settles in at most four
+/// (try_claim, get, reclaim, get).
+const MAX_CLAIM_STEPS: u32 = 8;
+
+/// The idempotency service. Cheap to clone when its repository is.
+#[derive(Debug, Clone)]
+pub struct IdempotencyService<R> {
+    repo: R,
+    scopes: ScopeRegistry,
+}
+
+impl<R: IdempotencyRepository> IdempotencyService<R> {
+    /// A service over `repo` with the spec's scopes ([`ScopeRegistry::default`]).
+    pub fn new(repo: R) -> Self {
+        Self::with_scopes(repo, ScopeRegistry::default())
+    }
+
+    /// A service over `repo` with a registry of its own.
+    pub fn with_scopes(repo: R, scopes: ScopeRegistry) -> Self {
+        IdempotencyService { repo, scopes }
+    }
+
+    /// The repository underneath.
+    pub fn repository(&self) -> &R {
+        &self.repo
+    }
+
+    /// The scope registry.
+    pub fn scopes(&self) -> &ScopeRegistry {
+        &self.scopes
+    }
+
+    /// Reads the journal without writing anything.
+    ///
+    /// Answers `Absent` when there is no row, and also for a processing row
+    /// whose lease has passed: its worker is gone, and the caller's `claim`
+    /// will reclaim it. Never answers `Claimed`.
+    pub async fn read(
+        &self,
+        organization_id: Uuid,
+        scope: &str,
+        key: &str,
+        request_hash: &RequestHash,
+    ) -> Result<ClaimOutcome, Error> {
+        let span = tracing::info_span!(
+            "idempotency.read",
+            %organization_id, scope, key, outcome = field::Empty, replayed = field::Empty
+        );
+        async {
+            self.scopes.retention(scope)?;
+            validate::key(key)?;
+            let outcome = match self.repo.get(organization_id, scope, key).await? {
+                None => ClaimOutcome::Absent,
+                Some(record) => match judge(record, request_hash) {
+                    Judged::Final(outcome) => outcome,
+                    Judged::Reclaimable => ClaimOutcome::Absent,
+                },
+            };
+            record_outcome(&outcome);
+            Ok(outcome)
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Claims the key for `lease`, or answers why not.
+    ///
+    /// `Claimed` when the key was free, or held by a worker whose lease passed
+    /// (an atomic reclaim: of many concurrent callers exactly one wins). The
+    /// retention is the scope's constant, raised to `lease` when the lease is
+    /// longer. The lease is the operation's timeout plus a margin: the caller
+    /// knows it, the scope does not.
+    pub async fn claim(
+        &self,
+        organization_id: Uuid,
+        scope: &str,
+        key: &str,
+        request_hash: &RequestHash,
+        lease: Duration,
+    ) -> Result<ClaimOutcome, Error> {
+        let span = tracing::info_span!(
+            "idempotency.claim",
+            %organization_id, scope, key,
+            lease_ms = lease.as_millis() as u64,
+            outcome = field::Empty, replayed = field::Empty, reclaimed = field::Empty
+        );
+        async {
+            let retention = self.scopes.retention(scope)?;
+            validate::key(key)?;
+            validate::lease(lease)?;
+            let request = ClaimRequest {
+                organization_id,
+                scope,
+                key,
+                request_hash: request_hash.as_str(),
+                lease_token: Uuid::new_v4(),
+                lease,
+                retain: retention.max(lease),
+            };
+            let outcome = self.claim_steps(&request, request_hash).await?;
+            if let ClaimOutcome::Claimed(claim) = &outcome {
+                tracing::Span::current().record("reclaimed", claim.reclaimed());
+            }
+            record_outcome(&outcome);
+            Ok(outcome)
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// try_claim; on a conflict read the row; reclaim a passed lease; re-read
+    /// when someone else moved first.
+    async fn claim_steps(
+        &self,
+        request: &ClaimRequest<'_>,
+        hash: &RequestHash,
+    ) -> Result<ClaimOutcome, Error> {
+        enum Step {
+            TryClaim,
+            Get,
+            Reclaim,
+        }
+        let mut step = Step::TryClaim;
+        for _ in 0..MAX_CLAIM_STEPS {
+            step = match step {
+                Step::TryClaim => match self.repo.try_claim(request).await? {
+                    Some(record) => {
+                        return Ok(ClaimOutcome::Claimed(Claim::from_record(record, false)))
+                    }
+                    None => Step::Get,
+                },
+                Step::Get => match self
+                    .repo
+                    .get(request.organization_id, request.scope, request.key)
+                    .await?
+                {
+                    // Released between our insert and our read: try again.
+                    None => Step::TryClaim,
+                    Some(record) => match judge(record, hash) {
+                        Judged::Final(outcome) => return Ok(outcome),
+                        Judged::Reclaimable => Step::Reclaim,
+                    },
+                },
+                Step::Reclaim => match self.repo.reclaim(request).await? {
+                    Some(record) => {
+                        return Ok(ClaimOutcome::Claimed(Claim::from_record(record, true)))
+                    }
+                    // Someone else reclaimed, completed or released it first.
+                    None => Step::Get,
+                },
+            };
+        }
+        Err(Error::Contended {
+            steps: MAX_CLAIM_STEPS,
+        })
+    }
+
+    /// Completes `claim` with its answer. `LeaseMovedOn` when another worker
+    /// reclaimed the key after our lease passed: our answer is not stored,
+    /// and the caller must neither retry nor raise.
+    pub async fn complete(&self, claim: &Claim, completion: Completion) -> Result<Ending, Error> {
+        let span = tracing::info_span!(
+            "idempotency.complete",
+            organization_id = %claim.organization_id, scope = %claim.scope, key = %claim.key,
+            claim_id = %claim.id, ending = field::Empty
+        );
+        async {
+            completion.validate()?;
+            let args = CompletionArgs {
+                resource_type: completion
+                    .resource
+                    .as_ref()
+                    .map(|r| r.resource_type.as_str()),
+                resource_id: completion.resource.as_ref().map(|r| r.resource_id.as_str()),
+                response: completion.response.as_ref().filter(|v| !v.is_null()),
+            };
+            let ending = match self
+                .repo
+                .complete(claim.id, claim.lease_token, args)
+                .await?
+            {
+                Some(_) => Ending::Recorded,
+                None => Ending::LeaseMovedOn,
+            };
+            record_ending(ending);
+            Ok(ending)
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Releases `claim` without an answer, so the next attempt executes. For
+    /// a failure that made no effect (a vendor 429). `LeaseMovedOn` when the
+    /// key is no longer ours: then nothing was deleted.
+    pub async fn release(&self, claim: &Claim) -> Result<Ending, Error> {
+        let span = tracing::info_span!(
+            "idempotency.release",
+            organization_id = %claim.organization_id, scope = %claim.scope, key = %claim.key,
+            claim_id = %claim.id, ending = field::Empty
+        );
+        async {
+            let ending = if self.repo.release(claim.id, claim.lease_token).await? {
+                Ending::Recorded
+            } else {
+                Ending::LeaseMovedOn
+            };
+            record_ending(ending);
+            Ok(ending)
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+enum Judged {
+    Final(ClaimOutcome),
+    /// Processing, same hash, lease passed: its worker is gone.
+    Reclaimable,
+}
+
+/// The duplicate semantics, in order: the hash first, whatever the lease
+/// says; then completed; then a live lease; else the row is reclaimable.
+fn judge(record: IdempotencyRecord, hash: &RequestHash) -> Judged {
+    if record.request_hash != hash.as_str() {
+        return Judged::Final(ClaimOutcome::Conflict);
+    }
+    match record.status {
+        ClaimStatus::Completed => Judged::Final(ClaimOutcome::Completed {
+            resource: match (record.resource_type, record.resource_id) {
+                (Some(resource_type), Some(resource_id)) => Some(ResourceRef {
+                    resource_type,
+                    resource_id,
+                }),
+                _ => None,
+            },
+            response: record.response,
+        }),
+        ClaimStatus::Processing if record.lease_live => Judged::Final(ClaimOutcome::Processing {
+            lease_expires_at: record.lease_expires_at,
+        }),
+        ClaimStatus::Processing => Judged::Reclaimable,
+    }
+}
+
+fn record_outcome(outcome: &ClaimOutcome) {
+    let span = tracing::Span::current();
+    span.record("outcome", outcome.kind());
+    span.record(
+        "replayed",
+        matches!(outcome, ClaimOutcome::Completed { .. }),
+    );
+    tracing::debug!(outcome = outcome.kind(), "idempotency outcome");
+}
+
+fn record_ending(ending: Ending) {
+    let name = match ending {
+        Ending::Recorded => "recorded",
+        Ending::LeaseMovedOn => "lease_moved_on",
+    };
+    tracing::Span::current().record("ending", name);
+    if ending == Ending::LeaseMovedOn {
+        tracing::info!(
+            ending = name,
+            "the lease moved on; this worker's ending was not recorded"
+        );
+    }
+}

@@ -1,0 +1,224 @@
+//! What the service answers: one of the five endings of a read or a claim.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::error::InvalidInput;
+use crate::repo::IdempotencyRecord;
+
+/// A reference to the resource an effect made, e.g. a CRM company or a Nylas
+/// message. Its type is required so a reader can tell the two apart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceRef {
+    /// The kind of resource, e.g. `nylas.message`.
+    pub resource_type: String,
+    /// Its id in the system that owns it.
+    pub resource_id: String,
+}
+
+/// The ending of [`read`](super::IdempotencyService::read) or
+/// [`claim`](super::IdempotencyService::claim).
+#[derive(Debug, Clone, PartialEq)]
+#[must_use = "a claim must end in complete() or release(), and a live lease must not be treated as a value"]
+pub enum ClaimOutcome {
+    /// The journal holds no answer: no row, or a processing row whose worker
+    /// is gone (lease passed). Only `read` answers it; `claim` reclaims.
+    Absent,
+    /// We own the key: run the effect, then `complete` or `release`.
+    Claimed(Claim),
+    /// The effect already happened: return the stored answer and mark the
+    /// span replayed.
+    Completed {
+        /// The stored response, if one was stored.
+        response: Option<serde_json::Value>,
+        /// The stored resource, if one was stored.
+        resource: Option<ResourceRef>,
+    },
+    /// Another worker holds a live lease: the effect may be in flight. Not a
+    /// value: an orchestrated caller raises, an HTTP boundary drops.
+    Processing {
+        /// When that lease passes, by the database clock.
+        lease_expires_at: DateTime<Utc>,
+    },
+    /// The key was used for a request with different content.
+    Conflict,
+}
+
+impl ClaimOutcome {
+    /// A short name for logs and metrics: `absent`, `claimed`, `completed`,
+    /// `processing`, `conflict`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ClaimOutcome::Absent => "absent",
+            ClaimOutcome::Claimed(_) => "claimed",
+            ClaimOutcome::Completed { .. } => "completed",
+            ClaimOutcome::Processing { .. } => "processing",
+            ClaimOutcome::Conflict => "conflict",
+        }
+    }
+}
+
+/// A key we hold. Carries the fence token `complete` and `release` need; only
+/// the service makes one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub(crate) id: Uuid,
+    pub(crate) organization_id: Uuid,
+    pub(crate) scope: String,
+    pub(crate) key: String,
+    pub(crate) lease_token: Uuid,
+    pub(crate) lease_expires_at: DateTime<Utc>,
+    pub(crate) retain_until: DateTime<Utc>,
+    pub(crate) reclaimed: bool,
+}
+
+impl Claim {
+    pub(crate) fn from_record(record: IdempotencyRecord, reclaimed: bool) -> Self {
+        Claim {
+            id: record.id,
+            organization_id: record.organization_id,
+            scope: record.scope,
+            key: record.key,
+            lease_token: record.lease_token,
+            lease_expires_at: record.lease_expires_at,
+            retain_until: record.retain_until,
+            reclaimed,
+        }
+    }
+
+    /// The claim id.
+    pub fn id(&self) -> Uuid {
+        self.id
+    }
+    /// The tenant.
+    pub fn organization_id(&self) -> Uuid {
+        self.organization_id
+    }
+    /// The scope.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+    /// The key. Pass it to the vendor as its idempotency key where supported.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+    /// The fence token this claim carries.
+    pub fn lease_token(&self) -> Uuid {
+        self.lease_token
+    }
+    /// When the lease passes, by the database clock. After it, another worker
+    /// may reclaim the key and this claim's `complete` becomes a no-op.
+    pub fn lease_expires_at(&self) -> DateTime<Utc> {
+        self.lease_expires_at
+    }
+    /// How long the answer will be remembered.
+    pub fn retain_until(&self) -> DateTime<Utc> {
+        self.retain_until
+    }
+    /// True when this claim took over a passed lease of a worker that is gone.
+    pub fn reclaimed(&self) -> bool {
+        self.reclaimed
+    }
+}
+
+/// What a completion stores: a response, a resource, or both. Never neither.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub(crate) response: Option<serde_json::Value>,
+    pub(crate) resource: Option<ResourceRef>,
+}
+
+impl Completion {
+    /// A completion that stores `response` as the answer to replay.
+    pub fn response(response: serde_json::Value) -> Self {
+        Completion {
+            response: Some(response),
+            resource: None,
+        }
+    }
+
+    /// A completion that records the resource the effect made.
+    pub fn resource(resource_type: impl Into<String>, resource_id: impl Into<String>) -> Self {
+        Completion {
+            response: None,
+            resource: Some(ResourceRef {
+                resource_type: resource_type.into(),
+                resource_id: resource_id.into(),
+            }),
+        }
+    }
+
+    /// Adds the response to replay.
+    pub fn with_response(mut self, response: serde_json::Value) -> Self {
+        self.response = Some(response);
+        self
+    }
+
+    /// Adds the resource the effect made.
+    pub fn with_resource(
+        mut self,
+        resource_type: impl Into<String>,
+        resource_id: impl Into<String>,
+    ) -> Self {
+        self.resource = Some(ResourceRef {
+            resource_type: resource_type.into(),
+            resource_id: resource_id.into(),
+        });
+        self
+    }
+
+    /// Refuses what the store would refuse, before any request: a JSON
+    /// `null` response counts as none.
+    pub(crate) fn validate(&self) -> Result<(), InvalidInput> {
+        if let Some(resource) = &self.resource {
+            if resource.resource_type.is_empty() || resource.resource_id.is_empty() {
+                return Err(InvalidInput::EmptyResource);
+            }
+        }
+        let has_response = matches!(&self.response, Some(v) if !v.is_null());
+        if !has_response && self.resource.is_none() {
+            return Err(InvalidInput::EmptyCompletion);
+        }
+        Ok(())
+    }
+}
+
+/// How a `complete` or `release` ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Ending {
+    /// Our token still held the claim, and the ending is recorded.
+    Recorded,
+    /// The lease moved on: another worker reclaimed the key (or it was
+    /// released). Do nothing more: no retry, no error; the key is theirs.
+    LeaseMovedOn,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_completion_must_carry_something() {
+        assert_eq!(
+            Completion::response(json!(null)).validate(),
+            Err(InvalidInput::EmptyCompletion)
+        );
+        assert_eq!(
+            Completion::resource("", "x").validate(),
+            Err(InvalidInput::EmptyResource)
+        );
+        assert_eq!(
+            Completion::resource("t", "").validate(),
+            Err(InvalidInput::EmptyResource)
+        );
+        assert!(Completion::response(json!({})).validate().is_ok());
+        assert!(Completion::resource("t", "1").validate().is_ok());
+        assert!(Completion::response(json!(null))
+            .with_resource("t", "1")
+            .validate()
+            .is_ok());
+    }
+}

@@ -1,0 +1,166 @@
+//! Scopes and their retention: a constant per scope, never a caller's choice.
+
+use std::time::Duration;
+
+use crate::error::{Error, InvalidInput};
+
+/// Longest scope name the table accepts.
+pub const MAX_SCOPE_CHARS: usize = 128;
+
+/// One day.
+pub const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Retention of every tool scope: the ceiling of `max_run_duration`, because
+/// a Run can wait on an approval for days and the claim is its replay journal.
+pub const TOOL_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+
+/// Retention of webhook deliveries: vendors redeliver within hours.
+pub const WEBHOOK_RETENTION: Duration = DAY;
+
+/// The scope of saved-search input preparation.
+pub const SAVED_SEARCH_START_SCOPE: &str = "surface.saved_search.start";
+
+/// Retention of the saved-search snapshot.
+pub const SAVED_SEARCH_START_RETENTION: Duration = DAY;
+
+/// Which scopes exist and how long each remembers its answers.
+///
+/// A scope matches an exact entry, or a family prefix such as `tool.` (which
+/// then needs a non-empty name after it). An unknown scope is an error, never
+/// a default: a default retention is exactly the bug the two clocks exist to
+/// prevent.
+#[derive(Debug, Clone)]
+pub struct ScopeRegistry {
+    exact: Vec<(String, Duration)>,
+    families: Vec<(String, Duration)>,
+}
+
+impl Default for ScopeRegistry {
+    /// `tool.*` 30 days, `webhook.*` 24 hours, `surface.saved_search.start` 24 hours.
+    fn default() -> Self {
+        ScopeRegistry {
+            exact: vec![(
+                SAVED_SEARCH_START_SCOPE.into(),
+                SAVED_SEARCH_START_RETENTION,
+            )],
+            families: vec![
+                ("tool.".into(), TOOL_RETENTION),
+                ("webhook.".into(), WEBHOOK_RETENTION),
+            ],
+        }
+    }
+}
+
+impl ScopeRegistry {
+    /// An empty registry: every scope is unknown until added.
+    pub fn empty() -> Self {
+        ScopeRegistry {
+            exact: Vec::new(),
+            families: Vec::new(),
+        }
+    }
+
+    /// Adds one scope with its retention.
+    pub fn with_scope(mut self, scope: impl Into<String>, retention: Duration) -> Self {
+        self.exact.push((scope.into(), retention));
+        self
+    }
+
+    /// Adds every scope that starts with `prefix` (e.g. `tool.`).
+    pub fn with_family(mut self, prefix: impl Into<String>, retention: Duration) -> Self {
+        self.families.push((prefix.into(), retention));
+        self
+    }
+
+    /// The retention of `scope`, after checking its shape.
+    pub fn retention(&self, scope: &str) -> Result<Duration, Error> {
+        validate_scope(scope)?;
+        if let Some((_, retention)) = self.exact.iter().find(|(name, _)| name == scope) {
+            return Ok(*retention);
+        }
+        self.families
+            .iter()
+            .find(|(prefix, _)| scope.len() > prefix.len() && scope.starts_with(prefix.as_str()))
+            .map(|(_, retention)| *retention)
+            .ok_or_else(|| Error::UnknownScope {
+                scope: scope.to_owned(),
+            })
+    }
+}
+
+/// A scope is 1 to 128 characters of `a-z 0-9 . _ -`.
+fn validate_scope(scope: &str) -> Result<(), InvalidInput> {
+    if scope.is_empty() {
+        return Err(InvalidInput::EmptyScope);
+    }
+    let chars = scope.chars().count();
+    if chars > MAX_SCOPE_CHARS {
+        return Err(InvalidInput::ScopeTooLong {
+            chars,
+            max: MAX_SCOPE_CHARS,
+        });
+    }
+    if !scope
+        .bytes()
+        .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'))
+    {
+        return Err(InvalidInput::MalformedScope {
+            scope: scope.chars().take(MAX_SCOPE_CHARS).collect(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_retentions() {
+        let registry = ScopeRegistry::default();
+        assert_eq!(
+            registry.retention("tool.email.send").unwrap(),
+            TOOL_RETENTION
+        );
+        assert_eq!(
+            registry.retention("tool.crm.company.create").unwrap(),
+            TOOL_RETENTION
+        );
+        assert_eq!(registry.retention("webhook.nylas").unwrap(), DAY);
+        assert_eq!(
+            registry.retention("surface.saved_search.start").unwrap(),
+            DAY
+        );
+        assert_eq!(TOOL_RETENTION, DAY * 30);
+    }
+
+    #[test]
+    fn unknown_and_malformed_scopes_are_errors() {
+        let registry = ScopeRegistry::default();
+        for unknown in [
+            "tool.",
+            "tools.x",
+            "webhook",
+            "surface.saved_search",
+            "payments.charge",
+        ] {
+            assert!(
+                matches!(registry.retention(unknown), Err(Error::UnknownScope { .. })),
+                "{unknown}"
+            );
+        }
+        assert!(matches!(
+            registry.retention(""),
+            Err(Error::Invalid(InvalidInput::EmptyScope))
+        ));
+        let long = format!("tool.{}", "x".repeat(200));
+        assert!(matches!(
+            registry.retention(&long),
+            Err(Error::Invalid(InvalidInput::ScopeTooLong { .. }))
+        ));
+        assert!(matches!(
+            registry.retention("tool.Email"),
+            Err(Error::Invalid(InvalidInput::MalformedScope { .. }))
+        ));
+    }
+}

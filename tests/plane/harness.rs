@@ -1,0 +1,72 @@
+//! One fresh local stack per test, and helpers for looking under it.
+
+use std::time::Duration;
+
+use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::{IdempotencyService, PostgrestRepository, RequestHash};
+use uuid::Uuid;
+
+pub type Service = IdempotencyService<PostgrestRepository>;
+
+pub async fn stack() -> LocalStack {
+    stack_with(LocalStackConfig::default()).await
+}
+
+pub async fn stack_with(config: LocalStackConfig) -> LocalStack {
+    match LocalStack::start(config).await {
+        Ok(stack) => stack,
+        Err(error) => panic!("the local stack did not start: {error}"),
+    }
+}
+
+pub fn service(stack: &LocalStack) -> Service {
+    stack.service().expect("a client for the local stack")
+}
+
+pub fn org() -> Uuid {
+    Uuid::new_v4()
+}
+
+pub fn hash(content: &str) -> RequestHash {
+    RequestHash::of_json(&serde_json::json!({ "content": content }))
+}
+
+pub const LEASE: Duration = Duration::from_secs(60);
+
+/// Rows of the claim table, by a superuser connection.
+pub async fn count_rows(stack: &LocalStack) -> i64 {
+    sqlx::query_scalar("select count(*) from agent.idempotency_keys")
+        .fetch_one(stack.db())
+        .await
+        .expect("count rows")
+}
+
+/// Moves a claim's lease into the past, as if `by` had passed.
+pub async fn pass_lease(stack: &LocalStack, claim_id: Uuid) {
+    sqlx::query(
+        "update agent.idempotency_keys
+            set lease_expires_at = now() - interval '1 second',
+                claimed_at = claimed_at - (lease_expires_at - now()) - interval '1 second'
+          where id = $1",
+    )
+    .bind(claim_id)
+    .execute(stack.db())
+    .await
+    .expect("move the lease back");
+}
+
+/// Moves every timestamp of a claim `by` into the past.
+pub async fn travel_back(stack: &LocalStack, claim_id: Uuid, by: Duration) {
+    sqlx::query(
+        "update agent.idempotency_keys
+            set claimed_at = claimed_at - $2::interval,
+                lease_expires_at = lease_expires_at - $2::interval,
+                retain_until = retain_until - $2::interval
+          where id = $1",
+    )
+    .bind(claim_id)
+    .bind(format!("{} milliseconds", by.as_millis()))
+    .execute(stack.db())
+    .await
+    .expect("move timestamps back");
+}
