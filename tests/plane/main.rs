@@ -9,3 +9,4 @@ compile_error!("the tests need the embedded stack: run them with `cargo nextest 
 
 mod harness;
 mod stack_claims;
+mod wire;

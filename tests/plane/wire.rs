@@ -1,0 +1,1 @@
+// wiremock tests: being written
