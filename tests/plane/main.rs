@@ -8,5 +8,6 @@
 compile_error!("the tests need the embedded stack: run them with `cargo nextest run --features local` (see README.md)");
 
 mod harness;
+mod migrations_drift;
 mod stack_claims;
 mod wire;
