@@ -10,4 +10,5 @@ compile_error!("the tests need the embedded stack: run them with `cargo nextest 
 mod harness;
 mod migrations_drift;
 mod stack_claims;
+mod stack_fences;
 mod wire;
