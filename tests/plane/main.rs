@@ -11,4 +11,5 @@ mod harness;
 mod migrations_drift;
 mod stack_claims;
 mod stack_fences;
+mod stack_surface;
 mod wire;

@@ -1,0 +1,307 @@
+//! The SQL surface as any PostgREST client sees it: names, shapes, privileges,
+//! retry safety, Run admission, and bounded reads against the real server.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_plane::local::LocalStackConfig;
+use idempotency_plane::postgrest::{ClientConfig, ClientError, PostgrestClient, Repeat};
+use idempotency_plane::repo::{ClaimRequest, CompletionArgs};
+use idempotency_plane::{IdempotencyRepository, PostgrestRepository};
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+/// Every function of design.md's table, with its argument names in order.
+const SURFACE: &[(&str, &str)] = &[
+    ("idempotency_try_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
+    ("idempotency_reclaim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
+    ("idempotency_get", "p_organization_id,p_scope,p_key"),
+    ("idempotency_complete", "p_claim_id,p_lease_token,p_resource_type,p_resource_id,p_response"),
+    ("idempotency_release", "p_claim_id,p_lease_token"),
+    ("idempotency_expired", "p_limit"),
+    ("idempotency_delete_expired", "p_ids"),
+    ("run_admit", "p_organization_id,p_start_key,p_input"),
+];
+
+#[tokio::test]
+async fn every_function_is_security_invoker_with_an_empty_search_path_and_service_role_only() {
+    let stack = stack().await;
+    for (name, args) in SURFACE {
+        let row: (String, bool, Option<Vec<String>>, bool, bool, bool, bool) = sqlx::query_as(
+            "select array_to_string(p.proargnames, ','), p.prosecdef, p.proconfig,
+                    has_function_privilege('service_role', p.oid, 'execute'),
+                    has_function_privilege('anon', p.oid, 'execute'),
+                    has_function_privilege('authenticated', p.oid, 'execute'),
+                    p.proretset
+               from pg_proc p join pg_namespace n on n.oid = p.pronamespace
+              where n.nspname = 'agent' and p.proname = $1",
+        )
+        .bind(name)
+        .fetch_one(stack.db())
+        .await
+        .unwrap_or_else(|e| panic!("agent.{name}: {e}"));
+        let (names, definer, config, service, anon, authenticated, returns_set) = row;
+        assert_eq!(&names, args, "agent.{name} arguments");
+        assert!(!definer, "agent.{name} is SECURITY INVOKER");
+        assert_eq!(config, Some(vec!["search_path=\"\"".to_owned()]), "agent.{name} pins search_path");
+        assert!(service && !anon && !authenticated, "agent.{name}: execute for service_role only");
+        let scalar = matches!(*name, "idempotency_release" | "idempotency_delete_expired");
+        assert_eq!(returns_set, !scalar, "agent.{name} returns a set unless it is a scalar");
+    }
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_table_has_rls_on_and_no_privileges_for_anon_or_authenticated() {
+    let stack = stack().await;
+    for table in ["agent.idempotency_keys", "agent.runs"] {
+        let (rls, anon, authenticated): (bool, bool, bool) = sqlx::query_as(
+            "select c.relrowsecurity,
+                    has_table_privilege('anon', c.oid, 'select,insert,update,delete'),
+                    has_table_privilege('authenticated', c.oid, 'select,insert,update,delete')
+               from pg_class c where c.oid = $1::regclass",
+        )
+        .bind(table)
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+        assert!(rls, "{table} has row level security on");
+        assert!(!anon && !authenticated, "{table} grants nothing to anon/authenticated");
+        let policies: i64 = sqlx::query_scalar("select count(*) from pg_policies where schemaname || '.' || tablename = $1")
+            .bind(table)
+            .fetch_one(stack.db())
+            .await
+            .unwrap();
+        assert_eq!(policies, 0, "{table} has no policies");
+    }
+    stack.stop().await.unwrap();
+}
+
+fn client_as(stack: &idempotency_plane::local::LocalStack, token: &str) -> PostgrestClient {
+    PostgrestClient::new(ClientConfig::new(stack.url(), token.to_owned()).unwrap()).unwrap()
+}
+
+#[tokio::test]
+async fn anonymous_and_authenticated_callers_are_refused_over_http() {
+    let stack = stack().await;
+    let args = json!({"p_organization_id": org(), "p_scope": "tool.x", "p_key": "k"});
+    // PostgREST answers 42501 with 401 for the anonymous role and 403 for any
+    // other; postrust-server 3.1.0 answers 401 for both (observed here). The
+    // code is what a caller matches on, and it is 42501 on both servers.
+    for (role, statuses) in [("anon", &[401u16][..]), ("authenticated", &[401u16, 403][..])] {
+        let client = client_as(&stack, &stack.token_for(role));
+        let refused = client.rpc::<Value>("idempotency_get", &args, Repeat::Safe).await;
+        match refused {
+            Err(ClientError::Api { status, error, .. }) => {
+                assert!(statuses.contains(&status), "{role}: status {status}");
+                assert_eq!(error.code, "42501", "{role}");
+            }
+            other => panic!("{role}: expected 42501, got {other:?}"),
+        }
+    }
+    let bad_signature = client_as(&stack, "eyJhbGciOiJIUzI1NiJ9.eyJyb2xlIjoic2VydmljZV9yb2xlIn0.bad");
+    let refused = bad_signature.rpc::<Value>("idempotency_get", &args, Repeat::Safe).await;
+    assert!(matches!(refused, Err(ClientError::Api { status: 401, .. })), "{refused:?}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_empty_result_is_an_array_and_a_null_composite_is_never_answered() {
+    let stack = stack().await;
+    let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
+    let none: Value = client
+        .rpc("idempotency_get", &json!({"p_organization_id": org(), "p_scope": "tool.x", "p_key": "k"}), Repeat::Safe)
+        .await
+        .unwrap();
+    assert_eq!(none, json!([]));
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_claim_function_answers_every_record_column_and_lease_live() {
+    let stack = stack().await;
+    let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
+    let rows: Value = client
+        .rpc(
+            "idempotency_try_claim",
+            &json!({
+                "p_organization_id": org(), "p_scope": "tool.x", "p_key": "k",
+                "p_request_hash": "a".repeat(64), "p_lease_token": uuid::Uuid::new_v4(),
+                "p_lease_ms": 1000, "p_retain_ms": 5000
+            }),
+            Repeat::Safe,
+        )
+        .await
+        .unwrap();
+    let row = rows.as_array().and_then(|r| r.first()).and_then(Value::as_object).expect("one row");
+    let mut columns: Vec<&str> = row.keys().map(String::as_str).collect();
+    columns.sort_unstable();
+    assert_eq!(
+        columns,
+        [
+            "claimed_at", "id", "key", "lease_expires_at", "lease_live", "lease_token", "organization_id",
+            "request_hash", "resource_id", "resource_type", "response", "retain_until", "scope", "status"
+        ]
+    );
+    assert_eq!(row["status"], "processing");
+    assert_eq!(row["lease_live"], true);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_database_refuses_malformed_rows_whoever_calls_it() {
+    let stack = stack().await;
+    let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
+    let base = json!({
+        "p_organization_id": org(), "p_scope": "tool.x", "p_key": "k",
+        "p_request_hash": "a".repeat(64), "p_lease_token": uuid::Uuid::new_v4(),
+        "p_lease_ms": 1000, "p_retain_ms": 5000
+    });
+    let with = |field: &str, value: Value| {
+        let mut args = base.clone();
+        args[field] = value;
+        args
+    };
+    for (args, code) in [
+        (with("p_request_hash", json!("A".repeat(64))), "23514"),
+        (with("p_request_hash", json!("abc")), "23514"),
+        (with("p_key", json!("")), "23514"),
+        (with("p_key", json!("k".repeat(513))), "23514"),
+        (with("p_scope", json!("")), "23514"),
+        (with("p_lease_ms", json!(0)), "22023"),
+        (with("p_lease_ms", json!(-5)), "22023"),
+        (with("p_retain_ms", json!(0)), "22023"),
+    ] {
+        let refused = client.rpc::<Value>("idempotency_try_claim", &args, Repeat::Safe).await;
+        match refused {
+            Err(ClientError::Api { status: 400, error, .. }) => assert_eq!(error.code, code, "{args}"),
+            other => panic!("{args}: expected 400 {code}, got {other:?}"),
+        }
+    }
+    assert_eq!(count_rows(&stack).await, 0);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn claim_and_complete_are_safe_to_repeat_after_a_lost_response() {
+    let stack = stack().await;
+    let repo = PostgrestRepository::new(PostgrestClient::new(stack.client_config().unwrap()).unwrap());
+    let org = org();
+    let hash = hash("lost response");
+    let request = ClaimRequest {
+        organization_id: org,
+        scope: "tool.email.send",
+        key: "k",
+        request_hash: hash.as_str(),
+        lease_token: uuid::Uuid::new_v4(),
+        lease: Duration::from_secs(30),
+        retain: Duration::from_secs(3600),
+    };
+    let first = repo.try_claim(&request).await.unwrap().expect("claimed");
+    // The same call again, as a retry after its answer was lost, answers the same claim.
+    let repeat = repo.try_claim(&request).await.unwrap().expect("our own claim");
+    assert_eq!(repeat.id, first.id);
+    assert_eq!(repeat.lease_token, first.lease_token);
+    // A different token is a real conflict.
+    let other = ClaimRequest { lease_token: uuid::Uuid::new_v4(), ..request };
+    assert!(repo.try_claim(&other).await.unwrap().is_none());
+
+    let response = json!({"id": 1});
+    let args = CompletionArgs { response: Some(&response), ..CompletionArgs::default() };
+    let done = repo.complete(first.id, first.lease_token, args).await.unwrap().expect("completed");
+    let again = repo.complete(first.id, first.lease_token, args).await.unwrap().expect("still ours");
+    assert_eq!(done, again);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn run_admission_admits_once_per_start_key_and_never_touches_the_claim_table() {
+    let stack = stack().await;
+    let client = Arc::new(PostgrestClient::new(stack.client_config().unwrap()).unwrap());
+    let org = org();
+    let admits = (0..20).map(|i| {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let args = json!({"p_organization_id": org, "p_start_key": "start:abc", "p_input": {"attempt": i}});
+            client.rpc::<Vec<Value>>("run_admit", &args, Repeat::Safe).await
+        })
+    });
+    let rows: Vec<Value> = futures::future::join_all(admits)
+        .await
+        .into_iter()
+        .map(|joined| {
+            let mut rows = joined.expect("task").expect("run_admit");
+            assert_eq!(rows.len(), 1, "one row per call");
+            rows.remove(0)
+        })
+        .collect();
+    let admitted: Vec<&Value> = rows.iter().filter(|r| r["admitted"] == true).collect();
+    assert_eq!(admitted.len(), 1, "{rows:?}");
+    let id = &admitted[0]["id"];
+    assert!(rows.iter().all(|r| &r["id"] == id), "every replay answers the admitted Run");
+    assert!(rows.iter().all(|r| r["input"] == admitted[0]["input"]), "with the input it was admitted with");
+    let runs: i64 = sqlx::query_scalar("select count(*) from agent.runs").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(runs, 1);
+    assert_eq!(count_rows(&stack).await, 0, "Run admission writes no row in the idempotency table");
+    stack.stop().await.unwrap();
+}
+
+/// Puts `n` claims past their retention.
+async fn expired_rows(stack: &idempotency_plane::local::LocalStack, n: i64) {
+    sqlx::query(
+        "insert into agent.idempotency_keys
+           (organization_id, scope, key, request_hash, status, lease_token, response,
+            claimed_at, lease_expires_at, retain_until)
+         select gen_random_uuid(), 'tool.x', 'k' || i, repeat('a', 64), 'completed', gen_random_uuid(), '1',
+                now() - interval '31 days', now() - interval '31 days', now() - interval '1 day' + i * interval '1 second'
+           from generate_series(1, $1) i",
+    )
+    .bind(n)
+    .execute(stack.db())
+    .await
+    .unwrap();
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Expired {
+    id: uuid::Uuid,
+}
+
+#[tokio::test]
+async fn a_bounded_read_reads_whole_pages_under_the_servers_cap() {
+    let stack = stack_with(LocalStackConfig::default().with_max_rows(5)).await;
+    expired_rows(&stack, 8).await;
+    let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
+    let rows: Vec<Expired> = client
+        .rpc_bounded("idempotency_expired", &json!({"p_limit": 5}), 5, Some("id,retain_until"), Repeat::Safe)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 5);
+    let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.id).collect();
+    let deleted: i64 = client.rpc("idempotency_delete_expired", &json!({"p_ids": ids}), Repeat::Safe).await.unwrap();
+    assert_eq!(deleted, 5);
+    // A bound above the cap is refused before any request.
+    let refused = client
+        .rpc_bounded::<Expired>("idempotency_expired", &json!({"p_limit": 6}), 6, None, Repeat::Safe)
+        .await;
+    assert!(matches!(refused, Err(ClientError::BoundAboveCap { bound: 6, cap: 5 })), "{refused:?}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_server_whose_real_cap_is_lower_than_configured_is_detected_as_truncation() {
+    // The server caps at 3; the client was told 10.
+    let stack = stack_with(LocalStackConfig::default().with_max_rows(3)).await;
+    expired_rows(&stack, 8).await;
+    let config = stack.client_config().unwrap().with_max_rows(10).unwrap();
+    let client = PostgrestClient::new(config).unwrap();
+    let read = client
+        .rpc_bounded::<Expired>("idempotency_expired", &json!({"p_limit": 10}), 10, Some("id,retain_until"), Repeat::Safe)
+        .await;
+    match read {
+        Err(ClientError::Truncated { received: 3, total: 8, .. }) => {}
+        other => panic!("expected Truncated {{ received: 3, total: 8 }}, got {:?}", other.map(|r| r.len())),
+    }
+    stack.stop().await.unwrap();
+}
