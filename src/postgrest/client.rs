@@ -262,7 +262,7 @@ impl PostgrestClient {
                 body,
             });
         }
-        Err(match serde_json::from_slice::<PostgrestError>(&body) {
+        Err(match serde_json::from_slice::<Box<PostgrestError>>(&body) {
             Ok(error) => ClientError::Api {
                 function,
                 status: status.as_u16(),

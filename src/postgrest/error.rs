@@ -94,8 +94,8 @@ pub enum ClientError {
         function: &'static str,
         /// The HTTP status.
         status: u16,
-        /// The body, as PostgREST sent it.
-        error: PostgrestError,
+        /// The body, as PostgREST sent it (boxed: it is the large, rare case).
+        error: Box<PostgrestError>,
         /// `Retry-After` in seconds, when sent (PostgREST sends `0` on every 503).
         retry_after: Option<Duration>,
     },
@@ -245,12 +245,12 @@ mod tests {
         ClientError::Api {
             function: "f",
             status,
-            error: PostgrestError {
+            error: Box::new(PostgrestError {
                 code: code.into(),
                 message: String::new(),
                 details: None,
                 hint: None,
-            },
+            }),
             retry_after: None,
         }
     }
