@@ -305,3 +305,38 @@ async fn a_server_whose_real_cap_is_lower_than_configured_is_detected_as_truncat
     }
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn explicit_json_nulls_count_as_absent_whichever_way_the_server_binds_them() {
+    let stack = stack().await;
+    let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
+    let claim = |key: &'static str| {
+        json!({
+            "p_organization_id": "00000000-0000-0000-0000-0000000000aa", "p_scope": "tool.x", "p_key": key,
+            "p_request_hash": "b".repeat(64), "p_lease_token": "00000000-0000-0000-0000-0000000000bb",
+            "p_lease_ms": 60000, "p_retain_ms": 60000
+        })
+    };
+    let rows: Vec<Value> = client.rpc("idempotency_try_claim", &claim("k"), Repeat::Safe).await.unwrap();
+    let id = rows[0]["id"].clone();
+    let token = rows[0]["lease_token"].clone();
+
+    // A non-Rust caller that sends nulls instead of omitting them: refused,
+    // whether the server binds null as SQL NULL (PostgREST) or as '' and
+    // 'null'::jsonb (postrust-server).
+    let all_null = json!({"p_claim_id": id, "p_lease_token": token,
+                          "p_resource_type": null, "p_resource_id": null, "p_response": null});
+    match client.rpc::<Value>("idempotency_complete", &all_null, Repeat::Safe).await {
+        Err(ClientError::Api { status: 400, error, .. }) => assert_eq!(error.code, "22023"),
+        other => panic!("expected 400 22023, got {other:?}"),
+    }
+    // Nulls beside a real response: accepted, and stored as absent.
+    let with_response = json!({"p_claim_id": id, "p_lease_token": token,
+                               "p_resource_type": null, "p_resource_id": null, "p_response": {"ok": true}});
+    let rows: Vec<Value> = client.rpc("idempotency_complete", &with_response, Repeat::Safe).await.unwrap();
+    assert_eq!(rows[0]["status"], "completed");
+    assert_eq!(rows[0]["resource_type"], Value::Null);
+    assert_eq!(rows[0]["resource_id"], Value::Null);
+    assert_eq!(rows[0]["response"], json!({"ok": true}));
+    stack.stop().await.unwrap();
+}
