@@ -35,7 +35,7 @@ const STALE_AFTER: chrono::TimeDelta = chrono::TimeDelta::hours(6);
 #[non_exhaustive]
 pub enum LocalError {
     /// PostgreSQL refused or failed.
-    #[error("local PostgreSQL at {url}: {source}")]
+    #[error("local PostgreSQL at {url} failed")]
     Database {
         /// The URL, without its password.
         url: String,
@@ -44,7 +44,7 @@ pub enum LocalError {
         source: sqlx::Error,
     },
     /// A migration failed to apply.
-    #[error("applying migration {file}: {source}")]
+    #[error("applying migration {file} failed")]
     Migration {
         /// The file.
         file: &'static str,
@@ -96,6 +96,12 @@ impl LocalStackConfig {
     /// Sets the server's `db-max-rows`.
     pub fn with_max_rows(mut self, max_rows: u32) -> Self {
         self.max_rows = max_rows;
+        self
+    }
+
+    /// Binds the server on `port` of 127.0.0.1 (0 picks a free one).
+    pub fn with_port(mut self, port: u16) -> Self {
+        self.port = port;
         self
     }
 }

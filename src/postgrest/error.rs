@@ -136,7 +136,7 @@ pub enum ClientError {
     },
 
     /// A bounded read whose `Content-Range` is missing or malformed.
-    #[error("{function}: {source}")]
+    #[error("{function}: unusable Content-Range")]
     ContentRange {
         /// The function called.
         function: &'static str,

@@ -30,7 +30,8 @@ impl ContentRange {
     /// How many rows the response says it holds.
     pub fn rows(&self) -> u64 {
         match self.range {
-            Some((lower, upper)) => upper - lower + 1,
+            // Saturates: `0-18446744073709551615` parses, and its 2^64 rows do not fit.
+            Some((lower, upper)) => (upper - lower).saturating_add(1),
             None => 0,
         }
     }
@@ -134,6 +135,12 @@ mod tests {
             assert_eq!(parsed.is_truncated(), truncated, "{text}");
             assert_eq!(parsed.to_string(), text);
         }
+    }
+
+    #[test]
+    fn rows_of_the_widest_range_does_not_overflow() {
+        let widest = parse("0-18446744073709551615/*").unwrap();
+        assert_eq!(widest.rows(), u64::MAX);
     }
 
     #[test]

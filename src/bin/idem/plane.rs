@@ -1,0 +1,60 @@
+//! Which plane the demo talks to: a configured server, or the embedded stack.
+
+use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::{ClientConfig, IdempotencyService, PostgrestClient, PostgrestRepository};
+
+use crate::BoxError;
+
+/// The service the demo drives.
+pub(crate) type Service = IdempotencyService<PostgrestRepository>;
+
+/// A plane to run against. A local one is torn down by [`Plane::shutdown`].
+#[derive(Debug)]
+pub(crate) enum Plane {
+    /// The embedded stack: a fresh database behind an in-process server.
+    Local(LocalStack),
+    /// A server named by the environment (`ClientConfig::from_env`).
+    Remote(ClientConfig),
+}
+
+impl Plane {
+    /// The server the environment names, else a freshly started local stack.
+    pub(crate) async fn connect() -> Result<Plane, BoxError> {
+        match ClientConfig::from_env()? {
+            Some(config) => Ok(Plane::Remote(config)),
+            None => Ok(Plane::Local(
+                LocalStack::start(LocalStackConfig::default()).await?,
+            )),
+        }
+    }
+
+    /// A service over this plane, with its own connection pool.
+    pub(crate) fn service(&self) -> Result<Service, BoxError> {
+        match self {
+            Plane::Local(stack) => Ok(stack.service()?),
+            Plane::Remote(config) => Ok(IdempotencyService::new(PostgrestRepository::new(
+                PostgrestClient::new(config.clone())?,
+            ))),
+        }
+    }
+
+    /// One line saying where the plane is, without secrets.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Plane::Local(stack) => format!(
+                "embedded local stack {} (database {}, dropped at the end)",
+                stack.url(),
+                stack.database_name()
+            ),
+            Plane::Remote(config) => format!("configured server {}", config.base_url()),
+        }
+    }
+
+    /// Stops a local stack and drops its database; nothing for a remote one.
+    pub(crate) async fn shutdown(self) -> Result<(), BoxError> {
+        match self {
+            Plane::Local(stack) => Ok(stack.stop().await?),
+            Plane::Remote(_) => Ok(()),
+        }
+    }
+}
