@@ -10,6 +10,8 @@
 //! --all-targets` works on the library's default features too.
 
 #[cfg(feature = "local")]
+mod cli;
+#[cfg(feature = "local")]
 mod harness;
 mod migrations_drift;
 #[cfg(feature = "local")]
