@@ -4,20 +4,33 @@ use std::time::Duration;
 
 use idempotency_plane::postgrest::ClientError;
 use idempotency_plane::repo::{ClaimRequest, CompletionArgs};
-use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, IdempotencyRepository, InvalidInput};
+use idempotency_plane::{
+    ClaimOutcome, Completion, Ending, Error, IdempotencyRepository, InvalidInput,
+};
 use serde_json::json;
 
 use crate::harness::*;
 
 /// Worker A claims, stalls past its lease; worker B reclaims.
-async fn stalled_and_replaced(service: &Service, stack: &idempotency_plane::local::LocalStack) -> (idempotency_plane::Claim, idempotency_plane::Claim) {
+async fn stalled_and_replaced(
+    service: &Service,
+    stack: &idempotency_plane::local::LocalStack,
+) -> (idempotency_plane::Claim, idempotency_plane::Claim) {
     let org = org();
     let h = hash("stall");
-    let ClaimOutcome::Claimed(a) = service.claim(org, "tool.email.send", "stall", &h, LEASE).await.unwrap() else {
+    let ClaimOutcome::Claimed(a) = service
+        .claim(org, "tool.email.send", "stall", &h, LEASE)
+        .await
+        .unwrap()
+    else {
         panic!("A claims");
     };
     pass_lease(stack, a.id()).await;
-    let ClaimOutcome::Claimed(b) = service.claim(org, "tool.email.send", "stall", &h, LEASE).await.unwrap() else {
+    let ClaimOutcome::Claimed(b) = service
+        .claim(org, "tool.email.send", "stall", &h, LEASE)
+        .await
+        .unwrap()
+    else {
         panic!("B reclaims");
     };
     assert!(b.reclaimed());
@@ -31,23 +44,40 @@ async fn a_worker_whose_lease_passed_cannot_complete_the_claim_afterwards() {
     let (a, b) = stalled_and_replaced(&service, &stack).await;
 
     // A wakes and completes with its stale answer: a silent no-op.
-    let stale = service.complete(&a, Completion::response(json!({"from": "A"}))).await.unwrap();
-    assert_eq!(stale, Ending::LeaseMovedOn);
-    let (status, token): (String, uuid::Uuid) = sqlx::query_as("select status, lease_token from agent.idempotency_keys where id = $1")
-        .bind(a.id())
-        .fetch_one(stack.db())
+    let stale = service
+        .complete(&a, Completion::response(json!({"from": "A"})))
         .await
         .unwrap();
+    assert_eq!(stale, Ending::LeaseMovedOn);
+    let (status, token): (String, uuid::Uuid) =
+        sqlx::query_as("select status, lease_token from agent.idempotency_keys where id = $1")
+            .bind(a.id())
+            .fetch_one(stack.db())
+            .await
+            .unwrap();
     assert_eq!((status.as_str(), token), ("processing", b.lease_token()));
 
     // B's answer is the one stored, and A cannot overwrite it after either.
-    assert_eq!(service.complete(&b, Completion::response(json!({"from": "B"}))).await.unwrap(), Ending::Recorded);
-    assert_eq!(service.complete(&a, Completion::response(json!({"from": "A"}))).await.unwrap(), Ending::LeaseMovedOn);
-    let response: serde_json::Value = sqlx::query_scalar("select response from agent.idempotency_keys where id = $1")
-        .bind(a.id())
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
+    assert_eq!(
+        service
+            .complete(&b, Completion::response(json!({"from": "B"})))
+            .await
+            .unwrap(),
+        Ending::Recorded
+    );
+    assert_eq!(
+        service
+            .complete(&a, Completion::response(json!({"from": "A"})))
+            .await
+            .unwrap(),
+        Ending::LeaseMovedOn
+    );
+    let response: serde_json::Value =
+        sqlx::query_scalar("select response from agent.idempotency_keys where id = $1")
+            .bind(a.id())
+            .fetch_one(stack.db())
+            .await
+            .unwrap();
     assert_eq!(response, json!({"from": "B"}));
     stack.stop().await.unwrap();
 }
@@ -59,8 +89,18 @@ async fn a_worker_whose_lease_passed_cannot_release_the_claim_another_worker_hol
     let (a, b) = stalled_and_replaced(&service, &stack).await;
 
     assert_eq!(service.release(&a).await.unwrap(), Ending::LeaseMovedOn);
-    assert_eq!(count_rows(&stack).await, 1, "B's claim survives A's release");
-    assert_eq!(service.complete(&b, Completion::resource("email.message", "m-9")).await.unwrap(), Ending::Recorded);
+    assert_eq!(
+        count_rows(&stack).await,
+        1,
+        "B's claim survives A's release"
+    );
+    assert_eq!(
+        service
+            .complete(&b, Completion::resource("email.message", "m-9"))
+            .await
+            .unwrap(),
+        Ending::Recorded
+    );
     // Nor can a completed claim be released by anyone: it is the journal.
     assert_eq!(service.release(&b).await.unwrap(), Ending::LeaseMovedOn);
     assert_eq!(count_rows(&stack).await, 1);
@@ -73,23 +113,54 @@ async fn a_claim_whose_lease_passed_is_still_readable_while_retain_until_holds()
     let service = service(&stack);
     let org = org();
     let h = hash("remember me");
-    let ClaimOutcome::Claimed(claim) = service.claim(org, "tool.email.send", "k", &h, LEASE).await.unwrap() else {
+    let ClaimOutcome::Claimed(claim) = service
+        .claim(org, "tool.email.send", "k", &h, LEASE)
+        .await
+        .unwrap()
+    else {
         panic!("claim");
     };
     pass_lease(&stack, claim.id()).await;
-    let record = service.repository().get(org, "tool.email.send", "k").await.unwrap().expect("still stored");
+    let record = service
+        .repository()
+        .get(org, "tool.email.send", "k")
+        .await
+        .unwrap()
+        .expect("still stored");
     assert!(!record.lease_live, "lease passed by the database clock");
-    assert!(record.retain_until > chrono::Utc::now(), "retention still holds");
+    assert!(
+        record.retain_until > chrono::Utc::now(),
+        "retention still holds"
+    );
     assert_eq!(record.lease_token, claim.lease_token());
 
     // A completed claim whose lease moment is long gone is readable for its whole retention.
-    let ClaimOutcome::Claimed(claim) = service.claim(org, "tool.email.send", "k", &h, LEASE).await.unwrap() else {
+    let ClaimOutcome::Claimed(claim) = service
+        .claim(org, "tool.email.send", "k", &h, LEASE)
+        .await
+        .unwrap()
+    else {
         panic!("reclaim");
     };
-    assert_eq!(service.complete(&claim, Completion::response(json!("sent"))).await.unwrap(), Ending::Recorded);
+    assert_eq!(
+        service
+            .complete(&claim, Completion::response(json!("sent")))
+            .await
+            .unwrap(),
+        Ending::Recorded
+    );
     travel_back(&stack, claim.id(), Duration::from_secs(29 * 86_400)).await;
-    let replay = service.claim(org, "tool.email.send", "k", &h, LEASE).await.unwrap();
-    assert_eq!(replay, ClaimOutcome::Completed { response: Some(json!("sent")), resource: None });
+    let replay = service
+        .claim(org, "tool.email.send", "k", &h, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(
+        replay,
+        ClaimOutcome::Completed {
+            response: Some(json!("sent")),
+            resource: None
+        }
+    );
     stack.stop().await.unwrap();
 }
 
@@ -100,11 +171,19 @@ async fn a_reclaim_moves_the_lease_and_never_shortens_retain_until() {
     let repo = service.repository();
     let org = org();
     let h = hash("floors");
-    let ClaimOutcome::Claimed(claim) = service.claim(org, "tool.email.send", "k", &h, LEASE).await.unwrap() else {
+    let ClaimOutcome::Claimed(claim) = service
+        .claim(org, "tool.email.send", "k", &h, LEASE)
+        .await
+        .unwrap()
+    else {
         panic!("claim");
     };
     pass_lease(&stack, claim.id()).await;
-    let before = repo.get(org, "tool.email.send", "k").await.unwrap().expect("row");
+    let before = repo
+        .get(org, "tool.email.send", "k")
+        .await
+        .unwrap()
+        .expect("row");
 
     // A reclaim that asks for a much shorter retention keeps the longer one.
     let token = uuid::Uuid::new_v4();
@@ -120,12 +199,21 @@ async fn a_reclaim_moves_the_lease_and_never_shortens_retain_until() {
     let after = repo.reclaim(&request).await.unwrap().expect("reclaimed");
     assert_eq!(after.lease_token, token);
     assert!(after.lease_live);
-    assert!(after.lease_expires_at > before.lease_expires_at, "the lease moved");
+    assert!(
+        after.lease_expires_at > before.lease_expires_at,
+        "the lease moved"
+    );
     assert!(after.claimed_at > before.claimed_at);
-    assert_eq!(after.retain_until, before.retain_until, "retention never shortens");
+    assert_eq!(
+        after.retain_until, before.retain_until,
+        "retention never shortens"
+    );
 
     // A reclaim of a live lease does nothing.
-    let again = ClaimRequest { lease_token: uuid::Uuid::new_v4(), ..request };
+    let again = ClaimRequest {
+        lease_token: uuid::Uuid::new_v4(),
+        ..request
+    };
     assert!(repo.reclaim(&again).await.unwrap().is_none());
     stack.stop().await.unwrap();
 }
@@ -135,32 +223,53 @@ async fn a_completion_with_neither_response_nor_resource_is_refused() {
     let stack = stack().await;
     let service = service(&stack);
     let org = org();
-    let ClaimOutcome::Claimed(claim) = service.claim(org, "tool.email.send", "k", &hash("x"), LEASE).await.unwrap() else {
+    let ClaimOutcome::Claimed(claim) = service
+        .claim(org, "tool.email.send", "k", &hash("x"), LEASE)
+        .await
+        .unwrap()
+    else {
         panic!("claim");
     };
 
     // The service refuses before any request.
-    let empty = service.complete(&claim, Completion::response(serde_json::Value::Null)).await;
-    assert!(matches!(empty, Err(Error::Invalid(InvalidInput::EmptyCompletion))), "{empty:?}");
+    let empty = service
+        .complete(&claim, Completion::response(serde_json::Value::Null))
+        .await;
+    assert!(
+        matches!(empty, Err(Error::Invalid(InvalidInput::EmptyCompletion))),
+        "{empty:?}"
+    );
 
     // The database refuses too, whoever calls it: nothing at all, and JSON null.
     let repo = service.repository();
     for args in [
         CompletionArgs::default(),
-        CompletionArgs { response: Some(&serde_json::Value::Null), ..CompletionArgs::default() },
-        CompletionArgs { resource_id: Some("m-1"), ..CompletionArgs::default() },
+        CompletionArgs {
+            response: Some(&serde_json::Value::Null),
+            ..CompletionArgs::default()
+        },
+        CompletionArgs {
+            resource_id: Some("m-1"),
+            ..CompletionArgs::default()
+        },
     ] {
         let refused = repo.complete(claim.id(), claim.lease_token(), args).await;
         match refused {
-            Err(Error::Store(ClientError::Api { status: 400, error, .. })) => assert_eq!(error.code, "22023"),
+            Err(Error::Store(ClientError::Api {
+                status: 400, error, ..
+            })) => assert_eq!(error.code, "22023"),
             other => panic!("expected a 400 22023, got {other:?}"),
         }
     }
-    let status: String = sqlx::query_scalar("select status from agent.idempotency_keys where id = $1")
-        .bind(claim.id())
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
-    assert_eq!(status, "processing", "the refused completions changed nothing");
+    let status: String =
+        sqlx::query_scalar("select status from agent.idempotency_keys where id = $1")
+            .bind(claim.id())
+            .fetch_one(stack.db())
+            .await
+            .unwrap();
+    assert_eq!(
+        status, "processing",
+        "the refused completions changed nothing"
+    );
     stack.stop().await.unwrap();
 }
