@@ -64,6 +64,18 @@ create type agent.idempotency_claim as (
   lease_live       boolean
 );
 
+-- A row as the claim functions answer it: every column, and lease_live by
+-- the database clock (false for a completed row, which holds no lease).
+create function agent.idempotency_claim_of(k agent.idempotency_keys)
+returns agent.idempotency_claim
+language sql stable security invoker set search_path = ''
+as $$
+  select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
+         k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
+         k.lease_expires_at, k.retain_until,
+         (k.status = 'processing' and k.lease_expires_at > now());
+$$;
+
 -- Validates the durations every claim takes and answers them as intervals.
 -- Bad input raises 22023 (invalid_parameter_value), which PostgREST answers
 -- with 400 and the message below. The retention is raised to the lease,
@@ -91,6 +103,8 @@ $$;
 --
 -- Safe to retry after a lost response: a repeat with the same lease token
 -- answers the row that token already holds instead of reporting a conflict.
+-- Tokens are fresh random UUIDs, so only the caller that minted one can
+-- present it.
 create function agent.idempotency_try_claim(
   p_organization_id uuid,
   p_scope text,
@@ -104,47 +118,43 @@ language plpgsql volatile security invoker set search_path = ''
 as $$
 declare
   d record;
+  r agent.idempotency_keys;
 begin
   if p_lease_token is null then
     raise exception 'p_lease_token is required' using errcode = '22023';
   end if;
   d := agent.idempotency_durations(p_lease_ms, p_retain_ms);
 
-  return query
-    insert into agent.idempotency_keys as k
-      (organization_id, scope, key, request_hash, status, lease_token,
-       claimed_at, lease_expires_at, retain_until)
-    values
-      (p_organization_id, p_scope, p_key, p_request_hash, 'processing', p_lease_token,
-       now(), now() + d.lease, now() + d.retain)
-    on conflict (organization_id, scope, key) do nothing
-    returning k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
-              k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
-              k.lease_expires_at, k.retain_until, true;
-  if found then
-    return;
-  end if;
+  insert into agent.idempotency_keys as k
+    (organization_id, scope, key, request_hash, status, lease_token,
+     claimed_at, lease_expires_at, retain_until)
+  values
+    (p_organization_id, p_scope, p_key, p_request_hash, 'processing', p_lease_token,
+     now(), now() + d.lease, now() + d.retain)
+  on conflict (organization_id, scope, key) do nothing
+  returning k.* into r;
 
-  -- Our own earlier attempt, whose answer was lost on the way back.
-  return query
-    select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
-           k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
-           k.lease_expires_at, k.retain_until,
-           (k.status = 'processing' and k.lease_expires_at > now())
+  if not found then
+    -- Our own earlier attempt, whose answer was lost on the way back.
+    select k.* into r
       from agent.idempotency_keys k
      where k.organization_id = p_organization_id
        and k.scope = p_scope
        and k.key = p_key
        and k.lease_token = p_lease_token
        and k.request_hash = p_request_hash;
+  end if;
+  if found then
+    return next agent.idempotency_claim_of(r);
+  end if;
 end
 $$;
 
 -- Takes over a claim whose worker is gone: answers the row with the caller's
 -- new token and lease when the row is processing, its lease has passed and
 -- its hash matches; otherwise no row. One UPDATE decides, so of any number of
--- concurrent reclaimers exactly one wins: the others re-check the row the
--- winner wrote, find a live lease, and match nothing.
+-- concurrent reclaimers exactly one wins: the others wait for the winner's
+-- row lock, re-check the row it wrote, find a live lease, and match nothing.
 --
 -- The retention only grows: retain_until = greatest(old, now() + retain).
 -- Safe to retry after a lost response, like idempotency_try_claim.
@@ -161,37 +171,29 @@ language plpgsql volatile security invoker set search_path = ''
 as $$
 declare
   d record;
+  r agent.idempotency_keys;
 begin
   if p_lease_token is null then
     raise exception 'p_lease_token is required' using errcode = '22023';
   end if;
   d := agent.idempotency_durations(p_lease_ms, p_retain_ms);
 
-  return query
-    update agent.idempotency_keys as k
-       set lease_token = p_lease_token,
-           claimed_at = now(),
-           lease_expires_at = now() + d.lease,
-           retain_until = greatest(k.retain_until, now() + d.retain)
-     where k.organization_id = p_organization_id
-       and k.scope = p_scope
-       and k.key = p_key
-       and k.request_hash = p_request_hash
-       and k.status = 'processing'
-       and k.lease_expires_at <= now()
-    returning k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
-              k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
-              k.lease_expires_at, k.retain_until, true;
-  if found then
-    return;
-  end if;
+  update agent.idempotency_keys as k
+     set lease_token = p_lease_token,
+         claimed_at = now(),
+         lease_expires_at = now() + d.lease,
+         retain_until = greatest(k.retain_until, now() + d.retain)
+   where k.organization_id = p_organization_id
+     and k.scope = p_scope
+     and k.key = p_key
+     and k.request_hash = p_request_hash
+     and k.status = 'processing'
+     and k.lease_expires_at <= now()
+  returning k.* into r;
 
-  -- Our own earlier reclaim, whose answer was lost on the way back.
-  return query
-    select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
-           k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
-           k.lease_expires_at, k.retain_until,
-           (k.status = 'processing' and k.lease_expires_at > now())
+  if not found then
+    -- Our own earlier reclaim, whose answer was lost on the way back.
+    select k.* into r
       from agent.idempotency_keys k
      where k.organization_id = p_organization_id
        and k.scope = p_scope
@@ -199,6 +201,10 @@ begin
        and k.lease_token = p_lease_token
        and k.request_hash = p_request_hash
        and k.status = 'processing';
+  end if;
+  if found then
+    return next agent.idempotency_claim_of(r);
+  end if;
 end
 $$;
 
@@ -210,11 +216,9 @@ create function agent.idempotency_get(
 ) returns setof agent.idempotency_claim
 language sql stable security invoker set search_path = ''
 as $$
-  select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
-         k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
-         k.lease_expires_at, k.retain_until,
-         (k.status = 'processing' and k.lease_expires_at > now())
+  select c.*
     from agent.idempotency_keys k
+   cross join lateral agent.idempotency_claim_of(k) c
    where k.organization_id = p_organization_id
      and k.scope = p_scope
      and k.key = p_key;
@@ -241,6 +245,7 @@ declare
   v_resource_type text := nullif(p_resource_type, '');
   v_resource_id   text := nullif(p_resource_id, '');
   v_response      jsonb := nullif(p_response, 'null'::jsonb);
+  r agent.idempotency_keys;
 begin
   if p_claim_id is null or p_lease_token is null then
     raise exception 'p_claim_id and p_lease_token are required' using errcode = '22023';
@@ -254,31 +259,27 @@ begin
       using errcode = '22023';
   end if;
 
-  return query
-    update agent.idempotency_keys as k
-       set status = 'completed',
-           resource_type = v_resource_type,
-           resource_id = v_resource_id,
-           response = v_response
-     where k.id = p_claim_id
-       and k.lease_token = p_lease_token
-       and k.status = 'processing'
-    returning k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
-              k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
-              k.lease_expires_at, k.retain_until, false;
-  if found then
-    return;
-  end if;
+  update agent.idempotency_keys as k
+     set status = 'completed',
+         resource_type = v_resource_type,
+         resource_id = v_resource_id,
+         response = v_response
+   where k.id = p_claim_id
+     and k.lease_token = p_lease_token
+     and k.status = 'processing'
+  returning k.* into r;
 
-  -- Completed already by this very token: an earlier attempt of this call.
-  return query
-    select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
-           k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
-           k.lease_expires_at, k.retain_until, false
+  if not found then
+    -- Completed already by this very token: an earlier attempt of this call.
+    select k.* into r
       from agent.idempotency_keys k
      where k.id = p_claim_id
        and k.lease_token = p_lease_token
        and k.status = 'completed';
+  end if;
+  if found then
+    return next agent.idempotency_claim_of(r);
+  end if;
 end
 $$;
 

@@ -11,6 +11,7 @@ grant select, insert, update, delete on agent.runs to service_role;
 
 revoke all on all functions in schema agent from public, anon, authenticated;
 grant execute on function
+  agent.idempotency_claim_of(agent.idempotency_keys),
   agent.idempotency_durations(bigint, bigint),
   agent.idempotency_try_claim(uuid, text, text, text, uuid, bigint, bigint),
   agent.idempotency_reclaim(uuid, text, text, text, uuid, bigint, bigint),
