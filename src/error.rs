@@ -90,9 +90,17 @@ pub enum InvalidInput {
         /// The value (cut to 80 characters).
         value: String,
     },
-    /// A zero lease would be passed before anyone could use it.
-    #[error("the lease is zero")]
-    ZeroLease,
+    /// The key holds a NUL character, which PostgreSQL text cannot store.
+    #[error("the idempotency key holds a NUL character")]
+    KeyHasNul,
+    /// The lease is shorter than the store accepts.
+    #[error("the lease {lease:?} is shorter than the {min:?} the store accepts")]
+    LeaseTooShort {
+        /// The lease asked for.
+        lease: Duration,
+        /// The limit.
+        min: Duration,
+    },
     /// The lease is longer than the store accepts.
     #[error("the lease {lease:?} is longer than the {max:?} the store accepts")]
     LeaseTooLong {
@@ -107,4 +115,22 @@ pub enum InvalidInput {
     /// A resource reference with an empty type or id.
     #[error("a resource needs a non-empty type and id")]
     EmptyResource,
+    /// A resource type or id longer than the table accepts.
+    #[error("the resource {field} has {chars} characters, at most {max} are accepted")]
+    ResourceTooLong {
+        /// `type` or `id`.
+        field: &'static str,
+        /// Its length in characters.
+        chars: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A scope registered with a retention the store does not accept.
+    #[error("scope {scope:?} is registered with retention {retention:?}; it must be between 1 s and 366 days")]
+    RetentionOutOfRange {
+        /// The scope.
+        scope: String,
+        /// Its registered retention.
+        retention: Duration,
+    },
 }

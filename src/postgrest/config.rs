@@ -32,7 +32,7 @@ impl ClientConfig {
     ///
     /// `base_url` is PostgREST's root: `http://host:3000` for plain
     /// PostgREST, `https://<ref>.supabase.co/rest/v1` for Supabase. Defaults:
-    /// schema `agent`, `max_rows` 1000, 10 s request and 5 s connect timeouts,
+    /// schema `agent`, `max_rows` 1000, 15 s request and 5 s connect timeouts,
     /// [`RetryConfig::default`], no `apikey`.
     pub fn new(base_url: &str, service_key: impl Into<String>) -> Result<Self, ClientError> {
         let mut base_url = Url::parse(base_url)
@@ -63,7 +63,10 @@ impl ClientConfig {
             apikey: None,
             schema: "agent".into(),
             max_rows: DEFAULT_MAX_ROWS,
-            request_timeout: Duration::from_secs(10),
+            // Above PostgREST's 10 s db-pool-acquisition-timeout, so its 504
+            // PGRST003 ("never ran", always safe to retry) arrives before our
+            // own timeout ("may have run") would.
+            request_timeout: Duration::from_secs(15),
             connect_timeout: Duration::from_secs(5),
             pool_max_idle_per_host: 64,
             retry: RetryConfig::default(),
@@ -123,7 +126,8 @@ impl ClientConfig {
         Ok(self)
     }
 
-    /// Whole-request timeout. Default 10 s.
+    /// Whole-request timeout. Default 15 s, above PostgREST's 10 s pool
+    /// acquisition timeout.
     pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
         self.request_timeout = timeout;
         self

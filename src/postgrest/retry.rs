@@ -14,7 +14,7 @@ pub struct RetryConfig {
     /// Ceiling for one backoff, and for a server's `Retry-After`. Default 2 s.
     pub max_backoff: Duration,
     /// No retry starts once this much time has passed since the first
-    /// attempt. Default 15 s.
+    /// attempt. Default 20 s.
     pub max_elapsed: Duration,
 }
 
@@ -24,7 +24,7 @@ impl Default for RetryConfig {
             max_retries: 4,
             initial_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_secs(2),
-            max_elapsed: Duration::from_secs(15),
+            max_elapsed: Duration::from_secs(20),
         }
     }
 }
@@ -38,17 +38,18 @@ impl RetryConfig {
         }
     }
 
-    /// The wait before retry number `retry` (1-based): full jitter over an
-    /// exponential ceiling, never below the server's `Retry-After` (capped at
-    /// `max_backoff`). PostgREST sends `Retry-After: 0` on every 503, which
-    /// therefore leaves our own backoff in charge.
+    /// The wait before retry number `retry` (1-based): uniform between half
+    /// and all of an exponential ceiling, never below the server's
+    /// `Retry-After` in seconds (capped at `max_backoff`). PostgREST sends
+    /// `Retry-After: 0` on every 503, which therefore leaves our own backoff
+    /// in charge; an HTTP-date `Retry-After` is not read.
     pub(crate) fn backoff(&self, retry: u32, retry_after: Option<Duration>) -> Duration {
         let exponent = retry.saturating_sub(1).min(16);
         let ceiling = self
             .initial_backoff
             .saturating_mul(1u32 << exponent)
             .min(self.max_backoff);
-        let jittered = ceiling.mul_f64(rand::random::<f64>().clamp(0.5, 1.0));
+        let jittered = ceiling.mul_f64(0.5 + 0.5 * rand::random::<f64>());
         let floor = retry_after.unwrap_or(Duration::ZERO).min(self.max_backoff);
         jittered.max(floor)
     }

@@ -9,9 +9,12 @@ use crate::Error;
 
 /// [`IdempotencyRepository`] over the `agent.idempotency_*` functions.
 ///
-/// Every call is safe to repeat after a lost response (the functions answer
-/// the caller's own row to a repeat with the same token), so the client
-/// retries transient failures on all of them.
+/// `try_claim`, `reclaim`, `get` and `complete` are safe to repeat after a
+/// lost response (the functions answer the caller's own row to a repeat with
+/// the same token), so the client retries their transient failures. `release`
+/// is not: a repeat of a release that did happen answers `false`, which would
+/// misreport a recorded ending as a lost fence. It is retried only when the
+/// server proves the first attempt never ran.
 #[derive(Debug, Clone)]
 pub struct PostgrestRepository {
     client: PostgrestClient,
@@ -156,7 +159,7 @@ impl IdempotencyRepository for PostgrestRepository {
         };
         Ok(self
             .client
-            .rpc("idempotency_release", &args, Repeat::Safe)
+            .rpc("idempotency_release", &args, Repeat::Unsafe)
             .await?)
     }
 }

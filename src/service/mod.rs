@@ -21,12 +21,15 @@ use crate::repo::{
 };
 
 pub use hash::RequestHash;
-pub use outcome::{Claim, ClaimOutcome, Completion, Ending, ResourceRef};
+pub use outcome::{
+    Claim, ClaimOutcome, Completion, Ending, ResourceRef, MAX_RESOURCE_ID_CHARS,
+    MAX_RESOURCE_TYPE_CHARS,
+};
 pub use scope::{
     ScopeRegistry, DAY, MAX_SCOPE_CHARS, SAVED_SEARCH_START_RETENTION, SAVED_SEARCH_START_SCOPE,
     TOOL_RETENTION, WEBHOOK_RETENTION,
 };
-pub use validate::{MAX_KEY_CHARS, MAX_LEASE};
+pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};
 
 /// How many repository steps one `claim` may take before it gives up on a key
 /// that keeps changing under it. Ordinary contention settles in at most four
@@ -113,7 +116,8 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             "idempotency.claim",
             %organization_id, scope, key,
             lease_ms = lease.as_millis() as u64,
-            outcome = field::Empty, replayed = field::Empty, reclaimed = field::Empty
+            outcome = field::Empty, replayed = field::Empty, reclaimed = field::Empty,
+            claim_id = field::Empty
         );
         async {
             let retention = self.scopes.retention(scope)?;
@@ -130,7 +134,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             };
             let outcome = self.claim_steps(&request, request_hash).await?;
             if let ClaimOutcome::Claimed(claim) = &outcome {
-                tracing::Span::current().record("reclaimed", claim.reclaimed());
+                let span = tracing::Span::current();
+                span.record("reclaimed", claim.reclaimed());
+                span.record("claim_id", field::display(claim.id()));
             }
             record_outcome(&outcome);
             Ok(outcome)

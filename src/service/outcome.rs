@@ -122,7 +122,16 @@ impl Claim {
     }
 }
 
+/// Longest resource type the table accepts, in characters.
+pub const MAX_RESOURCE_TYPE_CHARS: usize = 128;
+
+/// Longest resource id the table accepts, in characters.
+pub const MAX_RESOURCE_ID_CHARS: usize = 512;
+
 /// What a completion stores: a response, a resource, or both. Never neither.
+///
+/// Checked before any request (see [`InvalidInput`]), so a completion the
+/// store would refuse fails while the claim is still ours to retry or release.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completion {
     pub(crate) response: Option<serde_json::Value>,
@@ -175,6 +184,15 @@ impl Completion {
             if resource.resource_type.is_empty() || resource.resource_id.is_empty() {
                 return Err(InvalidInput::EmptyResource);
             }
+            for (field, value, max) in [
+                ("type", &resource.resource_type, MAX_RESOURCE_TYPE_CHARS),
+                ("id", &resource.resource_id, MAX_RESOURCE_ID_CHARS),
+            ] {
+                let chars = value.chars().count();
+                if chars > max {
+                    return Err(InvalidInput::ResourceTooLong { field, chars, max });
+                }
+            }
         }
         let has_response = matches!(&self.response, Some(v) if !v.is_null());
         if !has_response && self.resource.is_none() {
@@ -218,6 +236,17 @@ mod tests {
         assert!(Completion::resource("t", "1").validate().is_ok());
         assert!(Completion::response(json!(null))
             .with_resource("t", "1")
+            .validate()
+            .is_ok());
+        assert!(matches!(
+            Completion::resource("t".repeat(129), "1").validate(),
+            Err(InvalidInput::ResourceTooLong { field: "type", .. })
+        ));
+        assert!(matches!(
+            Completion::resource("t", "1".repeat(513)).validate(),
+            Err(InvalidInput::ResourceTooLong { field: "id", .. })
+        ));
+        assert!(Completion::resource("t".repeat(128), "1".repeat(512))
             .validate()
             .is_ok());
     }

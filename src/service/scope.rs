@@ -17,6 +17,12 @@ pub const TOOL_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 /// Retention of webhook deliveries: vendors redeliver within hours.
 pub const WEBHOOK_RETENTION: Duration = DAY;
 
+/// Shortest retention the store accepts.
+const MIN_RETENTION: Duration = Duration::from_secs(1);
+
+/// Longest retention the store accepts.
+const MAX_RETENTION: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+
 /// The scope of saved-search input preparation.
 pub const SAVED_SEARCH_START_SCOPE: &str = "surface.saved_search.start";
 
@@ -72,19 +78,32 @@ impl ScopeRegistry {
         self
     }
 
-    /// The retention of `scope`, after checking its shape.
+    /// The retention of `scope`, after checking its shape and that its
+    /// registered retention is one the store accepts.
     pub fn retention(&self, scope: &str) -> Result<Duration, Error> {
         validate_scope(scope)?;
-        if let Some((_, retention)) = self.exact.iter().find(|(name, _)| name == scope) {
-            return Ok(*retention);
-        }
-        self.families
+        let registered = self
+            .exact
             .iter()
-            .find(|(prefix, _)| scope.len() > prefix.len() && scope.starts_with(prefix.as_str()))
-            .map(|(_, retention)| *retention)
-            .ok_or_else(|| Error::UnknownScope {
+            .find(|(name, _)| name == scope)
+            .or_else(|| {
+                self.families.iter().find(|(prefix, _)| {
+                    scope.len() > prefix.len() && scope.starts_with(prefix.as_str())
+                })
+            });
+        let Some((_, retention)) = registered else {
+            return Err(Error::UnknownScope {
                 scope: scope.to_owned(),
-            })
+            });
+        };
+        if !(MIN_RETENTION..=MAX_RETENTION).contains(retention) {
+            return Err(InvalidInput::RetentionOutOfRange {
+                scope: scope.to_owned(),
+                retention: *retention,
+            }
+            .into());
+        }
+        Ok(*retention)
     }
 }
 
@@ -158,6 +177,15 @@ mod tests {
             registry.retention(&long),
             Err(Error::Invalid(InvalidInput::ScopeTooLong { .. }))
         ));
+        let odd = ScopeRegistry::empty()
+            .with_scope("forever.x", DAY * 400)
+            .with_family("never.", Duration::ZERO);
+        for scope in ["forever.x", "never.x"] {
+            assert!(matches!(
+                odd.retention(scope),
+                Err(Error::Invalid(InvalidInput::RetentionOutOfRange { .. }))
+            ));
+        }
         assert!(matches!(
             registry.retention("tool.Email"),
             Err(Error::Invalid(InvalidInput::MalformedScope { .. }))

@@ -7,6 +7,11 @@ use crate::error::InvalidInput;
 /// Longest key the table accepts, in characters.
 pub const MAX_KEY_CHARS: usize = 512;
 
+/// Shortest lease the store accepts. A lease is measured from the start of
+/// the claiming transaction, so a shorter one could pass while that
+/// transaction still waits on a lock.
+pub const MIN_LEASE: Duration = Duration::from_secs(1);
+
 /// Longest lease the store accepts.
 pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
 
@@ -21,12 +26,19 @@ pub(crate) fn key(key: &str) -> Result<(), InvalidInput> {
             max: MAX_KEY_CHARS,
         });
     }
+    // PostgreSQL text cannot hold NUL; refused here rather than by the server.
+    if key.contains('\0') {
+        return Err(InvalidInput::KeyHasNul);
+    }
     Ok(())
 }
 
 pub(crate) fn lease(lease: Duration) -> Result<(), InvalidInput> {
-    if lease.is_zero() {
-        return Err(InvalidInput::ZeroLease);
+    if lease < MIN_LEASE {
+        return Err(InvalidInput::LeaseTooShort {
+            lease,
+            min: MIN_LEASE,
+        });
     }
     if lease > MAX_LEASE {
         return Err(InvalidInput::LeaseTooLong {
@@ -45,6 +57,7 @@ mod tests {
     fn keys_are_non_empty_and_bounded_in_characters() {
         assert_eq!(key(""), Err(InvalidInput::EmptyKey));
         assert!(key("run:1:step:2").is_ok());
+        assert_eq!(key("a\0b"), Err(InvalidInput::KeyHasNul));
         assert!(key(&"é".repeat(MAX_KEY_CHARS)).is_ok());
         assert_eq!(
             key(&"k".repeat(MAX_KEY_CHARS + 1)),
@@ -57,8 +70,15 @@ mod tests {
 
     #[test]
     fn leases_are_positive_and_bounded() {
-        assert_eq!(lease(Duration::ZERO), Err(InvalidInput::ZeroLease));
-        assert!(lease(Duration::from_millis(1)).is_ok());
+        assert!(matches!(
+            lease(Duration::ZERO),
+            Err(InvalidInput::LeaseTooShort { .. })
+        ));
+        assert!(matches!(
+            lease(Duration::from_millis(999)),
+            Err(InvalidInput::LeaseTooShort { .. })
+        ));
+        assert!(lease(MIN_LEASE).is_ok());
         assert!(lease(MAX_LEASE).is_ok());
         assert!(matches!(
             lease(MAX_LEASE + Duration::from_millis(1)),

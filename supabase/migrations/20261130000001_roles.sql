@@ -28,10 +28,14 @@ $roles$;
 
 -- The authenticator logs in and switches to the role a request's JWT names.
 do $grants$
+declare
+  member text;
 begin
-  if not pg_catalog.pg_has_role('authenticator', 'service_role', 'member') then
-    grant anon, authenticated, service_role to authenticator;
-  end if;
+  foreach member in array array['anon', 'authenticated', 'service_role'] loop
+    if not pg_catalog.pg_has_role('authenticator', member, 'member') then
+      execute format('grant %I to authenticator', member);
+    end if;
+  end loop;
 exception when unique_violation or duplicate_object then
   null;
 end

@@ -27,7 +27,7 @@ create table agent.idempotency_keys (
   constraint idempotency_keys_status_check check (status in ('processing', 'completed')),
   constraint idempotency_keys_retention_covers_lease check (retain_until >= lease_expires_at),
   constraint idempotency_keys_completed_has_answer
-    check (status <> 'completed' or response is not null or resource_id is not null),
+    check (status <> 'completed' or nullif(response, 'null'::jsonb) is not null or resource_id is not null),
   constraint idempotency_keys_resource_is_typed
     check (resource_id is null or resource_type is not null),
   constraint idempotency_keys_scope_length check (char_length(scope) between 1 and 128),
@@ -85,8 +85,11 @@ create function agent.idempotency_durations(p_lease_ms bigint, p_retain_ms bigin
 language plpgsql immutable security invoker set search_path = ''
 as $$
 begin
-  if p_lease_ms is null or p_lease_ms <= 0 or p_lease_ms > 86400000 then
-    raise exception 'p_lease_ms must be between 1 and 86400000 (one day), got %', p_lease_ms
+  -- A lease is measured from the start of the claiming transaction, so one
+  -- shorter than a second could pass while that transaction still waits on
+  -- a lock, and two workers would both hold the key.
+  if p_lease_ms is null or p_lease_ms < 1000 or p_lease_ms > 86400000 then
+    raise exception 'p_lease_ms must be between 1000 (one second) and 86400000 (one day), got %', p_lease_ms
       using errcode = '22023';
   end if;
   if p_retain_ms is null or p_retain_ms <= 0 or p_retain_ms > 31622400000 then
@@ -102,8 +105,9 @@ $$;
 -- is already claimed (the caller then reads it with idempotency_get).
 --
 -- Safe to retry after a lost response: a repeat with the same lease token
--- answers the row that token already holds instead of reporting a conflict.
--- Tokens are fresh random UUIDs, so only the caller that minted one can
+-- answers the row that token still holds (live lease) instead of reporting a
+-- conflict. The token must therefore be a fresh random UUID for every claim
+-- attempt, never derived from the key: only the caller that minted it may
 -- present it.
 create function agent.idempotency_try_claim(
   p_organization_id uuid,
@@ -135,14 +139,17 @@ begin
   returning k.* into r;
 
   if not found then
-    -- Our own earlier attempt, whose answer was lost on the way back.
+    -- Our own earlier attempt, whose answer was lost on the way back. Only
+    -- while its lease is live: past it, the caller must reclaim like anyone.
     select k.* into r
       from agent.idempotency_keys k
      where k.organization_id = p_organization_id
        and k.scope = p_scope
        and k.key = p_key
        and k.lease_token = p_lease_token
-       and k.request_hash = p_request_hash;
+       and k.request_hash = p_request_hash
+       and k.status = 'processing'
+       and k.lease_expires_at > now();
   end if;
   if found then
     return next agent.idempotency_claim_of(r);
@@ -192,7 +199,8 @@ begin
   returning k.* into r;
 
   if not found then
-    -- Our own earlier reclaim, whose answer was lost on the way back.
+    -- Our own earlier reclaim, whose answer was lost on the way back (its
+    -- lease is live, or the update above would have matched).
     select k.* into r
       from agent.idempotency_keys k
      where k.organization_id = p_organization_id
@@ -200,7 +208,8 @@ begin
        and k.key = p_key
        and k.lease_token = p_lease_token
        and k.request_hash = p_request_hash
-       and k.status = 'processing';
+       and k.status = 'processing'
+       and k.lease_expires_at > now();
   end if;
   if found then
     return next agent.idempotency_claim_of(r);
@@ -230,8 +239,13 @@ $$;
 -- resource; '' and JSON null count as absent, so the refusal holds whichever
 -- way a PostgREST server binds a null argument.
 --
+-- The answer is remembered for the scope's retention from the completion,
+-- not from the claim: retain_until moves to now() plus the window the claim
+-- was given, and never earlier.
+--
 -- Safe to retry after a lost response: a repeat by the token that completed
--- the row answers the completed row.
+-- the row, with the same answer, answers the completed row. A different
+-- answer under the same token answers no row: the ending already happened.
 create function agent.idempotency_complete(
   p_claim_id uuid,
   p_lease_token uuid,
@@ -263,7 +277,8 @@ begin
      set status = 'completed',
          resource_type = v_resource_type,
          resource_id = v_resource_id,
-         response = v_response
+         response = v_response,
+         retain_until = greatest(k.retain_until, now() + (k.retain_until - k.claimed_at))
    where k.id = p_claim_id
      and k.lease_token = p_lease_token
      and k.status = 'processing'
@@ -275,7 +290,10 @@ begin
       from agent.idempotency_keys k
      where k.id = p_claim_id
        and k.lease_token = p_lease_token
-       and k.status = 'completed';
+       and k.status = 'completed'
+       and k.resource_type is not distinct from v_resource_type
+       and k.resource_id is not distinct from v_resource_id
+       and k.response is not distinct from v_response;
   end if;
   if found then
     return next agent.idempotency_claim_of(r);

@@ -241,15 +241,10 @@ async fn a_crashed_workers_claim_is_reclaimed_by_the_next_caller_and_the_run_con
     let org = org();
     let h = hash("charge 10 EUR");
 
-    // Worker A claims with a short lease and dies without an ending.
+    // Worker A claims and dies without an ending; while its lease is live,
+    // nobody else runs the effect.
     let ClaimOutcome::Claimed(crashed) = service
-        .claim(
-            org,
-            "tool.payments.charge",
-            "run-5:step-4",
-            &h,
-            Duration::from_secs(1),
-        )
+        .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
         .await
         .unwrap()
     else {
@@ -262,7 +257,8 @@ async fn a_crashed_workers_claim_is_reclaimed_by_the_next_caller_and_the_run_con
             .unwrap(),
         ClaimOutcome::Processing { .. }
     ));
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Its lease passes (time travel in SQL; idem demo lets real time pass).
+    pass_lease(&stack, crashed.id()).await;
 
     // The next caller reads absent, claims, and owns it with a new token.
     assert_eq!(
@@ -477,6 +473,24 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
                 .claim(org, "tool.email.send", "k", &h, Duration::ZERO)
                 .await,
             "zero lease",
+        ),
+        (
+            service
+                .claim(org, "tool.email.send", "k", &h, Duration::from_millis(999))
+                .await,
+            "sub-second lease",
+        ),
+        (
+            service
+                .claim(org, &format!("tool.{}", "x".repeat(124)), "k", &h, LEASE)
+                .await,
+            "long scope",
+        ),
+        (
+            service
+                .claim(org, "tool.email.send", "a\0b", &h, LEASE)
+                .await,
+            "NUL in key",
         ),
         (
             service

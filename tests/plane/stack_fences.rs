@@ -203,7 +203,10 @@ async fn a_reclaim_moves_the_lease_and_never_shortens_retain_until() {
         after.lease_expires_at > before.lease_expires_at,
         "the lease moved"
     );
-    assert!(after.claimed_at > before.claimed_at);
+    assert!(
+        after.claimed_at > before.lease_expires_at,
+        "the new holder's claim starts after the old lease ended"
+    );
     assert_eq!(
         after.retain_until, before.retain_until,
         "retention never shortens"
@@ -270,6 +273,79 @@ async fn a_completion_with_neither_response_nor_resource_is_refused() {
     assert_eq!(
         status, "processing",
         "the refused completions changed nothing"
+    );
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn retention_is_raised_to_the_lease_and_a_reclaim_can_extend_it() {
+    let stack = stack().await;
+    let service = service(&stack);
+    let repo = service.repository();
+    let org = org();
+    let h = hash("floor");
+    let request = ClaimRequest {
+        organization_id: org,
+        scope: "tool.email.send",
+        key: "k",
+        request_hash: h.as_str(),
+        lease_token: uuid::Uuid::new_v4(),
+        lease: Duration::from_secs(60),
+        retain: Duration::from_secs(1),
+    };
+    // The store raises a retention shorter than the lease to the lease.
+    let claimed = repo.try_claim(&request).await.unwrap().expect("claimed");
+    assert_eq!(claimed.retain_until, claimed.lease_expires_at);
+
+    // A reclaim asking for a longer retention extends it: greatest() takes the new one.
+    pass_lease(&stack, claimed.id).await;
+    let longer = ClaimRequest {
+        lease_token: uuid::Uuid::new_v4(),
+        retain: Duration::from_secs(3600),
+        ..request
+    };
+    let reclaimed = repo.reclaim(&longer).await.unwrap().expect("reclaimed");
+    let window = reclaimed.retain_until - reclaimed.claimed_at;
+    assert_eq!(window, chrono::TimeDelta::seconds(3600));
+    assert_eq!(
+        reclaimed.lease_expires_at - reclaimed.claimed_at,
+        chrono::TimeDelta::seconds(60)
+    );
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_answer_is_remembered_for_the_retention_counted_from_the_completion() {
+    let stack = stack().await;
+    let service = service(&stack);
+    let org = org();
+    let ClaimOutcome::Claimed(claim) = service
+        .claim(org, "webhook.nylas", "delivery-1", &hash("d"), LEASE)
+        .await
+        .unwrap()
+    else {
+        panic!("claim");
+    };
+    // The worker finished late in its day of retention.
+    travel_back(&stack, claim.id(), Duration::from_secs(23 * 3600)).await;
+    assert_eq!(
+        service
+            .complete(&claim, Completion::response(json!({"ack": true})))
+            .await
+            .unwrap(),
+        Ending::Recorded
+    );
+    let remaining: f64 = sqlx::query_scalar(
+        "select extract(epoch from retain_until - now())::float8 from agent.idempotency_keys where id = $1",
+    )
+    .bind(claim.id())
+    .fetch_one(stack.db())
+    .await
+    .unwrap();
+    // A whole day from the completion, not the hour left of the claim's day.
+    assert!(
+        remaining > 23.9 * 3600.0 && remaining <= 24.0 * 3600.0,
+        "{remaining}"
     );
     stack.stop().await.unwrap();
 }

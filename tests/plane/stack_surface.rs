@@ -482,3 +482,89 @@ async fn explicit_json_nulls_count_as_absent_whichever_way_the_server_binds_them
     assert_eq!(rows[0]["response"], json!({"ok": true}));
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_repeat_answers_only_a_live_lease_or_the_same_completion() {
+    let stack = stack().await;
+    let repo =
+        PostgrestRepository::new(PostgrestClient::new(stack.client_config().unwrap()).unwrap());
+    let org = org();
+    let hash = hash("repeats");
+    let request = ClaimRequest {
+        organization_id: org,
+        scope: "tool.email.send",
+        key: "k",
+        request_hash: hash.as_str(),
+        lease_token: uuid::Uuid::new_v4(),
+        lease: Duration::from_secs(30),
+        retain: Duration::from_secs(3600),
+    };
+    let first = repo.try_claim(&request).await.unwrap().expect("claimed");
+
+    // Past its lease, a repeated try_claim is no longer an owner's answer.
+    pass_lease(&stack, first.id).await;
+    assert!(repo.try_claim(&request).await.unwrap().is_none());
+
+    // A reclaim, then its repeat after a lost response: the same live claim.
+    let reclaim = ClaimRequest {
+        lease_token: uuid::Uuid::new_v4(),
+        ..request
+    };
+    let reclaimed = repo.reclaim(&reclaim).await.unwrap().expect("reclaimed");
+    let repeated = repo
+        .reclaim(&reclaim)
+        .await
+        .unwrap()
+        .expect("our own reclaim");
+    assert_eq!(repeated.lease_token, reclaimed.lease_token);
+    assert_eq!(
+        repeated.lease_expires_at, reclaimed.lease_expires_at,
+        "a repeat does not extend the lease"
+    );
+
+    // A completion repeated with the same answer answers the row; with a
+    // different answer it answers nothing: the ending already happened.
+    let answer = json!({"id": 1});
+    let same = CompletionArgs {
+        response: Some(&answer),
+        ..CompletionArgs::default()
+    };
+    assert!(repo
+        .complete(reclaimed.id, reclaimed.lease_token, same)
+        .await
+        .unwrap()
+        .is_some());
+    assert!(repo
+        .complete(reclaimed.id, reclaimed.lease_token, same)
+        .await
+        .unwrap()
+        .is_some());
+    let other = json!({"id": 2});
+    let different = CompletionArgs {
+        response: Some(&other),
+        ..CompletionArgs::default()
+    };
+    assert!(repo
+        .complete(reclaimed.id, reclaimed.lease_token, different)
+        .await
+        .unwrap()
+        .is_none());
+    let stored: Value =
+        sqlx::query_scalar("select response from agent.idempotency_keys where id = $1")
+            .bind(reclaimed.id)
+            .fetch_one(stack.db())
+            .await
+            .unwrap();
+    assert_eq!(stored, answer);
+
+    // Release reports what happened: true once, then false.
+    let other_key = ClaimRequest {
+        key: "k2",
+        lease_token: uuid::Uuid::new_v4(),
+        ..request
+    };
+    let claim = repo.try_claim(&other_key).await.unwrap().expect("claimed");
+    assert!(repo.release(claim.id, claim.lease_token).await.unwrap());
+    assert!(!repo.release(claim.id, claim.lease_token).await.unwrap());
+    stack.stop().await.unwrap();
+}
