@@ -1195,3 +1195,176 @@ async fn the_service_completes_a_resource_only_claim_without_a_response_key() {
     assert_eq!(object.len(), 4, "{body}");
     server.verify().await;
 }
+
+// ---------------------------------------------------------------------------
+// Retries that depend on whether the call is safe to repeat
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_pool_timeout_504_is_retried_even_for_a_call_unsafe_to_repeat() {
+    // §4 "Transient conditions": 504 PGRST003, the pool was saturated and the request never ran.
+    // Arrange
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/rpc/idempotency_release"))
+        .respond_with(ResponseTemplate::new(504).set_body_json(error_body(
+            "PGRST003",
+            "Timed out acquiring connection from connection pool.",
+        )))
+        .up_to_n_times(1)
+        .with_priority(1)
+        .expect(1)
+        .mount(&server)
+        .await;
+    Mock::given(method("POST"))
+        .and(path("/rpc/idempotency_release"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!(true)))
+        .expect(1)
+        .mount(&server)
+        .await;
+    // Act
+    let released: bool = client(config(&server))
+        .rpc("idempotency_release", &json!({}), Repeat::Unsafe)
+        .await
+        .expect("the retry succeeds");
+    // Assert
+    assert!(released);
+    server.verify().await;
+}
+
+#[tokio::test]
+async fn a_connection_lost_503_is_retried_only_for_a_call_safe_to_repeat() {
+    // §4 "Transient conditions" [inference]: PGRST001 can leave the commit outcome unknown.
+    for (repeat, expected_requests) in [(Repeat::Unsafe, 1usize), (Repeat::Safe, 3)] {
+        // Arrange
+        let server = MockServer::start().await;
+        Mock::given(method("POST"))
+            .and(path("/rpc/idempotency_release"))
+            .respond_with(
+                ResponseTemplate::new(503)
+                    .insert_header("retry-after", "0")
+                    .set_body_json(error_body("PGRST001", "Database client error")),
+            )
+            .mount(&server)
+            .await;
+        // Act
+        let err = client(config(&server))
+            .rpc::<bool>("idempotency_release", &json!({}), repeat)
+            .await
+            .unwrap_err();
+        // Assert
+        assert_eq!(err.code(), Some("PGRST001"), "{repeat:?}");
+        assert_eq!(
+            requests(&server).await.len(),
+            expected_requests,
+            "{repeat:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_timed_out_call_is_sent_again_only_when_it_is_safe_to_repeat() {
+    // §4 [inference]: a request that timed out may have run.
+    for (repeat, succeeds, expected_requests) in
+        [(Repeat::Safe, true, 2usize), (Repeat::Unsafe, false, 1)]
+    {
+        // Arrange: the first answer is too slow, the next one is prompt.
+        let server = MockServer::start().await;
+        Mock::given(method("POST"))
+            .and(path("/rpc/idempotency_get"))
+            .respond_with(
+                ResponseTemplate::new(200)
+                    .set_body_json(json!([]))
+                    .set_delay(Duration::from_secs(3)),
+            )
+            .up_to_n_times(1)
+            .with_priority(1)
+            .mount(&server)
+            .await;
+        Mock::given(method("POST"))
+            .and(path("/rpc/idempotency_get"))
+            .respond_with(ResponseTemplate::new(200).set_body_json(json!([])))
+            .mount(&server)
+            .await;
+        let client = client(config(&server).with_request_timeout(Duration::from_millis(300)));
+        // Act
+        let result = client
+            .rpc::<Value>("idempotency_get", &json!({}), repeat)
+            .await;
+        // Assert
+        assert_eq!(result.is_ok(), succeeds, "{repeat:?}: {result:?}");
+        if let Err(err) = result {
+            assert!(
+                matches!(
+                    err,
+                    ClientError::Transport {
+                        kind: TransportKind::Timeout,
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+        }
+        assert_eq!(
+            requests(&server).await.len(),
+            expected_requests,
+            "{repeat:?}"
+        );
+    }
+}
+
+/// A server that reads each request and closes the connection without an
+/// answer; counts the connections it accepted.
+async fn hang_up_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("address");
+    let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            let mut buffer = [0u8; 4096];
+            let _ = socket.read(&mut buffer).await;
+            drop(socket);
+        }
+    });
+    (format!("http://{address}"), accepted)
+}
+
+#[tokio::test]
+async fn a_connection_dropped_after_sending_is_retried_only_when_safe_to_repeat() {
+    // §4 [inference]: a connection lost mid-request can leave the commit outcome unknown.
+    for (repeat, expected_connections) in [(Repeat::Unsafe, 1usize), (Repeat::Safe, 3)] {
+        // Arrange
+        let (url, accepted) = hang_up_server().await;
+        let config = ClientConfig::new(&url, KEY)
+            .expect("config")
+            .with_retry(fast_retry())
+            .with_pool_max_idle_per_host(0);
+        // Act
+        let err = client(config)
+            .rpc::<Value>("idempotency_get", &json!({}), repeat)
+            .await
+            .unwrap_err();
+        // Assert
+        assert!(
+            matches!(
+                err,
+                ClientError::Transport {
+                    kind: TransportKind::Interrupted,
+                    ..
+                }
+            ),
+            "{repeat:?}: {err:?}"
+        );
+        assert_eq!(
+            accepted.load(std::sync::atomic::Ordering::SeqCst),
+            expected_connections,
+            "{repeat:?}"
+        );
+    }
+}
