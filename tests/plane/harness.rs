@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use idempotency_plane::local::{LocalStack, LocalStackConfig};
-use idempotency_plane::{IdempotencyService, PostgrestRepository, RequestHash};
+use idempotency_plane::{
+    Claim, ClaimOutcome, Error, IdempotencyService, PostgrestRepository, RequestHash,
+};
 use uuid::Uuid;
 
 pub type Service = IdempotencyService<PostgrestRepository>;
@@ -69,4 +71,12 @@ pub async fn travel_back(stack: &LocalStack, claim_id: Uuid, by: Duration) {
     .execute(stack.db())
     .await
     .expect("move timestamps back");
+}
+
+/// The claim a `claim()` answered; panics with whatever else it answered.
+pub fn claimed(outcome: Result<ClaimOutcome, Error>) -> Claim {
+    match outcome {
+        Ok(ClaimOutcome::Claimed(claim)) => claim,
+        other => panic!("expected to own the key, got {other:?}"),
+    }
 }

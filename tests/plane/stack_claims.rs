@@ -53,13 +53,11 @@ async fn completed_duplicate_returns_stored_resource_and_result() {
     let org = org();
     let h = hash("send a@b.c");
 
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(org, "tool.email.send", "run-1:step-1", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("the first claim owns the key");
-    };
+    let claim = claimed(
+        service
+            .claim(org, "tool.email.send", "run-1:step-1", &h, LEASE)
+            .await,
+    );
     let completion =
         Completion::response(json!({"message_id": "m-1"})).with_resource("nylas.message", "m-1");
     assert_eq!(
@@ -100,13 +98,11 @@ async fn same_key_with_a_different_hash_is_a_conflict_also_after_the_lease_passe
     let service = service(&stack);
     let org = org();
 
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(org, "webhook.nylas", "delivery-9", &hash("body A"), LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("first claim");
-    };
+    let claim = claimed(
+        service
+            .claim(org, "webhook.nylas", "delivery-9", &hash("body A"), LEASE)
+            .await,
+    );
     // Live lease: the hash is compared first, so this is a conflict, not processing.
     assert_eq!(
         service
@@ -152,13 +148,11 @@ async fn same_key_with_a_different_hash_is_a_conflict_also_after_the_lease_passe
     );
 
     // Completed: still a conflict.
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(org, "webhook.nylas", "delivery-9", &hash("body A"), LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("the same content reclaims the passed lease");
-    };
+    let claim = claimed(
+        service
+            .claim(org, "webhook.nylas", "delivery-9", &hash("body A"), LEASE)
+            .await,
+    );
     assert_eq!(
         service
             .complete(&claim, Completion::response(json!({"ok": true})))
@@ -192,13 +186,11 @@ async fn read_writes_no_row_and_answers_absent_for_a_passed_lease() {
     );
     assert_eq!(count_rows(&stack).await, 0, "read() never writes");
 
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(org, "tool.crm.company.create", "run-3:step-1", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("claim");
-    };
+    let claim = claimed(
+        service
+            .claim(org, "tool.crm.company.create", "run-3:step-1", &h, LEASE)
+            .await,
+    );
     assert!(matches!(
         service
             .read(org, "tool.crm.company.create", "run-3:step-1", &h)
@@ -243,13 +235,11 @@ async fn a_crashed_workers_claim_is_reclaimed_by_the_next_caller_and_the_run_con
 
     // Worker A claims and dies without an ending; while its lease is live,
     // nobody else runs the effect.
-    let ClaimOutcome::Claimed(crashed) = service
-        .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("claim");
-    };
+    let crashed = claimed(
+        service
+            .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
+            .await,
+    );
     assert!(matches!(
         service
             .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
@@ -268,13 +258,11 @@ async fn a_crashed_workers_claim_is_reclaimed_by_the_next_caller_and_the_run_con
             .unwrap(),
         ClaimOutcome::Absent
     );
-    let ClaimOutcome::Claimed(next) = service
-        .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("the next caller reclaims the passed lease");
-    };
+    let next = claimed(
+        service
+            .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
+            .await,
+    );
     assert!(next.reclaimed());
     assert_eq!(next.id(), crashed.id());
     assert_ne!(next.lease_token(), crashed.lease_token());
@@ -301,13 +289,7 @@ async fn a_live_lease_cannot_be_stolen() {
     let service = service(&stack);
     let org = org();
     let h = hash("x");
-    let ClaimOutcome::Claimed(owner) = service
-        .claim(org, "tool.email.send", "k", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("claim");
-    };
+    let owner = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
     for _ in 0..3 {
         let outcome = service
             .claim(org, "tool.email.send", "k", &h, LEASE)
@@ -335,13 +317,11 @@ async fn a_passed_lease_is_reclaimed_by_exactly_one_of_twenty_concurrent_callers
     let service = Arc::new(service(&stack));
     let org = org();
     let h = hash("reclaim race");
-    let ClaimOutcome::Claimed(crashed) = service
-        .claim(org, "tool.email.send", "race", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("claim");
-    };
+    let crashed = claimed(
+        service
+            .claim(org, "tool.email.send", "race", &h, LEASE)
+            .await,
+    );
     pass_lease(&stack, crashed.id()).await;
 
     let attempts = (0..20).map(|_| {
@@ -390,22 +370,10 @@ async fn a_released_claim_lets_the_next_attempt_execute() {
     let service = service(&stack);
     let org = org();
     let h = hash("vendor 429");
-    let ClaimOutcome::Claimed(first) = service
-        .claim(org, "tool.email.send", "k", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("claim");
-    };
+    let first = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
     assert_eq!(service.release(&first).await.unwrap(), Ending::Recorded);
     assert_eq!(count_rows(&stack).await, 0);
-    let ClaimOutcome::Claimed(second) = service
-        .claim(org, "tool.email.send", "k", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("the next attempt executes");
-    };
+    let second = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
     assert!(!second.reclaimed());
     assert_ne!(second.lease_token(), first.lease_token());
     stack.stop().await.unwrap();
@@ -422,13 +390,7 @@ async fn retention_is_the_scopes_constant_computed_by_the_database_clock() {
         ("webhook.nylas", 1),
         ("surface.saved_search.start", 1),
     ] {
-        let ClaimOutcome::Claimed(claim) = service
-            .claim(org, scope, "k", &hash("r"), lease)
-            .await
-            .unwrap()
-        else {
-            panic!("claim {scope}");
-        };
+        let claim = claimed(service.claim(org, scope, "k", &hash("r"), lease).await);
         let (lease_ms, retain_ms): (f64, f64) = sqlx::query_as(
             "select extract(epoch from lease_expires_at - claimed_at)::float8 * 1000,
                     extract(epoch from retain_until - claimed_at)::float8 * 1000

@@ -18,21 +18,17 @@ async fn stalled_and_replaced(
 ) -> (idempotency_plane::Claim, idempotency_plane::Claim) {
     let org = org();
     let h = hash("stall");
-    let ClaimOutcome::Claimed(a) = service
-        .claim(org, "tool.email.send", "stall", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("A claims");
-    };
+    let a = claimed(
+        service
+            .claim(org, "tool.email.send", "stall", &h, LEASE)
+            .await,
+    );
     pass_lease(stack, a.id()).await;
-    let ClaimOutcome::Claimed(b) = service
-        .claim(org, "tool.email.send", "stall", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("B reclaims");
-    };
+    let b = claimed(
+        service
+            .claim(org, "tool.email.send", "stall", &h, LEASE)
+            .await,
+    );
     assert!(b.reclaimed());
     (a, b)
 }
@@ -113,13 +109,7 @@ async fn a_claim_whose_lease_passed_is_still_readable_while_retain_until_holds()
     let service = service(&stack);
     let org = org();
     let h = hash("remember me");
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(org, "tool.email.send", "k", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("claim");
-    };
+    let claim = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
     pass_lease(&stack, claim.id()).await;
     let record = service
         .repository()
@@ -135,13 +125,7 @@ async fn a_claim_whose_lease_passed_is_still_readable_while_retain_until_holds()
     assert_eq!(record.lease_token, claim.lease_token());
 
     // A completed claim whose lease moment is long gone is readable for its whole retention.
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(org, "tool.email.send", "k", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("reclaim");
-    };
+    let claim = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
     assert_eq!(
         service
             .complete(&claim, Completion::response(json!("sent")))
@@ -171,13 +155,7 @@ async fn a_reclaim_moves_the_lease_and_never_shortens_retain_until() {
     let repo = service.repository();
     let org = org();
     let h = hash("floors");
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(org, "tool.email.send", "k", &h, LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("claim");
-    };
+    let claim = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
     pass_lease(&stack, claim.id()).await;
     let before = repo
         .get(org, "tool.email.send", "k")
@@ -226,13 +204,11 @@ async fn a_completion_with_neither_response_nor_resource_is_refused() {
     let stack = stack().await;
     let service = service(&stack);
     let org = org();
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(org, "tool.email.send", "k", &hash("x"), LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("claim");
-    };
+    let claim = claimed(
+        service
+            .claim(org, "tool.email.send", "k", &hash("x"), LEASE)
+            .await,
+    );
 
     // The service refuses before any request.
     let empty = service
@@ -319,13 +295,11 @@ async fn the_answer_is_remembered_for_the_retention_counted_from_the_completion(
     let stack = stack().await;
     let service = service(&stack);
     let org = org();
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(org, "webhook.nylas", "delivery-1", &hash("d"), LEASE)
-        .await
-        .unwrap()
-    else {
-        panic!("claim");
-    };
+    let claim = claimed(
+        service
+            .claim(org, "webhook.nylas", "delivery-1", &hash("d"), LEASE)
+            .await,
+    );
     // The worker finished late in its day of retention.
     travel_back(&stack, claim.id(), Duration::from_secs(23 * 3600)).await;
     assert_eq!(
