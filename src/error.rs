@@ -112,6 +112,9 @@ pub enum InvalidInput {
     /// A completion with no response and no resource would replay an empty success.
     #[error("a completion must carry a response or a resource")]
     EmptyCompletion,
+    /// A Run needs an input to be admitted with.
+    #[error("a Run needs a non-null input")]
+    MissingRunInput,
     /// A resource reference with an empty type or id.
     #[error("a resource needs a non-empty type and id")]
     EmptyResource,

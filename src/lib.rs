@@ -11,6 +11,8 @@
 //!   `complete`, `release`); every decision is one SQL statement.
 //! - [`service`]: the duplicate semantics: five endings of a claim, scope
 //!   retention, request hashes, input validation.
+//! - [`callers`]: the tool guard, the webhook gate (with provider callbacks),
+//!   saved-search start and Run admission.
 //!
 //! The database owns every clock: callers pass lease and retention
 //! durations, and the functions compute instants from the database's `now()`.
@@ -40,6 +42,7 @@
 //! ```
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+pub mod callers;
 mod error;
 pub mod postgrest;
 pub mod repo;

@@ -29,6 +29,7 @@ pub use scope::{
     ScopeRegistry, DAY, MAX_SCOPE_CHARS, SAVED_SEARCH_START_RETENTION, SAVED_SEARCH_START_SCOPE,
     TOOL_RETENTION, WEBHOOK_RETENTION,
 };
+pub(crate) use validate::key as validate_key;
 pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};
 
 /// How many repository steps one `claim` may take before it gives up on a key

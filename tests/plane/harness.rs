@@ -80,3 +80,16 @@ pub fn claimed(outcome: Result<ClaimOutcome, Error>) -> Claim {
         other => panic!("expected to own the key, got {other:?}"),
     }
 }
+
+/// A PostgREST client on the stack, with the service key.
+pub fn client(stack: &LocalStack) -> idempotency_plane::PostgrestClient {
+    idempotency_plane::PostgrestClient::new(stack.client_config().expect("config")).expect("client")
+}
+
+/// Rows of `agent.runs`.
+pub async fn count_runs(stack: &LocalStack) -> i64 {
+    sqlx::query_scalar("select count(*) from agent.runs")
+        .fetch_one(stack.db())
+        .await
+        .expect("count runs")
+}

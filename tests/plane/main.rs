@@ -19,5 +19,9 @@ mod stack_claims;
 #[cfg(feature = "local")]
 mod stack_fences;
 #[cfg(feature = "local")]
+mod stack_saved_search;
+#[cfg(feature = "local")]
 mod stack_surface;
+#[cfg(feature = "local")]
+mod stack_tool;
 mod wire;

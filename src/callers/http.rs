@@ -1,0 +1,97 @@
+//! The webhook gate mounted as an axum route (feature `axum`).
+//!
+//! `POST /callbacks/{provider}/{job_id}`: the delivery id comes from the
+//! `webhook-id` header (Standard Webhooks) or `x-delivery-id`; the body's
+//! `job_id`, when it is JSON and names one, must match the path. Every ACK is
+//! 200 with `{"ack": …, "drop_reason": …}`; a delivery to process again later
+//! is 503; a request without a delivery id is 400.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use super::webhook::{Ack, ProcessingError, ProviderCallback, ProviderJob, WebhookGate};
+use crate::repo::IdempotencyRepository;
+
+/// The headers a delivery id is read from, in order.
+pub const DELIVERY_ID_HEADERS: [&str; 2] = ["webhook-id", "x-delivery-id"];
+
+struct Route<R, P> {
+    gate: WebhookGate<R>,
+    process: P,
+}
+
+/// A router serving provider callbacks through `gate`; `process` handles a
+/// delivery the gate lets through, with the job it belongs to and the body.
+pub fn provider_callback_router<R, P, Fut>(gate: WebhookGate<R>, process: P) -> Router
+where
+    R: IdempotencyRepository + 'static,
+    P: Fn(ProviderJob, Bytes) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
+{
+    let route = Arc::new(Route { gate, process });
+    Router::new()
+        .route(
+            "/callbacks/{provider}/{job_id}",
+            post(callback::<R, P, Fut>),
+        )
+        .with_state(route)
+}
+
+async fn callback<R, P, Fut>(
+    State(route): State<Arc<Route<R, P>>>,
+    Path((provider, job_id)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response
+where
+    R: IdempotencyRepository + 'static,
+    P: Fn(ProviderJob, Bytes) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
+{
+    let Some(delivery_id) = DELIVERY_ID_HEADERS
+        .iter()
+        .find_map(|name| headers.get(*name).and_then(|v| v.to_str().ok()))
+        .filter(|id| !id.is_empty())
+        .map(str::to_owned)
+    else {
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": "no webhook-id or x-delivery-id header"})),
+        )
+            .into_response();
+    };
+    let body_job_id = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v.get("job_id").and_then(Value::as_str).map(str::to_owned));
+    let callback = ProviderCallback {
+        provider: &provider,
+        path_job_id: &job_id,
+        body_job_id: body_job_id.as_deref(),
+        delivery_id: &delivery_id,
+        body: &body,
+    };
+    let ack = route
+        .gate
+        .handle_provider_callback(callback, |job| (route.process)(job, body.clone()))
+        .await;
+    ack_response(&ack)
+}
+
+/// The HTTP answer for `ack`: 200 with the ACK and its drop reason, or 503.
+pub fn ack_response(ack: &Ack) -> Response {
+    let status = StatusCode::from_u16(ack.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+    let body = match ack {
+        Ack::Processed => json!({"ack": "processed"}),
+        Ack::Dropped(reason) => json!({"ack": "dropped", "drop_reason": reason.as_str()}),
+        Ack::Retry(_) => json!({"ack": "retry"}),
+    };
+    (status, Json(body)).into_response()
+}

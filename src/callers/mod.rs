@@ -1,0 +1,16 @@
+//! The callers of the plane, one module each: they turn the service's five
+//! endings into what their boundary needs.
+//!
+//! - [`tool`]: a tool call inside an orchestrator step (raises on in-flight).
+//! - [`webhook`]: the HTTP boundary (every duplicate is an ACK with a reason),
+//!   and provider callbacks that resolve their tenant first.
+//! - [`saved_search`]: the one surface claim before Run admission.
+//! - [`runs`]: Run admission through `agent.runs`, never the claim table.
+
+pub mod runs;
+pub mod saved_search;
+pub mod tool;
+pub mod webhook;
+
+#[cfg(feature = "axum")]
+pub mod http;

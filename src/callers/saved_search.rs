@@ -1,0 +1,266 @@
+//! Saved-search start: the one surface claim before Run admission.
+//!
+//! A saved search must freeze its brief and baseline from mutable product
+//! tables before the Run request can be built. That preparation is claimed
+//! under `surface.saved_search.start`, and the frozen snapshot is the claim's
+//! response, together with a Run key derived once from the claim. The claim
+//! never records admission, dispatch or Run status: the Run is admitted
+//! through `agent.runs` with that key, so a replay finds the same Run.
+
+use std::future::Future;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tracing::Instrument;
+use uuid::Uuid;
+
+use super::runs::{AdmittedRun, RunAdmission};
+use crate::error::Error;
+use crate::repo::IdempotencyRepository;
+use crate::service::{
+    ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, SAVED_SEARCH_START_SCOPE,
+};
+
+/// The spec's lease for input preparation.
+pub const SAVED_SEARCH_LEASE: Duration = Duration::from_secs(30);
+
+/// Where the mutable product data comes from: the brief and the baseline a
+/// saved search starts from, read now and frozen.
+pub trait SnapshotSource: Send + Sync {
+    /// Reads and freezes the saved search's input. Called at most once per
+    /// start key while the claim is held.
+    fn freeze(
+        &self,
+        organization_id: Uuid,
+        saved_search_id: &str,
+    ) -> impl Future<Output = Result<Value, SnapshotError>> + Send;
+}
+
+/// The source could not freeze the input. Nothing was stored; the claim is
+/// released so a later start tries again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("freezing the saved search input failed: {0}")]
+pub struct SnapshotError(pub String);
+
+/// A started (or replayed) saved-search Run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StartedRun {
+    /// The admitted Run (`admitted` is false on a replay).
+    pub run: AdmittedRun,
+    /// The frozen input the Run was built from.
+    pub snapshot: Value,
+    /// True when an earlier start froze the input.
+    pub replayed: bool,
+}
+
+/// Why a start did not produce a Run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SavedSearchError {
+    /// Another worker is preparing this start right now. Retryable: try
+    /// again later; once its lease passes, the next caller reclaims it.
+    #[error("saved search start {key} is being prepared elsewhere until {lease_expires_at}")]
+    InProgress {
+        /// The start key.
+        key: String,
+        /// When that preparation's lease passes.
+        lease_expires_at: chrono::DateTime<chrono::Utc>,
+    },
+    /// Our lease passed while we froze the input and another worker took the
+    /// start over: our snapshot is not the one stored, and no Run was started
+    /// from it.
+    #[error("saved search start {key}: the lease moved on before completion; no Run started")]
+    FenceLost {
+        /// The start key.
+        key: String,
+    },
+    /// The start key was used for a different saved search.
+    #[error("saved search start {key} was used for a different request")]
+    Conflict {
+        /// The start key.
+        key: String,
+    },
+    /// The source failed; the claim was released.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// The stored answer is not a snapshot this module wrote.
+    #[error("saved search start {key}: the stored answer is not a snapshot: {reason}")]
+    StoredAnswer {
+        /// The start key.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The plane failed.
+    #[error(transparent)]
+    Plane(#[from] Error),
+}
+
+impl SavedSearchError {
+    /// True for the endings a caller should retry later.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            SavedSearchError::InProgress { .. } | SavedSearchError::Snapshot(_) => true,
+            SavedSearchError::Plane(error) => error.is_transient(),
+            _ => false,
+        }
+    }
+}
+
+/// What the claim stores: the snapshot and the Run key derived from the claim.
+#[derive(Debug, Serialize, Deserialize)]
+struct Prepared {
+    run_key: String,
+    snapshot: Value,
+}
+
+/// Starts saved searches: claim, freeze, complete, admit.
+#[derive(Debug, Clone)]
+pub struct SavedSearchStart<R, S> {
+    service: IdempotencyService<R>,
+    runs: RunAdmission,
+    source: S,
+    lease: Duration,
+}
+
+impl<R: IdempotencyRepository, S: SnapshotSource> SavedSearchStart<R, S> {
+    /// A starter with the spec's 30 s lease.
+    pub fn new(service: IdempotencyService<R>, runs: RunAdmission, source: S) -> Self {
+        SavedSearchStart {
+            service,
+            runs,
+            source,
+            lease: SAVED_SEARCH_LEASE,
+        }
+    }
+
+    /// Sets the preparation lease (the spec's is 30 s).
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Starts saved search `saved_search_id` for `trigger_id` (the schedule
+    /// tick or the click that asked for it): freezes its input once, and
+    /// admits one Run from it. Every repeat answers that Run.
+    pub async fn start(
+        &self,
+        organization_id: Uuid,
+        saved_search_id: &str,
+        trigger_id: &str,
+    ) -> Result<StartedRun, SavedSearchError> {
+        let key = format!("{saved_search_id}:{trigger_id}");
+        let span = tracing::info_span!(
+            "saved_search.start",
+            %organization_id, key = key.as_str(), outcome = tracing::field::Empty,
+            replayed = tracing::field::Empty
+        );
+        self.start_inner(organization_id, saved_search_id, trigger_id, &key)
+            .instrument(span)
+            .await
+    }
+
+    async fn start_inner(
+        &self,
+        organization_id: Uuid,
+        saved_search_id: &str,
+        trigger_id: &str,
+        key: &str,
+    ) -> Result<StartedRun, SavedSearchError> {
+        let hash = RequestHash::of_json(
+            &json!({"saved_search_id": saved_search_id, "trigger_id": trigger_id}),
+        );
+        let span = tracing::Span::current();
+        let outcome = self
+            .service
+            .claim(
+                organization_id,
+                SAVED_SEARCH_START_SCOPE,
+                key,
+                &hash,
+                self.lease,
+            )
+            .await?;
+        let (prepared, replayed) = match outcome {
+            ClaimOutcome::Claimed(claim) => {
+                let snapshot = match self.source.freeze(organization_id, saved_search_id).await {
+                    Ok(snapshot) => snapshot,
+                    Err(error) => {
+                        if let Err(release) = self.service.release(&claim).await {
+                            tracing::error!(error = %release, "could not release; the claim frees itself when its lease passes");
+                        }
+                        return Err(error.into());
+                    }
+                };
+                let prepared = Prepared {
+                    run_key: format!("saved_search:{}", claim.id()),
+                    snapshot,
+                };
+                let response = serde_json::to_value(&prepared).map_err(|e| {
+                    SavedSearchError::StoredAnswer {
+                        key: key.to_owned(),
+                        reason: e.to_string(),
+                    }
+                })?;
+                match self
+                    .service
+                    .complete(&claim, Completion::response(response))
+                    .await?
+                {
+                    Ending::Recorded => (prepared, false),
+                    Ending::LeaseMovedOn => {
+                        span.record("outcome", "fence_lost");
+                        return Err(SavedSearchError::FenceLost {
+                            key: key.to_owned(),
+                        });
+                    }
+                }
+            }
+            ClaimOutcome::Completed { response, .. } => {
+                let prepared = response
+                    .ok_or_else(|| "no response".to_owned())
+                    .and_then(|value| {
+                        serde_json::from_value::<Prepared>(value).map_err(|e| e.to_string())
+                    })
+                    .map_err(|reason| SavedSearchError::StoredAnswer {
+                        key: key.to_owned(),
+                        reason,
+                    })?;
+                (prepared, true)
+            }
+            ClaimOutcome::Processing { lease_expires_at } => {
+                span.record("outcome", "in_progress");
+                return Err(SavedSearchError::InProgress {
+                    key: key.to_owned(),
+                    lease_expires_at,
+                });
+            }
+            ClaimOutcome::Conflict => {
+                span.record("outcome", "conflict");
+                return Err(SavedSearchError::Conflict {
+                    key: key.to_owned(),
+                });
+            }
+            ClaimOutcome::Absent => {
+                return Err(Error::Inconsistent("claim() answered absent".into()).into())
+            }
+        };
+        // Admission is its own claim (agent.runs' unique start key): a replay
+        // whose first attempt died after completing admits the Run now.
+        let run = self
+            .runs
+            .admit(organization_id, &prepared.run_key, &prepared.snapshot)
+            .await?;
+        span.record(
+            "outcome",
+            if run.admitted { "admitted" } else { "replayed" },
+        );
+        span.record("replayed", replayed);
+        Ok(StartedRun {
+            snapshot: prepared.snapshot,
+            run,
+            replayed,
+        })
+    }
+}

@@ -1,0 +1,526 @@
+//! The tool guard: one tool call inside a durable orchestrator's step.
+//!
+//! The journal is read before the policy checkpoint and claimed after it, so
+//! a call a person has not yet allowed takes no key. A live claim raises
+//! [`ToolError::ClaimInFlight`], which ends the step so the orchestrator runs
+//! it again; it is never turned into a result. A retryable failure releases
+//! the claim; success and business failures complete it.
+
+use std::future::Future;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use tracing::{field, Instrument};
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::repo::IdempotencyRepository;
+use crate::service::{
+    ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, TOOL_RETENTION,
+};
+
+/// The longest a tool call may run: the orchestrator's step budget.
+pub const STEP_BUDGET: Duration = Duration::from_secs(120);
+
+/// The cap validation puts on a definition's `max_run_duration`. Equal to the
+/// tool retention, so a claim outlives every Run that could replay it.
+pub const MAX_RUN_DURATION: Duration = TOOL_RETENTION;
+
+/// Added to a tool's timeout to make its lease, so the lease outlives the
+/// call it guards but passes well before an orchestrator's last retry.
+pub const DEFAULT_LEASE_MARGIN: Duration = Duration::from_secs(15);
+
+/// Checks a definition's `max_run_duration` against the 30-day cap.
+pub fn validate_max_run_duration(max_run_duration: Duration) -> Result<(), ToolError> {
+    if max_run_duration.is_zero() || max_run_duration > MAX_RUN_DURATION {
+        return Err(ToolError::RunDurationOutOfRange {
+            max_run_duration,
+            cap: MAX_RUN_DURATION,
+        });
+    }
+    Ok(())
+}
+
+/// A tool's scope and timeout, checked once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolSpec {
+    scope: String,
+    timeout: Duration,
+}
+
+impl ToolSpec {
+    /// A tool under `scope` (which must start with `tool.`) whose calls
+    /// finish within `timeout` (at most [`STEP_BUDGET`]).
+    pub fn new(scope: impl Into<String>, timeout: Duration) -> Result<Self, ToolError> {
+        let scope = scope.into();
+        if !scope.starts_with("tool.") || scope.len() == "tool.".len() {
+            return Err(ToolError::NotAToolScope { scope });
+        }
+        if timeout.is_zero() || timeout > STEP_BUDGET {
+            return Err(ToolError::TimeoutOutOfRange {
+                timeout,
+                budget: STEP_BUDGET,
+            });
+        }
+        Ok(ToolSpec { scope, timeout })
+    }
+
+    /// The scope, e.g. `tool.email.send`.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The call's timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+/// The idempotency key of one tool call, built from stable identifiers of
+/// the Run and the orchestrator step that makes the call.
+///
+/// There is deliberately no way to build one from the model's tool-call id:
+/// a restarted Agent segment makes the model mint a new one, so that key
+/// would miss the earlier claim and repeat the effect.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ToolKey(String);
+
+impl ToolKey {
+    /// The key of the call made by step `step_id` of Run `run_id`. The step
+    /// id is the orchestrator's (e.g. Inngest's), which a replay recomputes.
+    pub fn for_step(run_id: Uuid, step_id: &str) -> Self {
+        ToolKey(format!("run:{run_id}:step:{step_id}"))
+    }
+
+    /// The key as stored.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// What the tool is handed while it holds the claim.
+#[derive(Debug, Clone)]
+pub struct ToolCall {
+    vendor_key: String,
+    lease_expires_at: chrono::DateTime<chrono::Utc>,
+    reclaimed: bool,
+}
+
+impl ToolCall {
+    /// The key to pass to the vendor (e.g. as `Idempotency-Key`) where it
+    /// supports one. The same for every attempt of this call, so a vendor
+    /// that dedupes turns a retry after a crash into a replay. Derived from
+    /// organization, scope and key, because one vendor account serves every
+    /// tenant; hex, 64 characters.
+    pub fn idempotency_key(&self) -> &str {
+        &self.vendor_key
+    }
+
+    /// When our lease passes, by the database clock.
+    pub fn lease_expires_at(&self) -> chrono::DateTime<chrono::Utc> {
+        self.lease_expires_at
+    }
+
+    /// True when this attempt took over the claim of a worker that died:
+    /// the vendor may already have seen this call.
+    pub fn reclaimed(&self) -> bool {
+        self.reclaimed
+    }
+}
+
+/// A tool's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolResult {
+    /// True on success.
+    pub ok: bool,
+    /// True for a failure that made no effect and may succeed later (vendor
+    /// 429 or 5xx). Never stored: the claim is released instead.
+    #[serde(default, skip_serializing)]
+    pub retryable: bool,
+    /// The tool's output, or the failure's details.
+    pub output: Value,
+    /// A machine-readable failure code (`not_found`, `invalid_input`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The resource the effect made, stored beside the response.
+    #[serde(skip)]
+    pub resource: Option<ResourceRef>,
+}
+
+impl ToolResult {
+    /// A success with `output`.
+    pub fn success(output: Value) -> Self {
+        ToolResult {
+            ok: true,
+            retryable: false,
+            output,
+            error: None,
+            resource: None,
+        }
+    }
+
+    /// A business failure: an answer that repeating the call would give
+    /// again (`not_found`, `invalid_input`). Completed and replayed.
+    pub fn business_failure(error: impl Into<String>, output: Value) -> Self {
+        ToolResult {
+            ok: false,
+            retryable: false,
+            output,
+            error: Some(error.into()),
+            resource: None,
+        }
+    }
+
+    /// A failure that made no effect (vendor 429/5xx). Released, so the
+    /// next attempt executes.
+    pub fn retryable_failure(error: impl Into<String>, output: Value) -> Self {
+        ToolResult {
+            ok: false,
+            retryable: true,
+            output,
+            error: Some(error.into()),
+            resource: None,
+        }
+    }
+
+    /// Names the resource the effect made (e.g. `nylas.message`, its id).
+    pub fn with_resource(
+        mut self,
+        resource_type: impl Into<String>,
+        resource_id: impl Into<String>,
+    ) -> Self {
+        self.resource = Some(ResourceRef {
+            resource_type: resource_type.into(),
+            resource_id: resource_id.into(),
+        });
+        self
+    }
+
+    /// Reads back a stored answer. One written by another caller that does
+    /// not use this shape is replayed as a success whose output is the
+    /// stored response.
+    fn from_stored(response: Option<Value>, resource: Option<ResourceRef>) -> Self {
+        let mut result = match response {
+            Some(value) => serde_json::from_value::<ToolResult>(value.clone())
+                .ok()
+                .filter(|_| value.get("ok").is_some_and(Value::is_boolean))
+                .unwrap_or_else(|| ToolResult::success(value)),
+            None => ToolResult::success(Value::Null),
+        };
+        result.resource = resource;
+        result
+    }
+
+    fn completion(&self) -> Result<Completion, ToolError> {
+        let response = serde_json::to_value(self).map_err(|e| ToolError::Encode(e.to_string()))?;
+        let completion = Completion::response(response);
+        Ok(match &self.resource {
+            Some(r) => completion.with_resource(r.resource_type.clone(), r.resource_id.clone()),
+            None => completion,
+        })
+    }
+}
+
+/// The policy checkpoint's decision, made between the read and the claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Checkpoint {
+    /// Run the call now.
+    Allow,
+    /// Not yet (waiting on an approval): no key is taken, so the resumed
+    /// step can claim it.
+    Hold,
+}
+
+/// How a guarded call ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolRun {
+    /// The tool ran in this attempt.
+    Executed(ToolResult),
+    /// An earlier attempt ran it; this is its stored answer.
+    Replayed(ToolResult),
+    /// The checkpoint held the call; nothing ran and no key was taken.
+    Held,
+}
+
+/// Why a guarded call did not produce an answer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ToolError {
+    /// Another worker holds a live lease on this call: the effect may be in
+    /// flight. Raise it so the orchestrator runs the step again later; never
+    /// report it as a result.
+    #[error("tool call {scope}/{key} is in flight elsewhere until {lease_expires_at}")]
+    ClaimInFlight {
+        /// The scope.
+        scope: String,
+        /// The key.
+        key: String,
+        /// When that lease passes.
+        lease_expires_at: chrono::DateTime<chrono::Utc>,
+    },
+    /// The key already answers for a call with different arguments.
+    #[error("tool call {scope}/{key} was made before with different arguments")]
+    Conflict {
+        /// The scope.
+        scope: String,
+        /// The key.
+        key: String,
+    },
+    /// The scope is not a tool scope.
+    #[error("{scope:?} is not a tool scope (tool.<name>)")]
+    NotAToolScope {
+        /// The scope given.
+        scope: String,
+    },
+    /// The tool's timeout is zero or above the step budget.
+    #[error("tool timeout {timeout:?} must be above zero and at most the {budget:?} step budget")]
+    TimeoutOutOfRange {
+        /// The timeout given.
+        timeout: Duration,
+        /// The step budget.
+        budget: Duration,
+    },
+    /// A definition's `max_run_duration` above the 30-day cap.
+    #[error("max_run_duration {max_run_duration:?} must be above zero and at most {cap:?}")]
+    RunDurationOutOfRange {
+        /// The duration given.
+        max_run_duration: Duration,
+        /// The cap.
+        cap: Duration,
+    },
+    /// The tool's result could not be encoded for the journal.
+    #[error("the tool result cannot be stored: {0}")]
+    Encode(String),
+    /// The plane failed (invalid input, store unreachable, …).
+    #[error(transparent)]
+    Plane(#[from] Error),
+}
+
+/// Guards tool calls with the idempotency plane.
+#[derive(Debug, Clone)]
+pub struct ToolGuard<R> {
+    service: IdempotencyService<R>,
+    margin: Duration,
+}
+
+impl<R: IdempotencyRepository> ToolGuard<R> {
+    /// A guard over `service`, with [`DEFAULT_LEASE_MARGIN`].
+    pub fn new(service: IdempotencyService<R>) -> Self {
+        ToolGuard {
+            service,
+            margin: DEFAULT_LEASE_MARGIN,
+        }
+    }
+
+    /// Sets the margin added to a tool's timeout to make its lease.
+    pub fn with_lease_margin(mut self, margin: Duration) -> Self {
+        self.margin = margin;
+        self
+    }
+
+    /// The lease a call of `spec` is claimed for: its timeout plus the margin.
+    pub fn lease_for(&self, spec: &ToolSpec) -> Duration {
+        spec.timeout + self.margin
+    }
+
+    /// Runs one tool call at most once.
+    ///
+    /// 1. Reads the journal: a stored answer is replayed (span `replayed =
+    ///    true`), a live claim raises [`ToolError::ClaimInFlight`], a
+    ///    different request under the key raises [`ToolError::Conflict`].
+    /// 2. Runs `checkpoint`; [`Checkpoint::Hold`] returns [`ToolRun::Held`]
+    ///    without taking the key.
+    /// 3. Claims the key (reclaiming a dead worker's), runs `tool` with the
+    ///    vendor key, then completes (success, business failure) or releases
+    ///    (retryable failure).
+    ///
+    /// `tool` must return within the spec's timeout: the lease covers that
+    /// long plus the margin, and a call still running after it may be run
+    /// again by another worker (with the same vendor key).
+    pub async fn run<C, CF, T, TF>(
+        &self,
+        organization_id: Uuid,
+        spec: &ToolSpec,
+        key: &ToolKey,
+        arguments: &Value,
+        checkpoint: C,
+        tool: T,
+    ) -> Result<ToolRun, ToolError>
+    where
+        C: FnOnce() -> CF,
+        CF: Future<Output = Checkpoint>,
+        T: FnOnce(ToolCall) -> TF,
+        TF: Future<Output = ToolResult>,
+    {
+        let span = tracing::info_span!(
+            "tool.call",
+            %organization_id, scope = spec.scope(), key = key.as_str(),
+            outcome = field::Empty, replayed = field::Empty
+        );
+        async move {
+            let hash = RequestHash::of_json(arguments);
+            let scope = spec.scope();
+            let read = self
+                .service
+                .read(organization_id, scope, key.as_str(), &hash)
+                .await?;
+            if let Some(ended) = self.settled(spec, key, read)? {
+                return Ok(ended);
+            }
+            if checkpoint().await == Checkpoint::Hold {
+                tracing::Span::current().record("outcome", "held");
+                return Ok(ToolRun::Held);
+            }
+            let claimed = self
+                .service
+                .claim(
+                    organization_id,
+                    scope,
+                    key.as_str(),
+                    &hash,
+                    self.lease_for(spec),
+                )
+                .await?;
+            let claim = match claimed {
+                ClaimOutcome::Claimed(claim) => claim,
+                other => {
+                    return self.settled(spec, key, other)?.ok_or_else(|| {
+                        Error::Inconsistent("claim() answered absent".into()).into()
+                    })
+                }
+            };
+            let call = ToolCall {
+                vendor_key: vendor_key(organization_id, scope, key.as_str()),
+                lease_expires_at: claim.lease_expires_at(),
+                reclaimed: claim.reclaimed(),
+            };
+            let result = tool(call).await;
+            let ending = if result.retryable {
+                self.service.release(&claim).await?
+            } else {
+                self.service.complete(&claim, result.completion()?).await?
+            };
+            let outcome = match (result.retryable, ending) {
+                (true, _) => "released",
+                (false, Ending::Recorded) => "completed",
+                (false, Ending::LeaseMovedOn) => "lease_moved_on",
+            };
+            let span = tracing::Span::current();
+            span.record("outcome", outcome);
+            span.record("replayed", false);
+            Ok(ToolRun::Executed(result))
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The endings that need no execution: replay, in flight, conflict.
+    /// `None` when the caller may go on to claim.
+    fn settled(
+        &self,
+        spec: &ToolSpec,
+        key: &ToolKey,
+        outcome: ClaimOutcome,
+    ) -> Result<Option<ToolRun>, ToolError> {
+        let span = tracing::Span::current();
+        match outcome {
+            ClaimOutcome::Absent | ClaimOutcome::Claimed(_) => Ok(None),
+            ClaimOutcome::Completed { response, resource } => {
+                span.record("outcome", "replayed");
+                span.record("replayed", true);
+                Ok(Some(ToolRun::Replayed(ToolResult::from_stored(
+                    response, resource,
+                ))))
+            }
+            ClaimOutcome::Processing { lease_expires_at } => {
+                span.record("outcome", "in_flight");
+                Err(ToolError::ClaimInFlight {
+                    scope: spec.scope().to_owned(),
+                    key: key.as_str().to_owned(),
+                    lease_expires_at,
+                })
+            }
+            ClaimOutcome::Conflict => {
+                span.record("outcome", "conflict");
+                Err(ToolError::Conflict {
+                    scope: spec.scope().to_owned(),
+                    key: key.as_str().to_owned(),
+                })
+            }
+        }
+    }
+}
+
+/// `hex(sha256(organization ":" scope ":" key))`: stable across attempts,
+/// distinct across tenants sharing one vendor account.
+fn vendor_key(organization_id: Uuid, scope: &str, key: &str) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(organization_id.as_bytes());
+    hasher.update(b":");
+    hasher.update(scope.as_bytes());
+    hasher.update(b":");
+    hasher.update(key.as_bytes());
+    hex::encode(hasher.finalize())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_tool_spec_refuses_timeouts_above_the_step_budget_and_non_tool_scopes() {
+        assert!(ToolSpec::new("tool.email.send", STEP_BUDGET).is_ok());
+        assert!(matches!(
+            ToolSpec::new("tool.email.send", STEP_BUDGET + Duration::from_millis(1)),
+            Err(ToolError::TimeoutOutOfRange { .. })
+        ));
+        assert!(matches!(
+            ToolSpec::new("tool.email.send", Duration::ZERO),
+            Err(ToolError::TimeoutOutOfRange { .. })
+        ));
+        for scope in ["webhook.nylas", "tool.", "email.send"] {
+            assert!(matches!(
+                ToolSpec::new(scope, Duration::from_secs(5)),
+                Err(ToolError::NotAToolScope { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn max_run_duration_is_capped_at_the_tool_retention() {
+        assert!(validate_max_run_duration(Duration::from_secs(30 * 86_400)).is_ok());
+        assert!(validate_max_run_duration(Duration::from_secs(30 * 86_400 + 1)).is_err());
+        assert!(validate_max_run_duration(Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn the_vendor_key_is_stable_and_distinct_per_tenant() {
+        let org = Uuid::new_v4();
+        let key = vendor_key(org, "tool.email.send", "run:1:step:2");
+        assert_eq!(key, vendor_key(org, "tool.email.send", "run:1:step:2"));
+        assert_ne!(
+            key,
+            vendor_key(Uuid::new_v4(), "tool.email.send", "run:1:step:2")
+        );
+        assert_ne!(key, vendor_key(org, "tool.email.send", "run:1:step:3"));
+        assert_eq!(key.len(), 64);
+    }
+
+    #[test]
+    fn a_stored_answer_reads_back_as_the_result_that_made_it() {
+        let failure = ToolResult::business_failure("not_found", json!({"id": 7}));
+        let stored = serde_json::to_value(&failure).unwrap();
+        assert_eq!(
+            stored,
+            json!({"ok": false, "output": {"id": 7}, "error": "not_found"})
+        );
+        assert_eq!(ToolResult::from_stored(Some(stored), None), failure);
+        // An answer stored by another caller replays as a success.
+        let foreign = ToolResult::from_stored(Some(json!({"message_id": "m"})), None);
+        assert!(foreign.ok);
+        assert_eq!(foreign.output, json!({"message_id": "m"}));
+    }
+}

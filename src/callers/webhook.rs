@@ -1,0 +1,411 @@
+//! The webhook gate: the edge adapter at an HTTP boundary.
+//!
+//! A webhook handler is the outermost frame, and a 5xx tells the vendor that
+//! a delivery which succeeded failed (Slack disables a subscription that
+//! answers 5xx often enough). So every duplicate ending is an ACK with a
+//! counted, logged drop reason; none is silent. Only two things are not
+//! ACKed, because nothing was done and the vendor's redelivery is wanted: a
+//! processing failure that made no effect, and a plane that could not be
+//! reached.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::postgrest::{PostgrestClient, Repeat};
+use crate::repo::IdempotencyRepository;
+use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash};
+
+/// The lease a webhook delivery is claimed for unless set otherwise.
+pub const DEFAULT_WEBHOOK_LEASE: Duration = Duration::from_secs(30);
+
+/// Why a delivery was acknowledged without being processed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DropReason {
+    /// Handled already, or being handled right now by another worker.
+    Duplicate,
+    /// The delivery id was seen with a different body.
+    HashMismatch,
+    /// The callback path names a job this platform does not hold.
+    UnknownJob,
+    /// The body names a different job than the path.
+    JobMismatch,
+}
+
+impl DropReason {
+    /// The reason as logged and counted: `duplicate`, `hash_mismatch`,
+    /// `unknown_job`, `job_mismatch`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Duplicate => "duplicate",
+            DropReason::HashMismatch => "hash_mismatch",
+            DropReason::UnknownJob => "unknown_job",
+            DropReason::JobMismatch => "job_mismatch",
+        }
+    }
+}
+
+/// Why a delivery is answered with a non-2xx so the vendor redelivers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryReason {
+    /// Processing failed without an effect; the claim was released.
+    ProcessingFailed,
+    /// The plane could not be reached or refused the call; nothing was claimed.
+    PlaneUnavailable,
+}
+
+/// The gate's answer to one delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ack {
+    /// Processed now (successfully, or with a failure that would repeat).
+    Processed,
+    /// Acknowledged without processing, for this reason.
+    Dropped(DropReason),
+    /// Not acknowledged: answer 503 so the vendor delivers it again.
+    Retry(RetryReason),
+}
+
+impl Ack {
+    /// The HTTP status to answer: 200 for every ACK, 503 for a retry.
+    pub fn status(&self) -> u16 {
+        match self {
+            Ack::Processed | Ack::Dropped(_) => 200,
+            Ack::Retry(_) => 503,
+        }
+    }
+}
+
+/// Counts of every drop reason, for an operator's "why did this not run?".
+#[derive(Debug, Default)]
+pub struct DropCounters {
+    duplicate: AtomicU64,
+    hash_mismatch: AtomicU64,
+    unknown_job: AtomicU64,
+    job_mismatch: AtomicU64,
+}
+
+impl DropCounters {
+    /// How many deliveries were dropped for `reason` since start.
+    pub fn get(&self, reason: DropReason) -> u64 {
+        self.counter(reason).load(Ordering::Relaxed)
+    }
+
+    fn add(&self, reason: DropReason) {
+        self.counter(reason).fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn counter(&self, reason: DropReason) -> &AtomicU64 {
+        match reason {
+            DropReason::Duplicate => &self.duplicate,
+            DropReason::HashMismatch => &self.hash_mismatch,
+            DropReason::UnknownJob => &self.unknown_job,
+            DropReason::JobMismatch => &self.job_mismatch,
+        }
+    }
+}
+
+/// A processing failure, as the caller's handler reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessingError {
+    /// True when the failure made no effect and a redelivery may succeed:
+    /// the claim is released and the delivery not ACKed. False for a failure
+    /// that would repeat: it is stored as the delivery's answer and ACKed.
+    pub retryable: bool,
+    /// What went wrong, for the log and the stored answer.
+    pub message: String,
+}
+
+impl ProcessingError {
+    /// A failure that made no effect; the vendor's redelivery will be processed.
+    pub fn retryable(message: impl Into<String>) -> Self {
+        ProcessingError {
+            retryable: true,
+            message: message.into(),
+        }
+    }
+
+    /// A failure that would repeat; stored and ACKed.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        ProcessingError {
+            retryable: false,
+            message: message.into(),
+        }
+    }
+}
+
+/// One delivery at the boundary.
+#[derive(Debug, Clone, Copy)]
+pub struct Delivery<'a> {
+    /// The tenant the delivery belongs to (resolved before the gate).
+    pub organization_id: Uuid,
+    /// The vendor scope, e.g. `webhook.nylas`.
+    pub scope: &'a str,
+    /// The vendor's delivery id: the idempotency key.
+    pub delivery_id: &'a str,
+    /// The body exactly as delivered; its SHA-256 is the request hash.
+    pub body: &'a [u8],
+}
+
+/// A job started at a provider that answers by callback.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct ProviderJob {
+    /// Our row id.
+    pub id: Uuid,
+    /// The tenant the job belongs to.
+    pub organization_id: Uuid,
+    /// The provider, e.g. `transcribe`.
+    pub provider: String,
+    /// The provider's job id.
+    pub job_id: String,
+}
+
+/// The `agent.provider_jobs` directory.
+#[derive(Debug, Clone)]
+pub struct ProviderJobs {
+    client: PostgrestClient,
+}
+
+impl ProviderJobs {
+    /// The directory over `client`.
+    pub fn new(client: PostgrestClient) -> Self {
+        ProviderJobs { client }
+    }
+
+    /// Records a job this platform started at `provider`. A repeat answers
+    /// the stored job; the same job id under another organization is refused.
+    pub async fn register(
+        &self,
+        organization_id: Uuid,
+        provider: &str,
+        job_id: &str,
+    ) -> Result<ProviderJob, Error> {
+        let args = json!({"p_organization_id": organization_id, "p_provider": provider, "p_job_id": job_id});
+        let mut rows: Vec<ProviderJob> = self
+            .client
+            .rpc("provider_job_register", &args, Repeat::Safe)
+            .await?;
+        rows.pop()
+            .ok_or_else(|| Error::Inconsistent("provider_job_register answered no row".into()))
+    }
+
+    /// The job `provider` knows as `job_id`, if we hold it.
+    pub async fn lookup(&self, provider: &str, job_id: &str) -> Result<Option<ProviderJob>, Error> {
+        let args = json!({"p_provider": provider, "p_job_id": job_id});
+        let mut rows: Vec<ProviderJob> = self
+            .client
+            .rpc("provider_job_lookup", &args, Repeat::Safe)
+            .await?;
+        Ok(rows.pop())
+    }
+}
+
+/// A provider's callback: the job the path names, and the one the body names.
+#[derive(Debug, Clone, Copy)]
+pub struct ProviderCallback<'a> {
+    /// The provider; its scope is `webhook.<provider>`.
+    pub provider: &'a str,
+    /// The job id in the callback path.
+    pub path_job_id: &'a str,
+    /// The job id the body names, if it names one.
+    pub body_job_id: Option<&'a str>,
+    /// The provider's delivery id.
+    pub delivery_id: &'a str,
+    /// The body exactly as delivered.
+    pub body: &'a [u8],
+}
+
+/// The gate. Cheap to clone; clones share their counters.
+#[derive(Debug, Clone)]
+pub struct WebhookGate<R> {
+    service: IdempotencyService<R>,
+    jobs: ProviderJobs,
+    lease: Duration,
+    drops: Arc<DropCounters>,
+}
+
+impl<R: IdempotencyRepository> WebhookGate<R> {
+    /// A gate over `service`, resolving provider callbacks through `jobs`,
+    /// claiming for [`DEFAULT_WEBHOOK_LEASE`].
+    pub fn new(service: IdempotencyService<R>, jobs: ProviderJobs) -> Self {
+        WebhookGate {
+            service,
+            jobs,
+            lease: DEFAULT_WEBHOOK_LEASE,
+            drops: Arc::new(DropCounters::default()),
+        }
+    }
+
+    /// Sets the lease: the longest the processing takes, plus a margin.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The drop counters.
+    pub fn drops(&self) -> &DropCounters {
+        &self.drops
+    }
+
+    /// Claims the delivery, runs `process` if we own it, then completes
+    /// (success, or a failure that would repeat) or releases (a failure that
+    /// made no effect). Every duplicate ending is an ACK with its reason.
+    pub async fn handle<F, Fut>(&self, delivery: Delivery<'_>, process: F) -> Ack
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Value, ProcessingError>>,
+    {
+        let span = tracing::info_span!(
+            "webhook.delivery",
+            organization_id = %delivery.organization_id, scope = delivery.scope,
+            delivery_id = delivery.delivery_id, ack = tracing::field::Empty,
+            drop_reason = tracing::field::Empty, replayed = tracing::field::Empty
+        );
+        let ack = self
+            .handle_inner(delivery, process)
+            .instrument(span.clone())
+            .await;
+        span.record(
+            "ack",
+            match &ack {
+                Ack::Processed => "processed",
+                Ack::Dropped(_) => "dropped",
+                Ack::Retry(_) => "retry",
+            },
+        );
+        ack
+    }
+
+    async fn handle_inner<F, Fut>(&self, delivery: Delivery<'_>, process: F) -> Ack
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Value, ProcessingError>>,
+    {
+        let hash = RequestHash::of_bytes(delivery.body);
+        let claimed = self
+            .service
+            .claim(
+                delivery.organization_id,
+                delivery.scope,
+                delivery.delivery_id,
+                &hash,
+                self.lease,
+            )
+            .await;
+        let claim = match claimed {
+            Ok(ClaimOutcome::Claimed(claim)) => claim,
+            Ok(ClaimOutcome::Completed { .. }) => {
+                tracing::Span::current().record("replayed", true);
+                return self.drop_delivery(DropReason::Duplicate);
+            }
+            Ok(ClaimOutcome::Processing { .. }) => {
+                return self.drop_delivery(DropReason::Duplicate)
+            }
+            Ok(ClaimOutcome::Conflict) => return self.drop_delivery(DropReason::HashMismatch),
+            Ok(ClaimOutcome::Absent) => {
+                return self.unavailable(&Error::Inconsistent("claim() answered absent".into()))
+            }
+            Err(error) => return self.unavailable(&error),
+        };
+        let (completion, ack) = match process().await {
+            Ok(response) => (
+                Completion::response(json!({"ok": true, "output": response})),
+                Ack::Processed,
+            ),
+            Err(failure) if failure.retryable => {
+                tracing::warn!(error = %failure.message, "processing failed without an effect; released for redelivery");
+                if let Err(error) = self.service.release(&claim).await {
+                    tracing::error!(%error, "could not release; the claim frees itself when its lease passes");
+                }
+                return Ack::Retry(RetryReason::ProcessingFailed);
+            }
+            Err(failure) => {
+                tracing::warn!(error = %failure.message, "processing failed; the failure is the delivery's answer");
+                let answer = json!({"ok": false, "error": failure.message});
+                (Completion::response(answer), Ack::Processed)
+            }
+        };
+        match self.service.complete(&claim, completion).await {
+            Ok(Ending::Recorded) => {}
+            Ok(Ending::LeaseMovedOn) => {
+                tracing::warn!(
+                    "processed, but the lease had moved on: another worker holds this delivery now"
+                )
+            }
+            // The processing happened; the vendor must not redeliver it. The
+            // claim is reclaimable once its lease passes.
+            Err(error) => {
+                tracing::error!(%error, "processed, but the completion could not be recorded")
+            }
+        }
+        ack
+    }
+
+    /// Resolves the callback's tenant from `agent.provider_jobs`, checks the
+    /// body names the same job, then handles it under `webhook.<provider>`.
+    /// `process` receives the job it belongs to.
+    pub async fn handle_provider_callback<F, Fut>(
+        &self,
+        callback: ProviderCallback<'_>,
+        process: F,
+    ) -> Ack
+    where
+        F: FnOnce(ProviderJob) -> Fut,
+        Fut: Future<Output = Result<Value, ProcessingError>>,
+    {
+        let span = tracing::info_span!(
+            "webhook.provider_callback",
+            provider = callback.provider,
+            job_id = callback.path_job_id,
+            delivery_id = callback.delivery_id,
+            drop_reason = tracing::field::Empty
+        );
+        let job = match self
+            .jobs
+            .lookup(callback.provider, callback.path_job_id)
+            .instrument(span.clone())
+            .await
+        {
+            Ok(Some(job)) => job,
+            Ok(None) => return span.in_scope(|| self.drop_delivery(DropReason::UnknownJob)),
+            Err(error) => return span.in_scope(|| self.unavailable(&error)),
+        };
+        if callback
+            .body_job_id
+            .is_some_and(|named| named != callback.path_job_id)
+        {
+            return span.in_scope(|| self.drop_delivery(DropReason::JobMismatch));
+        }
+        let scope = format!("webhook.{}", callback.provider);
+        let delivery = Delivery {
+            organization_id: job.organization_id,
+            scope: &scope,
+            delivery_id: callback.delivery_id,
+            body: callback.body,
+        };
+        self.handle(delivery, || process(job))
+            .instrument(span)
+            .await
+    }
+
+    fn drop_delivery(&self, reason: DropReason) -> Ack {
+        self.drops.add(reason);
+        tracing::Span::current().record("drop_reason", reason.as_str());
+        tracing::info!(
+            drop_reason = reason.as_str(),
+            "delivery dropped and acknowledged"
+        );
+        Ack::Dropped(reason)
+    }
+
+    fn unavailable(&self, error: &Error) -> Ack {
+        tracing::error!(%error, "the plane could not decide; not acknowledged so the vendor redelivers");
+        Ack::Retry(RetryReason::PlaneUnavailable)
+    }
+}
