@@ -10,4 +10,8 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0004_privileges.sql",
         include_str!("../sql/0004_privileges.sql"),
     ),
+    (
+        "0005_provider_jobs.sql",
+        include_str!("../sql/0005_provider_jobs.sql"),
+    ),
 ];

@@ -24,4 +24,6 @@ mod stack_saved_search;
 mod stack_surface;
 #[cfg(feature = "local")]
 mod stack_tool;
+#[cfg(feature = "local")]
+mod stack_webhook;
 mod wire;

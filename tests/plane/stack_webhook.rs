@@ -1,0 +1,288 @@
+//! The webhook gate and provider callbacks on the real stack.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use idempotency_plane::callers::http::provider_callback_router;
+use idempotency_plane::callers::webhook::{
+    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, RetryReason,
+    WebhookGate,
+};
+use idempotency_plane::PostgrestRepository;
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+use crate::harness::*;
+
+fn gate(stack: &idempotency_plane::local::LocalStack) -> WebhookGate<PostgrestRepository> {
+    WebhookGate::new(service(stack), ProviderJobs::new(client(stack)))
+}
+
+fn delivery<'a>(org: uuid::Uuid, id: &'a str, body: &'a [u8]) -> Delivery<'a> {
+    Delivery {
+        organization_id: org,
+        scope: "webhook.nylas",
+        delivery_id: id,
+        body,
+    }
+}
+
+#[tokio::test]
+async fn a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    let org = org();
+    let body = br#"{"type":"message.created","id":"m-1"}"#;
+    let performed = AtomicUsize::new(0);
+    let process = || async {
+        performed.fetch_add(1, Ordering::SeqCst);
+        Ok::<Value, ProcessingError>(json!({"stored": "m-1"}))
+    };
+
+    assert_eq!(
+        gate.handle(delivery(org, "d-1", body), process).await,
+        Ack::Processed
+    );
+    let again = gate.handle(delivery(org, "d-1", body), process).await;
+    assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
+    assert_eq!(again.status(), 200, "a duplicate is an ACK, never a 5xx");
+    assert_eq!(performed.load(Ordering::SeqCst), 1);
+    assert_eq!(gate.drops().get(DropReason::Duplicate), 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate() {
+    let stack = stack().await;
+    let gate = Arc::new(gate(&stack));
+    let org = org();
+    let body: &'static [u8] = b"{\"id\":\"m-2\"}";
+    let (started, finish) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+
+    let first = {
+        let (gate, started, finish) = (gate.clone(), started.clone(), finish.clone());
+        tokio::spawn(async move {
+            gate.handle(delivery(org, "d-2", body), || async move {
+                started.add_permits(1);
+                finish.acquire().await.expect("gate").forget();
+                Ok::<Value, ProcessingError>(json!("done"))
+            })
+            .await
+        })
+    };
+    started.acquire().await.expect("first started").forget();
+    let concurrent = gate
+        .handle(delivery(org, "d-2", body), || async {
+            panic!("must not process twice")
+        })
+        .await;
+    assert_eq!(concurrent, Ack::Dropped(DropReason::Duplicate));
+    finish.add_permits(1);
+    assert_eq!(first.await.expect("task"), Ack::Processed);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    let org = org();
+    let ok = || async { Ok::<Value, ProcessingError>(json!(1)) };
+    assert_eq!(
+        gate.handle(delivery(org, "d-3", b"{\"v\":1}"), ok).await,
+        Ack::Processed
+    );
+    let changed = gate
+        .handle(delivery(org, "d-3", b"{\"v\":2}"), || async {
+            panic!("not safe to process")
+        })
+        .await;
+    assert_eq!(changed, Ack::Dropped(DropReason::HashMismatch));
+    assert_eq!(gate.drops().get(DropReason::HashMismatch), 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_retryable_processing_failure_releases_so_the_vendors_next_delivery_is_processed() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    let org = org();
+    let body = b"{\"id\":\"m-4\"}";
+    let failed = gate
+        .handle(delivery(org, "d-4", body), || async {
+            Err::<Value, _>(ProcessingError::retryable("downstream 503"))
+        })
+        .await;
+    assert_eq!(failed, Ack::Retry(RetryReason::ProcessingFailed));
+    assert_eq!(failed.status(), 503, "not ACKed: the vendor redelivers");
+    assert_eq!(count_rows(&stack).await, 0, "released");
+
+    let redelivered = gate
+        .handle(delivery(org, "d-4", body), || async {
+            Ok::<Value, ProcessingError>(json!("ok"))
+        })
+        .await;
+    assert_eq!(redelivered, Ack::Processed);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_permanent_processing_failure_is_stored_and_acked() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    let org = org();
+    let failed = gate
+        .handle(delivery(org, "d-5", b"{}"), || async {
+            Err::<Value, _>(ProcessingError::permanent("unknown event type"))
+        })
+        .await;
+    assert_eq!(failed, Ack::Processed);
+    let response: Value = sqlx::query_scalar("select response from agent.idempotency_keys")
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    assert_eq!(
+        response,
+        json!({"ok": false, "error": "unknown event type"})
+    );
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_provider_callback_resolves_its_tenant_before_it_claims() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    let jobs = ProviderJobs::new(client(&stack));
+    let org = org();
+    jobs.register(org, "transcribe", "job-42").await.unwrap();
+    let callback = ProviderCallback {
+        provider: "transcribe",
+        path_job_id: "job-42",
+        body_job_id: Some("job-42"),
+        delivery_id: "evt-1",
+        body: b"{\"job_id\":\"job-42\",\"status\":\"done\"}",
+    };
+    let ack = gate
+        .handle_provider_callback(callback, |job| async move {
+            assert_eq!(job.organization_id, org);
+            Ok::<Value, ProcessingError>(json!("stored transcript"))
+        })
+        .await;
+    assert_eq!(ack, Ack::Processed);
+    let (claim_org, scope): (uuid::Uuid, String) =
+        sqlx::query_as("select organization_id, scope from agent.idempotency_keys")
+            .fetch_one(stack.db())
+            .await
+            .unwrap();
+    assert_eq!((claim_org, scope.as_str()), (org, "webhook.transcribe"));
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    let callback = ProviderCallback {
+        provider: "transcribe",
+        path_job_id: "job-nobody-started",
+        body_job_id: None,
+        delivery_id: "evt-2",
+        body: b"{}",
+    };
+    let ack = gate
+        .handle_provider_callback(callback, |_| async { panic!("no tenant, no processing") })
+        .await;
+    assert_eq!(ack, Ack::Dropped(DropReason::UnknownJob));
+    assert_eq!(ack.status(), 200);
+    assert_eq!(gate.drops().get(DropReason::UnknownJob), 1);
+    assert_eq!(count_rows(&stack).await, 0, "nothing claimed");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    ProviderJobs::new(client(&stack))
+        .register(org(), "transcribe", "job-1")
+        .await
+        .unwrap();
+    let callback = ProviderCallback {
+        provider: "transcribe",
+        path_job_id: "job-1",
+        body_job_id: Some("job-2"),
+        delivery_id: "evt-3",
+        body: b"{\"job_id\":\"job-2\"}",
+    };
+    let ack = gate
+        .handle_provider_callback(callback, |_| async { panic!("mismatched job") })
+        .await;
+    assert_eq!(ack, Ack::Dropped(DropReason::JobMismatch));
+    assert_eq!(gate.drops().get(DropReason::JobMismatch), 1);
+    assert_eq!(count_rows(&stack).await, 0);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_axum_route_answers_a_redelivery_with_2xx_and_performs_nothing() {
+    let stack = stack().await;
+    let org = org();
+    ProviderJobs::new(client(&stack))
+        .register(org, "transcribe", "job-7")
+        .await
+        .unwrap();
+    let performed = Arc::new(AtomicUsize::new(0));
+    let counter = performed.clone();
+    let router = provider_callback_router(gate(&stack), move |_job, _body| {
+        let counter = counter.clone();
+        async move {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Ok(json!("stored"))
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "http://{}/callbacks/transcribe/job-7",
+        listener.local_addr().unwrap()
+    );
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+
+    let http = reqwest::Client::new();
+    let send = |id: Option<&'static str>, body: &'static str| {
+        let mut request = http.post(&url).body(body);
+        if let Some(id) = id {
+            request = request.header("webhook-id", id);
+        }
+        request.send()
+    };
+    let first = send(Some("evt-9"), r#"{"job_id":"job-7"}"#).await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(
+        first.json::<Value>().await.unwrap(),
+        json!({"ack": "processed"})
+    );
+    let redelivery = send(Some("evt-9"), r#"{"job_id":"job-7"}"#).await.unwrap();
+    assert_eq!(redelivery.status(), 200);
+    assert_eq!(
+        redelivery.json::<Value>().await.unwrap(),
+        json!({"ack": "dropped", "drop_reason": "duplicate"})
+    );
+    let mismatch = send(Some("evt-10"), r#"{"job_id":"job-8"}"#).await.unwrap();
+    assert_eq!(
+        mismatch.json::<Value>().await.unwrap()["drop_reason"],
+        "job_mismatch"
+    );
+    let anonymous = send(None, "{}").await.unwrap();
+    assert_eq!(
+        anonymous.status(),
+        400,
+        "no delivery id, nothing to dedupe on"
+    );
+    assert_eq!(
+        performed.load(Ordering::SeqCst),
+        1,
+        "the redelivery performed nothing"
+    );
+    server.abort();
+    stack.stop().await.unwrap();
+}
