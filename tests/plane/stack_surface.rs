@@ -31,7 +31,10 @@ const SURFACE: &[(&str, &str)] = &[
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
     ("run_admit", "p_organization_id,p_start_key,p_input"),
-    ("provider_job_register", "p_organization_id,p_provider,p_job_id"),
+    (
+        "provider_job_register",
+        "p_organization_id,p_provider,p_job_id",
+    ),
     ("provider_job_lookup", "p_provider,p_job_id"),
 ];
 
@@ -76,7 +79,11 @@ async fn every_function_is_security_invoker_with_an_empty_search_path_and_servic
 #[tokio::test]
 async fn the_table_has_rls_on_and_no_privileges_for_anon_or_authenticated() {
     let stack = stack().await;
-    for table in ["agent.idempotency_keys", "agent.runs", "agent.provider_jobs"] {
+    for table in [
+        "agent.idempotency_keys",
+        "agent.runs",
+        "agent.provider_jobs",
+    ] {
         let (rls, anon, authenticated): (bool, bool, bool) = sqlx::query_as(
             "select c.relrowsecurity,
                     has_table_privilege('anon', c.oid, 'select,insert,update,delete'),
