@@ -59,6 +59,5 @@ pub use error::{Error, InvalidInput};
 pub use postgrest::{ClientConfig, ClientError, PostgrestClient, RetryConfig};
 pub use repo::{IdempotencyRecord, IdempotencyRepository, PostgrestRepository};
 pub use service::{
-    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef,
-    ScopeRegistry,
+    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, ScopeRegistry,
 };

@@ -1,17 +1,8 @@
 /// The migrations under `sql/`, in the order they apply.
 pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0001_roles.sql", include_str!("../sql/0001_roles.sql")),
-    (
-        "0002_idempotency_keys.sql",
-        include_str!("../sql/0002_idempotency_keys.sql"),
-    ),
+    ("0002_idempotency_keys.sql", include_str!("../sql/0002_idempotency_keys.sql")),
     ("0003_runs.sql", include_str!("../sql/0003_runs.sql")),
-    (
-        "0004_privileges.sql",
-        include_str!("../sql/0004_privileges.sql"),
-    ),
-    (
-        "0005_provider_jobs.sql",
-        include_str!("../sql/0005_provider_jobs.sql"),
-    ),
+    ("0004_privileges.sql", include_str!("../sql/0004_privileges.sql")),
+    ("0005_provider_jobs.sql", include_str!("../sql/0005_provider_jobs.sql")),
 ];

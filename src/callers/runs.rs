@@ -66,20 +66,11 @@ impl RunAdmission {
         if input.is_null() {
             return Err(InvalidInput::MissingRunInput.into());
         }
-        let args = AdmitArgs {
-            p_organization_id: organization_id,
-            p_start_key: start_key,
-            p_input: input,
-        };
-        let mut rows: Vec<AdmittedRun> =
-            self.client.rpc("run_admit", &args, Repeat::Unsafe).await?;
+        let args = AdmitArgs { p_organization_id: organization_id, p_start_key: start_key, p_input: input };
+        let mut rows: Vec<AdmittedRun> = self.client.rpc("run_admit", &args, Repeat::Unsafe).await?;
         let run = match (rows.pop(), rows.is_empty()) {
             (Some(run), true) => run,
-            _ => {
-                return Err(Error::Inconsistent(
-                    "run_admit must answer exactly one row".into(),
-                ))
-            }
+            _ => return Err(Error::Inconsistent("run_admit must answer exactly one row".into())),
         };
         tracing::info!(
             %organization_id, start_key, run_id = %run.id, admitted = run.admitted,

@@ -3,9 +3,11 @@
 //! A saved search must freeze its brief and baseline from mutable product
 //! tables before the Run request can be built. That preparation is claimed
 //! under `surface.saved_search.start`, and the frozen snapshot is the claim's
-//! response, together with a Run key derived once from the claim. The claim
-//! never records admission, dispatch or Run status: the Run is admitted
-//! through `agent.runs` with that key, so a replay finds the same Run.
+//! response, together with the Run key derived from the claim's identity
+//! (organization, scope, key). The claim never records admission, dispatch or
+//! Run status: the Run is admitted through `agent.runs` with that key, so a
+//! replay finds the same Run — also after the 24-hour snapshot claim is gone,
+//! for the Run's whole 396-day retention.
 
 use std::future::Future;
 use std::time::Duration;
@@ -18,9 +20,7 @@ use uuid::Uuid;
 use super::runs::{AdmittedRun, RunAdmission};
 use crate::error::Error;
 use crate::repo::IdempotencyRepository;
-use crate::service::{
-    ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, SAVED_SEARCH_START_SCOPE,
-};
+use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, SAVED_SEARCH_START_SCOPE};
 
 /// The spec's lease for input preparation.
 pub const SAVED_SEARCH_LEASE: Duration = Duration::from_secs(30);
@@ -101,7 +101,10 @@ impl SavedSearchError {
     /// True for the endings a caller should retry later.
     pub fn is_retryable(&self) -> bool {
         match self {
-            SavedSearchError::InProgress { .. } | SavedSearchError::Snapshot(_) => true,
+            // FenceLost: starting again answers the Run the winner admitted.
+            SavedSearchError::InProgress { .. }
+            | SavedSearchError::Snapshot(_)
+            | SavedSearchError::FenceLost { .. } => true,
             SavedSearchError::Plane(error) => error.is_transient(),
             _ => false,
         }
@@ -127,12 +130,7 @@ pub struct SavedSearchStart<R, S> {
 impl<R: IdempotencyRepository, S: SnapshotSource> SavedSearchStart<R, S> {
     /// A starter with the spec's 30 s lease.
     pub fn new(service: IdempotencyService<R>, runs: RunAdmission, source: S) -> Self {
-        SavedSearchStart {
-            service,
-            runs,
-            source,
-            lease: SAVED_SEARCH_LEASE,
-        }
+        SavedSearchStart { service, runs, source, lease: SAVED_SEARCH_LEASE }
     }
 
     /// Sets the preparation lease (the spec's is 30 s).
@@ -150,15 +148,14 @@ impl<R: IdempotencyRepository, S: SnapshotSource> SavedSearchStart<R, S> {
         saved_search_id: &str,
         trigger_id: &str,
     ) -> Result<StartedRun, SavedSearchError> {
-        let key = format!("{saved_search_id}:{trigger_id}");
+        // Length-prefixed, so ("a:b", "c") and ("a", "b:c") are different keys.
+        let key = format!("{}:{saved_search_id}:{trigger_id}", saved_search_id.len());
         let span = tracing::info_span!(
             "saved_search.start",
             %organization_id, key = key.as_str(), outcome = tracing::field::Empty,
             replayed = tracing::field::Empty
         );
-        self.start_inner(organization_id, saved_search_id, trigger_id, &key)
-            .instrument(span)
-            .await
+        self.start_inner(organization_id, saved_search_id, trigger_id, &key).instrument(span).await
     }
 
     async fn start_inner(
@@ -168,99 +165,87 @@ impl<R: IdempotencyRepository, S: SnapshotSource> SavedSearchStart<R, S> {
         trigger_id: &str,
         key: &str,
     ) -> Result<StartedRun, SavedSearchError> {
-        let hash = RequestHash::of_json(
-            &json!({"saved_search_id": saved_search_id, "trigger_id": trigger_id}),
-        );
+        let hash = RequestHash::of_json(&json!({"saved_search_id": saved_search_id, "trigger_id": trigger_id}));
         let span = tracing::Span::current();
-        let outcome = self
-            .service
-            .claim(
-                organization_id,
-                SAVED_SEARCH_START_SCOPE,
-                key,
-                &hash,
-                self.lease,
-            )
-            .await?;
+        let outcome = self.service.claim(organization_id, SAVED_SEARCH_START_SCOPE, key, &hash, self.lease).await?;
         let (prepared, replayed) = match outcome {
             ClaimOutcome::Claimed(claim) => {
-                let snapshot = match self.source.freeze(organization_id, saved_search_id).await {
+                let frozen = match self.source.freeze(organization_id, saved_search_id).await {
+                    Ok(snapshot) if snapshot.is_null() => Err(SnapshotError("the source froze a null snapshot".into())),
+                    other => other,
+                };
+                let snapshot = match frozen {
                     Ok(snapshot) => snapshot,
                     Err(error) => {
-                        if let Err(release) = self.service.release(&claim).await {
-                            tracing::error!(error = %release, "could not release; the claim frees itself when its lease passes");
-                        }
+                        self.release_quietly(&claim).await;
                         return Err(error.into());
                     }
                 };
-                let prepared = Prepared {
-                    run_key: format!("saved_search:{}", claim.id()),
-                    snapshot,
-                };
-                let response = serde_json::to_value(&prepared).map_err(|e| {
-                    SavedSearchError::StoredAnswer {
-                        key: key.to_owned(),
-                        reason: e.to_string(),
-                    }
-                })?;
-                match self
-                    .service
-                    .complete(&claim, Completion::response(response))
-                    .await?
-                {
-                    Ending::Recorded => (prepared, false),
-                    Ending::LeaseMovedOn => {
+                let prepared = Prepared { run_key: run_key(organization_id, key), snapshot };
+                let response = serde_json::to_value(&prepared)
+                    .map_err(|e| SavedSearchError::StoredAnswer { key: key.to_owned(), reason: e.to_string() })?;
+                match self.service.complete(&claim, Completion::response(response)).await {
+                    Ok(Ending::Recorded) => (prepared, false),
+                    Ok(Ending::LeaseMovedOn) => {
                         span.record("outcome", "fence_lost");
-                        return Err(SavedSearchError::FenceLost {
-                            key: key.to_owned(),
-                        });
+                        return Err(SavedSearchError::FenceLost { key: key.to_owned() });
+                    }
+                    // Refused for good (e.g. a snapshot the store will not
+                    // take): release, so the next start freezes again rather
+                    // than waiting out the lease. A transient failure keeps
+                    // the claim; its lease passing makes it reclaimable.
+                    Err(error) => {
+                        if !error.is_transient() {
+                            self.release_quietly(&claim).await;
+                        }
+                        return Err(error.into());
                     }
                 }
             }
             ClaimOutcome::Completed { response, .. } => {
                 let prepared = response
                     .ok_or_else(|| "no response".to_owned())
-                    .and_then(|value| {
-                        serde_json::from_value::<Prepared>(value).map_err(|e| e.to_string())
-                    })
-                    .map_err(|reason| SavedSearchError::StoredAnswer {
-                        key: key.to_owned(),
-                        reason,
-                    })?;
+                    .and_then(|value| serde_json::from_value::<Prepared>(value).map_err(|e| e.to_string()))
+                    .map_err(|reason| SavedSearchError::StoredAnswer { key: key.to_owned(), reason })?;
                 (prepared, true)
             }
             ClaimOutcome::Processing { lease_expires_at } => {
                 span.record("outcome", "in_progress");
-                return Err(SavedSearchError::InProgress {
-                    key: key.to_owned(),
-                    lease_expires_at,
-                });
+                return Err(SavedSearchError::InProgress { key: key.to_owned(), lease_expires_at });
             }
             ClaimOutcome::Conflict => {
                 span.record("outcome", "conflict");
-                return Err(SavedSearchError::Conflict {
-                    key: key.to_owned(),
-                });
+                return Err(SavedSearchError::Conflict { key: key.to_owned() });
             }
-            ClaimOutcome::Absent => {
-                return Err(Error::Inconsistent("claim() answered absent".into()).into())
-            }
+            ClaimOutcome::Absent => return Err(Error::Inconsistent("claim() answered absent".into()).into()),
         };
         // Admission is its own claim (agent.runs' unique start key): a replay
-        // whose first attempt died after completing admits the Run now.
-        let run = self
-            .runs
-            .admit(organization_id, &prepared.run_key, &prepared.snapshot)
-            .await?;
-        span.record(
-            "outcome",
-            if run.admitted { "admitted" } else { "replayed" },
-        );
+        // whose first attempt died after completing admits the Run now, and a
+        // start after the snapshot claim was swept finds the Run admitted
+        // then, with the input it was admitted with.
+        let run = self.runs.admit(organization_id, &prepared.run_key, &prepared.snapshot).await?;
+        let replayed = replayed || !run.admitted;
+        span.record("outcome", if run.admitted { "admitted" } else { "replayed" });
         span.record("replayed", replayed);
-        Ok(StartedRun {
-            snapshot: prepared.snapshot,
-            run,
-            replayed,
-        })
+        Ok(StartedRun { snapshot: run.input.clone(), run, replayed })
     }
+
+    async fn release_quietly(&self, claim: &crate::service::Claim) {
+        if let Err(error) = self.service.release(claim).await {
+            tracing::error!(%error, "could not release; the claim frees itself when its lease passes");
+        }
+    }
+}
+
+/// The Run key of a saved-search start: derived from the claim's identity
+/// (organization, scope, key), so every start of the same trigger, before or
+/// after the snapshot claim is swept, names the same Run.
+fn run_key(organization_id: Uuid, key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    hasher.update(organization_id.as_bytes());
+    hasher.update(SAVED_SEARCH_START_SCOPE.as_bytes());
+    hasher.update(b":");
+    hasher.update(key.as_bytes());
+    format!("saved_search:{}", hex::encode(hasher.finalize()))
 }

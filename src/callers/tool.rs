@@ -17,9 +17,7 @@ use uuid::Uuid;
 
 use crate::error::Error;
 use crate::repo::IdempotencyRepository;
-use crate::service::{
-    ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, TOOL_RETENTION,
-};
+use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, TOOL_RETENTION};
 
 /// The longest a tool call may run: the orchestrator's step budget.
 pub const STEP_BUDGET: Duration = Duration::from_secs(120);
@@ -32,13 +30,13 @@ pub const MAX_RUN_DURATION: Duration = TOOL_RETENTION;
 /// call it guards but passes well before an orchestrator's last retry.
 pub const DEFAULT_LEASE_MARGIN: Duration = Duration::from_secs(15);
 
+/// The margins [`ToolGuard::with_lease_margin`] accepts.
+pub const LEASE_MARGIN_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(300);
+
 /// Checks a definition's `max_run_duration` against the 30-day cap.
 pub fn validate_max_run_duration(max_run_duration: Duration) -> Result<(), ToolError> {
     if max_run_duration.is_zero() || max_run_duration > MAX_RUN_DURATION {
-        return Err(ToolError::RunDurationOutOfRange {
-            max_run_duration,
-            cap: MAX_RUN_DURATION,
-        });
+        return Err(ToolError::RunDurationOutOfRange { max_run_duration, cap: MAX_RUN_DURATION });
     }
     Ok(())
 }
@@ -59,10 +57,7 @@ impl ToolSpec {
             return Err(ToolError::NotAToolScope { scope });
         }
         if timeout.is_zero() || timeout > STEP_BUDGET {
-            return Err(ToolError::TimeoutOutOfRange {
-                timeout,
-                budget: STEP_BUDGET,
-            });
+            return Err(ToolError::TimeoutOutOfRange { timeout, budget: STEP_BUDGET });
         }
         Ok(ToolSpec { scope, timeout })
     }
@@ -89,9 +84,18 @@ pub struct ToolKey(String);
 
 impl ToolKey {
     /// The key of the call made by step `step_id` of Run `run_id`. The step
-    /// id is the orchestrator's (e.g. Inngest's), which a replay recomputes.
+    /// id is the orchestrator's (e.g. Inngest's), which a replay recomputes;
+    /// never pass the model's tool-call id here.
     pub fn for_step(run_id: Uuid, step_id: &str) -> Self {
         ToolKey(format!("run:{run_id}:step:{step_id}"))
+    }
+
+    /// The key of the `call_index`-th distinct call a step makes, for a step
+    /// that fans out to several calls. The index is the call's position in
+    /// the step's plan, which a replay recomputes. The same call proposed
+    /// twice must keep one index, so the duplicate meets the live claim.
+    pub fn for_step_call(run_id: Uuid, step_id: &str, call_index: u32) -> Self {
+        ToolKey(format!("run:{run_id}:step:{step_id}:call:{call_index}"))
     }
 
     /// The key as stored.
@@ -140,6 +144,7 @@ pub struct ToolResult {
     #[serde(default, skip_serializing)]
     pub retryable: bool,
     /// The tool's output, or the failure's details.
+    #[serde(default)]
     pub output: Value,
     /// A machine-readable failure code (`not_found`, `invalid_input`, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -152,49 +157,24 @@ pub struct ToolResult {
 impl ToolResult {
     /// A success with `output`.
     pub fn success(output: Value) -> Self {
-        ToolResult {
-            ok: true,
-            retryable: false,
-            output,
-            error: None,
-            resource: None,
-        }
+        ToolResult { ok: true, retryable: false, output, error: None, resource: None }
     }
 
     /// A business failure: an answer that repeating the call would give
     /// again (`not_found`, `invalid_input`). Completed and replayed.
     pub fn business_failure(error: impl Into<String>, output: Value) -> Self {
-        ToolResult {
-            ok: false,
-            retryable: false,
-            output,
-            error: Some(error.into()),
-            resource: None,
-        }
+        ToolResult { ok: false, retryable: false, output, error: Some(error.into()), resource: None }
     }
 
     /// A failure that made no effect (vendor 429/5xx). Released, so the
     /// next attempt executes.
     pub fn retryable_failure(error: impl Into<String>, output: Value) -> Self {
-        ToolResult {
-            ok: false,
-            retryable: true,
-            output,
-            error: Some(error.into()),
-            resource: None,
-        }
+        ToolResult { ok: false, retryable: true, output, error: Some(error.into()), resource: None }
     }
 
     /// Names the resource the effect made (e.g. `nylas.message`, its id).
-    pub fn with_resource(
-        mut self,
-        resource_type: impl Into<String>,
-        resource_id: impl Into<String>,
-    ) -> Self {
-        self.resource = Some(ResourceRef {
-            resource_type: resource_type.into(),
-            resource_id: resource_id.into(),
-        });
+    pub fn with_resource(mut self, resource_type: impl Into<String>, resource_id: impl Into<String>) -> Self {
+        self.resource = Some(ResourceRef { resource_type: resource_type.into(), resource_id: resource_id.into() });
         self
     }
 
@@ -213,13 +193,24 @@ impl ToolResult {
         result
     }
 
+    /// The completion that stores this result. A resource the store would
+    /// refuse (empty or over-long) is left out with a warning rather than
+    /// failing the completion: the effect already happened, and its answer
+    /// must be journaled.
     fn completion(&self) -> Result<Completion, ToolError> {
         let response = serde_json::to_value(self).map_err(|e| ToolError::Encode(e.to_string()))?;
-        let completion = Completion::response(response);
-        Ok(match &self.resource {
-            Some(r) => completion.with_resource(r.resource_type.clone(), r.resource_id.clone()),
-            None => completion,
-        })
+        let bare = Completion::response(response);
+        let Some(resource) = &self.resource else {
+            return Ok(bare);
+        };
+        let with_resource = bare.clone().with_resource(resource.resource_type.clone(), resource.resource_id.clone());
+        match with_resource.validate() {
+            Ok(()) => Ok(with_resource),
+            Err(refused) => {
+                tracing::warn!(%refused, "the tool's resource cannot be stored; journaling the response alone");
+                Ok(bare)
+            }
+        }
     }
 }
 
@@ -293,9 +284,38 @@ pub enum ToolError {
     /// The tool's result could not be encoded for the journal.
     #[error("the tool result cannot be stored: {0}")]
     Encode(String),
+    /// The tool did not return within its timeout. Its effect is unknown, so
+    /// the claim is neither completed nor released: it becomes reclaimable
+    /// when its lease (timeout + margin) passes, and the retry reaches the
+    /// vendor with the same idempotency key.
+    #[error("tool call {scope}/{key} did not return within {timeout:?}")]
+    TimedOut {
+        /// The scope.
+        scope: String,
+        /// The key.
+        key: String,
+        /// The tool's timeout.
+        timeout: Duration,
+    },
+    /// The lease margin is outside [`LEASE_MARGIN_RANGE`].
+    #[error("lease margin {0:?} must be between 1 s and 5 min")]
+    MarginOutOfRange(Duration),
     /// The plane failed (invalid input, store unreachable, …).
     #[error(transparent)]
     Plane(#[from] Error),
+}
+
+impl ToolError {
+    /// True when running the step again later may succeed: a call in flight
+    /// elsewhere, a timed-out call (its lease will pass), a transient store
+    /// failure. False for a conflict or a configuration error.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ToolError::ClaimInFlight { .. } | ToolError::TimedOut { .. } => true,
+            ToolError::Plane(error) => error.is_transient(),
+            _ => false,
+        }
+    }
 }
 
 /// Guards tool calls with the idempotency plane.
@@ -308,16 +328,18 @@ pub struct ToolGuard<R> {
 impl<R: IdempotencyRepository> ToolGuard<R> {
     /// A guard over `service`, with [`DEFAULT_LEASE_MARGIN`].
     pub fn new(service: IdempotencyService<R>) -> Self {
-        ToolGuard {
-            service,
-            margin: DEFAULT_LEASE_MARGIN,
-        }
+        ToolGuard { service, margin: DEFAULT_LEASE_MARGIN }
     }
 
-    /// Sets the margin added to a tool's timeout to make its lease.
-    pub fn with_lease_margin(mut self, margin: Duration) -> Self {
+    /// Sets the margin added to a tool's timeout to make its lease: 1 s to
+    /// 5 min. Keep timeout + margin below the orchestrator's retry horizon,
+    /// or every retry meets the lease.
+    pub fn with_lease_margin(mut self, margin: Duration) -> Result<Self, ToolError> {
+        if !LEASE_MARGIN_RANGE.contains(&margin) {
+            return Err(ToolError::MarginOutOfRange(margin));
+        }
         self.margin = margin;
-        self
+        Ok(self)
     }
 
     /// The lease a call of `spec` is claimed for: its timeout plus the margin.
@@ -336,9 +358,9 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
     ///    vendor key, then completes (success, business failure) or releases
     ///    (retryable failure).
     ///
-    /// `tool` must return within the spec's timeout: the lease covers that
-    /// long plus the margin, and a call still running after it may be run
-    /// again by another worker (with the same vendor key).
+    /// `tool` is cut off at the spec's timeout ([`ToolError::TimedOut`]),
+    /// before its lease (timeout + margin) passes, so no other worker can
+    /// reclaim the call while this one still runs it.
     pub async fn run<C, CF, T, TF>(
         &self,
         organization_id: Uuid,
@@ -362,10 +384,7 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
         async move {
             let hash = RequestHash::of_json(arguments);
             let scope = spec.scope();
-            let read = self
-                .service
-                .read(organization_id, scope, key.as_str(), &hash)
-                .await?;
+            let read = self.service.read(organization_id, scope, key.as_str(), &hash).await?;
             if let Some(ended) = self.settled(spec, key, read)? {
                 return Ok(ended);
             }
@@ -373,22 +392,13 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
                 tracing::Span::current().record("outcome", "held");
                 return Ok(ToolRun::Held);
             }
-            let claimed = self
-                .service
-                .claim(
-                    organization_id,
-                    scope,
-                    key.as_str(),
-                    &hash,
-                    self.lease_for(spec),
-                )
-                .await?;
+            let claimed = self.service.claim(organization_id, scope, key.as_str(), &hash, self.lease_for(spec)).await?;
             let claim = match claimed {
                 ClaimOutcome::Claimed(claim) => claim,
                 other => {
-                    return self.settled(spec, key, other)?.ok_or_else(|| {
-                        Error::Inconsistent("claim() answered absent".into()).into()
-                    })
+                    return self
+                        .settled(spec, key, other)?
+                        .ok_or_else(|| Error::Inconsistent("claim() answered absent".into()).into())
                 }
             };
             let call = ToolCall {
@@ -396,7 +406,14 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
                 lease_expires_at: claim.lease_expires_at(),
                 reclaimed: claim.reclaimed(),
             };
-            let result = tool(call).await;
+            let Ok(result) = tokio::time::timeout(spec.timeout, tool(call)).await else {
+                tracing::Span::current().record("outcome", "timed_out");
+                return Err(ToolError::TimedOut {
+                    scope: scope.to_owned(),
+                    key: key.as_str().to_owned(),
+                    timeout: spec.timeout,
+                });
+            };
             let ending = if result.retryable {
                 self.service.release(&claim).await?
             } else {
@@ -418,21 +435,14 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
 
     /// The endings that need no execution: replay, in flight, conflict.
     /// `None` when the caller may go on to claim.
-    fn settled(
-        &self,
-        spec: &ToolSpec,
-        key: &ToolKey,
-        outcome: ClaimOutcome,
-    ) -> Result<Option<ToolRun>, ToolError> {
+    fn settled(&self, spec: &ToolSpec, key: &ToolKey, outcome: ClaimOutcome) -> Result<Option<ToolRun>, ToolError> {
         let span = tracing::Span::current();
         match outcome {
             ClaimOutcome::Absent | ClaimOutcome::Claimed(_) => Ok(None),
             ClaimOutcome::Completed { response, resource } => {
                 span.record("outcome", "replayed");
                 span.record("replayed", true);
-                Ok(Some(ToolRun::Replayed(ToolResult::from_stored(
-                    response, resource,
-                ))))
+                Ok(Some(ToolRun::Replayed(ToolResult::from_stored(response, resource))))
             }
             ClaimOutcome::Processing { lease_expires_at } => {
                 span.record("outcome", "in_flight");
@@ -444,10 +454,7 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
             }
             ClaimOutcome::Conflict => {
                 span.record("outcome", "conflict");
-                Err(ToolError::Conflict {
-                    scope: spec.scope().to_owned(),
-                    key: key.as_str().to_owned(),
-                })
+                Err(ToolError::Conflict { scope: spec.scope().to_owned(), key: key.as_str().to_owned() })
             }
         }
     }
@@ -477,16 +484,33 @@ mod tests {
             ToolSpec::new("tool.email.send", STEP_BUDGET + Duration::from_millis(1)),
             Err(ToolError::TimeoutOutOfRange { .. })
         ));
-        assert!(matches!(
-            ToolSpec::new("tool.email.send", Duration::ZERO),
-            Err(ToolError::TimeoutOutOfRange { .. })
-        ));
+        assert!(matches!(ToolSpec::new("tool.email.send", Duration::ZERO), Err(ToolError::TimeoutOutOfRange { .. })));
         for scope in ["webhook.nylas", "tool.", "email.send"] {
-            assert!(matches!(
-                ToolSpec::new(scope, Duration::from_secs(5)),
-                Err(ToolError::NotAToolScope { .. })
-            ));
+            assert!(matches!(ToolSpec::new(scope, Duration::from_secs(5)), Err(ToolError::NotAToolScope { .. })));
         }
+    }
+
+    #[test]
+    fn a_margin_outside_one_second_to_five_minutes_is_refused() {
+        let guard = |margin| {
+            let client =
+                crate::PostgrestClient::new(crate::ClientConfig::new("http://localhost:1", "k").unwrap()).unwrap();
+            ToolGuard::new(IdempotencyService::new(crate::PostgrestRepository::new(client))).with_lease_margin(margin)
+        };
+        assert!(matches!(guard(Duration::ZERO), Err(ToolError::MarginOutOfRange(_))));
+        assert!(matches!(guard(Duration::from_secs(301)), Err(ToolError::MarginOutOfRange(_))));
+        assert_eq!(
+            guard(Duration::from_secs(7)).unwrap().lease_for(&ToolSpec::new("tool.x", Duration::from_secs(3)).unwrap()),
+            Duration::from_secs(10)
+        );
+    }
+
+    #[test]
+    fn step_keys_are_stable_and_distinct_per_call() {
+        let run = Uuid::new_v4();
+        assert_eq!(ToolKey::for_step(run, "s1"), ToolKey::for_step(run, "s1"));
+        assert_ne!(ToolKey::for_step_call(run, "s1", 0), ToolKey::for_step_call(run, "s1", 1));
+        assert_ne!(ToolKey::for_step(run, "s1"), ToolKey::for_step_call(run, "s1", 0));
     }
 
     #[test]
@@ -501,10 +525,7 @@ mod tests {
         let org = Uuid::new_v4();
         let key = vendor_key(org, "tool.email.send", "run:1:step:2");
         assert_eq!(key, vendor_key(org, "tool.email.send", "run:1:step:2"));
-        assert_ne!(
-            key,
-            vendor_key(Uuid::new_v4(), "tool.email.send", "run:1:step:2")
-        );
+        assert_ne!(key, vendor_key(Uuid::new_v4(), "tool.email.send", "run:1:step:2"));
         assert_ne!(key, vendor_key(org, "tool.email.send", "run:1:step:3"));
         assert_eq!(key.len(), 64);
     }
@@ -513,14 +534,15 @@ mod tests {
     fn a_stored_answer_reads_back_as_the_result_that_made_it() {
         let failure = ToolResult::business_failure("not_found", json!({"id": 7}));
         let stored = serde_json::to_value(&failure).unwrap();
-        assert_eq!(
-            stored,
-            json!({"ok": false, "output": {"id": 7}, "error": "not_found"})
-        );
+        assert_eq!(stored, json!({"ok": false, "output": {"id": 7}, "error": "not_found"}));
         assert_eq!(ToolResult::from_stored(Some(stored), None), failure);
         // An answer stored by another caller replays as a success.
         let foreign = ToolResult::from_stored(Some(json!({"message_id": "m"})), None);
         assert!(foreign.ok);
         assert_eq!(foreign.output, json!({"message_id": "m"}));
+        // A foreign failure without an output is still a failure.
+        let failed = ToolResult::from_stored(Some(json!({"ok": false, "error": "not_found"})), None);
+        assert!(!failed.ok);
+        assert_eq!(failed.error.as_deref(), Some("not_found"));
     }
 }

@@ -6,13 +6,17 @@
 //! counted, logged drop reason; none is silent. Only two things are not
 //! ACKed, because nothing was done and the vendor's redelivery is wanted: a
 //! processing failure that made no effect, and a plane that could not be
-//! reached.
+//! reached. Processing that panics or overruns its timeout is released and
+//! not ACKed either: at this boundary a redelivery is better than a loss, so
+//! processing must tolerate running again after one of those.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tracing::Instrument;
@@ -23,8 +27,12 @@ use crate::postgrest::{PostgrestClient, Repeat};
 use crate::repo::IdempotencyRepository;
 use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash};
 
-/// The lease a webhook delivery is claimed for unless set otherwise.
-pub const DEFAULT_WEBHOOK_LEASE: Duration = Duration::from_secs(30);
+/// How long processing one delivery may take unless set otherwise.
+pub const DEFAULT_PROCESSING_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Added to the processing timeout to make the lease: the claim outlives the
+/// processing it guards.
+pub const LEASE_MARGIN: Duration = Duration::from_secs(10);
 
 /// Why a delivery was acknowledged without being processed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -37,6 +45,9 @@ pub enum DropReason {
     UnknownJob,
     /// The body names a different job than the path.
     JobMismatch,
+    /// The delivery cannot be claimed at all (an empty, over-long or NUL
+    /// delivery id): redelivering it would never help.
+    InvalidDelivery,
 }
 
 impl DropReason {
@@ -48,6 +59,7 @@ impl DropReason {
             DropReason::HashMismatch => "hash_mismatch",
             DropReason::UnknownJob => "unknown_job",
             DropReason::JobMismatch => "job_mismatch",
+            DropReason::InvalidDelivery => "invalid_delivery",
         }
     }
 }
@@ -57,6 +69,8 @@ impl DropReason {
 pub enum RetryReason {
     /// Processing failed without an effect; the claim was released.
     ProcessingFailed,
+    /// Processing panicked or overran its timeout; the claim was released.
+    ProcessingAborted,
     /// The plane could not be reached or refused the call; nothing was claimed.
     PlaneUnavailable,
 }
@@ -89,6 +103,7 @@ pub struct DropCounters {
     hash_mismatch: AtomicU64,
     unknown_job: AtomicU64,
     job_mismatch: AtomicU64,
+    invalid_delivery: AtomicU64,
 }
 
 impl DropCounters {
@@ -107,6 +122,7 @@ impl DropCounters {
             DropReason::HashMismatch => &self.hash_mismatch,
             DropReason::UnknownJob => &self.unknown_job,
             DropReason::JobMismatch => &self.job_mismatch,
+            DropReason::InvalidDelivery => &self.invalid_delivery,
         }
     }
 }
@@ -125,18 +141,12 @@ pub struct ProcessingError {
 impl ProcessingError {
     /// A failure that made no effect; the vendor's redelivery will be processed.
     pub fn retryable(message: impl Into<String>) -> Self {
-        ProcessingError {
-            retryable: true,
-            message: message.into(),
-        }
+        ProcessingError { retryable: true, message: message.into() }
     }
 
     /// A failure that would repeat; stored and ACKed.
     pub fn permanent(message: impl Into<String>) -> Self {
-        ProcessingError {
-            retryable: false,
-            message: message.into(),
-        }
+        ProcessingError { retryable: false, message: message.into() }
     }
 }
 
@@ -180,28 +190,16 @@ impl ProviderJobs {
 
     /// Records a job this platform started at `provider`. A repeat answers
     /// the stored job; the same job id under another organization is refused.
-    pub async fn register(
-        &self,
-        organization_id: Uuid,
-        provider: &str,
-        job_id: &str,
-    ) -> Result<ProviderJob, Error> {
+    pub async fn register(&self, organization_id: Uuid, provider: &str, job_id: &str) -> Result<ProviderJob, Error> {
         let args = json!({"p_organization_id": organization_id, "p_provider": provider, "p_job_id": job_id});
-        let mut rows: Vec<ProviderJob> = self
-            .client
-            .rpc("provider_job_register", &args, Repeat::Safe)
-            .await?;
-        rows.pop()
-            .ok_or_else(|| Error::Inconsistent("provider_job_register answered no row".into()))
+        let mut rows: Vec<ProviderJob> = self.client.rpc("provider_job_register", &args, Repeat::Safe).await?;
+        rows.pop().ok_or_else(|| Error::Inconsistent("provider_job_register answered no row".into()))
     }
 
     /// The job `provider` knows as `job_id`, if we hold it.
     pub async fn lookup(&self, provider: &str, job_id: &str) -> Result<Option<ProviderJob>, Error> {
         let args = json!({"p_provider": provider, "p_job_id": job_id});
-        let mut rows: Vec<ProviderJob> = self
-            .client
-            .rpc("provider_job_lookup", &args, Repeat::Safe)
-            .await?;
+        let mut rows: Vec<ProviderJob> = self.client.rpc("provider_job_lookup", &args, Repeat::Safe).await?;
         Ok(rows.pop())
     }
 }
@@ -226,26 +224,27 @@ pub struct ProviderCallback<'a> {
 pub struct WebhookGate<R> {
     service: IdempotencyService<R>,
     jobs: ProviderJobs,
-    lease: Duration,
+    timeout: Duration,
     drops: Arc<DropCounters>,
 }
 
 impl<R: IdempotencyRepository> WebhookGate<R> {
     /// A gate over `service`, resolving provider callbacks through `jobs`,
-    /// claiming for [`DEFAULT_WEBHOOK_LEASE`].
+    /// with [`DEFAULT_PROCESSING_TIMEOUT`].
     pub fn new(service: IdempotencyService<R>, jobs: ProviderJobs) -> Self {
-        WebhookGate {
-            service,
-            jobs,
-            lease: DEFAULT_WEBHOOK_LEASE,
-            drops: Arc::new(DropCounters::default()),
-        }
+        WebhookGate { service, jobs, timeout: DEFAULT_PROCESSING_TIMEOUT, drops: Arc::new(DropCounters::default()) }
     }
 
-    /// Sets the lease: the longest the processing takes, plus a margin.
-    pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+    /// Sets how long processing one delivery may take; the lease is that
+    /// plus [`LEASE_MARGIN`].
+    pub fn with_processing_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
         self
+    }
+
+    /// The lease a delivery is claimed for.
+    pub fn lease(&self) -> Duration {
+        self.timeout + LEASE_MARGIN
     }
 
     /// The drop counters.
@@ -267,10 +266,7 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
             delivery_id = delivery.delivery_id, ack = tracing::field::Empty,
             drop_reason = tracing::field::Empty, replayed = tracing::field::Empty
         );
-        let ack = self
-            .handle_inner(delivery, process)
-            .instrument(span.clone())
-            .await;
+        let ack = self.handle_inner(delivery, process).instrument(span.clone()).await;
         span.record(
             "ack",
             match &ack {
@@ -290,13 +286,7 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
         let hash = RequestHash::of_bytes(delivery.body);
         let claimed = self
             .service
-            .claim(
-                delivery.organization_id,
-                delivery.scope,
-                delivery.delivery_id,
-                &hash,
-                self.lease,
-            )
+            .claim(delivery.organization_id, delivery.scope, delivery.delivery_id, &hash, self.lease())
             .await;
         let claim = match claimed {
             Ok(ClaimOutcome::Claimed(claim)) => claim,
@@ -304,25 +294,39 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
                 tracing::Span::current().record("replayed", true);
                 return self.drop_delivery(DropReason::Duplicate);
             }
-            Ok(ClaimOutcome::Processing { .. }) => {
-                return self.drop_delivery(DropReason::Duplicate)
-            }
+            Ok(ClaimOutcome::Processing { .. }) => return self.drop_delivery(DropReason::Duplicate),
             Ok(ClaimOutcome::Conflict) => return self.drop_delivery(DropReason::HashMismatch),
             Ok(ClaimOutcome::Absent) => {
                 return self.unavailable(&Error::Inconsistent("claim() answered absent".into()))
             }
+            Err(Error::Invalid(refused)) => {
+                tracing::warn!(%refused, "the delivery cannot be claimed");
+                return self.drop_delivery(DropReason::InvalidDelivery);
+            }
             Err(error) => return self.unavailable(&error),
         };
-        let (completion, ack) = match process().await {
-            Ok(response) => (
-                Completion::response(json!({"ok": true, "output": response})),
-                Ack::Processed,
-            ),
+        let processed = tokio::time::timeout(self.timeout, AssertUnwindSafe(process()).catch_unwind()).await;
+        let processed = match processed {
+            Ok(Ok(processed)) => processed,
+            Ok(Err(_panic)) => {
+                tracing::error!("processing panicked; released so the vendor's redelivery is processed");
+                self.release_quietly(&claim).await;
+                return Ack::Retry(RetryReason::ProcessingAborted);
+            }
+            Err(_elapsed) => {
+                tracing::error!(
+                    timeout_ms = self.timeout.as_millis() as u64,
+                    "processing overran its timeout; released for redelivery"
+                );
+                self.release_quietly(&claim).await;
+                return Ack::Retry(RetryReason::ProcessingAborted);
+            }
+        };
+        let (completion, ack) = match processed {
+            Ok(response) => (Completion::response(json!({"ok": true, "output": response})), Ack::Processed),
             Err(failure) if failure.retryable => {
                 tracing::warn!(error = %failure.message, "processing failed without an effect; released for redelivery");
-                if let Err(error) = self.service.release(&claim).await {
-                    tracing::error!(%error, "could not release; the claim frees itself when its lease passes");
-                }
+                self.release_quietly(&claim).await;
                 return Ack::Retry(RetryReason::ProcessingFailed);
             }
             Err(failure) => {
@@ -334,9 +338,7 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
         match self.service.complete(&claim, completion).await {
             Ok(Ending::Recorded) => {}
             Ok(Ending::LeaseMovedOn) => {
-                tracing::warn!(
-                    "processed, but the lease had moved on: another worker holds this delivery now"
-                )
+                tracing::warn!("processed, but the lease had moved on: another worker holds this delivery now")
             }
             // The processing happened; the vendor must not redeliver it. The
             // claim is reclaimable once its lease passes.
@@ -350,11 +352,7 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
     /// Resolves the callback's tenant from `agent.provider_jobs`, checks the
     /// body names the same job, then handles it under `webhook.<provider>`.
     /// `process` receives the job it belongs to.
-    pub async fn handle_provider_callback<F, Fut>(
-        &self,
-        callback: ProviderCallback<'_>,
-        process: F,
-    ) -> Ack
+    pub async fn handle_provider_callback<F, Fut>(&self, callback: ProviderCallback<'_>, process: F) -> Ack
     where
         F: FnOnce(ProviderJob) -> Fut,
         Fut: Future<Output = Result<Value, ProcessingError>>,
@@ -366,20 +364,12 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
             delivery_id = callback.delivery_id,
             drop_reason = tracing::field::Empty
         );
-        let job = match self
-            .jobs
-            .lookup(callback.provider, callback.path_job_id)
-            .instrument(span.clone())
-            .await
-        {
+        let job = match self.jobs.lookup(callback.provider, callback.path_job_id).instrument(span.clone()).await {
             Ok(Some(job)) => job,
             Ok(None) => return span.in_scope(|| self.drop_delivery(DropReason::UnknownJob)),
             Err(error) => return span.in_scope(|| self.unavailable(&error)),
         };
-        if callback
-            .body_job_id
-            .is_some_and(|named| named != callback.path_job_id)
-        {
+        if callback.body_job_id.is_some_and(|named| named != callback.path_job_id) {
             return span.in_scope(|| self.drop_delivery(DropReason::JobMismatch));
         }
         let scope = format!("webhook.{}", callback.provider);
@@ -389,18 +379,19 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
             delivery_id: callback.delivery_id,
             body: callback.body,
         };
-        self.handle(delivery, || process(job))
-            .instrument(span)
-            .await
+        self.handle(delivery, || process(job)).instrument(span).await
+    }
+
+    async fn release_quietly(&self, claim: &crate::service::Claim) {
+        if let Err(error) = self.service.release(claim).await {
+            tracing::error!(%error, "could not release; the claim frees itself when its lease passes");
+        }
     }
 
     fn drop_delivery(&self, reason: DropReason) -> Ack {
         self.drops.add(reason);
         tracing::Span::current().record("drop_reason", reason.as_str());
-        tracing::info!(
-            drop_reason = reason.as_str(),
-            "delivery dropped and acknowledged"
-        );
+        tracing::info!(drop_reason = reason.as_str(), "delivery dropped and acknowledged");
         Ack::Dropped(reason)
     }
 

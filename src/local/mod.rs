@@ -133,32 +133,20 @@ impl LocalStack {
             std::process::id(),
             rand::random::<u32>()
         );
-        let database_error = |source| LocalError::Database {
-            url: redacted(&admin_url),
-            source,
-        };
+        let database_error = |source| LocalError::Database { url: redacted(&admin_url), source };
 
-        let mut admin = PgConnection::connect(admin_url.as_str())
-            .await
-            .map_err(database_error)?;
+        let mut admin = PgConnection::connect(admin_url.as_str()).await.map_err(database_error)?;
         drop_stale_databases(&mut admin).await;
         // The name is ours (ASCII letters, digits, '_'), so quoting it is safe.
-        admin
-            .execute(AssertSqlSafe(format!("create database \"{db_name}\"")))
-            .await
-            .map_err(database_error)?;
+        admin.execute(AssertSqlSafe(format!("create database \"{db_name}\""))).await.map_err(database_error)?;
 
         let mut db_url = admin_url.clone();
         db_url.set_path(&format!("/{db_name}"));
         let stack_result = async {
             apply_migrations(&mut admin, &db_url).await?;
-            let db =
-                PgPool::connect(db_url.as_str())
-                    .await
-                    .map_err(|source| LocalError::Database {
-                        url: redacted(&db_url),
-                        source,
-                    })?;
+            let db = PgPool::connect(db_url.as_str())
+                .await
+                .map_err(|source| LocalError::Database { url: redacted(&db_url), source })?;
             let jwt_secret = hex::encode(rand::random::<[u8; 32]>());
             let (listener, router) = build_server(&config, &db_url, &jwt_secret).await?;
             Ok::<_, LocalError>((db, jwt_secret, listener, router))
@@ -173,9 +161,8 @@ impl LocalStack {
         };
         let _ = admin.close().await;
 
-        let address = listener
-            .local_addr()
-            .map_err(|e| LocalError::Server(format!("reading the bound address: {e}")))?;
+        let address =
+            listener.local_addr().map_err(|e| LocalError::Server(format!("reading the bound address: {e}")))?;
         let (shutdown, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(async move {
             let serve = axum::serve(listener, router).with_graceful_shutdown(async {
@@ -185,11 +172,7 @@ impl LocalStack {
                 tracing::error!(%error, "local PostgREST-compatible server stopped");
             }
         });
-        let service_key = mint_token(
-            &jwt_secret,
-            "service_role",
-            Duration::from_secs(7 * 24 * 3600),
-        );
+        let service_key = mint_token(&jwt_secret, "service_role", Duration::from_secs(7 * 24 * 3600));
         tracing::info!(url = %format!("http://{address}"), database = %db_name, "local plane up");
         Ok(LocalStack {
             url: format!("http://{address}"),
@@ -259,17 +242,11 @@ impl LocalStack {
         self.db.close().await;
         let mut admin = PgConnection::connect(self.admin_url.as_str())
             .await
-            .map_err(|source| LocalError::Database {
-                url: redacted(&self.admin_url),
-                source,
-            })?;
+            .map_err(|source| LocalError::Database { url: redacted(&self.admin_url), source })?;
         let result = drop_database(&mut admin, &self.db_name).await;
         self.dropped = true;
         let _ = admin.close().await;
-        result.map_err(|source| LocalError::Database {
-            url: redacted(&self.admin_url),
-            source,
-        })
+        result.map_err(|source| LocalError::Database { url: redacted(&self.admin_url), source })
     }
 }
 
@@ -286,10 +263,7 @@ impl Drop for LocalStack {
         let admin_url = self.admin_url.clone();
         let db_name = self.db_name.clone();
         let cleanup = std::thread::spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
                 return;
             };
             runtime.block_on(async {
@@ -305,21 +279,12 @@ impl Drop for LocalStack {
 async fn apply_migrations(admin: &mut PgConnection, db_url: &Url) -> Result<(), LocalError> {
     let mut conn = PgConnection::connect(db_url.as_str())
         .await
-        .map_err(|source| LocalError::Database {
-            url: redacted(db_url),
-            source,
-        })?;
+        .map_err(|source| LocalError::Database { url: redacted(db_url), source })?;
     // Roles are cluster-wide: serialize the migrations of concurrent stacks
     // (tests run in parallel processes) on a lock the whole cluster shares.
     // Advisory locks are per database, so take it in the maintenance one.
     let lock = "select pg_advisory_lock(hashtext('idempotency-plane local migrations'))";
-    admin
-        .execute(lock)
-        .await
-        .map_err(|source| LocalError::Migration {
-            file: "(advisory lock)",
-            source,
-        })?;
+    admin.execute(lock).await.map_err(|source| LocalError::Migration { file: "(advisory lock)", source })?;
     let mut result = Ok(());
     for (file, sql) in MIGRATIONS {
         if let Err(source) = sqlx::raw_sql(*sql).execute(&mut conn).await {
@@ -361,9 +326,7 @@ async fn build_server(
             Ok(app) => {
                 let listener = tokio::net::TcpListener::bind(("127.0.0.1", config.port))
                     .await
-                    .map_err(|e| {
-                        LocalError::Server(format!("binding 127.0.0.1:{}: {e}", config.port))
-                    })?;
+                    .map_err(|e| LocalError::Server(format!("binding 127.0.0.1:{}: {e}", config.port)))?;
                 return Ok((listener, app.router));
             }
             Err(error) => {
@@ -377,26 +340,20 @@ async fn build_server(
 
 async fn drop_database(admin: &mut PgConnection, name: &str) -> Result<(), sqlx::Error> {
     // `name` is one of ours, read back from pg_database or generated above.
-    admin
-        .execute(AssertSqlSafe(format!(
-            "drop database if exists \"{name}\" with (force)"
-        )))
-        .await
-        .map(|_| ())
+    admin.execute(AssertSqlSafe(format!("drop database if exists \"{name}\" with (force)"))).await.map(|_| ())
 }
 
 /// Drops databases this module created in runs that were killed before they
 /// could clean up. Best effort: a failure here never stops a start.
 async fn drop_stale_databases(admin: &mut PgConnection) {
-    let names: Vec<(String,)> =
-        match sqlx::query_as("select datname from pg_database where datname like $1")
-            .bind(format!("{DB_PREFIX}%"))
-            .fetch_all(&mut *admin)
-            .await
-        {
-            Ok(names) => names,
-            Err(_) => return,
-        };
+    let names: Vec<(String,)> = match sqlx::query_as("select datname from pg_database where datname like $1")
+        .bind(format!("{DB_PREFIX}%"))
+        .fetch_all(&mut *admin)
+        .await
+    {
+        Ok(names) => names,
+        Err(_) => return,
+    };
     let now = chrono::Utc::now().naive_utc();
     for (name,) in names {
         let stamp = name.trim_start_matches(DB_PREFIX).get(..14).unwrap_or("");

@@ -51,19 +51,12 @@ impl PostgrestClient {
     /// schema a header cannot carry.
     pub fn new(config: ClientConfig) -> Result<Self, ClientError> {
         let mut headers = HeaderMap::new();
-        headers.insert(
-            AUTHORIZATION,
-            sensitive(&format!("Bearer {}", config.service_key), "service key")?,
-        );
+        headers.insert(AUTHORIZATION, sensitive(&format!("Bearer {}", config.service_key), "service key")?);
         if let Some(apikey) = &config.apikey {
-            headers.insert(
-                HeaderName::from_static("apikey"),
-                sensitive(apikey, "apikey")?,
-            );
+            headers.insert(HeaderName::from_static("apikey"), sensitive(apikey, "apikey")?);
         }
-        let profile = HeaderValue::from_str(&config.schema).map_err(|_| {
-            ClientError::Config(format!("schema {:?} cannot be a header", config.schema))
-        })?;
+        let profile = HeaderValue::from_str(&config.schema)
+            .map_err(|_| ClientError::Config(format!("schema {:?} cannot be a header", config.schema)))?;
         headers.insert(HeaderName::from_static("content-profile"), profile.clone());
         headers.insert(HeaderName::from_static("accept-profile"), profile);
         headers.insert(ACCEPT, HeaderValue::from_static("application/json"));
@@ -78,9 +71,7 @@ impl PostgrestClient {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ClientError::Config(format!("building the HTTP client: {e}")))?;
-        Ok(PostgrestClient {
-            inner: Arc::new(Inner { http, config }),
-        })
+        Ok(PostgrestClient { inner: Arc::new(Inner { http, config }) })
     }
 
     /// The configuration this client was built with.
@@ -129,12 +120,7 @@ impl PostgrestClient {
         let answer = self.call(function, args, &query, true, repeat).await?;
         let range = answer
             .content_range
-            .unwrap_or_else(|| {
-                Err(ContentRangeError {
-                    value: String::new(),
-                    reason: "missing from a counted read",
-                })
-            })
+            .unwrap_or_else(|| Err(ContentRangeError { value: String::new(), reason: "missing from a counted read" }))
             .map_err(|source| ClientError::ContentRange { function, source })?;
         let rows: Vec<T> = decode(function, &answer.body)?;
         let received = rows.len() as u64;
@@ -150,18 +136,11 @@ impl PostgrestClient {
         if range.rows() != received {
             return Err(ClientError::Decode {
                 function,
-                reason: format!(
-                    "Content-Range {range} announces {} rows, the body holds {received}",
-                    range.rows()
-                ),
+                reason: format!("Content-Range {range} announces {} rows, the body holds {received}", range.rows()),
             });
         }
         if received < total || answer.status == StatusCode::PARTIAL_CONTENT {
-            return Err(ClientError::Truncated {
-                function,
-                received,
-                total,
-            });
+            return Err(ClientError::Truncated { function, received, total });
         }
         Ok(rows)
     }
@@ -175,11 +154,10 @@ impl PostgrestClient {
         count: bool,
         repeat: Repeat,
     ) -> Result<Answer, ClientError> {
-        let body =
-            bytes::Bytes::from(serde_json::to_vec(args).map_err(|e| ClientError::Decode {
-                function,
-                reason: format!("arguments do not serialize: {e}"),
-            })?);
+        let body = bytes::Bytes::from(
+            serde_json::to_vec(args)
+                .map_err(|e| ClientError::Decode { function, reason: format!("arguments do not serialize: {e}") })?,
+        );
         let url = self
             .inner
             .config
@@ -190,9 +168,7 @@ impl PostgrestClient {
         let started = Instant::now();
         let mut retries = 0u32;
         loop {
-            let outcome = self
-                .attempt(function, &url, query, body.clone(), count)
-                .await;
+            let outcome = self.attempt(function, &url, query, body.clone(), count).await;
             let error = match outcome {
                 Ok(answer) => return Ok(answer),
                 Err(error) => error,
@@ -232,11 +208,8 @@ impl PostgrestClient {
         if count {
             request = request.header("prefer", "count=exact");
         }
-        let transport = |source: reqwest::Error| ClientError::Transport {
-            function,
-            kind: transport_kind(&source),
-            source,
-        };
+        let transport =
+            |source: reqwest::Error| ClientError::Transport { function, kind: transport_kind(&source), source };
         let response = request.send().await.map_err(transport)?;
         let status = response.status();
         let content_range = response.headers().get("content-range").map(|value| {
@@ -256,19 +229,10 @@ impl PostgrestClient {
             .map(Duration::from_secs);
         let body = response.bytes().await.map_err(transport)?;
         if status.is_success() {
-            return Ok(Answer {
-                status,
-                content_range,
-                body,
-            });
+            return Ok(Answer { status, content_range, body });
         }
         Err(match serde_json::from_slice::<Box<PostgrestError>>(&body) {
-            Ok(error) => ClientError::Api {
-                function,
-                status: status.as_u16(),
-                error,
-                retry_after,
-            },
+            Ok(error) => ClientError::Api { function, status: status.as_u16(), error, retry_after },
             Err(_) => ClientError::Http {
                 function,
                 status: status.as_u16(),
@@ -280,16 +244,12 @@ impl PostgrestClient {
 }
 
 fn decode<T: DeserializeOwned>(function: &'static str, body: &[u8]) -> Result<T, ClientError> {
-    serde_json::from_slice(body).map_err(|e| ClientError::Decode {
-        function,
-        reason: e.to_string(),
-    })
+    serde_json::from_slice(body).map_err(|e| ClientError::Decode { function, reason: e.to_string() })
 }
 
 fn sensitive(value: &str, what: &str) -> Result<HeaderValue, ClientError> {
-    let mut header = HeaderValue::from_str(value).map_err(|_| {
-        ClientError::Config(format!("the {what} holds characters a header cannot carry"))
-    })?;
+    let mut header = HeaderValue::from_str(value)
+        .map_err(|_| ClientError::Config(format!("the {what} holds characters a header cannot carry")))?;
     header.set_sensitive(true);
     Ok(header)
 }

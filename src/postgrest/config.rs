@@ -35,18 +35,13 @@ impl ClientConfig {
     /// schema `agent`, `max_rows` 1000, 15 s request and 5 s connect timeouts,
     /// [`RetryConfig::default`], no `apikey`.
     pub fn new(base_url: &str, service_key: impl Into<String>) -> Result<Self, ClientError> {
-        let mut base_url = Url::parse(base_url)
-            .map_err(|e| ClientError::Config(format!("base URL {base_url:?}: {e}")))?;
+        let mut base_url =
+            Url::parse(base_url).map_err(|e| ClientError::Config(format!("base URL {base_url:?}: {e}")))?;
         if !matches!(base_url.scheme(), "http" | "https") {
-            return Err(ClientError::Config(format!(
-                "base URL must be http or https, got {:?}",
-                base_url.scheme()
-            )));
+            return Err(ClientError::Config(format!("base URL must be http or https, got {:?}", base_url.scheme())));
         }
         if base_url.query().is_some() || base_url.fragment().is_some() {
-            return Err(ClientError::Config(
-                "base URL must not carry a query or a fragment".into(),
-            ));
+            return Err(ClientError::Config("base URL must not carry a query or a fragment".into()));
         }
         // `…/rest/v1` and `…/rest/v1/` must both resolve `rpc/x` beneath them.
         if !base_url.path().ends_with('/') {
@@ -85,20 +80,14 @@ impl ClientConfig {
             (None, Some(project)) => format!("{}/rest/v1", project.trim_end_matches('/')),
             (None, None) => return Ok(None),
         };
-        let key = var("IDEM_SERVICE_KEY")
-            .or_else(|| var("SUPABASE_SERVICE_ROLE_KEY"))
-            .ok_or_else(|| {
-                ClientError::Config(
-                    "a PostgREST URL is set but no IDEM_SERVICE_KEY / SUPABASE_SERVICE_ROLE_KEY"
-                        .into(),
-                )
-            })?;
+        let key = var("IDEM_SERVICE_KEY").or_else(|| var("SUPABASE_SERVICE_ROLE_KEY")).ok_or_else(|| {
+            ClientError::Config("a PostgREST URL is set but no IDEM_SERVICE_KEY / SUPABASE_SERVICE_ROLE_KEY".into())
+        })?;
         let mut config = ClientConfig::new(&url, key.clone())?;
         config.apikey = var("IDEM_APIKEY").or(supabase.map(|_| key));
         if let Some(rows) = var("IDEM_MAX_ROWS") {
-            let rows = rows.parse().map_err(|_| {
-                ClientError::Config(format!("IDEM_MAX_ROWS {rows:?} is not a number"))
-            })?;
+            let rows =
+                rows.parse().map_err(|_| ClientError::Config(format!("IDEM_MAX_ROWS {rows:?} is not a number")))?;
             config = config.with_max_rows(rows)?;
         }
         Ok(Some(config))
@@ -185,47 +174,24 @@ mod tests {
     #[test]
     fn base_url_gains_a_trailing_slash_so_rpc_resolves_beneath_it() {
         let supabase = ClientConfig::new("https://ref.supabase.co/rest/v1", "k").unwrap();
-        assert_eq!(
-            supabase.base_url().join("rpc/f").unwrap().as_str(),
-            "https://ref.supabase.co/rest/v1/rpc/f"
-        );
+        assert_eq!(supabase.base_url().join("rpc/f").unwrap().as_str(), "https://ref.supabase.co/rest/v1/rpc/f");
         let plain = ClientConfig::new("http://localhost:3000", "k").unwrap();
-        assert_eq!(
-            plain.base_url().join("rpc/f").unwrap().as_str(),
-            "http://localhost:3000/rpc/f"
-        );
+        assert_eq!(plain.base_url().join("rpc/f").unwrap().as_str(), "http://localhost:3000/rpc/f");
     }
 
     #[test]
     fn bad_configuration_is_refused() {
-        assert!(matches!(
-            ClientConfig::new("not a url", "k"),
-            Err(ClientError::Config(_))
-        ));
-        assert!(matches!(
-            ClientConfig::new("ftp://x", "k"),
-            Err(ClientError::Config(_))
-        ));
-        assert!(matches!(
-            ClientConfig::new("http://x?a=1", "k"),
-            Err(ClientError::Config(_))
-        ));
-        assert!(matches!(
-            ClientConfig::new("http://x", ""),
-            Err(ClientError::Config(_))
-        ));
+        assert!(matches!(ClientConfig::new("not a url", "k"), Err(ClientError::Config(_))));
+        assert!(matches!(ClientConfig::new("ftp://x", "k"), Err(ClientError::Config(_))));
+        assert!(matches!(ClientConfig::new("http://x?a=1", "k"), Err(ClientError::Config(_))));
+        assert!(matches!(ClientConfig::new("http://x", ""), Err(ClientError::Config(_))));
         let config = ClientConfig::new("http://x", "k").unwrap();
-        assert!(matches!(
-            config.with_max_rows(0),
-            Err(ClientError::Config(_))
-        ));
+        assert!(matches!(config.with_max_rows(0), Err(ClientError::Config(_))));
     }
 
     #[test]
     fn debug_never_prints_secrets() {
-        let config = ClientConfig::new("http://x", "secret-service-key")
-            .unwrap()
-            .with_apikey("secret-apikey");
+        let config = ClientConfig::new("http://x", "secret-service-key").unwrap().with_apikey("secret-apikey");
         let printed = format!("{config:?}");
         assert!(!printed.contains("secret"), "{printed}");
         assert!(printed.contains("<redacted>"));

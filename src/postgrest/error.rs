@@ -194,9 +194,7 @@ impl ClientError {
     /// The server's `Retry-After`, when it sent one.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            ClientError::Api { retry_after, .. } | ClientError::Http { retry_after, .. } => {
-                *retry_after
-            }
+            ClientError::Api { retry_after, .. } | ClientError::Http { retry_after, .. } => *retry_after,
             _ => None,
         }
     }
@@ -225,10 +223,8 @@ impl ClientError {
                     (status, error.code.as_str()),
                     (503, codes::PGRST000) | (503, codes::PGRST002) | (504, codes::PGRST003)
                 );
-                let rolled_back = matches!(
-                    error.code.as_str(),
-                    codes::SERIALIZATION_FAILURE | codes::DEADLOCK_DETECTED
-                );
+                let rolled_back =
+                    matches!(error.code.as_str(), codes::SERIALIZATION_FAILURE | codes::DEADLOCK_DETECTED);
                 never_ran || rolled_back || (*status == 503 && repeat_safe)
             }
             ClientError::Http { status, .. } => repeat_safe && matches!(status, 502..=504),
@@ -245,12 +241,7 @@ mod tests {
         ClientError::Api {
             function: "f",
             status,
-            error: Box::new(PostgrestError {
-                code: code.into(),
-                message: String::new(),
-                details: None,
-                hint: None,
-            }),
+            error: Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None }),
             retry_after: None,
         }
     }
@@ -275,12 +266,8 @@ mod tests {
             assert_eq!(error.is_retryable(false), any_call, "{error}");
             assert_eq!(error.is_retryable(true), repeat_safe, "{error}");
         }
-        let gateway = ClientError::Http {
-            function: "f",
-            status: 502,
-            body_excerpt: "<html>".into(),
-            retry_after: None,
-        };
+        let gateway =
+            ClientError::Http { function: "f", status: 502, body_excerpt: "<html>".into(), retry_after: None };
         assert!(!gateway.is_retryable(false));
         assert!(gateway.is_retryable(true));
         let refused = ClientError::BoundAboveCap { bound: 2, cap: 1 };

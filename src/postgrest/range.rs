@@ -51,13 +51,8 @@ impl FromStr for ContentRange {
     type Err = ContentRangeError;
 
     fn from_str(value: &str) -> Result<Self, Self::Err> {
-        let fail = |reason| ContentRangeError {
-            value: value.to_owned(),
-            reason,
-        };
-        let (range, total) = value
-            .split_once('/')
-            .ok_or_else(|| fail("expected `range/total`"))?;
+        let fail = |reason| ContentRangeError { value: value.to_owned(), reason };
+        let (range, total) = value.split_once('/').ok_or_else(|| fail("expected `range/total`"))?;
         let total = match total {
             "*" => None,
             digits => Some(parse_number(digits).ok_or_else(|| fail("total is not a number"))?),
@@ -65,13 +60,9 @@ impl FromStr for ContentRange {
         let range = match range {
             "*" => None,
             bounds => {
-                let (lower, upper) = bounds
-                    .split_once('-')
-                    .ok_or_else(|| fail("expected `lower-upper`"))?;
-                let lower =
-                    parse_number(lower).ok_or_else(|| fail("lower bound is not a number"))?;
-                let upper =
-                    parse_number(upper).ok_or_else(|| fail("upper bound is not a number"))?;
+                let (lower, upper) = bounds.split_once('-').ok_or_else(|| fail("expected `lower-upper`"))?;
+                let lower = parse_number(lower).ok_or_else(|| fail("lower bound is not a number"))?;
+                let upper = parse_number(upper).ok_or_else(|| fail("upper bound is not a number"))?;
                 if upper < lower {
                     return Err(fail("upper bound below lower bound"));
                 }

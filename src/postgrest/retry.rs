@@ -32,10 +32,7 @@ impl Default for RetryConfig {
 impl RetryConfig {
     /// No retries at all.
     pub fn disabled() -> Self {
-        RetryConfig {
-            max_retries: 0,
-            ..RetryConfig::default()
-        }
+        RetryConfig { max_retries: 0, ..RetryConfig::default() }
     }
 
     /// The wait before retry number `retry` (1-based): uniform between half
@@ -45,10 +42,7 @@ impl RetryConfig {
     /// in charge; an HTTP-date `Retry-After` is not read.
     pub(crate) fn backoff(&self, retry: u32, retry_after: Option<Duration>) -> Duration {
         let exponent = retry.saturating_sub(1).min(16);
-        let ceiling = self
-            .initial_backoff
-            .saturating_mul(1u32 << exponent)
-            .min(self.max_backoff);
+        let ceiling = self.initial_backoff.saturating_mul(1u32 << exponent).min(self.max_backoff);
         let jittered = ceiling.mul_f64(0.5 + 0.5 * rand::random::<f64>());
         let floor = retry_after.unwrap_or(Duration::ZERO).min(self.max_backoff);
         jittered.max(floor)
@@ -66,21 +60,12 @@ mod tests {
             let wait = config.backoff(retry, None);
             assert!(wait <= config.max_backoff, "retry {retry}: {wait:?}");
             let ceiling = config.initial_backoff * (1 << (retry - 1).min(16));
-            assert!(
-                wait >= ceiling.min(config.max_backoff) / 2,
-                "retry {retry}: {wait:?}"
-            );
+            assert!(wait >= ceiling.min(config.max_backoff) / 2, "retry {retry}: {wait:?}");
         }
         // Retry-After: 0 leaves our own backoff in charge.
         assert!(config.backoff(1, Some(Duration::ZERO)) >= config.initial_backoff / 2);
         // A larger Retry-After is honoured, up to the ceiling.
-        assert_eq!(
-            config.backoff(1, Some(Duration::from_secs(1))),
-            Duration::from_secs(1)
-        );
-        assert_eq!(
-            config.backoff(1, Some(Duration::from_secs(60))),
-            config.max_backoff
-        );
+        assert_eq!(config.backoff(1, Some(Duration::from_secs(1))), Duration::from_secs(1));
+        assert_eq!(config.backoff(1, Some(Duration::from_secs(60))), config.max_backoff);
     }
 }

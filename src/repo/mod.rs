@@ -86,9 +86,5 @@ pub trait IdempotencyRepository: Send + Sync {
 
     /// Deletes the unfinished claim `claim_id` if `lease_token` still holds
     /// it. `false` when the lease moved on: the caller must do nothing more.
-    fn release(
-        &self,
-        claim_id: Uuid,
-        lease_token: Uuid,
-    ) -> impl Future<Output = Result<bool, Error>> + Send;
+    fn release(&self, claim_id: Uuid, lease_token: Uuid) -> impl Future<Output = Result<bool, Error>> + Send;
 }

@@ -36,13 +36,10 @@ impl PostgrestRepository {
         function: &'static str,
         args: &impl Serialize,
     ) -> Result<Option<IdempotencyRecord>, Error> {
-        let mut rows: Vec<IdempotencyRecord> =
-            self.client.rpc(function, args, Repeat::Safe).await?;
+        let mut rows: Vec<IdempotencyRecord> = self.client.rpc(function, args, Repeat::Safe).await?;
         match rows.len() {
             0 | 1 => Ok(rows.pop()),
-            n => Err(Error::Inconsistent(format!(
-                "{function} answered {n} rows, at most 1 expected"
-            ))),
+            n => Err(Error::Inconsistent(format!("{function} answered {n} rows, at most 1 expected"))),
         }
     }
 }
@@ -106,33 +103,16 @@ struct FenceArgs {
 }
 
 impl IdempotencyRepository for PostgrestRepository {
-    async fn try_claim(
-        &self,
-        request: &ClaimRequest<'_>,
-    ) -> Result<Option<IdempotencyRecord>, Error> {
-        self.at_most_one("idempotency_try_claim", &ClaimArgs::from(request))
-            .await
+    async fn try_claim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
+        self.at_most_one("idempotency_try_claim", &ClaimArgs::from(request)).await
     }
 
-    async fn reclaim(
-        &self,
-        request: &ClaimRequest<'_>,
-    ) -> Result<Option<IdempotencyRecord>, Error> {
-        self.at_most_one("idempotency_reclaim", &ClaimArgs::from(request))
-            .await
+    async fn reclaim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
+        self.at_most_one("idempotency_reclaim", &ClaimArgs::from(request)).await
     }
 
-    async fn get(
-        &self,
-        organization_id: Uuid,
-        scope: &str,
-        key: &str,
-    ) -> Result<Option<IdempotencyRecord>, Error> {
-        let args = KeyArgs {
-            p_organization_id: organization_id,
-            p_scope: scope,
-            p_key: key,
-        };
+    async fn get(&self, organization_id: Uuid, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, Error> {
+        let args = KeyArgs { p_organization_id: organization_id, p_scope: scope, p_key: key };
         self.at_most_one("idempotency_get", &args).await
     }
 
@@ -153,13 +133,7 @@ impl IdempotencyRepository for PostgrestRepository {
     }
 
     async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
-        let args = FenceArgs {
-            p_claim_id: claim_id,
-            p_lease_token: lease_token,
-        };
-        Ok(self
-            .client
-            .rpc("idempotency_release", &args, Repeat::Unsafe)
-            .await?)
+        let args = FenceArgs { p_claim_id: claim_id, p_lease_token: lease_token };
+        Ok(self.client.rpc("idempotency_release", &args, Repeat::Unsafe).await?)
     }
 }

@@ -40,14 +40,11 @@ impl FromStr for RequestHash {
 
     /// Accepts exactly 64 lowercase hex digits, as the table's check does.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let well_formed =
-            s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        let well_formed = s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
         if well_formed {
             Ok(RequestHash(s.to_owned()))
         } else {
-            Err(InvalidInput::MalformedHash {
-                value: s.chars().take(80).collect(),
-            })
+            Err(InvalidInput::MalformedHash { value: s.chars().take(80).collect() })
         }
     }
 }
@@ -108,10 +105,8 @@ mod tests {
 
     #[test]
     fn key_order_does_not_change_the_hash() {
-        let a: Value =
-            serde_json::from_str(r#"{"to":"a@b.c","body":{"x":1,"y":[1,{"q":2,"p":3}]}}"#).unwrap();
-        let b: Value =
-            serde_json::from_str(r#"{"body":{"y":[1,{"p":3,"q":2}],"x":1},"to":"a@b.c"}"#).unwrap();
+        let a: Value = serde_json::from_str(r#"{"to":"a@b.c","body":{"x":1,"y":[1,{"q":2,"p":3}]}}"#).unwrap();
+        let b: Value = serde_json::from_str(r#"{"body":{"y":[1,{"p":3,"q":2}],"x":1},"to":"a@b.c"}"#).unwrap();
         assert_eq!(RequestHash::of_json(&a), RequestHash::of_json(&b));
     }
 
@@ -121,41 +116,22 @@ mod tests {
         assert_ne!(a, RequestHash::of_json(&json!({"to": "a@b.d"})));
         assert_ne!(a, RequestHash::of_json(&json!([{"to": "a@b.c"}])));
         // Array order is content.
-        assert_ne!(
-            RequestHash::of_json(&json!([1, 2])),
-            RequestHash::of_json(&json!([2, 1]))
-        );
+        assert_ne!(RequestHash::of_json(&json!([1, 2])), RequestHash::of_json(&json!([2, 1])));
     }
 
     #[test]
     fn canonical_encoding_is_pinned() {
         // sha256('{"a":1,"b":[true,null,"x"]}')
         let expected = hex::encode(Sha256::digest(br#"{"a":1,"b":[true,null,"x"]}"#));
-        assert_eq!(
-            RequestHash::of_json(&json!({"b": [true, null, "x"], "a": 1})).as_str(),
-            expected
-        );
+        assert_eq!(RequestHash::of_json(&json!({"b": [true, null, "x"], "a": 1})).as_str(), expected);
     }
 
     #[test]
     fn parse_accepts_only_lowercase_sha256_hex() {
         let good = "a".repeat(64);
         assert_eq!(good.parse::<RequestHash>().unwrap().as_str(), good);
-        for bad in [
-            "",
-            "abc",
-            &"A".repeat(64),
-            &"g".repeat(64),
-            &"a".repeat(63),
-            &"a".repeat(65),
-        ] {
-            assert!(
-                matches!(
-                    bad.parse::<RequestHash>(),
-                    Err(InvalidInput::MalformedHash { .. })
-                ),
-                "{bad}"
-            );
+        for bad in ["", "abc", &"A".repeat(64), &"g".repeat(64), &"a".repeat(63), &"a".repeat(65)] {
+            assert!(matches!(bad.parse::<RequestHash>(), Err(InvalidInput::MalformedHash { .. })), "{bad}");
         }
     }
 }

@@ -16,18 +16,15 @@ use tracing::{field, Instrument};
 use uuid::Uuid;
 
 use crate::error::Error;
-use crate::repo::{
-    ClaimRequest, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository,
-};
+use crate::repo::{ClaimRequest, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
 
 pub use hash::RequestHash;
 pub use outcome::{
-    Claim, ClaimOutcome, Completion, Ending, ResourceRef, MAX_RESOURCE_ID_CHARS,
-    MAX_RESOURCE_TYPE_CHARS,
+    Claim, ClaimOutcome, Completion, Ending, ResourceRef, MAX_RESOURCE_ID_CHARS, MAX_RESOURCE_TYPE_CHARS,
 };
 pub use scope::{
-    ScopeRegistry, DAY, MAX_SCOPE_CHARS, SAVED_SEARCH_START_RETENTION, SAVED_SEARCH_START_SCOPE,
-    TOOL_RETENTION, WEBHOOK_RETENTION,
+    ScopeRegistry, DAY, MAX_SCOPE_CHARS, SAVED_SEARCH_START_RETENTION, SAVED_SEARCH_START_SCOPE, TOOL_RETENTION,
+    WEBHOOK_RETENTION,
 };
 pub(crate) use validate::key as validate_key;
 pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};
@@ -148,11 +145,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
 
     /// try_claim; on a conflict read the row; reclaim a passed lease; re-read
     /// when someone else moved first.
-    async fn claim_steps(
-        &self,
-        request: &ClaimRequest<'_>,
-        hash: &RequestHash,
-    ) -> Result<ClaimOutcome, Error> {
+    async fn claim_steps(&self, request: &ClaimRequest<'_>, hash: &RequestHash) -> Result<ClaimOutcome, Error> {
         enum Step {
             TryClaim,
             Get,
@@ -162,16 +155,10 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         for _ in 0..MAX_CLAIM_STEPS {
             step = match step {
                 Step::TryClaim => match self.repo.try_claim(request).await? {
-                    Some(record) => {
-                        return Ok(ClaimOutcome::Claimed(Claim::from_record(record, false)))
-                    }
+                    Some(record) => return Ok(ClaimOutcome::Claimed(Claim::from_record(record, false))),
                     None => Step::Get,
                 },
-                Step::Get => match self
-                    .repo
-                    .get(request.organization_id, request.scope, request.key)
-                    .await?
-                {
+                Step::Get => match self.repo.get(request.organization_id, request.scope, request.key).await? {
                     // Released between our insert and our read: try again.
                     None => Step::TryClaim,
                     Some(record) => match judge(record, hash) {
@@ -180,17 +167,13 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                     },
                 },
                 Step::Reclaim => match self.repo.reclaim(request).await? {
-                    Some(record) => {
-                        return Ok(ClaimOutcome::Claimed(Claim::from_record(record, true)))
-                    }
+                    Some(record) => return Ok(ClaimOutcome::Claimed(Claim::from_record(record, true))),
                     // Someone else reclaimed, completed or released it first.
                     None => Step::Get,
                 },
             };
         }
-        Err(Error::Contended {
-            steps: MAX_CLAIM_STEPS,
-        })
+        Err(Error::Contended { steps: MAX_CLAIM_STEPS })
     }
 
     /// Completes `claim` with its answer. `LeaseMovedOn` when another worker
@@ -205,18 +188,11 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         async {
             completion.validate()?;
             let args = CompletionArgs {
-                resource_type: completion
-                    .resource
-                    .as_ref()
-                    .map(|r| r.resource_type.as_str()),
+                resource_type: completion.resource.as_ref().map(|r| r.resource_type.as_str()),
                 resource_id: completion.resource.as_ref().map(|r| r.resource_id.as_str()),
                 response: completion.response.as_ref().filter(|v| !v.is_null()),
             };
-            let ending = match self
-                .repo
-                .complete(claim.id, claim.lease_token, args)
-                .await?
-            {
+            let ending = match self.repo.complete(claim.id, claim.lease_token, args).await? {
                 Some(_) => Ending::Recorded,
                 None => Ending::LeaseMovedOn,
             };
@@ -265,17 +241,14 @@ fn judge(record: IdempotencyRecord, hash: &RequestHash) -> Judged {
     match record.status {
         ClaimStatus::Completed => Judged::Final(ClaimOutcome::Completed {
             resource: match (record.resource_type, record.resource_id) {
-                (Some(resource_type), Some(resource_id)) => Some(ResourceRef {
-                    resource_type,
-                    resource_id,
-                }),
+                (Some(resource_type), Some(resource_id)) => Some(ResourceRef { resource_type, resource_id }),
                 _ => None,
             },
             response: record.response,
         }),
-        ClaimStatus::Processing if record.lease_live => Judged::Final(ClaimOutcome::Processing {
-            lease_expires_at: record.lease_expires_at,
-        }),
+        ClaimStatus::Processing if record.lease_live => {
+            Judged::Final(ClaimOutcome::Processing { lease_expires_at: record.lease_expires_at })
+        }
         ClaimStatus::Processing => Judged::Reclaimable,
     }
 }
@@ -283,10 +256,7 @@ fn judge(record: IdempotencyRecord, hash: &RequestHash) -> Judged {
 fn record_outcome(outcome: &ClaimOutcome) {
     let span = tracing::Span::current();
     span.record("outcome", outcome.kind());
-    span.record(
-        "replayed",
-        matches!(outcome, ClaimOutcome::Completed { .. }),
-    );
+    span.record("replayed", matches!(outcome, ClaimOutcome::Completed { .. }));
     tracing::debug!(outcome = outcome.kind(), "idempotency outcome");
 }
 
@@ -297,9 +267,6 @@ fn record_ending(ending: Ending) {
     };
     tracing::Span::current().record("ending", name);
     if ending == Ending::LeaseMovedOn {
-        tracing::info!(
-            ending = name,
-            "the lease moved on; this worker's ending was not recorded"
-        );
+        tracing::info!(ending = name, "the lease moved on; this worker's ending was not recorded");
     }
 }

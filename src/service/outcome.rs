@@ -141,20 +141,14 @@ pub struct Completion {
 impl Completion {
     /// A completion that stores `response` as the answer to replay.
     pub fn response(response: serde_json::Value) -> Self {
-        Completion {
-            response: Some(response),
-            resource: None,
-        }
+        Completion { response: Some(response), resource: None }
     }
 
     /// A completion that records the resource the effect made.
     pub fn resource(resource_type: impl Into<String>, resource_id: impl Into<String>) -> Self {
         Completion {
             response: None,
-            resource: Some(ResourceRef {
-                resource_type: resource_type.into(),
-                resource_id: resource_id.into(),
-            }),
+            resource: Some(ResourceRef { resource_type: resource_type.into(), resource_id: resource_id.into() }),
         }
     }
 
@@ -165,15 +159,8 @@ impl Completion {
     }
 
     /// Adds the resource the effect made.
-    pub fn with_resource(
-        mut self,
-        resource_type: impl Into<String>,
-        resource_id: impl Into<String>,
-    ) -> Self {
-        self.resource = Some(ResourceRef {
-            resource_type: resource_type.into(),
-            resource_id: resource_id.into(),
-        });
+    pub fn with_resource(mut self, resource_type: impl Into<String>, resource_id: impl Into<String>) -> Self {
+        self.resource = Some(ResourceRef { resource_type: resource_type.into(), resource_id: resource_id.into() });
         self
     }
 
@@ -220,24 +207,12 @@ mod tests {
 
     #[test]
     fn a_completion_must_carry_something() {
-        assert_eq!(
-            Completion::response(json!(null)).validate(),
-            Err(InvalidInput::EmptyCompletion)
-        );
-        assert_eq!(
-            Completion::resource("", "x").validate(),
-            Err(InvalidInput::EmptyResource)
-        );
-        assert_eq!(
-            Completion::resource("t", "").validate(),
-            Err(InvalidInput::EmptyResource)
-        );
+        assert_eq!(Completion::response(json!(null)).validate(), Err(InvalidInput::EmptyCompletion));
+        assert_eq!(Completion::resource("", "x").validate(), Err(InvalidInput::EmptyResource));
+        assert_eq!(Completion::resource("t", "").validate(), Err(InvalidInput::EmptyResource));
         assert!(Completion::response(json!({})).validate().is_ok());
         assert!(Completion::resource("t", "1").validate().is_ok());
-        assert!(Completion::response(json!(null))
-            .with_resource("t", "1")
-            .validate()
-            .is_ok());
+        assert!(Completion::response(json!(null)).with_resource("t", "1").validate().is_ok());
         assert!(matches!(
             Completion::resource("t".repeat(129), "1").validate(),
             Err(InvalidInput::ResourceTooLong { field: "type", .. })
@@ -246,8 +221,6 @@ mod tests {
             Completion::resource("t", "1".repeat(513)).validate(),
             Err(InvalidInput::ResourceTooLong { field: "id", .. })
         ));
-        assert!(Completion::resource("t".repeat(128), "1".repeat(512))
-            .validate()
-            .is_ok());
+        assert!(Completion::resource("t".repeat(128), "1".repeat(512)).validate().is_ok());
     }
 }

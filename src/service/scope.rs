@@ -45,14 +45,8 @@ impl Default for ScopeRegistry {
     /// `tool.*` 30 days, `webhook.*` 24 hours, `surface.saved_search.start` 24 hours.
     fn default() -> Self {
         ScopeRegistry {
-            exact: vec![(
-                SAVED_SEARCH_START_SCOPE.into(),
-                SAVED_SEARCH_START_RETENTION,
-            )],
-            families: vec![
-                ("tool.".into(), TOOL_RETENTION),
-                ("webhook.".into(), WEBHOOK_RETENTION),
-            ],
+            exact: vec![(SAVED_SEARCH_START_SCOPE.into(), SAVED_SEARCH_START_RETENTION)],
+            families: vec![("tool.".into(), TOOL_RETENTION), ("webhook.".into(), WEBHOOK_RETENTION)],
         }
     }
 }
@@ -60,10 +54,7 @@ impl Default for ScopeRegistry {
 impl ScopeRegistry {
     /// An empty registry: every scope is unknown until added.
     pub fn empty() -> Self {
-        ScopeRegistry {
-            exact: Vec::new(),
-            families: Vec::new(),
-        }
+        ScopeRegistry { exact: Vec::new(), families: Vec::new() }
     }
 
     /// Adds one scope with its retention.
@@ -82,26 +73,14 @@ impl ScopeRegistry {
     /// registered retention is one the store accepts.
     pub fn retention(&self, scope: &str) -> Result<Duration, Error> {
         validate_scope(scope)?;
-        let registered = self
-            .exact
-            .iter()
-            .find(|(name, _)| name == scope)
-            .or_else(|| {
-                self.families.iter().find(|(prefix, _)| {
-                    scope.len() > prefix.len() && scope.starts_with(prefix.as_str())
-                })
-            });
+        let registered = self.exact.iter().find(|(name, _)| name == scope).or_else(|| {
+            self.families.iter().find(|(prefix, _)| scope.len() > prefix.len() && scope.starts_with(prefix.as_str()))
+        });
         let Some((_, retention)) = registered else {
-            return Err(Error::UnknownScope {
-                scope: scope.to_owned(),
-            });
+            return Err(Error::UnknownScope { scope: scope.to_owned() });
         };
         if !(MIN_RETENTION..=MAX_RETENTION).contains(retention) {
-            return Err(InvalidInput::RetentionOutOfRange {
-                scope: scope.to_owned(),
-                retention: *retention,
-            }
-            .into());
+            return Err(InvalidInput::RetentionOutOfRange { scope: scope.to_owned(), retention: *retention }.into());
         }
         Ok(*retention)
     }
@@ -114,18 +93,10 @@ fn validate_scope(scope: &str) -> Result<(), InvalidInput> {
     }
     let chars = scope.chars().count();
     if chars > MAX_SCOPE_CHARS {
-        return Err(InvalidInput::ScopeTooLong {
-            chars,
-            max: MAX_SCOPE_CHARS,
-        });
+        return Err(InvalidInput::ScopeTooLong { chars, max: MAX_SCOPE_CHARS });
     }
-    if !scope
-        .bytes()
-        .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'))
-    {
-        return Err(InvalidInput::MalformedScope {
-            scope: scope.chars().take(MAX_SCOPE_CHARS).collect(),
-        });
+    if !scope.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-')) {
+        return Err(InvalidInput::MalformedScope { scope: scope.chars().take(MAX_SCOPE_CHARS).collect() });
     }
     Ok(())
 }
@@ -137,58 +108,26 @@ mod tests {
     #[test]
     fn spec_retentions() {
         let registry = ScopeRegistry::default();
-        assert_eq!(
-            registry.retention("tool.email.send").unwrap(),
-            TOOL_RETENTION
-        );
-        assert_eq!(
-            registry.retention("tool.crm.company.create").unwrap(),
-            TOOL_RETENTION
-        );
+        assert_eq!(registry.retention("tool.email.send").unwrap(), TOOL_RETENTION);
+        assert_eq!(registry.retention("tool.crm.company.create").unwrap(), TOOL_RETENTION);
         assert_eq!(registry.retention("webhook.nylas").unwrap(), DAY);
-        assert_eq!(
-            registry.retention("surface.saved_search.start").unwrap(),
-            DAY
-        );
+        assert_eq!(registry.retention("surface.saved_search.start").unwrap(), DAY);
         assert_eq!(TOOL_RETENTION, DAY * 30);
     }
 
     #[test]
     fn unknown_and_malformed_scopes_are_errors() {
         let registry = ScopeRegistry::default();
-        for unknown in [
-            "tool.",
-            "tools.x",
-            "webhook",
-            "surface.saved_search",
-            "payments.charge",
-        ] {
-            assert!(
-                matches!(registry.retention(unknown), Err(Error::UnknownScope { .. })),
-                "{unknown}"
-            );
+        for unknown in ["tool.", "tools.x", "webhook", "surface.saved_search", "payments.charge"] {
+            assert!(matches!(registry.retention(unknown), Err(Error::UnknownScope { .. })), "{unknown}");
         }
-        assert!(matches!(
-            registry.retention(""),
-            Err(Error::Invalid(InvalidInput::EmptyScope))
-        ));
+        assert!(matches!(registry.retention(""), Err(Error::Invalid(InvalidInput::EmptyScope))));
         let long = format!("tool.{}", "x".repeat(200));
-        assert!(matches!(
-            registry.retention(&long),
-            Err(Error::Invalid(InvalidInput::ScopeTooLong { .. }))
-        ));
-        let odd = ScopeRegistry::empty()
-            .with_scope("forever.x", DAY * 400)
-            .with_family("never.", Duration::ZERO);
+        assert!(matches!(registry.retention(&long), Err(Error::Invalid(InvalidInput::ScopeTooLong { .. }))));
+        let odd = ScopeRegistry::empty().with_scope("forever.x", DAY * 400).with_family("never.", Duration::ZERO);
         for scope in ["forever.x", "never.x"] {
-            assert!(matches!(
-                odd.retention(scope),
-                Err(Error::Invalid(InvalidInput::RetentionOutOfRange { .. }))
-            ));
+            assert!(matches!(odd.retention(scope), Err(Error::Invalid(InvalidInput::RetentionOutOfRange { .. }))));
         }
-        assert!(matches!(
-            registry.retention("tool.Email"),
-            Err(Error::Invalid(InvalidInput::MalformedScope { .. }))
-        ));
+        assert!(matches!(registry.retention("tool.Email"), Err(Error::Invalid(InvalidInput::MalformedScope { .. }))));
     }
 }

@@ -21,10 +21,7 @@ pub(crate) fn key(key: &str) -> Result<(), InvalidInput> {
     }
     let chars = key.chars().count();
     if chars > MAX_KEY_CHARS {
-        return Err(InvalidInput::KeyTooLong {
-            chars,
-            max: MAX_KEY_CHARS,
-        });
+        return Err(InvalidInput::KeyTooLong { chars, max: MAX_KEY_CHARS });
     }
     // PostgreSQL text cannot hold NUL; refused here rather than by the server.
     if key.contains('\0') {
@@ -35,16 +32,10 @@ pub(crate) fn key(key: &str) -> Result<(), InvalidInput> {
 
 pub(crate) fn lease(lease: Duration) -> Result<(), InvalidInput> {
     if lease < MIN_LEASE {
-        return Err(InvalidInput::LeaseTooShort {
-            lease,
-            min: MIN_LEASE,
-        });
+        return Err(InvalidInput::LeaseTooShort { lease, min: MIN_LEASE });
     }
     if lease > MAX_LEASE {
-        return Err(InvalidInput::LeaseTooLong {
-            lease,
-            max: MAX_LEASE,
-        });
+        return Err(InvalidInput::LeaseTooLong { lease, max: MAX_LEASE });
     }
     Ok(())
 }
@@ -59,30 +50,15 @@ mod tests {
         assert!(key("run:1:step:2").is_ok());
         assert_eq!(key("a\0b"), Err(InvalidInput::KeyHasNul));
         assert!(key(&"é".repeat(MAX_KEY_CHARS)).is_ok());
-        assert_eq!(
-            key(&"k".repeat(MAX_KEY_CHARS + 1)),
-            Err(InvalidInput::KeyTooLong {
-                chars: 513,
-                max: 512
-            })
-        );
+        assert_eq!(key(&"k".repeat(MAX_KEY_CHARS + 1)), Err(InvalidInput::KeyTooLong { chars: 513, max: 512 }));
     }
 
     #[test]
     fn leases_are_positive_and_bounded() {
-        assert!(matches!(
-            lease(Duration::ZERO),
-            Err(InvalidInput::LeaseTooShort { .. })
-        ));
-        assert!(matches!(
-            lease(Duration::from_millis(999)),
-            Err(InvalidInput::LeaseTooShort { .. })
-        ));
+        assert!(matches!(lease(Duration::ZERO), Err(InvalidInput::LeaseTooShort { .. })));
+        assert!(matches!(lease(Duration::from_millis(999)), Err(InvalidInput::LeaseTooShort { .. })));
         assert!(lease(MIN_LEASE).is_ok());
         assert!(lease(MAX_LEASE).is_ok());
-        assert!(matches!(
-            lease(MAX_LEASE + Duration::from_millis(1)),
-            Err(InvalidInput::LeaseTooLong { .. })
-        ));
+        assert!(matches!(lease(MAX_LEASE + Duration::from_millis(1)), Err(InvalidInput::LeaseTooLong { .. })));
     }
 }

@@ -3,9 +3,7 @@
 use std::time::Duration;
 
 use idempotency_plane::local::{LocalStack, LocalStackConfig};
-use idempotency_plane::{
-    Claim, ClaimOutcome, Error, IdempotencyService, PostgrestRepository, RequestHash,
-};
+use idempotency_plane::{Claim, ClaimOutcome, Error, IdempotencyService, PostgrestRepository, RequestHash};
 use uuid::Uuid;
 
 pub type Service = IdempotencyService<PostgrestRepository>;
@@ -37,10 +35,7 @@ pub const LEASE: Duration = Duration::from_secs(60);
 
 /// Rows of the claim table, by a superuser connection.
 pub async fn count_rows(stack: &LocalStack) -> i64 {
-    sqlx::query_scalar("select count(*) from agent.idempotency_keys")
-        .fetch_one(stack.db())
-        .await
-        .expect("count rows")
+    sqlx::query_scalar("select count(*) from agent.idempotency_keys").fetch_one(stack.db()).await.expect("count rows")
 }
 
 /// Moves a claim's lease into the past, as if `by` had passed.
@@ -88,8 +83,5 @@ pub fn client(stack: &LocalStack) -> idempotency_plane::PostgrestClient {
 
 /// Rows of `agent.runs`.
 pub async fn count_runs(stack: &LocalStack) -> i64 {
-    sqlx::query_scalar("select count(*) from agent.runs")
-        .fetch_one(stack.db())
-        .await
-        .expect("count runs")
+    sqlx::query_scalar("select count(*) from agent.runs").fetch_one(stack.db()).await.expect("count runs")
 }

@@ -17,11 +17,7 @@ async fn twenty_concurrent_claims_for_the_same_key_produce_one_owner() {
 
     let attempts = (0..20).map(|_| {
         let (service, h) = (service.clone(), h.clone());
-        tokio::spawn(async move {
-            service
-                .claim(org, "tool.email.send", "run-7:step-2", &h, LEASE)
-                .await
-        })
+        tokio::spawn(async move { service.claim(org, "tool.email.send", "run-7:step-2", &h, LEASE).await })
     });
     let outcomes: Vec<ClaimOutcome> = futures::future::join_all(attempts)
         .await
@@ -29,19 +25,10 @@ async fn twenty_concurrent_claims_for_the_same_key_produce_one_owner() {
         .map(|joined| joined.expect("task").expect("claim"))
         .collect();
 
-    let owners = outcomes
-        .iter()
-        .filter(|o| matches!(o, ClaimOutcome::Claimed(_)))
-        .count();
-    let in_flight = outcomes
-        .iter()
-        .filter(|o| matches!(o, ClaimOutcome::Processing { .. }))
-        .count();
+    let owners = outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Claimed(_))).count();
+    let in_flight = outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Processing { .. })).count();
     assert_eq!(owners, 1, "{outcomes:?}");
-    assert_eq!(
-        in_flight, 19,
-        "every other caller sees the live lease: {outcomes:?}"
-    );
+    assert_eq!(in_flight, 19, "every other caller sees the live lease: {outcomes:?}");
     assert_eq!(count_rows(&stack).await, 1);
     stack.stop().await.unwrap();
 }
@@ -53,40 +40,20 @@ async fn completed_duplicate_returns_stored_resource_and_result() {
     let org = org();
     let h = hash("send a@b.c");
 
-    let claim = claimed(
-        service
-            .claim(org, "tool.email.send", "run-1:step-1", &h, LEASE)
-            .await,
-    );
-    let completion =
-        Completion::response(json!({"message_id": "m-1"})).with_resource("nylas.message", "m-1");
-    assert_eq!(
-        service.complete(&claim, completion).await.unwrap(),
-        Ending::Recorded
-    );
+    let claim = claimed(service.claim(org, "tool.email.send", "run-1:step-1", &h, LEASE).await);
+    let completion = Completion::response(json!({"message_id": "m-1"})).with_resource("nylas.message", "m-1");
+    assert_eq!(service.complete(&claim, completion).await.unwrap(), Ending::Recorded);
 
     for replay in [
-        service
-            .claim(org, "tool.email.send", "run-1:step-1", &h, LEASE)
-            .await
-            .unwrap(),
-        service
-            .read(org, "tool.email.send", "run-1:step-1", &h)
-            .await
-            .unwrap(),
+        service.claim(org, "tool.email.send", "run-1:step-1", &h, LEASE).await.unwrap(),
+        service.read(org, "tool.email.send", "run-1:step-1", &h).await.unwrap(),
     ] {
         let ClaimOutcome::Completed { response, resource } = replay else {
             panic!("expected the stored answer, got {replay:?}");
         };
         assert_eq!(response, Some(json!({"message_id": "m-1"})));
         let resource = resource.expect("resource stored");
-        assert_eq!(
-            (
-                resource.resource_type.as_str(),
-                resource.resource_id.as_str()
-            ),
-            ("nylas.message", "m-1")
-        );
+        assert_eq!((resource.resource_type.as_str(), resource.resource_id.as_str()), ("nylas.message", "m-1"));
     }
     assert_eq!(count_rows(&stack).await, 1);
     stack.stop().await.unwrap();
@@ -98,73 +65,39 @@ async fn same_key_with_a_different_hash_is_a_conflict_also_after_the_lease_passe
     let service = service(&stack);
     let org = org();
 
-    let claim = claimed(
-        service
-            .claim(org, "webhook.nylas", "delivery-9", &hash("body A"), LEASE)
-            .await,
-    );
+    let claim = claimed(service.claim(org, "webhook.nylas", "delivery-9", &hash("body A"), LEASE).await);
     // Live lease: the hash is compared first, so this is a conflict, not processing.
     assert_eq!(
-        service
-            .claim(org, "webhook.nylas", "delivery-9", &hash("body B"), LEASE)
-            .await
-            .unwrap(),
+        service.claim(org, "webhook.nylas", "delivery-9", &hash("body B"), LEASE).await.unwrap(),
         ClaimOutcome::Conflict
     );
     assert_eq!(
-        service
-            .read(org, "webhook.nylas", "delivery-9", &hash("body B"))
-            .await
-            .unwrap(),
+        service.read(org, "webhook.nylas", "delivery-9", &hash("body B")).await.unwrap(),
         ClaimOutcome::Conflict
     );
 
     // Lease passed: still a conflict, never a reclaim for different content.
     pass_lease(&stack, claim.id()).await;
     assert_eq!(
-        service
-            .claim(org, "webhook.nylas", "delivery-9", &hash("body B"), LEASE)
-            .await
-            .unwrap(),
+        service.claim(org, "webhook.nylas", "delivery-9", &hash("body B"), LEASE).await.unwrap(),
         ClaimOutcome::Conflict
     );
     assert_eq!(
-        service
-            .read(org, "webhook.nylas", "delivery-9", &hash("body B"))
-            .await
-            .unwrap(),
+        service.read(org, "webhook.nylas", "delivery-9", &hash("body B")).await.unwrap(),
         ClaimOutcome::Conflict
     );
-    let token: uuid::Uuid =
-        sqlx::query_scalar("select lease_token from agent.idempotency_keys where id = $1")
-            .bind(claim.id())
-            .fetch_one(stack.db())
-            .await
-            .unwrap();
-    assert_eq!(
-        token,
-        claim.lease_token(),
-        "the conflicting callers did not take the key"
-    );
+    let token: uuid::Uuid = sqlx::query_scalar("select lease_token from agent.idempotency_keys where id = $1")
+        .bind(claim.id())
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    assert_eq!(token, claim.lease_token(), "the conflicting callers did not take the key");
 
     // Completed: still a conflict.
-    let claim = claimed(
-        service
-            .claim(org, "webhook.nylas", "delivery-9", &hash("body A"), LEASE)
-            .await,
-    );
+    let claim = claimed(service.claim(org, "webhook.nylas", "delivery-9", &hash("body A"), LEASE).await);
+    assert_eq!(service.complete(&claim, Completion::response(json!({"ok": true}))).await.unwrap(), Ending::Recorded);
     assert_eq!(
-        service
-            .complete(&claim, Completion::response(json!({"ok": true})))
-            .await
-            .unwrap(),
-        Ending::Recorded
-    );
-    assert_eq!(
-        service
-            .claim(org, "webhook.nylas", "delivery-9", &hash("body B"), LEASE)
-            .await
-            .unwrap(),
+        service.claim(org, "webhook.nylas", "delivery-9", &hash("body B"), LEASE).await.unwrap(),
         ClaimOutcome::Conflict
     );
     stack.stop().await.unwrap();
@@ -177,50 +110,29 @@ async fn read_writes_no_row_and_answers_absent_for_a_passed_lease() {
     let org = org();
     let h = hash("approve me");
 
-    assert_eq!(
-        service
-            .read(org, "tool.crm.company.create", "run-3:step-1", &h)
-            .await
-            .unwrap(),
-        ClaimOutcome::Absent
-    );
+    assert_eq!(service.read(org, "tool.crm.company.create", "run-3:step-1", &h).await.unwrap(), ClaimOutcome::Absent);
     assert_eq!(count_rows(&stack).await, 0, "read() never writes");
 
-    let claim = claimed(
-        service
-            .claim(org, "tool.crm.company.create", "run-3:step-1", &h, LEASE)
-            .await,
-    );
+    let claim = claimed(service.claim(org, "tool.crm.company.create", "run-3:step-1", &h, LEASE).await);
     assert!(matches!(
-        service
-            .read(org, "tool.crm.company.create", "run-3:step-1", &h)
-            .await
-            .unwrap(),
+        service.read(org, "tool.crm.company.create", "run-3:step-1", &h).await.unwrap(),
         ClaimOutcome::Processing { .. }
     ));
 
     pass_lease(&stack, claim.id()).await;
-    let before: (uuid::Uuid, chrono::DateTime<chrono::Utc>) = sqlx::query_as(
-        "select lease_token, lease_expires_at from agent.idempotency_keys where id = $1",
-    )
-    .bind(claim.id())
-    .fetch_one(stack.db())
-    .await
-    .unwrap();
-    assert_eq!(
-        service
-            .read(org, "tool.crm.company.create", "run-3:step-1", &h)
+    let before: (uuid::Uuid, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("select lease_token, lease_expires_at from agent.idempotency_keys where id = $1")
+            .bind(claim.id())
+            .fetch_one(stack.db())
             .await
-            .unwrap(),
-        ClaimOutcome::Absent
-    );
-    let after: (uuid::Uuid, chrono::DateTime<chrono::Utc>) = sqlx::query_as(
-        "select lease_token, lease_expires_at from agent.idempotency_keys where id = $1",
-    )
-    .bind(claim.id())
-    .fetch_one(stack.db())
-    .await
-    .unwrap();
+            .unwrap();
+    assert_eq!(service.read(org, "tool.crm.company.create", "run-3:step-1", &h).await.unwrap(), ClaimOutcome::Absent);
+    let after: (uuid::Uuid, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("select lease_token, lease_expires_at from agent.idempotency_keys where id = $1")
+            .bind(claim.id())
+            .fetch_one(stack.db())
+            .await
+            .unwrap();
     assert_eq!(before, after, "read() did not reclaim");
     assert_eq!(count_rows(&stack).await, 1);
     stack.stop().await.unwrap();
@@ -235,49 +147,23 @@ async fn a_crashed_workers_claim_is_reclaimed_by_the_next_caller_and_the_run_con
 
     // Worker A claims and dies without an ending; while its lease is live,
     // nobody else runs the effect.
-    let crashed = claimed(
-        service
-            .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
-            .await,
-    );
+    let crashed = claimed(service.claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE).await);
     assert!(matches!(
-        service
-            .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
-            .await
-            .unwrap(),
+        service.claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE).await.unwrap(),
         ClaimOutcome::Processing { .. }
     ));
     // Its lease passes (time travel in SQL; idem demo lets real time pass).
     pass_lease(&stack, crashed.id()).await;
 
     // The next caller reads absent, claims, and owns it with a new token.
-    assert_eq!(
-        service
-            .read(org, "tool.payments.charge", "run-5:step-4", &h)
-            .await
-            .unwrap(),
-        ClaimOutcome::Absent
-    );
-    let next = claimed(
-        service
-            .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
-            .await,
-    );
+    assert_eq!(service.read(org, "tool.payments.charge", "run-5:step-4", &h).await.unwrap(), ClaimOutcome::Absent);
+    let next = claimed(service.claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE).await);
     assert!(next.reclaimed());
     assert_eq!(next.id(), crashed.id());
     assert_ne!(next.lease_token(), crashed.lease_token());
-    assert_eq!(
-        service
-            .complete(&next, Completion::resource("payment", "pay-1"))
-            .await
-            .unwrap(),
-        Ending::Recorded
-    );
+    assert_eq!(service.complete(&next, Completion::resource("payment", "pay-1")).await.unwrap(), Ending::Recorded);
     assert!(matches!(
-        service
-            .claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE)
-            .await
-            .unwrap(),
+        service.claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE).await.unwrap(),
         ClaimOutcome::Completed { .. }
     ));
     stack.stop().await.unwrap();
@@ -291,23 +177,14 @@ async fn a_live_lease_cannot_be_stolen() {
     let h = hash("x");
     let owner = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
     for _ in 0..3 {
-        let outcome = service
-            .claim(org, "tool.email.send", "k", &h, LEASE)
-            .await
-            .unwrap();
+        let outcome = service.claim(org, "tool.email.send", "k", &h, LEASE).await.unwrap();
         let ClaimOutcome::Processing { lease_expires_at } = outcome else {
             panic!("a live lease answers processing, got {outcome:?}");
         };
         assert_eq!(lease_expires_at, owner.lease_expires_at());
     }
     // The owner still holds it: its ending is recorded.
-    assert_eq!(
-        service
-            .complete(&owner, Completion::response(json!(1)))
-            .await
-            .unwrap(),
-        Ending::Recorded
-    );
+    assert_eq!(service.complete(&owner, Completion::response(json!(1))).await.unwrap(), Ending::Recorded);
     stack.stop().await.unwrap();
 }
 
@@ -317,20 +194,12 @@ async fn a_passed_lease_is_reclaimed_by_exactly_one_of_twenty_concurrent_callers
     let service = Arc::new(service(&stack));
     let org = org();
     let h = hash("reclaim race");
-    let crashed = claimed(
-        service
-            .claim(org, "tool.email.send", "race", &h, LEASE)
-            .await,
-    );
+    let crashed = claimed(service.claim(org, "tool.email.send", "race", &h, LEASE).await);
     pass_lease(&stack, crashed.id()).await;
 
     let attempts = (0..20).map(|_| {
         let (service, h) = (service.clone(), h.clone());
-        tokio::spawn(async move {
-            service
-                .claim(org, "tool.email.send", "race", &h, LEASE)
-                .await
-        })
+        tokio::spawn(async move { service.claim(org, "tool.email.send", "race", &h, LEASE).await })
     });
     let outcomes: Vec<ClaimOutcome> = futures::future::join_all(attempts)
         .await
@@ -347,19 +216,12 @@ async fn a_passed_lease_is_reclaimed_by_exactly_one_of_twenty_concurrent_callers
         .collect();
     assert_eq!(winners.len(), 1, "{outcomes:?}");
     assert!(winners[0].reclaimed());
-    assert_eq!(
-        outcomes
-            .iter()
-            .filter(|o| matches!(o, ClaimOutcome::Processing { .. }))
-            .count(),
-        19
-    );
-    let token: uuid::Uuid =
-        sqlx::query_scalar("select lease_token from agent.idempotency_keys where id = $1")
-            .bind(crashed.id())
-            .fetch_one(stack.db())
-            .await
-            .unwrap();
+    assert_eq!(outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Processing { .. })).count(), 19);
+    let token: uuid::Uuid = sqlx::query_scalar("select lease_token from agent.idempotency_keys where id = $1")
+        .bind(crashed.id())
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
     assert_eq!(token, winners[0].lease_token());
     stack.stop().await.unwrap();
 }
@@ -385,11 +247,7 @@ async fn retention_is_the_scopes_constant_computed_by_the_database_clock() {
     let service = service(&stack);
     let org = org();
     let lease = Duration::from_secs(90);
-    for (scope, days) in [
-        ("tool.email.send", 30i64),
-        ("webhook.nylas", 1),
-        ("surface.saved_search.start", 1),
-    ] {
+    for (scope, days) in [("tool.email.send", 30i64), ("webhook.nylas", 1), ("surface.saved_search.start", 1)] {
         let claim = claimed(service.claim(org, scope, "k", &hash("r"), lease).await);
         let (lease_ms, retain_ms): (f64, f64) = sqlx::query_as(
             "select extract(epoch from lease_expires_at - claimed_at)::float8 * 1000,
@@ -415,55 +273,16 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
     let long_key = "k".repeat(513);
 
     let cases: Vec<(Result<ClaimOutcome, Error>, &str)> = vec![
-        (
-            service.claim(org, "tool.email.send", "", &h, LEASE).await,
-            "empty key",
-        ),
-        (
-            service
-                .claim(org, "tool.email.send", &long_key, &h, LEASE)
-                .await,
-            "long key",
-        ),
+        (service.claim(org, "tool.email.send", "", &h, LEASE).await, "empty key"),
+        (service.claim(org, "tool.email.send", &long_key, &h, LEASE).await, "long key"),
         (service.claim(org, "", "k", &h, LEASE).await, "empty scope"),
-        (
-            service.claim(org, "payments.charge", "k", &h, LEASE).await,
-            "unknown scope",
-        ),
-        (
-            service
-                .claim(org, "tool.email.send", "k", &h, Duration::ZERO)
-                .await,
-            "zero lease",
-        ),
-        (
-            service
-                .claim(org, "tool.email.send", "k", &h, Duration::from_millis(999))
-                .await,
-            "sub-second lease",
-        ),
-        (
-            service
-                .claim(org, &format!("tool.{}", "x".repeat(124)), "k", &h, LEASE)
-                .await,
-            "long scope",
-        ),
-        (
-            service
-                .claim(org, "tool.email.send", "a\0b", &h, LEASE)
-                .await,
-            "NUL in key",
-        ),
-        (
-            service
-                .claim(org, "tool.email.send", "k", &h, Duration::from_secs(86_401))
-                .await,
-            "long lease",
-        ),
-        (
-            service.read(org, "webhooks.typo", "k", &h).await,
-            "unknown scope on read",
-        ),
+        (service.claim(org, "payments.charge", "k", &h, LEASE).await, "unknown scope"),
+        (service.claim(org, "tool.email.send", "k", &h, Duration::ZERO).await, "zero lease"),
+        (service.claim(org, "tool.email.send", "k", &h, Duration::from_millis(999)).await, "sub-second lease"),
+        (service.claim(org, &format!("tool.{}", "x".repeat(124)), "k", &h, LEASE).await, "long scope"),
+        (service.claim(org, "tool.email.send", "a\0b", &h, LEASE).await, "NUL in key"),
+        (service.claim(org, "tool.email.send", "k", &h, Duration::from_secs(86_401)).await, "long lease"),
+        (service.read(org, "webhooks.typo", "k", &h).await, "unknown scope on read"),
     ];
     for (result, case) in cases {
         match result {
@@ -471,10 +290,7 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
             other => panic!("{case}: expected a typed input error, got {other:?}"),
         }
     }
-    assert!(matches!(
-        "ABC".parse::<RequestHash>(),
-        Err(InvalidInput::MalformedHash { .. })
-    ));
+    assert!(matches!("ABC".parse::<RequestHash>(), Err(InvalidInput::MalformedHash { .. })));
     assert_eq!(count_rows(&stack).await, 0);
     stack.stop().await.unwrap();
 }

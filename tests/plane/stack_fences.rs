@@ -4,9 +4,7 @@ use std::time::Duration;
 
 use idempotency_plane::postgrest::ClientError;
 use idempotency_plane::repo::{ClaimRequest, CompletionArgs};
-use idempotency_plane::{
-    ClaimOutcome, Completion, Ending, Error, IdempotencyRepository, InvalidInput,
-};
+use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, IdempotencyRepository, InvalidInput};
 use serde_json::json;
 
 use crate::harness::*;
@@ -18,17 +16,9 @@ async fn stalled_and_replaced(
 ) -> (idempotency_plane::Claim, idempotency_plane::Claim) {
     let org = org();
     let h = hash("stall");
-    let a = claimed(
-        service
-            .claim(org, "tool.email.send", "stall", &h, LEASE)
-            .await,
-    );
+    let a = claimed(service.claim(org, "tool.email.send", "stall", &h, LEASE).await);
     pass_lease(stack, a.id()).await;
-    let b = claimed(
-        service
-            .claim(org, "tool.email.send", "stall", &h, LEASE)
-            .await,
-    );
+    let b = claimed(service.claim(org, "tool.email.send", "stall", &h, LEASE).await);
     assert!(b.reclaimed());
     (a, b)
 }
@@ -40,10 +30,7 @@ async fn a_worker_whose_lease_passed_cannot_complete_the_claim_afterwards() {
     let (a, b) = stalled_and_replaced(&service, &stack).await;
 
     // A wakes and completes with its stale answer: a silent no-op.
-    let stale = service
-        .complete(&a, Completion::response(json!({"from": "A"})))
-        .await
-        .unwrap();
+    let stale = service.complete(&a, Completion::response(json!({"from": "A"}))).await.unwrap();
     assert_eq!(stale, Ending::LeaseMovedOn);
     let (status, token): (String, uuid::Uuid) =
         sqlx::query_as("select status, lease_token from agent.idempotency_keys where id = $1")
@@ -54,26 +41,13 @@ async fn a_worker_whose_lease_passed_cannot_complete_the_claim_afterwards() {
     assert_eq!((status.as_str(), token), ("processing", b.lease_token()));
 
     // B's answer is the one stored, and A cannot overwrite it after either.
-    assert_eq!(
-        service
-            .complete(&b, Completion::response(json!({"from": "B"})))
-            .await
-            .unwrap(),
-        Ending::Recorded
-    );
-    assert_eq!(
-        service
-            .complete(&a, Completion::response(json!({"from": "A"})))
-            .await
-            .unwrap(),
-        Ending::LeaseMovedOn
-    );
-    let response: serde_json::Value =
-        sqlx::query_scalar("select response from agent.idempotency_keys where id = $1")
-            .bind(a.id())
-            .fetch_one(stack.db())
-            .await
-            .unwrap();
+    assert_eq!(service.complete(&b, Completion::response(json!({"from": "B"}))).await.unwrap(), Ending::Recorded);
+    assert_eq!(service.complete(&a, Completion::response(json!({"from": "A"}))).await.unwrap(), Ending::LeaseMovedOn);
+    let response: serde_json::Value = sqlx::query_scalar("select response from agent.idempotency_keys where id = $1")
+        .bind(a.id())
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
     assert_eq!(response, json!({"from": "B"}));
     stack.stop().await.unwrap();
 }
@@ -85,18 +59,8 @@ async fn a_worker_whose_lease_passed_cannot_release_the_claim_another_worker_hol
     let (a, b) = stalled_and_replaced(&service, &stack).await;
 
     assert_eq!(service.release(&a).await.unwrap(), Ending::LeaseMovedOn);
-    assert_eq!(
-        count_rows(&stack).await,
-        1,
-        "B's claim survives A's release"
-    );
-    assert_eq!(
-        service
-            .complete(&b, Completion::resource("email.message", "m-9"))
-            .await
-            .unwrap(),
-        Ending::Recorded
-    );
+    assert_eq!(count_rows(&stack).await, 1, "B's claim survives A's release");
+    assert_eq!(service.complete(&b, Completion::resource("email.message", "m-9")).await.unwrap(), Ending::Recorded);
     // Nor can a completed claim be released by anyone: it is the journal.
     assert_eq!(service.release(&b).await.unwrap(), Ending::LeaseMovedOn);
     assert_eq!(count_rows(&stack).await, 1);
@@ -111,40 +75,17 @@ async fn a_claim_whose_lease_passed_is_still_readable_while_retain_until_holds()
     let h = hash("remember me");
     let claim = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
     pass_lease(&stack, claim.id()).await;
-    let record = service
-        .repository()
-        .get(org, "tool.email.send", "k")
-        .await
-        .unwrap()
-        .expect("still stored");
+    let record = service.repository().get(org, "tool.email.send", "k").await.unwrap().expect("still stored");
     assert!(!record.lease_live, "lease passed by the database clock");
-    assert!(
-        record.retain_until > chrono::Utc::now(),
-        "retention still holds"
-    );
+    assert!(record.retain_until > chrono::Utc::now(), "retention still holds");
     assert_eq!(record.lease_token, claim.lease_token());
 
     // A completed claim whose lease moment is long gone is readable for its whole retention.
     let claim = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
-    assert_eq!(
-        service
-            .complete(&claim, Completion::response(json!("sent")))
-            .await
-            .unwrap(),
-        Ending::Recorded
-    );
+    assert_eq!(service.complete(&claim, Completion::response(json!("sent"))).await.unwrap(), Ending::Recorded);
     travel_back(&stack, claim.id(), Duration::from_secs(29 * 86_400)).await;
-    let replay = service
-        .claim(org, "tool.email.send", "k", &h, LEASE)
-        .await
-        .unwrap();
-    assert_eq!(
-        replay,
-        ClaimOutcome::Completed {
-            response: Some(json!("sent")),
-            resource: None
-        }
-    );
+    let replay = service.claim(org, "tool.email.send", "k", &h, LEASE).await.unwrap();
+    assert_eq!(replay, ClaimOutcome::Completed { response: Some(json!("sent")), resource: None });
     stack.stop().await.unwrap();
 }
 
@@ -157,11 +98,7 @@ async fn a_reclaim_moves_the_lease_and_never_shortens_retain_until() {
     let h = hash("floors");
     let claim = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
     pass_lease(&stack, claim.id()).await;
-    let before = repo
-        .get(org, "tool.email.send", "k")
-        .await
-        .unwrap()
-        .expect("row");
+    let before = repo.get(org, "tool.email.send", "k").await.unwrap().expect("row");
 
     // A reclaim that asks for a much shorter retention keeps the longer one.
     let token = uuid::Uuid::new_v4();
@@ -177,24 +114,12 @@ async fn a_reclaim_moves_the_lease_and_never_shortens_retain_until() {
     let after = repo.reclaim(&request).await.unwrap().expect("reclaimed");
     assert_eq!(after.lease_token, token);
     assert!(after.lease_live);
-    assert!(
-        after.lease_expires_at > before.lease_expires_at,
-        "the lease moved"
-    );
-    assert!(
-        after.claimed_at > before.lease_expires_at,
-        "the new holder's claim starts after the old lease ended"
-    );
-    assert_eq!(
-        after.retain_until, before.retain_until,
-        "retention never shortens"
-    );
+    assert!(after.lease_expires_at > before.lease_expires_at, "the lease moved");
+    assert!(after.claimed_at > before.lease_expires_at, "the new holder's claim starts after the old lease ended");
+    assert_eq!(after.retain_until, before.retain_until, "retention never shortens");
 
     // A reclaim of a live lease does nothing.
-    let again = ClaimRequest {
-        lease_token: uuid::Uuid::new_v4(),
-        ..request
-    };
+    let again = ClaimRequest { lease_token: uuid::Uuid::new_v4(), ..request };
     assert!(repo.reclaim(&again).await.unwrap().is_none());
     stack.stop().await.unwrap();
 }
@@ -204,52 +129,31 @@ async fn a_completion_with_neither_response_nor_resource_is_refused() {
     let stack = stack().await;
     let service = service(&stack);
     let org = org();
-    let claim = claimed(
-        service
-            .claim(org, "tool.email.send", "k", &hash("x"), LEASE)
-            .await,
-    );
+    let claim = claimed(service.claim(org, "tool.email.send", "k", &hash("x"), LEASE).await);
 
     // The service refuses before any request.
-    let empty = service
-        .complete(&claim, Completion::response(serde_json::Value::Null))
-        .await;
-    assert!(
-        matches!(empty, Err(Error::Invalid(InvalidInput::EmptyCompletion))),
-        "{empty:?}"
-    );
+    let empty = service.complete(&claim, Completion::response(serde_json::Value::Null)).await;
+    assert!(matches!(empty, Err(Error::Invalid(InvalidInput::EmptyCompletion))), "{empty:?}");
 
     // The database refuses too, whoever calls it: nothing at all, and JSON null.
     let repo = service.repository();
     for args in [
         CompletionArgs::default(),
-        CompletionArgs {
-            response: Some(&serde_json::Value::Null),
-            ..CompletionArgs::default()
-        },
-        CompletionArgs {
-            resource_id: Some("m-1"),
-            ..CompletionArgs::default()
-        },
+        CompletionArgs { response: Some(&serde_json::Value::Null), ..CompletionArgs::default() },
+        CompletionArgs { resource_id: Some("m-1"), ..CompletionArgs::default() },
     ] {
         let refused = repo.complete(claim.id(), claim.lease_token(), args).await;
         match refused {
-            Err(Error::Store(ClientError::Api {
-                status: 400, error, ..
-            })) => assert_eq!(error.code, "22023"),
+            Err(Error::Store(ClientError::Api { status: 400, error, .. })) => assert_eq!(error.code, "22023"),
             other => panic!("expected a 400 22023, got {other:?}"),
         }
     }
-    let status: String =
-        sqlx::query_scalar("select status from agent.idempotency_keys where id = $1")
-            .bind(claim.id())
-            .fetch_one(stack.db())
-            .await
-            .unwrap();
-    assert_eq!(
-        status, "processing",
-        "the refused completions changed nothing"
-    );
+    let status: String = sqlx::query_scalar("select status from agent.idempotency_keys where id = $1")
+        .bind(claim.id())
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    assert_eq!(status, "processing", "the refused completions changed nothing");
     stack.stop().await.unwrap();
 }
 
@@ -275,18 +179,11 @@ async fn retention_is_raised_to_the_lease_and_a_reclaim_can_extend_it() {
 
     // A reclaim asking for a longer retention extends it: greatest() takes the new one.
     pass_lease(&stack, claimed.id).await;
-    let longer = ClaimRequest {
-        lease_token: uuid::Uuid::new_v4(),
-        retain: Duration::from_secs(3600),
-        ..request
-    };
+    let longer = ClaimRequest { lease_token: uuid::Uuid::new_v4(), retain: Duration::from_secs(3600), ..request };
     let reclaimed = repo.reclaim(&longer).await.unwrap().expect("reclaimed");
     let window = reclaimed.retain_until - reclaimed.claimed_at;
     assert_eq!(window, chrono::TimeDelta::seconds(3600));
-    assert_eq!(
-        reclaimed.lease_expires_at - reclaimed.claimed_at,
-        chrono::TimeDelta::seconds(60)
-    );
+    assert_eq!(reclaimed.lease_expires_at - reclaimed.claimed_at, chrono::TimeDelta::seconds(60));
     stack.stop().await.unwrap();
 }
 
@@ -295,20 +192,10 @@ async fn the_answer_is_remembered_for_the_retention_counted_from_the_completion(
     let stack = stack().await;
     let service = service(&stack);
     let org = org();
-    let claim = claimed(
-        service
-            .claim(org, "webhook.nylas", "delivery-1", &hash("d"), LEASE)
-            .await,
-    );
+    let claim = claimed(service.claim(org, "webhook.nylas", "delivery-1", &hash("d"), LEASE).await);
     // The worker finished late in its day of retention.
     travel_back(&stack, claim.id(), Duration::from_secs(23 * 3600)).await;
-    assert_eq!(
-        service
-            .complete(&claim, Completion::response(json!({"ack": true})))
-            .await
-            .unwrap(),
-        Ending::Recorded
-    );
+    assert_eq!(service.complete(&claim, Completion::response(json!({"ack": true}))).await.unwrap(), Ending::Recorded);
     let remaining: f64 = sqlx::query_scalar(
         "select extract(epoch from retain_until - now())::float8 from agent.idempotency_keys where id = $1",
     )
@@ -317,9 +204,6 @@ async fn the_answer_is_remembered_for_the_retention_counted_from_the_completion(
     .await
     .unwrap();
     // A whole day from the completion, not the hour left of the claim's day.
-    assert!(
-        remaining > 23.9 * 3600.0 && remaining <= 24.0 * 3600.0,
-        "{remaining}"
-    );
+    assert!(remaining > 23.9 * 3600.0 && remaining <= 24.0 * 3600.0, "{remaining}");
     stack.stop().await.unwrap();
 }

@@ -14,27 +14,15 @@ use crate::harness::*;
 
 /// Every function of design.md's table, with its argument names in order.
 const SURFACE: &[(&str, &str)] = &[
-    (
-        "idempotency_try_claim",
-        "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms",
-    ),
-    (
-        "idempotency_reclaim",
-        "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms",
-    ),
+    ("idempotency_try_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
+    ("idempotency_reclaim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
     ("idempotency_get", "p_organization_id,p_scope,p_key"),
-    (
-        "idempotency_complete",
-        "p_claim_id,p_lease_token,p_resource_type,p_resource_id,p_response",
-    ),
+    ("idempotency_complete", "p_claim_id,p_lease_token,p_resource_type,p_resource_id,p_response"),
     ("idempotency_release", "p_claim_id,p_lease_token"),
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
     ("run_admit", "p_organization_id,p_start_key,p_input"),
-    (
-        "provider_job_register",
-        "p_organization_id,p_provider,p_job_id",
-    ),
+    ("provider_job_register", "p_organization_id,p_provider,p_job_id"),
     ("provider_job_lookup", "p_provider,p_job_id"),
 ];
 
@@ -58,20 +46,10 @@ async fn every_function_is_security_invoker_with_an_empty_search_path_and_servic
         let (names, definer, config, service, anon, authenticated, returns_set) = row;
         assert_eq!(&names, args, "agent.{name} arguments");
         assert!(!definer, "agent.{name} is SECURITY INVOKER");
-        assert_eq!(
-            config,
-            Some(vec!["search_path=\"\"".to_owned()]),
-            "agent.{name} pins search_path"
-        );
-        assert!(
-            service && !anon && !authenticated,
-            "agent.{name}: execute for service_role only"
-        );
+        assert_eq!(config, Some(vec!["search_path=\"\"".to_owned()]), "agent.{name} pins search_path");
+        assert!(service && !anon && !authenticated, "agent.{name}: execute for service_role only");
         let scalar = matches!(*name, "idempotency_release" | "idempotency_delete_expired");
-        assert_eq!(
-            returns_set, !scalar,
-            "agent.{name} returns a set unless it is a scalar"
-        );
+        assert_eq!(returns_set, !scalar, "agent.{name} returns a set unless it is a scalar");
     }
     stack.stop().await.unwrap();
 }
@@ -79,11 +57,7 @@ async fn every_function_is_security_invoker_with_an_empty_search_path_and_servic
 #[tokio::test]
 async fn the_table_has_rls_on_and_no_privileges_for_anon_or_authenticated() {
     let stack = stack().await;
-    for table in [
-        "agent.idempotency_keys",
-        "agent.runs",
-        "agent.provider_jobs",
-    ] {
+    for table in ["agent.idempotency_keys", "agent.runs", "agent.provider_jobs"] {
         let (rls, anon, authenticated): (bool, bool, bool) = sqlx::query_as(
             "select c.relrowsecurity,
                     has_table_privilege('anon', c.oid, 'select,insert,update,delete'),
@@ -95,17 +69,13 @@ async fn the_table_has_rls_on_and_no_privileges_for_anon_or_authenticated() {
         .await
         .unwrap();
         assert!(rls, "{table} has row level security on");
-        assert!(
-            !anon && !authenticated,
-            "{table} grants nothing to anon/authenticated"
-        );
-        let policies: i64 = sqlx::query_scalar(
-            "select count(*) from pg_policies where schemaname || '.' || tablename = $1",
-        )
-        .bind(table)
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
+        assert!(!anon && !authenticated, "{table} grants nothing to anon/authenticated");
+        let policies: i64 =
+            sqlx::query_scalar("select count(*) from pg_policies where schemaname || '.' || tablename = $1")
+                .bind(table)
+                .fetch_one(stack.db())
+                .await
+                .unwrap();
         assert_eq!(policies, 0, "{table} has no policies");
     }
     stack.stop().await.unwrap();
@@ -122,14 +92,9 @@ async fn anonymous_and_authenticated_callers_are_refused_over_http() {
     // PostgREST answers 42501 with 401 for the anonymous role and 403 for any
     // other; postrust-server 3.1.0 answers 401 for both (observed here). The
     // code is what a caller matches on, and it is 42501 on both servers.
-    for (role, statuses) in [
-        ("anon", &[401u16][..]),
-        ("authenticated", &[401u16, 403][..]),
-    ] {
+    for (role, statuses) in [("anon", &[401u16][..]), ("authenticated", &[401u16, 403][..])] {
         let client = client_as(&stack, &stack.token_for(role));
-        let refused = client
-            .rpc::<Value>("idempotency_get", &args, Repeat::Safe)
-            .await;
+        let refused = client.rpc::<Value>("idempotency_get", &args, Repeat::Safe).await;
         match refused {
             Err(ClientError::Api { status, error, .. }) => {
                 assert!(statuses.contains(&status), "{role}: status {status}");
@@ -138,17 +103,9 @@ async fn anonymous_and_authenticated_callers_are_refused_over_http() {
             other => panic!("{role}: expected 42501, got {other:?}"),
         }
     }
-    let bad_signature = client_as(
-        &stack,
-        "eyJhbGciOiJIUzI1NiJ9.eyJyb2xlIjoic2VydmljZV9yb2xlIn0.bad",
-    );
-    let refused = bad_signature
-        .rpc::<Value>("idempotency_get", &args, Repeat::Safe)
-        .await;
-    assert!(
-        matches!(refused, Err(ClientError::Api { status: 401, .. })),
-        "{refused:?}"
-    );
+    let bad_signature = client_as(&stack, "eyJhbGciOiJIUzI1NiJ9.eyJyb2xlIjoic2VydmljZV9yb2xlIn0.bad");
+    let refused = bad_signature.rpc::<Value>("idempotency_get", &args, Repeat::Safe).await;
+    assert!(matches!(refused, Err(ClientError::Api { status: 401, .. })), "{refused:?}");
     stack.stop().await.unwrap();
 }
 
@@ -157,11 +114,7 @@ async fn an_empty_result_is_an_array_and_a_null_composite_is_never_answered() {
     let stack = stack().await;
     let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
     let none: Value = client
-        .rpc(
-            "idempotency_get",
-            &json!({"p_organization_id": org(), "p_scope": "tool.x", "p_key": "k"}),
-            Repeat::Safe,
-        )
+        .rpc("idempotency_get", &json!({"p_organization_id": org(), "p_scope": "tool.x", "p_key": "k"}), Repeat::Safe)
         .await
         .unwrap();
     assert_eq!(none, json!([]));
@@ -184,11 +137,7 @@ async fn every_claim_function_answers_every_record_column_and_lease_live() {
         )
         .await
         .unwrap();
-    let row = rows
-        .as_array()
-        .and_then(|r| r.first())
-        .and_then(Value::as_object)
-        .expect("one row");
+    let row = rows.as_array().and_then(|r| r.first()).and_then(Value::as_object).expect("one row");
     let mut columns: Vec<&str> = row.keys().map(String::as_str).collect();
     columns.sort_unstable();
     assert_eq!(
@@ -239,13 +188,9 @@ async fn the_database_refuses_malformed_rows_whoever_calls_it() {
         (with("p_lease_ms", json!(-5)), "22023"),
         (with("p_retain_ms", json!(0)), "22023"),
     ] {
-        let refused = client
-            .rpc::<Value>("idempotency_try_claim", &args, Repeat::Safe)
-            .await;
+        let refused = client.rpc::<Value>("idempotency_try_claim", &args, Repeat::Safe).await;
         match refused {
-            Err(ClientError::Api {
-                status: 400, error, ..
-            }) => assert_eq!(error.code, code, "{args}"),
+            Err(ClientError::Api { status: 400, error, .. }) => assert_eq!(error.code, code, "{args}"),
             other => panic!("{args}: expected 400 {code}, got {other:?}"),
         }
     }
@@ -256,8 +201,7 @@ async fn the_database_refuses_malformed_rows_whoever_calls_it() {
 #[tokio::test]
 async fn claim_and_complete_are_safe_to_repeat_after_a_lost_response() {
     let stack = stack().await;
-    let repo =
-        PostgrestRepository::new(PostgrestClient::new(stack.client_config().unwrap()).unwrap());
+    let repo = PostgrestRepository::new(PostgrestClient::new(stack.client_config().unwrap()).unwrap());
     let org = org();
     let hash = hash("lost response");
     let request = ClaimRequest {
@@ -271,35 +215,17 @@ async fn claim_and_complete_are_safe_to_repeat_after_a_lost_response() {
     };
     let first = repo.try_claim(&request).await.unwrap().expect("claimed");
     // The same call again, as a retry after its answer was lost, answers the same claim.
-    let repeat = repo
-        .try_claim(&request)
-        .await
-        .unwrap()
-        .expect("our own claim");
+    let repeat = repo.try_claim(&request).await.unwrap().expect("our own claim");
     assert_eq!(repeat.id, first.id);
     assert_eq!(repeat.lease_token, first.lease_token);
     // A different token is a real conflict.
-    let other = ClaimRequest {
-        lease_token: uuid::Uuid::new_v4(),
-        ..request
-    };
+    let other = ClaimRequest { lease_token: uuid::Uuid::new_v4(), ..request };
     assert!(repo.try_claim(&other).await.unwrap().is_none());
 
     let response = json!({"id": 1});
-    let args = CompletionArgs {
-        response: Some(&response),
-        ..CompletionArgs::default()
-    };
-    let done = repo
-        .complete(first.id, first.lease_token, args)
-        .await
-        .unwrap()
-        .expect("completed");
-    let again = repo
-        .complete(first.id, first.lease_token, args)
-        .await
-        .unwrap()
-        .expect("still ours");
+    let args = CompletionArgs { response: Some(&response), ..CompletionArgs::default() };
+    let done = repo.complete(first.id, first.lease_token, args).await.unwrap().expect("completed");
+    let again = repo.complete(first.id, first.lease_token, args).await.unwrap().expect("still ours");
     assert_eq!(done, again);
     stack.stop().await.unwrap();
 }
@@ -328,24 +254,11 @@ async fn run_admission_admits_once_per_start_key_and_never_touches_the_claim_tab
     let admitted: Vec<&Value> = rows.iter().filter(|r| r["admitted"] == true).collect();
     assert_eq!(admitted.len(), 1, "{rows:?}");
     let id = &admitted[0]["id"];
-    assert!(
-        rows.iter().all(|r| &r["id"] == id),
-        "every replay answers the admitted Run"
-    );
-    assert!(
-        rows.iter().all(|r| r["input"] == admitted[0]["input"]),
-        "with the input it was admitted with"
-    );
-    let runs: i64 = sqlx::query_scalar("select count(*) from agent.runs")
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
+    assert!(rows.iter().all(|r| &r["id"] == id), "every replay answers the admitted Run");
+    assert!(rows.iter().all(|r| r["input"] == admitted[0]["input"]), "with the input it was admitted with");
+    let runs: i64 = sqlx::query_scalar("select count(*) from agent.runs").fetch_one(stack.db()).await.unwrap();
     assert_eq!(runs, 1);
-    assert_eq!(
-        count_rows(&stack).await,
-        0,
-        "Run admission writes no row in the idempotency table"
-    );
+    assert_eq!(count_rows(&stack).await, 0, "Run admission writes no row in the idempotency table");
     stack.stop().await.unwrap();
 }
 
@@ -376,43 +289,17 @@ async fn a_bounded_read_reads_whole_pages_under_the_servers_cap() {
     expired_rows(&stack, 8).await;
     let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
     let rows: Vec<Expired> = client
-        .rpc_bounded(
-            "idempotency_expired",
-            &json!({"p_limit": 5}),
-            5,
-            Some("id,retain_until"),
-            Repeat::Safe,
-        )
+        .rpc_bounded("idempotency_expired", &json!({"p_limit": 5}), 5, Some("id,retain_until"), Repeat::Safe)
         .await
         .unwrap();
     assert_eq!(rows.len(), 5);
     let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.id).collect();
-    let deleted: i64 = client
-        .rpc(
-            "idempotency_delete_expired",
-            &json!({"p_ids": ids}),
-            Repeat::Safe,
-        )
-        .await
-        .unwrap();
+    let deleted: i64 = client.rpc("idempotency_delete_expired", &json!({"p_ids": ids}), Repeat::Safe).await.unwrap();
     assert_eq!(deleted, 5);
     // A bound above the cap is refused before any request.
-    let refused = client
-        .rpc_bounded::<Expired>(
-            "idempotency_expired",
-            &json!({"p_limit": 6}),
-            6,
-            None,
-            Repeat::Safe,
-        )
-        .await;
-    assert!(
-        matches!(
-            refused,
-            Err(ClientError::BoundAboveCap { bound: 6, cap: 5 })
-        ),
-        "{refused:?}"
-    );
+    let refused =
+        client.rpc_bounded::<Expired>("idempotency_expired", &json!({"p_limit": 6}), 6, None, Repeat::Safe).await;
+    assert!(matches!(refused, Err(ClientError::BoundAboveCap { bound: 6, cap: 5 })), "{refused:?}");
     stack.stop().await.unwrap();
 }
 
@@ -433,15 +320,8 @@ async fn a_server_whose_real_cap_is_lower_than_configured_is_detected_as_truncat
         )
         .await;
     match read {
-        Err(ClientError::Truncated {
-            received: 3,
-            total: 8,
-            ..
-        }) => {}
-        other => panic!(
-            "expected Truncated {{ received: 3, total: 8 }}, got {:?}",
-            other.map(|r| r.len())
-        ),
+        Err(ClientError::Truncated { received: 3, total: 8, .. }) => {}
+        other => panic!("expected Truncated {{ received: 3, total: 8 }}, got {:?}", other.map(|r| r.len())),
     }
     stack.stop().await.unwrap();
 }
@@ -457,10 +337,7 @@ async fn explicit_json_nulls_count_as_absent_whichever_way_the_server_binds_them
             "p_lease_ms": 60000, "p_retain_ms": 60000
         })
     };
-    let rows: Vec<Value> = client
-        .rpc("idempotency_try_claim", &claim("k"), Repeat::Safe)
-        .await
-        .unwrap();
+    let rows: Vec<Value> = client.rpc("idempotency_try_claim", &claim("k"), Repeat::Safe).await.unwrap();
     let id = rows[0]["id"].clone();
     let token = rows[0]["lease_token"].clone();
 
@@ -469,22 +346,14 @@ async fn explicit_json_nulls_count_as_absent_whichever_way_the_server_binds_them
     // 'null'::jsonb (postrust-server).
     let all_null = json!({"p_claim_id": id, "p_lease_token": token,
                           "p_resource_type": null, "p_resource_id": null, "p_response": null});
-    match client
-        .rpc::<Value>("idempotency_complete", &all_null, Repeat::Safe)
-        .await
-    {
-        Err(ClientError::Api {
-            status: 400, error, ..
-        }) => assert_eq!(error.code, "22023"),
+    match client.rpc::<Value>("idempotency_complete", &all_null, Repeat::Safe).await {
+        Err(ClientError::Api { status: 400, error, .. }) => assert_eq!(error.code, "22023"),
         other => panic!("expected 400 22023, got {other:?}"),
     }
     // Nulls beside a real response: accepted, and stored as absent.
     let with_response = json!({"p_claim_id": id, "p_lease_token": token,
                                "p_resource_type": null, "p_resource_id": null, "p_response": {"ok": true}});
-    let rows: Vec<Value> = client
-        .rpc("idempotency_complete", &with_response, Repeat::Safe)
-        .await
-        .unwrap();
+    let rows: Vec<Value> = client.rpc("idempotency_complete", &with_response, Repeat::Safe).await.unwrap();
     assert_eq!(rows[0]["status"], "completed");
     assert_eq!(rows[0]["resource_type"], Value::Null);
     assert_eq!(rows[0]["resource_id"], Value::Null);
@@ -495,8 +364,7 @@ async fn explicit_json_nulls_count_as_absent_whichever_way_the_server_binds_them
 #[tokio::test]
 async fn a_repeat_answers_only_a_live_lease_or_the_same_completion() {
     let stack = stack().await;
-    let repo =
-        PostgrestRepository::new(PostgrestClient::new(stack.client_config().unwrap()).unwrap());
+    let repo = PostgrestRepository::new(PostgrestClient::new(stack.client_config().unwrap()).unwrap());
     let org = org();
     let hash = hash("repeats");
     let request = ClaimRequest {
@@ -515,63 +383,30 @@ async fn a_repeat_answers_only_a_live_lease_or_the_same_completion() {
     assert!(repo.try_claim(&request).await.unwrap().is_none());
 
     // A reclaim, then its repeat after a lost response: the same live claim.
-    let reclaim = ClaimRequest {
-        lease_token: uuid::Uuid::new_v4(),
-        ..request
-    };
+    let reclaim = ClaimRequest { lease_token: uuid::Uuid::new_v4(), ..request };
     let reclaimed = repo.reclaim(&reclaim).await.unwrap().expect("reclaimed");
-    let repeated = repo
-        .reclaim(&reclaim)
-        .await
-        .unwrap()
-        .expect("our own reclaim");
+    let repeated = repo.reclaim(&reclaim).await.unwrap().expect("our own reclaim");
     assert_eq!(repeated.lease_token, reclaimed.lease_token);
-    assert_eq!(
-        repeated.lease_expires_at, reclaimed.lease_expires_at,
-        "a repeat does not extend the lease"
-    );
+    assert_eq!(repeated.lease_expires_at, reclaimed.lease_expires_at, "a repeat does not extend the lease");
 
     // A completion repeated with the same answer answers the row; with a
     // different answer it answers nothing: the ending already happened.
     let answer = json!({"id": 1});
-    let same = CompletionArgs {
-        response: Some(&answer),
-        ..CompletionArgs::default()
-    };
-    assert!(repo
-        .complete(reclaimed.id, reclaimed.lease_token, same)
-        .await
-        .unwrap()
-        .is_some());
-    assert!(repo
-        .complete(reclaimed.id, reclaimed.lease_token, same)
-        .await
-        .unwrap()
-        .is_some());
+    let same = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
+    assert!(repo.complete(reclaimed.id, reclaimed.lease_token, same).await.unwrap().is_some());
+    assert!(repo.complete(reclaimed.id, reclaimed.lease_token, same).await.unwrap().is_some());
     let other = json!({"id": 2});
-    let different = CompletionArgs {
-        response: Some(&other),
-        ..CompletionArgs::default()
-    };
-    assert!(repo
-        .complete(reclaimed.id, reclaimed.lease_token, different)
+    let different = CompletionArgs { response: Some(&other), ..CompletionArgs::default() };
+    assert!(repo.complete(reclaimed.id, reclaimed.lease_token, different).await.unwrap().is_none());
+    let stored: Value = sqlx::query_scalar("select response from agent.idempotency_keys where id = $1")
+        .bind(reclaimed.id)
+        .fetch_one(stack.db())
         .await
-        .unwrap()
-        .is_none());
-    let stored: Value =
-        sqlx::query_scalar("select response from agent.idempotency_keys where id = $1")
-            .bind(reclaimed.id)
-            .fetch_one(stack.db())
-            .await
-            .unwrap();
+        .unwrap();
     assert_eq!(stored, answer);
 
     // Release reports what happened: true once, then false.
-    let other_key = ClaimRequest {
-        key: "k2",
-        lease_token: uuid::Uuid::new_v4(),
-        ..request
-    };
+    let other_key = ClaimRequest { key: "k2", lease_token: uuid::Uuid::new_v4(), ..request };
     let claim = repo.try_claim(&other_key).await.unwrap().expect("claimed");
     assert!(repo.release(claim.id, claim.lease_token).await.unwrap());
     assert!(!repo.release(claim.id, claim.lease_token).await.unwrap());

@@ -5,9 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotency_plane::callers::tool::{
-    Checkpoint, ToolError, ToolGuard, ToolKey, ToolResult, ToolRun, ToolSpec,
-};
+use idempotency_plane::callers::tool::{Checkpoint, ToolError, ToolGuard, ToolKey, ToolResult, ToolRun, ToolSpec};
 use idempotency_plane::PostgrestRepository;
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -32,11 +30,7 @@ async fn allow() -> Checkpoint {
 async fn a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_executes() {
     let stack = stack().await;
     let guard = guard(&stack);
-    let (org, key, args) = (
-        org(),
-        ToolKey::for_step(Uuid::new_v4(), "send-1"),
-        json!({"to": "a@b.c"}),
-    );
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send-1"), json!({"to": "a@b.c"}));
     let calls = AtomicUsize::new(0);
 
     let first = guard
@@ -46,10 +40,7 @@ async fn a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_execut
         })
         .await
         .unwrap();
-    assert!(
-        matches!(&first, ToolRun::Executed(r) if r.retryable && !r.ok),
-        "{first:?}"
-    );
+    assert!(matches!(&first, ToolRun::Executed(r) if r.retryable && !r.ok), "{first:?}");
     assert_eq!(count_rows(&stack).await, 0, "released, not stored");
 
     let second = guard
@@ -59,10 +50,7 @@ async fn a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_execut
         })
         .await
         .unwrap();
-    assert!(
-        matches!(&second, ToolRun::Executed(r) if r.ok),
-        "{second:?}"
-    );
+    assert!(matches!(&second, ToolRun::Executed(r) if r.ok), "{second:?}");
     assert_eq!(calls.load(Ordering::SeqCst), 2, "the next attempt executed");
     stack.stop().await.unwrap();
 }
@@ -71,34 +59,18 @@ async fn a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_execut
 async fn a_business_failure_completes_the_claim_and_the_next_attempt_returns_the_stored_answer() {
     let stack = stack().await;
     let guard = guard(&stack);
-    let (org, key, args) = (
-        org(),
-        ToolKey::for_step(Uuid::new_v4(), "lookup"),
-        json!({"id": 7}),
-    );
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "lookup"), json!({"id": 7}));
     let calls = AtomicUsize::new(0);
     let tool = |_| async {
         calls.fetch_add(1, Ordering::SeqCst);
         ToolResult::business_failure("not_found", json!({"id": 7}))
     };
 
-    let first = guard
-        .run(org, &spec(), &key, &args, allow, tool)
-        .await
-        .unwrap();
-    let ToolRun::Executed(answer) = first else {
-        panic!("executed: {first:?}")
-    };
-    let again = guard
-        .run(org, &spec(), &key, &args, allow, tool)
-        .await
-        .unwrap();
+    let first = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
+    let ToolRun::Executed(answer) = first else { panic!("executed: {first:?}") };
+    let again = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
     assert_eq!(again, ToolRun::Replayed(answer));
-    assert_eq!(
-        calls.load(Ordering::SeqCst),
-        1,
-        "the stored answer was returned, the tool not run"
-    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the stored answer was returned, the tool not run");
     stack.stop().await.unwrap();
 }
 
@@ -107,18 +79,10 @@ async fn a_live_lease_on_the_callers_own_key_raises_and_no_result_reports_it() {
     let stack = stack().await;
     let guard = guard(&stack);
     let service = service(&stack);
-    let (org, key, args) = (
-        org(),
-        ToolKey::for_step(Uuid::new_v4(), "send"),
-        json!({"to": "x"}),
-    );
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({"to": "x"}));
     // A healthy worker holds the key (a second orchestrator attempt, a duplicate proposal).
     let hash = idempotency_plane::RequestHash::of_json(&args);
-    let _holder = claimed(
-        service
-            .claim(org, "tool.email.send", key.as_str(), &hash, LEASE)
-            .await,
-    );
+    let _holder = claimed(service.claim(org, "tool.email.send", key.as_str(), &hash, LEASE).await);
 
     let ran = AtomicUsize::new(0);
     let outcome = guard
@@ -139,22 +103,11 @@ async fn a_live_lease_on_the_callers_own_key_raises_and_no_result_reports_it() {
 async fn the_journal_is_read_before_the_checkpoint_and_claimed_after_it() {
     let stack = stack().await;
     let guard = guard(&stack);
-    let (org, key, args) = (
-        org(),
-        ToolKey::for_step(Uuid::new_v4(), "needs-approval"),
-        json!({"amount": 10}),
-    );
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "needs-approval"), json!({"amount": 10}));
 
     // Held at the checkpoint: no key is taken, so the resumed step can claim.
     let held = guard
-        .run(
-            org,
-            &spec(),
-            &key,
-            &args,
-            || async { Checkpoint::Hold },
-            |_| async { panic!("a held call must not run") },
-        )
+        .run(org, &spec(), &key, &args, || async { Checkpoint::Hold }, |_| async { panic!("a held call must not run") })
         .await
         .unwrap();
     assert_eq!(held, ToolRun::Held);
@@ -169,19 +122,11 @@ async fn the_journal_is_read_before_the_checkpoint_and_claimed_after_it() {
             &key,
             &args,
             || async move {
-                assert_eq!(
-                    count_rows(stack_ref).await,
-                    0,
-                    "nothing claimed before the checkpoint"
-                );
+                assert_eq!(count_rows(stack_ref).await, 0, "nothing claimed before the checkpoint");
                 Checkpoint::Allow
             },
             |_| async move {
-                assert_eq!(
-                    count_rows(stack_ref).await,
-                    1,
-                    "claimed before the tool runs"
-                );
+                assert_eq!(count_rows(stack_ref).await, 1, "claimed before the tool runs");
                 ToolResult::success(json!({"charged": 10}))
             },
         )
@@ -196,36 +141,20 @@ async fn a_crashed_workers_tool_claim_is_reclaimed_and_the_run_continues() {
     let stack = stack().await;
     let guard = guard(&stack);
     let service = service(&stack);
-    let (org, key, args) = (
-        org(),
-        ToolKey::for_step(Uuid::new_v4(), "send"),
-        json!({"to": "y"}),
-    );
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({"to": "y"}));
     let hash = idempotency_plane::RequestHash::of_json(&args);
-    let crashed = claimed(
-        service
-            .claim(org, "tool.email.send", key.as_str(), &hash, LEASE)
-            .await,
-    );
+    let crashed = claimed(service.claim(org, "tool.email.send", key.as_str(), &hash, LEASE).await);
     pass_lease(&stack, crashed.id()).await;
 
     let run = guard
         .run(org, &spec(), &key, &args, allow, |call| async move {
-            assert!(
-                call.reclaimed(),
-                "this attempt took over a dead worker's claim"
-            );
+            assert!(call.reclaimed(), "this attempt took over a dead worker's claim");
             ToolResult::success(json!({"sent": true}))
         })
         .await
         .unwrap();
     assert!(matches!(run, ToolRun::Executed(ref r) if r.ok));
-    let replay = guard
-        .run(org, &spec(), &key, &args, allow, |_| async {
-            panic!("must replay")
-        })
-        .await
-        .unwrap();
+    let replay = guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("must replay") }).await.unwrap();
     assert!(matches!(replay, ToolRun::Replayed(ref r) if r.output == json!({"sent": true})));
     stack.stop().await.unwrap();
 }
@@ -233,7 +162,7 @@ async fn a_crashed_workers_tool_claim_is_reclaimed_and_the_run_continues() {
 #[tokio::test]
 async fn the_lease_is_the_tools_timeout_plus_the_margin() {
     let stack = stack().await;
-    let guard = guard(&stack).with_lease_margin(Duration::from_secs(7));
+    let guard = guard(&stack).with_lease_margin(Duration::from_secs(7)).unwrap();
     let spec = ToolSpec::new("tool.crm.company.create", Duration::from_secs(120)).unwrap();
     let (org, key) = (org(), ToolKey::for_step(Uuid::new_v4(), "create"));
     let stack_ref = &stack;
@@ -262,11 +191,7 @@ struct DedupingVendor {
 
 impl Respond for DedupingVendor {
     fn respond(&self, request: &Request) -> ResponseTemplate {
-        let Some(key) = request
-            .headers
-            .get("idempotency-key")
-            .and_then(|v| v.to_str().ok())
-        else {
+        let Some(key) = request.headers.get("idempotency-key").and_then(|v| v.to_str().ok()) else {
             return ResponseTemplate::new(400);
         };
         let mut messages = self.messages.lock().expect("vendor state");
@@ -291,9 +216,7 @@ async fn send_email(vendor: &str, idempotency_key: &str) -> ToolResult {
             }
             Err(e) => ToolResult::retryable_failure("vendor_garbage", json!(e.to_string())),
         },
-        Ok(response) => {
-            ToolResult::retryable_failure("vendor_status", json!(response.status().as_u16()))
-        }
+        Ok(response) => ToolResult::retryable_failure("vendor_status", json!(response.status().as_u16())),
         Err(e) => ToolResult::retryable_failure("vendor_unreachable", json!(e.to_string())),
     }
 }
@@ -309,15 +232,10 @@ async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry() 
         .expect(2)
         .mount(&vendor)
         .await;
-    let (org, key, args) = (
-        org(),
-        ToolKey::for_step(Uuid::new_v4(), "send"),
-        json!({"to": "a@b.c"}),
-    );
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({"to": "a@b.c"}));
 
     // Worker 1 sends; the vendor makes the message; the worker dies before completing.
-    let (guard1, key1, args1, vendor_uri) =
-        (guard(&stack), key.clone(), args.clone(), vendor.uri());
+    let (guard1, key1, args1, vendor_uri) = (guard(&stack), key.clone(), args.clone(), vendor.uri());
     let died = tokio::spawn(async move {
         guard1
             .run(org, &spec(), &key1, &args1, allow, |call| async move {
@@ -329,17 +247,12 @@ async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry() 
     })
     .await;
     assert!(died.is_err_and(|e| e.is_panic()));
-    let row: (String,) = sqlx::query_as("select status from agent.idempotency_keys")
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
+    let row: (String,) =
+        sqlx::query_as("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
     assert_eq!(row.0, "processing", "the dead worker left its claim");
 
     // Its lease passes; the orchestrator's retry reclaims and reaches the vendor with the same key.
-    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys")
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
+    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
     pass_lease(&stack, id).await;
     let retry = guard(&stack)
         .run(org, &spec(), &key, &args, allow, |call| async move {
@@ -348,14 +261,8 @@ async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry() 
         })
         .await
         .unwrap();
-    let ToolRun::Executed(result) = retry else {
-        panic!("{retry:?}")
-    };
-    assert_eq!(
-        result.output,
-        json!({"id": "msg_1"}),
-        "the vendor answered the first message again"
-    );
+    let ToolRun::Executed(result) = retry else { panic!("{retry:?}") };
+    assert_eq!(result.output, json!({"id": "msg_1"}), "the vendor answered the first message again");
 
     let messages = vendor_state.messages.lock().unwrap().len();
     assert_eq!(messages, 1, "exactly one message exists at the vendor");
@@ -366,27 +273,19 @@ async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry() 
 async fn a_tool_claim_survives_a_run_that_waited_on_an_approval_for_longer_than_a_day() {
     let stack = stack().await;
     let guard = guard(&stack);
-    let (org, key, args) = (
-        org(),
-        ToolKey::for_step(Uuid::new_v4(), "send-before-approval"),
-        json!({"n": 1}),
-    );
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send-before-approval"), json!({"n": 1}));
     let first = guard
         .run(org, &spec(), &key, &args, allow, |_| async {
             ToolResult::success(json!({"id": "m-9"})).with_resource("email.message", "m-9")
         })
         .await
         .unwrap();
-    let ToolRun::Executed(answer) = first else {
-        panic!("{first:?}")
-    };
+    let ToolRun::Executed(answer) = first else { panic!("{first:?}") };
 
-    // The Run waits on an approval for 3 days; then a restarted segment replays this step.
-    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys")
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
-    travel_back(&stack, id, Duration::from_secs(3 * 86_400)).await;
+    // The Run waits on an approval for 29 days (max_run_duration is capped at
+    // 30); then a restarted segment replays this step.
+    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    travel_back(&stack, id, Duration::from_secs(29 * 86_400)).await;
     let expired: Vec<Value> = client(&stack)
         .rpc_bounded(
             "idempotency_expired",
@@ -397,21 +296,116 @@ async fn a_tool_claim_survives_a_run_that_waited_on_an_approval_for_longer_than_
         )
         .await
         .unwrap();
-    assert!(
-        expired.is_empty(),
-        "a sweep would not touch it: {expired:?}"
-    );
+    assert!(expired.is_empty(), "a sweep would not touch it: {expired:?}");
 
-    let replay = guard
+    let replay =
+        guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("the effect must not repeat") }).await.unwrap();
+    let ToolRun::Replayed(stored) = replay else { panic!("{replay:?}") };
+    assert_eq!(stored.output, answer.output);
+    assert_eq!(stored.resource, answer.resource);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_same_key_with_different_arguments_is_a_conflict_and_nothing_runs() {
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let (org, key) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"));
+    guard
+        .run(org, &spec(), &key, &json!({"to": "a"}), allow, |_| async { ToolResult::success(json!(1)) })
+        .await
+        .unwrap();
+    let changed = guard.run(org, &spec(), &key, &json!({"to": "b"}), allow, |_| async { panic!("must not run") }).await;
+    assert!(matches!(changed, Err(ToolError::Conflict { .. })), "{changed:?}");
+    assert!(!changed.unwrap_err().is_retryable());
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_tool_that_overruns_its_timeout_is_cut_off_and_its_claim_waits_for_the_lease() {
+    let stack = stack().await;
+    let guard = guard(&stack).with_lease_margin(Duration::from_secs(5)).unwrap();
+    let spec = ToolSpec::new("tool.email.send", Duration::from_secs(1)).unwrap();
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "slow"), json!({}));
+    let overran = guard
+        .run(org, &spec, &key, &args, allow, |_| async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            ToolResult::success(json!("too late"))
+        })
+        .await;
+    match overran {
+        Err(error @ ToolError::TimedOut { .. }) => assert!(error.is_retryable()),
+        other => panic!("expected TimedOut, got {other:?}"),
+    }
+    // The effect is unknown: neither completed nor released; a retry meets the live lease.
+    let status: String =
+        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(status, "processing");
+    let retry = guard.run(org, &spec, &key, &args, allow, |_| async { panic!("lease is live") }).await;
+    assert!(matches!(retry, Err(ToolError::ClaimInFlight { .. })), "{retry:?}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_resource_the_store_would_refuse_still_journals_the_answer() {
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({}));
+    let first = guard
         .run(org, &spec(), &key, &args, allow, |_| async {
-            panic!("the effect must not repeat")
+            // A vendor answered without an id: the effect happened all the same.
+            ToolResult::success(json!({"status": "queued"})).with_resource("email.message", "")
         })
         .await
         .unwrap();
-    let ToolRun::Replayed(stored) = replay else {
-        panic!("{replay:?}")
-    };
-    assert_eq!(stored.output, answer.output);
-    assert_eq!(stored.resource, answer.resource);
+    assert!(matches!(first, ToolRun::Executed(_)));
+    let replay =
+        guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("the effect must not repeat") }).await.unwrap();
+    let ToolRun::Replayed(stored) = replay else { panic!("{replay:?}") };
+    assert_eq!(stored.output, json!({"status": "queued"}));
+    assert_eq!(stored.resource, None);
+    stack.stop().await.unwrap();
+}
+
+/// Records every bool field a span named `tool.call` is given.
+#[derive(Clone, Default)]
+struct SpanFields(Arc<Mutex<Vec<(String, bool)>>>);
+
+impl<S> tracing_subscriber::Layer<S> for SpanFields
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if ctx.span(id).is_some_and(|span| span.name() == "tool.call") {
+            values.record(&mut self.clone());
+        }
+    }
+}
+
+impl tracing::field::Visit for SpanFields {
+    fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {
+        self.0.lock().expect("fields").push((field.name().to_owned(), value));
+    }
+    fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+}
+
+#[tokio::test]
+async fn a_replayed_tool_call_marks_its_span_replayed() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let fields = SpanFields::default();
+    let _default = tracing::subscriber::set_default(tracing_subscriber::registry().with(fields.clone()));
+
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({}));
+    guard.run(org, &spec(), &key, &args, allow, |_| async { ToolResult::success(json!(1)) }).await.unwrap();
+    assert_eq!(fields.0.lock().unwrap().as_slice(), [("replayed".to_owned(), false)]);
+    guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("replay") }).await.unwrap();
+    assert_eq!(fields.0.lock().unwrap().as_slice(), [("replayed".to_owned(), false), ("replayed".to_owned(), true)]);
     stack.stop().await.unwrap();
 }

@@ -5,8 +5,7 @@ use std::sync::Arc;
 
 use idempotency_plane::callers::http::provider_callback_router;
 use idempotency_plane::callers::webhook::{
-    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, RetryReason,
-    WebhookGate,
+    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, RetryReason, WebhookGate,
 };
 use idempotency_plane::PostgrestRepository;
 use serde_json::{json, Value};
@@ -19,12 +18,7 @@ fn gate(stack: &idempotency_plane::local::LocalStack) -> WebhookGate<PostgrestRe
 }
 
 fn delivery<'a>(org: uuid::Uuid, id: &'a str, body: &'a [u8]) -> Delivery<'a> {
-    Delivery {
-        organization_id: org,
-        scope: "webhook.nylas",
-        delivery_id: id,
-        body,
-    }
+    Delivery { organization_id: org, scope: "webhook.nylas", delivery_id: id, body }
 }
 
 #[tokio::test]
@@ -39,10 +33,7 @@ async fn a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs
         Ok::<Value, ProcessingError>(json!({"stored": "m-1"}))
     };
 
-    assert_eq!(
-        gate.handle(delivery(org, "d-1", body), process).await,
-        Ack::Processed
-    );
+    assert_eq!(gate.handle(delivery(org, "d-1", body), process).await, Ack::Processed);
     let again = gate.handle(delivery(org, "d-1", body), process).await;
     assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
     assert_eq!(again.status(), 200, "a duplicate is an ACK, never a 5xx");
@@ -71,11 +62,7 @@ async fn a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_dup
         })
     };
     started.acquire().await.expect("first started").forget();
-    let concurrent = gate
-        .handle(delivery(org, "d-2", body), || async {
-            panic!("must not process twice")
-        })
-        .await;
+    let concurrent = gate.handle(delivery(org, "d-2", body), || async { panic!("must not process twice") }).await;
     assert_eq!(concurrent, Ack::Dropped(DropReason::Duplicate));
     finish.add_permits(1);
     assert_eq!(first.await.expect("task"), Ack::Processed);
@@ -88,15 +75,8 @@ async fn the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch(
     let gate = gate(&stack);
     let org = org();
     let ok = || async { Ok::<Value, ProcessingError>(json!(1)) };
-    assert_eq!(
-        gate.handle(delivery(org, "d-3", b"{\"v\":1}"), ok).await,
-        Ack::Processed
-    );
-    let changed = gate
-        .handle(delivery(org, "d-3", b"{\"v\":2}"), || async {
-            panic!("not safe to process")
-        })
-        .await;
+    assert_eq!(gate.handle(delivery(org, "d-3", b"{\"v\":1}"), ok).await, Ack::Processed);
+    let changed = gate.handle(delivery(org, "d-3", b"{\"v\":2}"), || async { panic!("not safe to process") }).await;
     assert_eq!(changed, Ack::Dropped(DropReason::HashMismatch));
     assert_eq!(gate.drops().get(DropReason::HashMismatch), 1);
     stack.stop().await.unwrap();
@@ -109,19 +89,14 @@ async fn a_retryable_processing_failure_releases_so_the_vendors_next_delivery_is
     let org = org();
     let body = b"{\"id\":\"m-4\"}";
     let failed = gate
-        .handle(delivery(org, "d-4", body), || async {
-            Err::<Value, _>(ProcessingError::retryable("downstream 503"))
-        })
+        .handle(delivery(org, "d-4", body), || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) })
         .await;
     assert_eq!(failed, Ack::Retry(RetryReason::ProcessingFailed));
     assert_eq!(failed.status(), 503, "not ACKed: the vendor redelivers");
     assert_eq!(count_rows(&stack).await, 0, "released");
 
-    let redelivered = gate
-        .handle(delivery(org, "d-4", body), || async {
-            Ok::<Value, ProcessingError>(json!("ok"))
-        })
-        .await;
+    let redelivered =
+        gate.handle(delivery(org, "d-4", body), || async { Ok::<Value, ProcessingError>(json!("ok")) }).await;
     assert_eq!(redelivered, Ack::Processed);
     stack.stop().await.unwrap();
 }
@@ -137,14 +112,9 @@ async fn a_permanent_processing_failure_is_stored_and_acked() {
         })
         .await;
     assert_eq!(failed, Ack::Processed);
-    let response: Value = sqlx::query_scalar("select response from agent.idempotency_keys")
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
-    assert_eq!(
-        response,
-        json!({"ok": false, "error": "unknown event type"})
-    );
+    let response: Value =
+        sqlx::query_scalar("select response from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(response, json!({"ok": false, "error": "unknown event type"}));
     stack.stop().await.unwrap();
 }
 
@@ -189,9 +159,7 @@ async fn a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job() {
         delivery_id: "evt-2",
         body: b"{}",
     };
-    let ack = gate
-        .handle_provider_callback(callback, |_| async { panic!("no tenant, no processing") })
-        .await;
+    let ack = gate.handle_provider_callback(callback, |_| async { panic!("no tenant, no processing") }).await;
     assert_eq!(ack, Ack::Dropped(DropReason::UnknownJob));
     assert_eq!(ack.status(), 200);
     assert_eq!(gate.drops().get(DropReason::UnknownJob), 1);
@@ -203,10 +171,7 @@ async fn a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job() {
 async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch() {
     let stack = stack().await;
     let gate = gate(&stack);
-    ProviderJobs::new(client(&stack))
-        .register(org(), "transcribe", "job-1")
-        .await
-        .unwrap();
+    ProviderJobs::new(client(&stack)).register(org(), "transcribe", "job-1").await.unwrap();
     let callback = ProviderCallback {
         provider: "transcribe",
         path_job_id: "job-1",
@@ -214,9 +179,7 @@ async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch() {
         delivery_id: "evt-3",
         body: b"{\"job_id\":\"job-2\"}",
     };
-    let ack = gate
-        .handle_provider_callback(callback, |_| async { panic!("mismatched job") })
-        .await;
+    let ack = gate.handle_provider_callback(callback, |_| async { panic!("mismatched job") }).await;
     assert_eq!(ack, Ack::Dropped(DropReason::JobMismatch));
     assert_eq!(gate.drops().get(DropReason::JobMismatch), 1);
     assert_eq!(count_rows(&stack).await, 0);
@@ -227,13 +190,13 @@ async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch() {
 async fn the_axum_route_answers_a_redelivery_with_2xx_and_performs_nothing() {
     let stack = stack().await;
     let org = org();
-    ProviderJobs::new(client(&stack))
-        .register(org, "transcribe", "job-7")
-        .await
-        .unwrap();
+    ProviderJobs::new(client(&stack)).register(org, "transcribe", "job-7").await.unwrap();
     let performed = Arc::new(AtomicUsize::new(0));
     let counter = performed.clone();
-    let router = provider_callback_router(gate(&stack), move |_job, _body| {
+    let verify = |_provider: &str, headers: &axum::http::HeaderMap, _body: &axum::body::Bytes| {
+        headers.get("x-signature").is_some_and(|v| v == "valid")
+    };
+    let router = provider_callback_router(gate(&stack), verify, move |_job, _body| {
         let counter = counter.clone();
         async move {
             counter.fetch_add(1, Ordering::SeqCst);
@@ -241,15 +204,12 @@ async fn the_axum_route_answers_a_redelivery_with_2xx_and_performs_nothing() {
         }
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!(
-        "http://{}/callbacks/transcribe/job-7",
-        listener.local_addr().unwrap()
-    );
+    let url = format!("http://{}/callbacks/transcribe/job-7", listener.local_addr().unwrap());
     let server = tokio::spawn(async move { axum::serve(listener, router).await });
 
     let http = reqwest::Client::new();
     let send = |id: Option<&'static str>, body: &'static str| {
-        let mut request = http.post(&url).body(body);
+        let mut request = http.post(&url).header("x-signature", "valid").body(body);
         if let Some(id) = id {
             request = request.header("webhook-id", id);
         }
@@ -257,32 +217,61 @@ async fn the_axum_route_answers_a_redelivery_with_2xx_and_performs_nothing() {
     };
     let first = send(Some("evt-9"), r#"{"job_id":"job-7"}"#).await.unwrap();
     assert_eq!(first.status(), 200);
-    assert_eq!(
-        first.json::<Value>().await.unwrap(),
-        json!({"ack": "processed"})
-    );
+    assert_eq!(first.json::<Value>().await.unwrap(), json!({"ack": "processed"}));
     let redelivery = send(Some("evt-9"), r#"{"job_id":"job-7"}"#).await.unwrap();
     assert_eq!(redelivery.status(), 200);
-    assert_eq!(
-        redelivery.json::<Value>().await.unwrap(),
-        json!({"ack": "dropped", "drop_reason": "duplicate"})
-    );
+    assert_eq!(redelivery.json::<Value>().await.unwrap(), json!({"ack": "dropped", "drop_reason": "duplicate"}));
     let mismatch = send(Some("evt-10"), r#"{"job_id":"job-8"}"#).await.unwrap();
-    assert_eq!(
-        mismatch.json::<Value>().await.unwrap()["drop_reason"],
-        "job_mismatch"
-    );
+    assert_eq!(mismatch.json::<Value>().await.unwrap()["drop_reason"], "job_mismatch");
     let anonymous = send(None, "{}").await.unwrap();
-    assert_eq!(
-        anonymous.status(),
-        400,
-        "no delivery id, nothing to dedupe on"
-    );
-    assert_eq!(
-        performed.load(Ordering::SeqCst),
-        1,
-        "the redelivery performed nothing"
-    );
+    assert_eq!(anonymous.status(), 400, "no delivery id, nothing to dedupe on");
+    let numeric = send(Some("evt-11"), r#"{"job_id":8}"#).await.unwrap();
+    assert_eq!(numeric.json::<Value>().await.unwrap()["drop_reason"], "job_mismatch");
+    let rows_before_forgery = count_rows(&stack).await;
+    let forged = http
+        .post(&url)
+        .header("webhook-id", "evt-12")
+        .header("x-signature", "forged")
+        .body(r#"{"job_id":"job-7"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(forged.status(), 401);
+    assert_eq!(count_rows(&stack).await, rows_before_forgery, "a forged request claims nothing");
+    assert_eq!(performed.load(Ordering::SeqCst), 1, "the redelivery performed nothing");
     server.abort();
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_delivery_that_can_never_be_claimed_is_acked_as_invalid() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    let long_id = "d".repeat(600);
+    let ack = gate.handle(delivery(org(), &long_id, b"{}"), || async { panic!("never claimed") }).await;
+    assert_eq!(ack, Ack::Dropped(DropReason::InvalidDelivery));
+    assert_eq!(ack.status(), 200, "redelivering it would never help");
+    assert_eq!(gate.drops().get(DropReason::InvalidDelivery), 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn processing_that_panics_or_overruns_is_released_for_redelivery() {
+    let stack = stack().await;
+    let gate = gate(&stack).with_processing_timeout(std::time::Duration::from_millis(300));
+    let org = org();
+    let panicked = gate.handle(delivery(org, "d-6", b"{}"), || async { panic!("a bug in the handler") }).await;
+    assert_eq!(panicked, Ack::Retry(RetryReason::ProcessingAborted));
+    let overran = gate
+        .handle(delivery(org, "d-6", b"{}"), || async {
+            tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+            Ok::<Value, ProcessingError>(json!("late"))
+        })
+        .await;
+    assert_eq!(overran, Ack::Retry(RetryReason::ProcessingAborted));
+    assert_eq!(count_rows(&stack).await, 0, "released both times");
+    let redelivered =
+        gate.handle(delivery(org, "d-6", b"{}"), || async { Ok::<Value, ProcessingError>(json!("ok")) }).await;
+    assert_eq!(redelivered, Ack::Processed, "the vendor's redelivery is processed, not dropped");
     stack.stop().await.unwrap();
 }

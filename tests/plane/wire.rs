@@ -6,9 +6,7 @@ use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use idempotency_plane::postgrest::{
-    ClientConfig, ClientError, PostgrestClient, Repeat, RetryConfig, TransportKind,
-};
+use idempotency_plane::postgrest::{ClientConfig, ClientError, PostgrestClient, Repeat, RetryConfig, TransportKind};
 use idempotency_plane::repo::{CompletionArgs, IdempotencyRepository};
 use idempotency_plane::{
     ClaimOutcome, Completion, Ending, Error, IdempotencyService, PostgrestRepository, RequestHash,
@@ -43,9 +41,7 @@ fn fast_retry() -> RetryConfig {
 }
 
 fn config(server: &MockServer) -> ClientConfig {
-    ClientConfig::new(&server.uri(), KEY)
-        .expect("a valid config")
-        .with_retry(fast_retry())
+    ClientConfig::new(&server.uri(), KEY).expect("a valid config").with_retry(fast_retry())
 }
 
 fn client(config: ClientConfig) -> PostgrestClient {
@@ -66,11 +62,7 @@ fn hash() -> RequestHash {
 
 /// `n` rows of `idempotency_expired` trimmed to `id,retain_until`.
 fn expired_rows(n: usize) -> Value {
-    Value::Array(
-        (0..n)
-            .map(|_| json!({"id": Uuid::new_v4(), "retain_until": "2026-01-01T00:00:00Z"}))
-            .collect(),
-    )
+    Value::Array((0..n).map(|_| json!({"id": Uuid::new_v4(), "retain_until": "2026-01-01T00:00:00Z"})).collect())
 }
 
 /// One row of `agent.idempotency_keys` plus `lease_live`, as the claim
@@ -101,44 +93,25 @@ fn error_body(code: &str, message: &str) -> Value {
 
 /// A counted answer of `idempotency_expired` (§3).
 fn counted(status: u16, content_range: &str, body: Value) -> ResponseTemplate {
-    ResponseTemplate::new(status)
-        .insert_header("content-range", content_range)
-        .set_body_json(body)
+    ResponseTemplate::new(status).insert_header("content-range", content_range).set_body_json(body)
 }
 
 async fn mount_expired(server: &MockServer, response: ResponseTemplate) {
-    Mock::given(method("POST"))
-        .and(path(EXPIRED))
-        .respond_with(response)
-        .expect(1)
-        .mount(server)
-        .await;
+    Mock::given(method("POST")).and(path(EXPIRED)).respond_with(response).expect(1).mount(server).await;
 }
 
 async fn read_expired(server: &MockServer, bound: u64) -> Result<Vec<Expired>, ClientError> {
     client(config(server))
-        .rpc_bounded(
-            "idempotency_expired",
-            &json!({"p_limit": bound}),
-            bound,
-            Some("id,retain_until"),
-            Repeat::Safe,
-        )
+        .rpc_bounded("idempotency_expired", &json!({"p_limit": bound}), bound, Some("id,retain_until"), Repeat::Safe)
         .await
 }
 
 async fn requests(server: &MockServer) -> Vec<Request> {
-    server
-        .received_requests()
-        .await
-        .expect("request recording is on")
+    server.received_requests().await.expect("request recording is on")
 }
 
 fn header_of<'a>(request: &'a Request, name: &str) -> Option<&'a str> {
-    request
-        .headers
-        .get(name)
-        .map(|v| v.to_str().expect("an ASCII header"))
+    request.headers.get(name).map(|v| v.to_str().expect("an ASCII header"))
 }
 
 /// Mounts `status` + `body` on `/rpc/idempotency_get`, expected exactly once
@@ -151,10 +124,8 @@ async fn repository_get_error(status: u16, body: Value) -> Error {
         .expect(1)
         .mount(&server)
         .await;
-    let err = repository(&server)
-        .get(Uuid::new_v4(), SCOPE, "run-1:step-1")
-        .await
-        .expect_err("an error answer is an error");
+    let err =
+        repository(&server).get(Uuid::new_v4(), SCOPE, "run-1:step-1").await.expect_err("an error answer is an error");
     server.verify().await;
     err
 }
@@ -204,17 +175,7 @@ async fn a_read_the_server_cut_short_with_206_is_truncated() {
     // Act
     let err = read_expired(&server, 10).await.unwrap_err();
     // Assert
-    assert!(
-        matches!(
-            err,
-            ClientError::Truncated {
-                received: 3,
-                total: 7,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert!(matches!(err, ClientError::Truncated { received: 3, total: 7, .. }), "{err:?}");
 }
 
 #[tokio::test]
@@ -236,11 +197,7 @@ async fn a_read_without_content_range_is_a_content_range_error() {
     // absence means something other than PostgREST answered.
     // Arrange
     let server = MockServer::start().await;
-    mount_expired(
-        &server,
-        ResponseTemplate::new(200).set_body_json(expired_rows(3)),
-    )
-    .await;
+    mount_expired(&server, ResponseTemplate::new(200).set_body_json(expired_rows(3))).await;
     // Act
     let err = read_expired(&server, 10).await.unwrap_err();
     // Assert
@@ -288,11 +245,7 @@ async fn a_content_range_with_an_overflowing_bound_is_a_content_range_error_not_
     // §3: bounds are row offsets; one past u64 is not a PostgREST value.
     // Arrange
     let server = MockServer::start().await;
-    mount_expired(
-        &server,
-        counted(200, "0-99999999999999999999/5", expired_rows(2)),
-    )
-    .await;
+    mount_expired(&server, counted(200, "0-99999999999999999999/5", expired_rows(2))).await;
     // Act
     let err = read_expired(&server, 10).await.unwrap_err();
     // Assert
@@ -355,13 +308,7 @@ async fn a_bounded_read_sends_count_profiles_credentials_and_select() {
     let client = client(config(&server).with_apikey("anon-key"));
     // Act
     let rows: Vec<Expired> = client
-        .rpc_bounded(
-            "idempotency_expired",
-            &json!({"p_limit": 10}),
-            10,
-            Some("id,retain_until"),
-            Repeat::Safe,
-        )
+        .rpc_bounded("idempotency_expired", &json!({"p_limit": 10}), 10, Some("id,retain_until"), Repeat::Safe)
         .await
         .expect("a complete read");
     // Assert
@@ -372,22 +319,12 @@ async fn a_bounded_read_sends_count_profiles_credentials_and_select() {
     assert_eq!(header_of(request, "prefer"), Some("count=exact"));
     assert_eq!(header_of(request, "content-profile"), Some("agent"));
     assert_eq!(header_of(request, "accept-profile"), Some("agent"));
-    assert_eq!(
-        header_of(request, "authorization"),
-        Some("Bearer service-key")
-    );
+    assert_eq!(header_of(request, "authorization"), Some("Bearer service-key"));
     assert_eq!(header_of(request, "apikey"), Some("anon-key"));
-    let select: Vec<_> = request
-        .url
-        .query_pairs()
-        .filter(|(k, _)| k == "select")
-        .map(|(_, v)| v.into_owned())
-        .collect();
+    let select: Vec<_> =
+        request.url.query_pairs().filter(|(k, _)| k == "select").map(|(_, v)| v.into_owned()).collect();
     assert_eq!(select, ["id,retain_until"]);
-    assert_eq!(
-        request.body_json::<Value>().unwrap(),
-        json!({"p_limit": 10})
-    );
+    assert_eq!(request.body_json::<Value>().unwrap(), json!({"p_limit": 10}));
 }
 
 #[tokio::test]
@@ -399,13 +336,7 @@ async fn a_read_without_apikey_configured_sends_no_apikey_and_no_select_when_non
     let client = client(config(&server));
     // Act
     let rows: Vec<Expired> = client
-        .rpc_bounded(
-            "idempotency_expired",
-            &json!({"p_limit": 5}),
-            5,
-            None,
-            Repeat::Safe,
-        )
+        .rpc_bounded("idempotency_expired", &json!({"p_limit": 5}), 5, None, Repeat::Safe)
         .await
         .expect("a complete read");
     // Assert
@@ -413,10 +344,7 @@ async fn a_read_without_apikey_configured_sends_no_apikey_and_no_select_when_non
     let sent = requests(&server).await;
     assert_eq!(sent.len(), 1);
     assert_eq!(header_of(&sent[0], "apikey"), None);
-    assert_eq!(
-        header_of(&sent[0], "authorization"),
-        Some("Bearer service-key")
-    );
+    assert_eq!(header_of(&sent[0], "authorization"), Some("Bearer service-key"));
     assert_eq!(sent[0].url.query(), None);
 }
 
@@ -425,28 +353,14 @@ async fn a_bound_above_max_rows_is_refused_without_any_request() {
     // §3: db-max-rows clamps silently, so a bound above it must never be sent.
     // Arrange
     let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(counted(200, "0-0/1", expired_rows(1)))
-        .expect(0)
-        .mount(&server)
-        .await;
+    Mock::given(method("POST")).respond_with(counted(200, "0-0/1", expired_rows(1))).expect(0).mount(&server).await;
     let client = client(config(&server).with_max_rows(10).unwrap());
     // Act
-    let result: Result<Vec<Expired>, _> = client
-        .rpc_bounded(
-            "idempotency_expired",
-            &json!({"p_limit": 11}),
-            11,
-            None,
-            Repeat::Safe,
-        )
-        .await;
+    let result: Result<Vec<Expired>, _> =
+        client.rpc_bounded("idempotency_expired", &json!({"p_limit": 11}), 11, None, Repeat::Safe).await;
     // Assert
     let err = result.unwrap_err();
-    assert!(
-        matches!(err, ClientError::BoundAboveCap { bound: 11, cap: 10 }),
-        "{err:?}"
-    );
+    assert!(matches!(err, ClientError::BoundAboveCap { bound: 11, cap: 10 }), "{err:?}");
     assert!(requests(&server).await.is_empty());
     server.verify().await;
 }
@@ -460,13 +374,7 @@ async fn a_bound_equal_to_max_rows_is_sent() {
     let client = client(config(&server).with_max_rows(3).unwrap());
     // Act
     let rows: Vec<Expired> = client
-        .rpc_bounded(
-            "idempotency_expired",
-            &json!({"p_limit": 3}),
-            3,
-            None,
-            Repeat::Safe,
-        )
+        .rpc_bounded("idempotency_expired", &json!({"p_limit": 3}), 3, None, Repeat::Safe)
         .await
         .expect("a read at the cap");
     // Assert
@@ -516,18 +424,14 @@ async fn a_schema_that_is_not_exposed_is_api_406_pgrst106() {
         .await;
     let client = client(config(&server).with_schema("unknown"));
     // Act
-    let err = client
-        .rpc::<Vec<Value>>("idempotency_get", &json!({}), Repeat::Safe)
-        .await
-        .unwrap_err();
+    let err = client.rpc::<Vec<Value>>("idempotency_get", &json!({}), Repeat::Safe).await.unwrap_err();
     // Assert
     assert_eq!(err.status(), Some(406));
     assert_eq!(err.code(), Some("PGRST106"));
     match &err {
-        ClientError::Api { error, .. } => assert_eq!(
-            error.hint.as_deref(),
-            Some("Only the following schemas are exposed: agent")
-        ),
+        ClientError::Api { error, .. } => {
+            assert_eq!(error.hint.as_deref(), Some("Only the following schemas are exposed: agent"))
+        }
         other => panic!("expected Api, got {other:?}"),
     }
     server.verify().await;
@@ -543,19 +447,13 @@ async fn insufficient_privilege_as_the_anonymous_role_is_api_401_42501() {
         .respond_with(
             ResponseTemplate::new(401)
                 .insert_header("www-authenticate", "Bearer")
-                .set_body_json(error_body(
-                    "42501",
-                    "permission denied for function idempotency_get",
-                )),
+                .set_body_json(error_body("42501", "permission denied for function idempotency_get")),
         )
         .expect(1)
         .mount(&server)
         .await;
     // Act
-    let err = repository(&server)
-        .get(Uuid::new_v4(), SCOPE, "run-1:step-1")
-        .await
-        .unwrap_err();
+    let err = repository(&server).get(Uuid::new_v4(), SCOPE, "run-1:step-1").await.unwrap_err();
     // Assert
     let api = api_error(&err);
     assert_eq!(api.status(), Some(401));
@@ -567,11 +465,7 @@ async fn insufficient_privilege_as_the_anonymous_role_is_api_401_42501() {
 async fn insufficient_privilege_as_another_role_is_api_403_42501() {
     // §4 SQLSTATE table / §6: 42501 is 403 for any role but db-anon-role.
     // Arrange / Act
-    let err = repository_get_error(
-        403,
-        error_body("42501", "permission denied for function idempotency_get"),
-    )
-    .await;
+    let err = repository_get_error(403, error_body("42501", "permission denied for function idempotency_get")).await;
     // Assert
     let api = api_error(&err);
     assert_eq!(api.status(), Some(403));
@@ -596,10 +490,9 @@ async fn a_unique_violation_is_api_409_23505() {
     assert_eq!(api.status(), Some(409));
     assert_eq!(api.code(), Some("23505"));
     match api {
-        ClientError::Api { error, .. } => assert_eq!(
-            error.details,
-            Some(json!("Key (organization_id, scope, key) already exists."))
-        ),
+        ClientError::Api { error, .. } => {
+            assert_eq!(error.details, Some(json!("Key (organization_id, scope, key) already exists.")))
+        }
         other => panic!("expected Api, got {other:?}"),
     }
 }
@@ -619,11 +512,7 @@ async fn a_plain_raise_exception_is_api_400_p0001() {
 async fn an_invalid_parameter_value_is_api_400_22023() {
     // §4 SQLSTATE table: 22023 other than "role does not exist" → 400.
     // Arrange / Act
-    let err = repository_get_error(
-        400,
-        error_body("22023", "p_key must be between 1 and 255 characters"),
-    )
-    .await;
+    let err = repository_get_error(400, error_body("22023", "p_key must be between 1 and 255 characters")).await;
     // Assert
     let api = api_error(&err);
     assert_eq!(api.status(), Some(400));
@@ -660,21 +549,17 @@ async fn a_claim_refused_with_insufficient_privilege_is_a_store_error_of_the_ser
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_try_claim"))
-        .and(body_partial_json(
-            json!({"p_scope": SCOPE, "p_key": "run-1:step-1"}),
-        ))
-        .respond_with(ResponseTemplate::new(403).set_body_json(error_body(
-            "42501",
-            "permission denied for function idempotency_try_claim",
-        )))
+        .and(body_partial_json(json!({"p_scope": SCOPE, "p_key": "run-1:step-1"})))
+        .respond_with(
+            ResponseTemplate::new(403)
+                .set_body_json(error_body("42501", "permission denied for function idempotency_try_claim")),
+        )
         .expect(1)
         .mount(&server)
         .await;
     let service = service(&server);
     // Act
-    let result = service
-        .claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE)
-        .await;
+    let result = service.claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
     // Assert
     match result {
         Err(Error::Store(ClientError::Api { status, error, .. })) => {
@@ -696,18 +581,13 @@ async fn a_claim_refused_as_the_anonymous_role_is_a_store_error_with_401() {
         .respond_with(
             ResponseTemplate::new(401)
                 .insert_header("www-authenticate", "Bearer")
-                .set_body_json(error_body(
-                    "42501",
-                    "permission denied for function idempotency_try_claim",
-                )),
+                .set_body_json(error_body("42501", "permission denied for function idempotency_try_claim")),
         )
         .expect(1)
         .mount(&server)
         .await;
     // Act
-    let result = service(&server)
-        .claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE)
-        .await;
+    let result = service(&server).claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
     // Assert
     match result {
         Err(Error::Store(ClientError::Api { status, error, .. })) => {
@@ -734,10 +614,7 @@ async fn a_schema_cache_503_is_retried_and_the_call_then_succeeds() {
         .respond_with(
             ResponseTemplate::new(503)
                 .insert_header("retry-after", "0")
-                .set_body_json(error_body(
-                    "PGRST002",
-                    "Could not query the database for the schema cache. Retrying.",
-                )),
+                .set_body_json(error_body("PGRST002", "Could not query the database for the schema cache. Retrying.")),
         )
         .up_to_n_times(1)
         .with_priority(1)
@@ -752,10 +629,8 @@ async fn a_schema_cache_503_is_retried_and_the_call_then_succeeds() {
         .await;
     let client = client(config(&server));
     // Act
-    let released: bool = client
-        .rpc("idempotency_release", &json!({}), Repeat::Unsafe)
-        .await
-        .expect("the retry succeeds");
+    let released: bool =
+        client.rpc("idempotency_release", &json!({}), Repeat::Unsafe).await.expect("the retry succeeds");
     // Assert
     assert!(released);
     assert_eq!(requests(&server).await.len(), 2);
@@ -779,10 +654,7 @@ async fn a_503_that_never_clears_gives_up_after_max_retries_plus_one_requests() 
         .await;
     let client = client(config(&server));
     // Act
-    let err = client
-        .rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe)
-        .await
-        .unwrap_err();
+    let err = client.rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe).await.unwrap_err();
     // Assert
     assert_eq!(err.status(), Some(503));
     assert_eq!(err.code(), Some("PGRST002"));
@@ -798,18 +670,13 @@ async fn a_400_is_never_retried_even_for_a_call_safe_to_repeat() {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_release"))
-        .respond_with(
-            ResponseTemplate::new(400).set_body_json(error_body("22023", "p_claim_id is required")),
-        )
+        .respond_with(ResponseTemplate::new(400).set_body_json(error_body("22023", "p_claim_id is required")))
         .expect(1)
         .mount(&server)
         .await;
     let client = client(config(&server));
     // Act
-    let err = client
-        .rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe)
-        .await
-        .unwrap_err();
+    let err = client.rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe).await.unwrap_err();
     // Assert
     assert_eq!(err.status(), Some(400));
     assert_eq!(err.code(), Some("22023"));
@@ -825,10 +692,10 @@ async fn a_serialization_failure_500_is_retried_even_for_a_call_unsafe_to_repeat
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_release"))
-        .respond_with(ResponseTemplate::new(500).set_body_json(error_body(
-            "40001",
-            "could not serialize access due to concurrent update",
-        )))
+        .respond_with(
+            ResponseTemplate::new(500)
+                .set_body_json(error_body("40001", "could not serialize access due to concurrent update")),
+        )
         .up_to_n_times(1)
         .with_priority(1)
         .expect(1)
@@ -842,10 +709,8 @@ async fn a_serialization_failure_500_is_retried_even_for_a_call_unsafe_to_repeat
         .await;
     let client = client(config(&server));
     // Act
-    let released: bool = client
-        .rpc("idempotency_release", &json!({}), Repeat::Unsafe)
-        .await
-        .expect("the retry succeeds");
+    let released: bool =
+        client.rpc("idempotency_release", &json!({}), Repeat::Unsafe).await.expect("the retry succeeds");
     // Assert
     assert!(!released);
     assert_eq!(requests(&server).await.len(), 2);
@@ -859,19 +724,16 @@ async fn a_statement_timeout_500_is_not_retried() {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_release"))
-        .respond_with(ResponseTemplate::new(500).set_body_json(error_body(
-            "57014",
-            "canceling statement due to statement timeout",
-        )))
+        .respond_with(
+            ResponseTemplate::new(500)
+                .set_body_json(error_body("57014", "canceling statement due to statement timeout")),
+        )
         .expect(1)
         .mount(&server)
         .await;
     let client = client(config(&server));
     // Act
-    let err = client
-        .rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe)
-        .await
-        .unwrap_err();
+    let err = client.rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe).await.unwrap_err();
     // Assert
     assert_eq!(err.status(), Some(500));
     assert_eq!(err.code(), Some("57014"));
@@ -889,26 +751,18 @@ async fn an_html_gateway_error_is_an_http_error() {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_release"))
-        .respond_with(ResponseTemplate::new(502).set_body_raw(
-            "<html><body><h1>502 Bad Gateway</h1></body></html>",
-            "text/html",
-        ))
+        .respond_with(
+            ResponseTemplate::new(502).set_body_raw("<html><body><h1>502 Bad Gateway</h1></body></html>", "text/html"),
+        )
         .expect(1)
         .mount(&server)
         .await;
     let client = client(config(&server).with_retry(RetryConfig::disabled()));
     // Act
-    let err = client
-        .rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe)
-        .await
-        .unwrap_err();
+    let err = client.rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe).await.unwrap_err();
     // Assert
     match &err {
-        ClientError::Http {
-            status,
-            body_excerpt,
-            ..
-        } => {
+        ClientError::Http { status, body_excerpt, .. } => {
             assert_eq!(*status, 502);
             assert!(body_excerpt.contains("Bad Gateway"), "{body_excerpt}");
         }
@@ -934,15 +788,9 @@ async fn a_gateway_json_without_postgrest_shape_is_an_http_error() {
         .await;
     let client = client(config(&server));
     // Act
-    let err = client
-        .rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe)
-        .await
-        .unwrap_err();
+    let err = client.rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe).await.unwrap_err();
     // Assert
-    assert!(
-        matches!(err, ClientError::Http { status: 401, .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, ClientError::Http { status: 401, .. }), "{err:?}");
     server.verify().await;
 }
 
@@ -959,21 +807,9 @@ async fn malformed_json_in_a_200_body_is_a_decode_error() {
         .await;
     let client = client(config(&server));
     // Act
-    let err = client
-        .rpc::<Vec<Value>>("idempotency_get", &json!({}), Repeat::Safe)
-        .await
-        .unwrap_err();
+    let err = client.rpc::<Vec<Value>>("idempotency_get", &json!({}), Repeat::Safe).await.unwrap_err();
     // Assert
-    assert!(
-        matches!(
-            err,
-            ClientError::Decode {
-                function: "idempotency_get",
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert!(matches!(err, ClientError::Decode { function: "idempotency_get", .. }), "{err:?}");
     server.verify().await;
 }
 
@@ -985,23 +821,14 @@ async fn rows_of_the_wrong_shape_are_a_store_decode_error_of_the_repository() {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_get"))
-        .respond_with(
-            ResponseTemplate::new(200)
-                .set_body_json(json!([{"id": Uuid::new_v4(), "status": "processing"}])),
-        )
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!([{"id": Uuid::new_v4(), "status": "processing"}])))
         .expect(1)
         .mount(&server)
         .await;
     // Act
-    let err = repository(&server)
-        .get(Uuid::new_v4(), SCOPE, "run-1:step-1")
-        .await
-        .unwrap_err();
+    let err = repository(&server).get(Uuid::new_v4(), SCOPE, "run-1:step-1").await.unwrap_err();
     // Assert
-    assert!(
-        matches!(err, Error::Store(ClientError::Decode { .. })),
-        "{err:?}"
-    );
+    assert!(matches!(err, Error::Store(ClientError::Decode { .. })), "{err:?}");
     server.verify().await;
 }
 
@@ -1014,26 +841,12 @@ async fn a_refused_connection_is_a_connect_transport_error_after_retries() {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
         listener.local_addr().unwrap().port()
     };
-    let config = ClientConfig::new(&format!("http://127.0.0.1:{port}"), KEY)
-        .unwrap()
-        .with_retry(fast_retry());
+    let config = ClientConfig::new(&format!("http://127.0.0.1:{port}"), KEY).unwrap().with_retry(fast_retry());
     let client = client(config);
     // Act
-    let err = client
-        .rpc::<bool>("idempotency_release", &json!({}), Repeat::Unsafe)
-        .await
-        .unwrap_err();
+    let err = client.rpc::<bool>("idempotency_release", &json!({}), Repeat::Unsafe).await.unwrap_err();
     // Assert
-    assert!(
-        matches!(
-            err,
-            ClientError::Transport {
-                kind: TransportKind::Connect,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert!(matches!(err, ClientError::Transport { kind: TransportKind::Connect, .. }), "{err:?}");
     assert!(err.is_retryable(false));
 }
 
@@ -1045,39 +858,18 @@ async fn an_answer_slower_than_the_request_timeout_is_a_timeout_transport_error(
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_release"))
-        .respond_with(
-            ResponseTemplate::new(200)
-                .set_body_json(json!(true))
-                .set_delay(Duration::from_secs(5)),
-        )
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!(true)).set_delay(Duration::from_secs(5)))
         .expect(1)
         .mount(&server)
         .await;
-    let config = config(&server)
-        .with_request_timeout(Duration::from_millis(200))
-        .with_retry(RetryConfig::disabled());
+    let config = config(&server).with_request_timeout(Duration::from_millis(200)).with_retry(RetryConfig::disabled());
     let client = client(config);
     let started = Instant::now();
     // Act
-    let err = client
-        .rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe)
-        .await
-        .unwrap_err();
+    let err = client.rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe).await.unwrap_err();
     // Assert
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "the timeout fired"
-    );
-    assert!(
-        matches!(
-            err,
-            ClientError::Transport {
-                kind: TransportKind::Timeout,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert!(started.elapsed() < Duration::from_secs(4), "the timeout fired");
+    assert!(matches!(err, ClientError::Transport { kind: TransportKind::Timeout, .. }), "{err:?}");
     assert!(!err.is_retryable(false));
     assert!(err.is_retryable(true));
 }
@@ -1100,25 +892,14 @@ async fn the_repository_omits_absent_optional_arguments_instead_of_sending_null(
             "p_lease_token": token,
             "p_response": {"message_id": "m-1"}
         })))
-        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(
-            claim_id,
-            token,
-            "completed"
-        )])))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(claim_id, token, "completed")])))
         .expect(1)
         .mount(&server)
         .await;
     let response = json!({"message_id": "m-1"});
     // Act
     let completed = repository(&server)
-        .complete(
-            claim_id,
-            token,
-            CompletionArgs {
-                response: Some(&response),
-                ..CompletionArgs::default()
-            },
-        )
+        .complete(claim_id, token, CompletionArgs { response: Some(&response), ..CompletionArgs::default() })
         .await
         .expect("a completion");
     // Assert
@@ -1126,12 +907,7 @@ async fn the_repository_omits_absent_optional_arguments_instead_of_sending_null(
     let sent = requests(&server).await;
     assert_eq!(sent.len(), 1);
     let body: Value = sent[0].body_json().unwrap();
-    let mut keys: Vec<&str> = body
-        .as_object()
-        .expect("a JSON object")
-        .keys()
-        .map(String::as_str)
-        .collect();
+    let mut keys: Vec<&str> = body.as_object().expect("a JSON object").keys().map(String::as_str).collect();
     keys.sort_unstable();
     assert_eq!(keys, ["p_claim_id", "p_lease_token", "p_response"]);
     server.verify().await;
@@ -1145,11 +921,7 @@ async fn the_service_completes_a_resource_only_claim_without_a_response_key() {
     let (claim_id, token) = (Uuid::new_v4(), Uuid::new_v4());
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_try_claim"))
-        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(
-            claim_id,
-            token,
-            "processing"
-        )])))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(claim_id, token, "processing")])))
         .expect(1)
         .mount(&server)
         .await;
@@ -1161,27 +933,18 @@ async fn the_service_completes_a_resource_only_claim_without_a_response_key() {
             "p_resource_type": "nylas.message",
             "p_resource_id": "m-1"
         })))
-        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(
-            claim_id,
-            token,
-            "completed"
-        )])))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(claim_id, token, "completed")])))
         .expect(1)
         .mount(&server)
         .await;
     let service = service(&server);
-    let ClaimOutcome::Claimed(claim) = service
-        .claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE)
-        .await
-        .expect("a claim")
+    let ClaimOutcome::Claimed(claim) =
+        service.claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await.expect("a claim")
     else {
         panic!("try_claim answered a row, so the key is ours");
     };
     // Act
-    let ending = service
-        .complete(&claim, Completion::resource("nylas.message", "m-1"))
-        .await
-        .expect("a completion");
+    let ending = service.complete(&claim, Completion::resource("nylas.message", "m-1")).await.expect("a completion");
     // Assert
     assert_eq!(ending, Ending::Recorded);
     let complete = requests(&server)
@@ -1207,10 +970,10 @@ async fn a_pool_timeout_504_is_retried_even_for_a_call_unsafe_to_repeat() {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_release"))
-        .respond_with(ResponseTemplate::new(504).set_body_json(error_body(
-            "PGRST003",
-            "Timed out acquiring connection from connection pool.",
-        )))
+        .respond_with(
+            ResponseTemplate::new(504)
+                .set_body_json(error_body("PGRST003", "Timed out acquiring connection from connection pool.")),
+        )
         .up_to_n_times(1)
         .with_priority(1)
         .expect(1)
@@ -1248,35 +1011,22 @@ async fn a_connection_lost_503_is_retried_only_for_a_call_safe_to_repeat() {
             .mount(&server)
             .await;
         // Act
-        let err = client(config(&server))
-            .rpc::<bool>("idempotency_release", &json!({}), repeat)
-            .await
-            .unwrap_err();
+        let err = client(config(&server)).rpc::<bool>("idempotency_release", &json!({}), repeat).await.unwrap_err();
         // Assert
         assert_eq!(err.code(), Some("PGRST001"), "{repeat:?}");
-        assert_eq!(
-            requests(&server).await.len(),
-            expected_requests,
-            "{repeat:?}"
-        );
+        assert_eq!(requests(&server).await.len(), expected_requests, "{repeat:?}");
     }
 }
 
 #[tokio::test]
 async fn a_timed_out_call_is_sent_again_only_when_it_is_safe_to_repeat() {
     // §4 [inference]: a request that timed out may have run.
-    for (repeat, succeeds, expected_requests) in
-        [(Repeat::Safe, true, 2usize), (Repeat::Unsafe, false, 1)]
-    {
+    for (repeat, succeeds, expected_requests) in [(Repeat::Safe, true, 2usize), (Repeat::Unsafe, false, 1)] {
         // Arrange: the first answer is too slow, the next one is prompt.
         let server = MockServer::start().await;
         Mock::given(method("POST"))
             .and(path("/rpc/idempotency_get"))
-            .respond_with(
-                ResponseTemplate::new(200)
-                    .set_body_json(json!([]))
-                    .set_delay(Duration::from_secs(3)),
-            )
+            .respond_with(ResponseTemplate::new(200).set_body_json(json!([])).set_delay(Duration::from_secs(3)))
             .up_to_n_times(1)
             .with_priority(1)
             .mount(&server)
@@ -1288,28 +1038,13 @@ async fn a_timed_out_call_is_sent_again_only_when_it_is_safe_to_repeat() {
             .await;
         let client = client(config(&server).with_request_timeout(Duration::from_millis(300)));
         // Act
-        let result = client
-            .rpc::<Value>("idempotency_get", &json!({}), repeat)
-            .await;
+        let result = client.rpc::<Value>("idempotency_get", &json!({}), repeat).await;
         // Assert
         assert_eq!(result.is_ok(), succeeds, "{repeat:?}: {result:?}");
         if let Err(err) = result {
-            assert!(
-                matches!(
-                    err,
-                    ClientError::Transport {
-                        kind: TransportKind::Timeout,
-                        ..
-                    }
-                ),
-                "{err:?}"
-            );
+            assert!(matches!(err, ClientError::Transport { kind: TransportKind::Timeout, .. }), "{err:?}");
         }
-        assert_eq!(
-            requests(&server).await.len(),
-            expected_requests,
-            "{repeat:?}"
-        );
+        assert_eq!(requests(&server).await.len(), expected_requests, "{repeat:?}");
     }
 }
 
@@ -1318,9 +1053,7 @@ async fn a_timed_out_call_is_sent_again_only_when_it_is_safe_to_repeat() {
 async fn hang_up_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::AsyncReadExt;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     let accepted = std::sync::Arc::new(AtomicUsize::new(0));
     let counter = accepted.clone();
@@ -1341,30 +1074,12 @@ async fn a_connection_dropped_after_sending_is_retried_only_when_safe_to_repeat(
     for (repeat, expected_connections) in [(Repeat::Unsafe, 1usize), (Repeat::Safe, 3)] {
         // Arrange
         let (url, accepted) = hang_up_server().await;
-        let config = ClientConfig::new(&url, KEY)
-            .expect("config")
-            .with_retry(fast_retry())
-            .with_pool_max_idle_per_host(0);
+        let config =
+            ClientConfig::new(&url, KEY).expect("config").with_retry(fast_retry()).with_pool_max_idle_per_host(0);
         // Act
-        let err = client(config)
-            .rpc::<Value>("idempotency_get", &json!({}), repeat)
-            .await
-            .unwrap_err();
+        let err = client(config).rpc::<Value>("idempotency_get", &json!({}), repeat).await.unwrap_err();
         // Assert
-        assert!(
-            matches!(
-                err,
-                ClientError::Transport {
-                    kind: TransportKind::Interrupted,
-                    ..
-                }
-            ),
-            "{repeat:?}: {err:?}"
-        );
-        assert_eq!(
-            accepted.load(std::sync::atomic::Ordering::SeqCst),
-            expected_connections,
-            "{repeat:?}"
-        );
+        assert!(matches!(err, ClientError::Transport { kind: TransportKind::Interrupted, .. }), "{repeat:?}: {err:?}");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), expected_connections, "{repeat:?}");
     }
 }

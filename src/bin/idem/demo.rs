@@ -102,18 +102,12 @@ async fn scenario(plane: &Plane, args: &DemoArgs) -> Result<Report, BoxError> {
     let (claimed, holds_key) = oneshot::channel();
     let stalled = worker::stalled(&shared, STALLED_KEY, stall_lease, stall, claimed);
     let pool = async {
-        holds_key
-            .await
-            .map_err(|_| "the stalled worker never claimed its key")?;
+        holds_key.await.map_err(|_| "the stalled worker never claimed its key")?;
         let pool_shared = Arc::clone(&shared);
-        worker::fan_out(
-            usize::from(args.workers),
-            jobs(keys, args.calls_per_key),
-            move |index| {
-                let shared = Arc::clone(&pool_shared);
-                async move { worker::tool_call(&shared, index).await }
-            },
-        )
+        worker::fan_out(usize::from(args.workers), jobs(keys, args.calls_per_key), move |index| {
+            let shared = Arc::clone(&pool_shared);
+            async move { worker::tool_call(&shared, index).await }
+        })
         .await
     };
     let (stale, ()) = tokio::try_join!(stalled, pool)?;
@@ -126,22 +120,12 @@ async fn scenario(plane: &Plane, args: &DemoArgs) -> Result<Report, BoxError> {
         }
     }
 
-    let completed = read_back(
-        &shared.service,
-        &shared.ledger,
-        shared.organization_id,
-        keys,
-        args.workers,
-    )
-    .await?;
+    let completed = read_back(&shared.service, &shared.ledger, shared.organization_id, keys, args.workers).await?;
     let elapsed = started.elapsed();
     vendor.stop().await;
 
     let tally = &shared.tally;
-    let mut findings = KeyFindings {
-        completed,
-        ..KeyFindings::default()
-    };
+    let mut findings = KeyFindings { completed, ..KeyFindings::default() };
     for index in 0..keys {
         let effects = shared.ledger.effects_for(&worker::recipient(index));
         let (executions, reclaims) = tally.of_key(index);
@@ -150,11 +134,7 @@ async fn scenario(plane: &Plane, args: &DemoArgs) -> Result<Report, BoxError> {
         findings.max_executions = findings.max_executions.max(executions);
         findings.unexplained_executions += usize::from(executions != 1 + reclaims);
     }
-    let takeover = shared
-        .takeover_sent
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone();
+    let takeover = shared.takeover_sent.lock().unwrap_or_else(PoisonError::into_inner).clone();
     Ok(Report {
         organization_id: shared.organization_id,
         workers: args.workers,
@@ -210,17 +190,12 @@ async fn read_back(
     let completed = Arc::new(AtomicU64::new(0));
     let (service, ledger, counter) = (service.clone(), Arc::clone(ledger), Arc::clone(&completed));
     worker::fan_out(usize::from(workers), (0..keys).collect(), move |index| {
-        let (service, ledger, counter) =
-            (service.clone(), Arc::clone(&ledger), Arc::clone(&counter));
+        let (service, ledger, counter) = (service.clone(), Arc::clone(&ledger), Arc::clone(&counter));
         async move {
             let key = worker::effect_key(index);
             let hash = RequestHash::of_json(&worker::effect_payload(index));
             let outcome = service.read(organization_id, SCOPE, &key, &hash).await?;
-            if let ClaimOutcome::Completed {
-                resource: Some(resource),
-                ..
-            } = outcome
-            {
+            if let ClaimOutcome::Completed { resource: Some(resource), .. } = outcome {
                 if resource.resource_type == RESOURCE_TYPE
                     && ledger.message_for(&key).as_deref() == Some(resource.resource_id.as_str())
                 {

@@ -22,9 +22,7 @@ impl Plane {
     pub(crate) async fn connect() -> Result<Plane, BoxError> {
         match ClientConfig::from_env()? {
             Some(config) => Ok(Plane::Remote(config)),
-            None => Ok(Plane::Local(
-                LocalStack::start(LocalStackConfig::default()).await?,
-            )),
+            None => Ok(Plane::Local(LocalStack::start(LocalStackConfig::default()).await?)),
         }
     }
 
@@ -32,20 +30,18 @@ impl Plane {
     pub(crate) fn service(&self) -> Result<Service, BoxError> {
         match self {
             Plane::Local(stack) => Ok(stack.service()?),
-            Plane::Remote(config) => Ok(IdempotencyService::new(PostgrestRepository::new(
-                PostgrestClient::new(config.clone())?,
-            ))),
+            Plane::Remote(config) => {
+                Ok(IdempotencyService::new(PostgrestRepository::new(PostgrestClient::new(config.clone())?)))
+            }
         }
     }
 
     /// One line saying where the plane is, without secrets.
     pub(crate) fn describe(&self) -> String {
         match self {
-            Plane::Local(stack) => format!(
-                "embedded local stack {} (database {}, dropped at the end)",
-                stack.url(),
-                stack.database_name()
-            ),
+            Plane::Local(stack) => {
+                format!("embedded local stack {} (database {}, dropped at the end)", stack.url(), stack.database_name())
+            }
             Plane::Remote(config) => format!("configured server {}", config.base_url()),
         }
     }

@@ -75,25 +75,10 @@ impl Report {
     fn checks(&self) -> Vec<Check> {
         let t = &self.totals;
         let f = &self.findings;
-        let check = |ok, name, value: String, note| Check {
-            ok,
-            name,
-            value,
-            note,
-        };
+        let check = |ok, name, value: String, note| Check { ok, name, value, note };
         vec![
-            check(
-                f.max_effects <= 1,
-                "max vendor effects per key",
-                f.max_effects.to_string(),
-                "must be 1",
-            ),
-            check(
-                f.without_effect == 0,
-                "keys without a vendor effect",
-                f.without_effect.to_string(),
-                "must be 0",
-            ),
+            check(f.max_effects <= 1, "max vendor effects per key", f.max_effects.to_string(), "must be 1"),
+            check(f.without_effect == 0, "keys without a vendor effect", f.without_effect.to_string(), "must be 0"),
             check(
                 f.unexplained_executions == 0,
                 "max claimed executions per key",
@@ -156,42 +141,18 @@ impl Report {
             self.stall.as_secs_f64(),
             self.stall_lease.as_secs_f64()
         );
-        println!(
-            "organization {} (its rows stay in the journal for the scope's retention)",
-            self.organization_id
-        );
+        println!("organization {} (its rows stay in the journal for the scope's retention)", self.organization_id);
         println!();
         let rows = [
             ("tool calls proposed", t.tool_calls.to_string()),
-            (
-                "claim() calls, orchestrator retries incl.",
-                t.attempts.to_string(),
-            ),
-            (
-                "claimed executions (worker called vendor)",
-                t.executions.to_string(),
-            ),
-            (
-                "vendor sends (every POST /messages)",
-                t.vendor_sends.to_string(),
-            ),
-            (
-                "  answered from the vendor's key cache",
-                t.vendor_replayed_sends.to_string(),
-            ),
-            (
-                "vendor effects (distinct messages)",
-                t.vendor_messages.to_string(),
-            ),
+            ("claim() calls, orchestrator retries incl.", t.attempts.to_string()),
+            ("claimed executions (worker called vendor)", t.executions.to_string()),
+            ("vendor sends (every POST /messages)", t.vendor_sends.to_string()),
+            ("  answered from the vendor's key cache", t.vendor_replayed_sends.to_string()),
+            ("vendor effects (distinct messages)", t.vendor_messages.to_string()),
             ("replays (completed: stored answer)", t.replays.to_string()),
-            (
-                "processing answers (in flight, retried)",
-                t.processing.to_string(),
-            ),
-            (
-                "conflicts (changed payload, used key)",
-                t.conflicts.to_string(),
-            ),
+            ("processing answers (in flight, retried)", t.processing.to_string()),
+            ("conflicts (changed payload, used key)", t.conflicts.to_string()),
             ("reclaims (passed lease taken over)", t.reclaims.to_string()),
             ("fenced-off stale endings", t.fenced.to_string()),
             ("elapsed", format!("{:.2} s", self.elapsed.as_secs_f64())),
@@ -208,20 +169,13 @@ impl Report {
         println!("  {:-<6}{:-<44} {:->12}  {:-<4}", "", "", "", "");
         for check in self.checks() {
             let mark = if check.ok { "ok" } else { "FAIL" };
-            let line = format!(
-                "  {mark:<6}{:<44} {:>12}  {}",
-                check.name, check.value, check.note
-            );
+            let line = format!("  {mark:<6}{:<44} {:>12}  {}", check.name, check.value, check.note);
             println!("{}", line.trim_end());
         }
         println!();
         println!(
             "{}",
-            if self.passed() {
-                "every effect happened exactly once"
-            } else {
-                "FAILED: see the checks above"
-            }
+            if self.passed() { "every effect happened exactly once" } else { "FAILED: see the checks above" }
         );
     }
 
@@ -238,11 +192,7 @@ impl Report {
             Some(sent) => println!(
                 "    another worker reclaimed it, re-sent under the same Idempotency-Key -> {} ({}), completed",
                 sent.id,
-                if sent.replayed {
-                    "vendor replay, no second effect"
-                } else {
-                    "a NEW message"
-                }
+                if sent.replayed { "vendor replay, no second effect" } else { "a NEW message" }
             ),
             None => println!("    nobody reclaimed it"),
         }

@@ -74,11 +74,8 @@ impl Tally {
 
     /// `(executions, reclaims)` of key `index`.
     pub(crate) fn of_key(&self, index: usize) -> (u32, u32) {
-        self.per_key.get(index).map_or((0, 0), |key| {
-            (
-                key.executions.load(Ordering::Relaxed),
-                key.reclaims.load(Ordering::Relaxed),
-            )
-        })
+        self.per_key
+            .get(index)
+            .map_or((0, 0), |key| (key.executions.load(Ordering::Relaxed), key.reclaims.load(Ordering::Relaxed)))
     }
 }

@@ -19,9 +19,7 @@ pub(crate) struct UpArgs {
 
 /// Starts the stack, prints how to reach it, serves until a signal, stops.
 pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
-    let config = LocalStackConfig::default()
-        .with_max_rows(args.max_rows)
-        .with_port(args.port);
+    let config = LocalStackConfig::default().with_max_rows(args.max_rows).with_port(args.port);
     let stack = LocalStack::start(config).await?;
     print_banner(&stack);
 
@@ -58,10 +56,7 @@ fn print_banner(stack: &LocalStack) {
     );
     println!();
     println!("run the demo against it, from another terminal:");
-    println!(
-        "  IDEM_POSTGREST_URL={url} IDEM_SERVICE_KEY={key} IDEM_MAX_ROWS={} \\",
-        stack.max_rows()
-    );
+    println!("  IDEM_POSTGREST_URL={url} IDEM_SERVICE_KEY={key} IDEM_MAX_ROWS={} \\", stack.max_rows());
     println!("    cargo run --release --features local -- demo");
     println!();
     println!("serving; Ctrl-C to stop");

@@ -83,10 +83,7 @@ impl Ledger {
 
     /// The message `idempotency_key` created, if any.
     pub(crate) fn message_for(&self, idempotency_key: &str) -> Option<String> {
-        self.book()
-            .by_key
-            .get(idempotency_key)
-            .map(|m| m.id.clone())
+        self.book().by_key.get(idempotency_key).map(|m| m.id.clone())
     }
 }
 
@@ -103,9 +100,7 @@ impl Vendor {
     /// Binds 127.0.0.1 on a free port and serves `POST /messages`.
     pub(crate) async fn start() -> Result<Vendor, BoxError> {
         let ledger = Arc::new(Ledger::default());
-        let router = Router::new()
-            .route("/messages", post(send_message))
-            .with_state(Arc::clone(&ledger));
+        let router = Router::new().route("/messages", post(send_message)).with_state(Arc::clone(&ledger));
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
         let address = listener.local_addr()?;
         let (shutdown, stopped) = oneshot::channel::<()>();
@@ -117,12 +112,7 @@ impl Vendor {
                 tracing::error!(%error, "the fake vendor stopped");
             }
         });
-        Ok(Vendor {
-            address,
-            ledger,
-            shutdown,
-            server,
-        })
+        Ok(Vendor { address, ledger, shutdown, server })
     }
 
     /// The vendor's ledger.
@@ -143,20 +133,9 @@ impl Vendor {
 }
 
 /// `POST /messages`: one message per `Idempotency-Key`.
-async fn send_message(
-    State(ledger): State<Arc<Ledger>>,
-    headers: HeaderMap,
-    Json(body): Json<Value>,
-) -> Response {
-    let Some(key) = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .filter(|k| !k.is_empty())
-    else {
-        return refuse(
-            StatusCode::BAD_REQUEST,
-            "the Idempotency-Key header is required",
-        );
+async fn send_message(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, Json(body): Json<Value>) -> Response {
+    let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).filter(|k| !k.is_empty()) else {
+        return refuse(StatusCode::BAD_REQUEST, "the Idempotency-Key header is required");
     };
     let Some(recipient) = body.get("to").and_then(Value::as_str) else {
         return refuse(StatusCode::UNPROCESSABLE_ENTITY, "`to` is required");
@@ -169,29 +148,16 @@ async fn send_message(
     let mut book = ledger.book();
     if let Some(message) = book.by_key.get(key) {
         if message.fingerprint != fingerprint {
-            return refuse(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "this Idempotency-Key was used with different parameters",
-            );
+            return refuse(StatusCode::UNPROCESSABLE_ENTITY, "this Idempotency-Key was used with different parameters");
         }
         ledger.replayed_sends.fetch_add(1, Ordering::Relaxed);
         let answer = Json(json!({ "id": message.id, "replayed": true }));
         return (StatusCode::OK, [("idempotent-replayed", "true")], answer).into_response();
     }
     let id = format!("msg_{:06}", book.by_key.len() + 1);
-    book.by_key.insert(
-        key.to_owned(),
-        Message {
-            id: id.clone(),
-            fingerprint,
-        },
-    );
+    book.by_key.insert(key.to_owned(), Message { id: id.clone(), fingerprint });
     *book.created_for.entry(recipient.to_owned()).or_default() += 1;
-    (
-        StatusCode::CREATED,
-        Json(json!({ "id": id, "replayed": false })),
-    )
-        .into_response()
+    (StatusCode::CREATED, Json(json!({ "id": id, "replayed": false }))).into_response()
 }
 
 fn refuse(status: StatusCode, message: &str) -> Response {
@@ -216,28 +182,14 @@ pub(crate) struct VendorClient {
 
 impl VendorClient {
     fn new(messages_url: &str) -> Result<VendorClient, BoxError> {
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(5))
-            .build()?;
-        Ok(VendorClient {
-            http,
-            messages_url: messages_url.to_owned(),
-        })
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
+        Ok(VendorClient { http, messages_url: messages_url.to_owned() })
     }
 
     /// Sends `message`, passing the claim's key as the vendor's idempotency key.
-    pub(crate) async fn send(
-        &self,
-        idempotency_key: &str,
-        message: &Value,
-    ) -> Result<Sent, BoxError> {
-        let response = self
-            .http
-            .post(&self.messages_url)
-            .header("Idempotency-Key", idempotency_key)
-            .json(message)
-            .send()
-            .await?;
+    pub(crate) async fn send(&self, idempotency_key: &str, message: &Value) -> Result<Sent, BoxError> {
+        let response =
+            self.http.post(&self.messages_url).header("Idempotency-Key", idempotency_key).json(message).send().await?;
         let status = response.status();
         if !status.is_success() {
             let body = response.text().await.unwrap_or_default();

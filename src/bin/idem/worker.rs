@@ -88,10 +88,7 @@ pub(crate) async fn tool_call(shared: &Shared, index: usize) -> Result<(), BoxEr
     let mut backoff = BACKOFF_FIRST;
     loop {
         Tally::bump(&tally.attempts);
-        let outcome = shared
-            .service
-            .claim(shared.organization_id, SCOPE, &key, &hash, LEASE)
-            .await?;
+        let outcome = shared.service.claim(shared.organization_id, SCOPE, &key, &hash, LEASE).await?;
         match outcome {
             ClaimOutcome::Claimed(claim) => {
                 tally.executed(index, claim.reclaimed());
@@ -111,10 +108,7 @@ pub(crate) async fn tool_call(shared: &Shared, index: usize) -> Result<(), BoxEr
                     Tally::bump(&tally.fenced);
                 }
                 if claim.reclaimed() {
-                    *shared
-                        .takeover_sent
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner) = Some(sent);
+                    *shared.takeover_sent.lock().unwrap_or_else(PoisonError::into_inner) = Some(sent);
                     shared.takeover_done.notify_one();
                 }
                 return Ok(());
@@ -130,10 +124,7 @@ pub(crate) async fn tool_call(shared: &Shared, index: usize) -> Result<(), BoxEr
             ClaimOutcome::Processing { .. } => {
                 Tally::bump(&tally.processing);
                 if Instant::now() >= deadline {
-                    return Err(format!(
-                        "{key} was still in flight after {IN_FLIGHT_LIMIT:?} of retries"
-                    )
-                    .into());
+                    return Err(format!("{key} was still in flight after {IN_FLIGHT_LIMIT:?} of retries").into());
                 }
                 let jitter = rand::rng().random_range(0..=backoff.as_millis() as u64 / 2);
                 tokio::time::sleep(backoff + Duration::from_millis(jitter)).await;
@@ -155,16 +146,7 @@ pub(crate) async fn changed_payload(shared: &Shared, index: usize) -> Result<boo
     payload["subject"] = json!("Welcome aboard (edited)");
     let hash = RequestHash::of_json(&payload);
     Tally::bump(&shared.tally.attempts);
-    let outcome = shared
-        .service
-        .claim(
-            shared.organization_id,
-            SCOPE,
-            &effect_key(index),
-            &hash,
-            LEASE,
-        )
-        .await?;
+    let outcome = shared.service.claim(shared.organization_id, SCOPE, &effect_key(index), &hash, LEASE).await?;
     match outcome {
         ClaimOutcome::Conflict => {
             Tally::bump(&shared.tally.conflicts);
@@ -208,26 +190,16 @@ pub(crate) async fn stalled(
     let payload = effect_payload(index);
     let hash = RequestHash::of_json(&payload);
     Tally::bump(&shared.tally.attempts);
-    let outcome = shared
-        .service
-        .claim(shared.organization_id, SCOPE, &key, &hash, lease)
-        .await?;
+    let outcome = shared.service.claim(shared.organization_id, SCOPE, &key, &hash, lease).await?;
     let ClaimOutcome::Claimed(claim) = outcome else {
-        return Err(format!(
-            "the stalled worker expected a fresh claim, got {}",
-            outcome.kind()
-        )
-        .into());
+        return Err(format!("the stalled worker expected a fresh claim, got {}", outcome.kind()).into());
     };
     shared.tally.executed(index, claim.reclaimed());
     let sent = shared.vendor.send(claim.key(), &payload).await?;
     let _ = claimed.send(());
 
     tokio::time::sleep(stall).await;
-    if tokio::time::timeout(TAKEOVER_WAIT, shared.takeover_done.notified())
-        .await
-        .is_err()
-    {
+    if tokio::time::timeout(TAKEOVER_WAIT, shared.takeover_done.notified()).await.is_err() {
         tracing::warn!(%key, "no worker took the stalled key over; waking anyway");
     }
 
@@ -240,20 +212,12 @@ pub(crate) async fn stalled(
             Tally::bump(&shared.tally.fenced);
         }
     }
-    Ok(StaleEndings {
-        sent,
-        complete,
-        release,
-    })
+    Ok(StaleEndings { sent, complete, release })
 }
 
 /// Runs `job` over `jobs` on `workers` concurrent tasks, in order of the
 /// list. The first error stops the rest and is returned.
-pub(crate) async fn fan_out<J, F, Fut>(
-    workers: usize,
-    jobs: Vec<usize>,
-    job: J,
-) -> Result<(), BoxError>
+pub(crate) async fn fan_out<J, F, Fut>(workers: usize, jobs: Vec<usize>, job: J) -> Result<(), BoxError>
 where
     J: Fn(usize) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<F, BoxError>> + Send + 'static,
