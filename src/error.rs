@@ -112,6 +112,15 @@ pub enum InvalidInput {
     /// A completion with no response and no resource would replay an empty success.
     #[error("a completion must carry a response or a resource")]
     EmptyCompletion,
+    /// A response above the store limit, with no resource to point at
+    /// instead. Nothing was sent: the claim is still ours to retry or release.
+    #[error("the response is {size} bytes, above the {limit}-byte store limit, and names no resource to point at")]
+    ResponseTooLarge {
+        /// Its size as compact JSON.
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// A Run needs an input to be admitted with.
     #[error("a Run needs a non-null input")]
     MissingRunInput,

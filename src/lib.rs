@@ -33,7 +33,7 @@
 //!         // ... perform the effect, passing claim.key() to the vendor ...
 //!         let _ = service.complete(&claim, Completion::resource("email.message", "m-1")).await?;
 //!     }
-//!     ClaimOutcome::Completed { response, resource } => { /* replay it */ }
+//!     ClaimOutcome::Completed { response, resource, .. } => { /* replay it */ }
 //!     ClaimOutcome::Processing { .. } => { /* in flight elsewhere: raise or drop */ }
 //!     ClaimOutcome::Conflict => { /* same key, different content */ }
 //!     ClaimOutcome::Absent => unreachable!("claim never answers absent"),
@@ -47,6 +47,7 @@ mod error;
 pub mod postgrest;
 pub mod repo;
 pub mod service;
+pub mod sweeper;
 
 /// SQL migrations, in order, as `(file name, contents)`. The same files are
 /// under `sql/` and `supabase/migrations/`.
@@ -59,5 +60,5 @@ pub use error::{Error, InvalidInput};
 pub use postgrest::{ClientConfig, ClientError, PostgrestClient, RetryConfig};
 pub use repo::{IdempotencyRecord, IdempotencyRepository, PostgrestRepository};
 pub use service::{
-    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, ScopeRegistry,
+    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, ResponseRef, ScopeRegistry,
 };

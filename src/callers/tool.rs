@@ -439,7 +439,9 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
         let span = tracing::Span::current();
         match outcome {
             ClaimOutcome::Absent | ClaimOutcome::Claimed(_) => Ok(None),
-            ClaimOutcome::Completed { response, resource } => {
+            ClaimOutcome::Completed { response, resource, response_ref } => {
+                // A response above the store limit replays as its reference.
+                let response = response.or_else(|| response_ref.map(|r| r.to_stored()));
                 span.record("outcome", "replayed");
                 span.record("replayed", true);
                 Ok(Some(ToolRun::Replayed(ToolResult::from_stored(response, resource))))

@@ -15,12 +15,12 @@ use std::time::Duration;
 use tracing::{field, Instrument};
 use uuid::Uuid;
 
-use crate::error::Error;
+use crate::error::{Error, InvalidInput};
 use crate::repo::{ClaimRequest, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
 
 pub use hash::RequestHash;
 pub use outcome::{
-    Claim, ClaimOutcome, Completion, Ending, ResourceRef, MAX_RESOURCE_ID_CHARS, MAX_RESOURCE_TYPE_CHARS,
+    Claim, ClaimOutcome, Completion, Ending, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS, MAX_RESOURCE_TYPE_CHARS,
 };
 pub use scope::{
     ScopeRegistry, DAY, MAX_SCOPE_CHARS, SAVED_SEARCH_START_RETENTION, SAVED_SEARCH_START_SCOPE, TOOL_RETENTION,
@@ -34,11 +34,19 @@ pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};
 /// (try_claim, get, reclaim, get).
 const MAX_CLAIM_STEPS: u32 = 8;
 
+/// The largest response stored inline, as compact JSON: 64 KiB. Every replay
+/// reads the row back, and a tool claim lives for 30 days, so the journal
+/// keeps answers (ids, statuses, short texts) and points at anything bulkier
+/// through its resource. Change it with
+/// [`IdempotencyService::with_response_limit`].
+pub const DEFAULT_RESPONSE_LIMIT: u64 = 64 * 1024;
+
 /// The idempotency service. Cheap to clone when its repository is.
 #[derive(Debug, Clone)]
 pub struct IdempotencyService<R> {
     repo: R,
     scopes: ScopeRegistry,
+    response_limit: u64,
 }
 
 impl<R: IdempotencyRepository> IdempotencyService<R> {
@@ -49,7 +57,15 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
 
     /// A service over `repo` with a registry of its own.
     pub fn with_scopes(repo: R, scopes: ScopeRegistry) -> Self {
-        IdempotencyService { repo, scopes }
+        IdempotencyService { repo, scopes, response_limit: DEFAULT_RESPONSE_LIMIT }
+    }
+
+    /// Sets the largest response stored inline, in bytes of compact JSON. A
+    /// larger one is replaced by a [`ResponseRef`] to the completion's
+    /// resource, or refused when it names none.
+    pub fn with_response_limit(mut self, bytes: u64) -> Self {
+        self.response_limit = bytes;
+        self
     }
 
     /// The repository underneath.
@@ -187,10 +203,15 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         );
         async {
             completion.validate()?;
+            let response = completion.response.as_ref().filter(|v| !v.is_null());
+            let elided = match response {
+                Some(response) => self.elide_if_large(response, completion.resource.as_ref())?,
+                None => None,
+            };
             let args = CompletionArgs {
                 resource_type: completion.resource.as_ref().map(|r| r.resource_type.as_str()),
                 resource_id: completion.resource.as_ref().map(|r| r.resource_id.as_str()),
-                response: completion.response.as_ref().filter(|v| !v.is_null()),
+                response: elided.as_ref().or(response),
             };
             let ending = match self.repo.complete(claim.id, claim.lease_token, args).await? {
                 Some(_) => Ending::Recorded,
@@ -201,6 +222,33 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         }
         .instrument(span)
         .await
+    }
+
+    /// The stored form of a response above the limit: a [`ResponseRef`] to
+    /// `resource`. `None` when the response fits.
+    fn elide_if_large(
+        &self,
+        response: &serde_json::Value,
+        resource: Option<&ResourceRef>,
+    ) -> Result<Option<serde_json::Value>, Error> {
+        let size = json_size(response);
+        if size <= self.response_limit {
+            return Ok(None);
+        }
+        let Some(resource) = resource else {
+            return Err(InvalidInput::ResponseTooLarge { size, limit: self.response_limit }.into());
+        };
+        let digest = serde_json::to_vec(response)
+            .map(|bytes| hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&bytes)))
+            .map_err(|e| Error::Inconsistent(format!("a JSON value did not serialize: {e}")))?;
+        tracing::info!(size, limit = self.response_limit, "response above the store limit; storing a reference");
+        let reference = ResponseRef {
+            resource_type: resource.resource_type.clone(),
+            resource_id: resource.resource_id.clone(),
+            size,
+            sha256: digest,
+        };
+        Ok(Some(reference.to_stored()))
     }
 
     /// Releases `claim` without an answer, so the next attempt executes. For
@@ -239,13 +287,18 @@ fn judge(record: IdempotencyRecord, hash: &RequestHash) -> Judged {
         return Judged::Final(ClaimOutcome::Conflict);
     }
     match record.status {
-        ClaimStatus::Completed => Judged::Final(ClaimOutcome::Completed {
-            resource: match (record.resource_type, record.resource_id) {
-                (Some(resource_type), Some(resource_id)) => Some(ResourceRef { resource_type, resource_id }),
-                _ => None,
-            },
-            response: record.response,
-        }),
+        ClaimStatus::Completed => {
+            let response_ref = record.response.as_ref().and_then(ResponseRef::from_stored);
+            let response = if response_ref.is_some() { None } else { record.response };
+            Judged::Final(ClaimOutcome::Completed {
+                response_ref,
+                response,
+                resource: match (record.resource_type, record.resource_id) {
+                    (Some(resource_type), Some(resource_id)) => Some(ResourceRef { resource_type, resource_id }),
+                    _ => None,
+                },
+            })
+        }
         ClaimStatus::Processing if record.lease_live => {
             Judged::Final(ClaimOutcome::Processing { lease_expires_at: record.lease_expires_at })
         }
@@ -268,5 +321,43 @@ fn record_ending(ending: Ending) {
     tracing::Span::current().record("ending", name);
     if ending == Ending::LeaseMovedOn {
         tracing::info!(ending = name, "the lease moved on; this worker's ending was not recorded");
+    }
+}
+
+/// The size of `value` as compact JSON, counted without building it.
+fn json_size(value: &serde_json::Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len() as u64;
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing a Value to an infallible writer cannot fail.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_size_counts_compact_bytes() {
+        let value = serde_json::json!({"a": [1, 2, "é"]});
+        assert_eq!(json_size(&value), serde_json::to_vec(&value).unwrap().len() as u64);
+    }
+
+    #[test]
+    fn a_response_ref_round_trips_and_nothing_else_reads_as_one() {
+        let reference =
+            ResponseRef { resource_type: "blob".into(), resource_id: "b-1".into(), size: 9, sha256: "ab".into() };
+        assert_eq!(ResponseRef::from_stored(&reference.to_stored()), Some(reference));
+        assert_eq!(ResponseRef::from_stored(&serde_json::json!({"$response_ref": 1})), None);
+        assert_eq!(ResponseRef::from_stored(&serde_json::json!({"other": 1})), None);
     }
 }

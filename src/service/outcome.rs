@@ -17,6 +17,36 @@ pub struct ResourceRef {
     pub resource_id: String,
 }
 
+/// Where a response too large to store went: the resource that holds it, and
+/// its size and digest so a reader can check what it fetches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResponseRef {
+    /// The kind of resource holding the response.
+    pub resource_type: String,
+    /// Its id.
+    pub resource_id: String,
+    /// The response's size in bytes, as compact JSON.
+    pub size: u64,
+    /// Lowercase hex SHA-256 of that compact JSON.
+    pub sha256: String,
+}
+
+/// The key under which a [`ResponseRef`] is stored in place of a response.
+pub(crate) const RESPONSE_REF_KEY: &str = "$response_ref";
+
+impl ResponseRef {
+    /// The stored form: `{"$response_ref": {...}}`.
+    pub(crate) fn to_stored(&self) -> serde_json::Value {
+        serde_json::json!({ RESPONSE_REF_KEY: self })
+    }
+
+    /// Reads the stored form back; `None` for any other response.
+    pub(crate) fn from_stored(value: &serde_json::Value) -> Option<Self> {
+        let object = value.as_object().filter(|o| o.len() == 1)?;
+        serde_json::from_value(object.get(RESPONSE_REF_KEY)?.clone()).ok()
+    }
+}
+
 /// The ending of [`read`](super::IdempotencyService::read) or
 /// [`claim`](super::IdempotencyService::claim).
 #[derive(Debug, Clone, PartialEq)]
@@ -30,10 +60,13 @@ pub enum ClaimOutcome {
     /// The effect already happened: return the stored answer and mark the
     /// span replayed.
     Completed {
-        /// The stored response, if one was stored.
+        /// The stored response, if one was stored inline.
         response: Option<serde_json::Value>,
         /// The stored resource, if one was stored.
         resource: Option<ResourceRef>,
+        /// Set instead of `response` when the response was above the store
+        /// limit: the resource that holds it, with its size and digest.
+        response_ref: Option<ResponseRef>,
     },
     /// Another worker holds a live lease: the effect may be in flight. Not a
     /// value: an orchestrated caller raises, an HTTP boundary drops.

@@ -85,3 +85,19 @@ pub fn client(stack: &LocalStack) -> idempotency_plane::PostgrestClient {
 pub async fn count_runs(stack: &LocalStack) -> i64 {
     sqlx::query_scalar("select count(*) from agent.runs").fetch_one(stack.db()).await.expect("count runs")
 }
+
+/// Puts `n` claims past their retention.
+pub async fn expired_rows(stack: &idempotency_plane::local::LocalStack, n: i64) {
+    sqlx::query(
+        "insert into agent.idempotency_keys
+           (organization_id, scope, key, request_hash, status, lease_token, response,
+            claimed_at, lease_expires_at, retain_until)
+         select gen_random_uuid(), 'tool.x', 'k' || i, repeat('a', 64), 'completed', gen_random_uuid(), '1',
+                now() - interval '31 days', now() - interval '31 days', now() - interval '1 day' + i * interval '1 second'
+           from generate_series(1, $1) i",
+    )
+    .bind(n)
+    .execute(stack.db())
+    .await
+    .unwrap();
+}

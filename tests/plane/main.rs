@@ -23,6 +23,8 @@ mod stack_saved_search;
 #[cfg(feature = "local")]
 mod stack_surface;
 #[cfg(feature = "local")]
+mod stack_sweeper;
+#[cfg(feature = "local")]
 mod stack_tool;
 #[cfg(feature = "local")]
 mod stack_webhook;

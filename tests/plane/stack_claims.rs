@@ -48,7 +48,7 @@ async fn completed_duplicate_returns_stored_resource_and_result() {
         service.claim(org, "tool.email.send", "run-1:step-1", &h, LEASE).await.unwrap(),
         service.read(org, "tool.email.send", "run-1:step-1", &h).await.unwrap(),
     ] {
-        let ClaimOutcome::Completed { response, resource } = replay else {
+        let ClaimOutcome::Completed { response, resource, response_ref: None } = replay else {
             panic!("expected the stored answer, got {replay:?}");
         };
         assert_eq!(response, Some(json!({"message_id": "m-1"})));

@@ -85,7 +85,7 @@ async fn a_claim_whose_lease_passed_is_still_readable_while_retain_until_holds()
     assert_eq!(service.complete(&claim, Completion::response(json!("sent"))).await.unwrap(), Ending::Recorded);
     travel_back(&stack, claim.id(), Duration::from_secs(29 * 86_400)).await;
     let replay = service.claim(org, "tool.email.send", "k", &h, LEASE).await.unwrap();
-    assert_eq!(replay, ClaimOutcome::Completed { response: Some(json!("sent")), resource: None });
+    assert_eq!(replay, ClaimOutcome::Completed { response: Some(json!("sent")), resource: None, response_ref: None });
     stack.stop().await.unwrap();
 }
 

@@ -262,22 +262,6 @@ async fn run_admission_admits_once_per_start_key_and_never_touches_the_claim_tab
     stack.stop().await.unwrap();
 }
 
-/// Puts `n` claims past their retention.
-async fn expired_rows(stack: &idempotency_plane::local::LocalStack, n: i64) {
-    sqlx::query(
-        "insert into agent.idempotency_keys
-           (organization_id, scope, key, request_hash, status, lease_token, response,
-            claimed_at, lease_expires_at, retain_until)
-         select gen_random_uuid(), 'tool.x', 'k' || i, repeat('a', 64), 'completed', gen_random_uuid(), '1',
-                now() - interval '31 days', now() - interval '31 days', now() - interval '1 day' + i * interval '1 second'
-           from generate_series(1, $1) i",
-    )
-    .bind(n)
-    .execute(stack.db())
-    .await
-    .unwrap();
-}
-
 #[derive(Debug, serde::Deserialize)]
 struct Expired {
     id: uuid::Uuid,

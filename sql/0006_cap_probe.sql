@@ -1,0 +1,23 @@
+-- Operator probe: answers p_rows synthetic rows of the table's own type
+-- (nothing is read or written), so `idem doctor` can see the server's real
+-- row cap from Content-Range: PostgREST and postrust-server both truncate a
+-- set of table rows at db-max-rows.
+
+create function agent.idempotency_cap_probe(p_rows integer)
+returns setof agent.idempotency_keys
+language plpgsql volatile security invoker set search_path = ''
+as $$
+begin
+  if p_rows is null or p_rows < 1 or p_rows > 100001 then
+    raise exception 'p_rows must be between 1 and 100001, got %', p_rows using errcode = '22023';
+  end if;
+  return query
+    select gen_random_uuid(), '00000000-0000-0000-0000-000000000000'::uuid, 'probe', 'probe-' || i,
+           repeat('0', 64), 'processing', gen_random_uuid(), null::text, null::text, null::jsonb,
+           now(), now(), now()
+      from generate_series(1, p_rows) as i;
+end
+$$;
+
+revoke all on function agent.idempotency_cap_probe(integer) from public, anon, authenticated;
+grant execute on function agent.idempotency_cap_probe(integer) to service_role;

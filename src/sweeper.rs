@@ -1,0 +1,131 @@
+//! The retention sweeper: deletes claims past `retain_until`, a bounded pass
+//! at a time.
+//!
+//! An unbounded delete would hold row locks over every expired claim of
+//! every tenant, on the table the tool call path writes. So a pass reads at
+//! most `bound` expired ids (oldest first) and deletes those, re-checking
+//! retention in the same statement. The READ count says whether the sweeper
+//! keeps up: a pass whose read fills its bound leaves rows for the next pass
+//! and logs a warning. The delete count says something else (a writer that
+//! removed or extended a claim between the read and the delete lowers it)
+//! and is never used to judge the backlog.
+//!
+//! The bound must not exceed the server's row cap: PostgREST would truncate
+//! the read there and report it only in `Content-Range`. A larger bound is
+//! refused before any request, never clamped; a server whose real cap is
+//! lower than configured is caught as [`ClientError::Truncated`].
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::postgrest::{ClientError, PostgrestClient, Repeat};
+
+/// One expired claim, as the sweeper reads it (`?select=id,retain_until`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct ExpiredClaim {
+    /// The claim id.
+    pub id: Uuid,
+    /// When its retention ended.
+    pub retain_until: DateTime<Utc>,
+}
+
+/// What one pass did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SweepReport {
+    /// Expired claims the pass read. Equal to `bound` means a backlog.
+    pub read: u64,
+    /// Claims it deleted (those still past retention at the delete).
+    pub deleted: u64,
+    /// The pass's bound.
+    pub bound: u64,
+    /// True when the read filled the bound: more expired claims are waiting.
+    pub filled: bool,
+}
+
+/// Runs bounded sweeper passes.
+#[derive(Debug, Clone)]
+pub struct Sweeper {
+    client: PostgrestClient,
+    bound: u64,
+}
+
+impl Sweeper {
+    /// A sweeper reading at most `bound` claims a pass.
+    ///
+    /// Refused with [`ClientError::BoundAboveCap`] when `bound` exceeds the
+    /// client's configured row cap (`max_rows`: PostgREST's `db-max-rows`,
+    /// `PGRST_DB_MAX_ROWS`, Supabase's `api.max_rows`), and with
+    /// [`ClientError::Config`] when it is zero. Nothing is sent either way.
+    pub fn new(client: PostgrestClient, bound: u64) -> Result<Self, ClientError> {
+        let cap = u64::from(client.config().max_rows());
+        if bound > cap {
+            return Err(ClientError::BoundAboveCap { bound, cap });
+        }
+        if bound == 0 {
+            return Err(ClientError::Config("the sweep bound must be at least 1".into()));
+        }
+        Ok(Sweeper { client, bound })
+    }
+
+    /// The bound.
+    pub fn bound(&self) -> u64 {
+        self.bound
+    }
+
+    /// One pass: read, delete, report. Warns when the read filled the bound.
+    pub async fn pass(&self) -> Result<SweepReport, Error> {
+        let span = tracing::info_span!(
+            "idempotency.sweep",
+            bound = self.bound,
+            read = tracing::field::Empty,
+            deleted = tracing::field::Empty,
+            filled = tracing::field::Empty
+        );
+        let expired = self.read_expired().instrument(span.clone()).await?;
+        let ids: Vec<Uuid> = expired.iter().map(|claim| claim.id).collect();
+        let deleted = self.delete(&ids).instrument(span.clone()).await?;
+        let report =
+            SweepReport { read: ids.len() as u64, deleted, bound: self.bound, filled: ids.len() as u64 >= self.bound };
+        span.record("read", report.read).record("deleted", report.deleted).record("filled", report.filled);
+        metrics::counter!("idempotency_sweep_read_total").increment(report.read);
+        metrics::counter!("idempotency_sweep_deleted_total").increment(report.deleted);
+        span.in_scope(|| {
+            if report.filled {
+                tracing::warn!(
+                    read = report.read,
+                    bound = report.bound,
+                    deleted = report.deleted,
+                    "sweep read filled its bound: expired claims are waiting for the next pass"
+                );
+            } else {
+                tracing::info!(read = report.read, deleted = report.deleted, "sweep pass");
+            }
+        });
+        Ok(report)
+    }
+
+    /// Reads up to `bound` expired claims, oldest first. Fails with
+    /// [`ClientError::Truncated`] when the server cut the read short.
+    pub async fn read_expired(&self) -> Result<Vec<ExpiredClaim>, Error> {
+        let args = json!({ "p_limit": self.bound });
+        Ok(self
+            .client
+            .rpc_bounded("idempotency_expired", &args, self.bound, Some("id,retain_until"), Repeat::Safe)
+            .await?)
+    }
+
+    /// Deletes those of `ids` still past retention; answers how many.
+    pub async fn delete(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let deleted: i64 =
+            self.client.rpc("idempotency_delete_expired", &json!({ "p_ids": ids }), Repeat::Safe).await?;
+        u64::try_from(deleted)
+            .map_err(|_| Error::Inconsistent(format!("idempotency_delete_expired answered {deleted}")))
+    }
+}

@@ -1,0 +1,142 @@
+//! What an operator sees: spans and warnings, captured by one global
+//! subscriber. Its own test binary, so the subscriber is installed before any
+//! callsite is hit; each test reads only what its own thread recorded (a
+//! `#[tokio::test]` runtime runs the test, the stack and the server on the
+//! test's thread).
+
+#![cfg(feature = "local")]
+
+#[path = "../plane/harness.rs"]
+#[allow(dead_code)]
+mod harness;
+
+use std::sync::{Mutex, OnceLock};
+use std::thread::ThreadId;
+use std::time::Duration;
+
+use harness::*;
+use idempotency_plane::callers::tool::{Checkpoint, ToolGuard, ToolKey, ToolResult, ToolSpec};
+use idempotency_plane::sweeper::Sweeper;
+use serde_json::json;
+use tracing_subscriber::layer::SubscriberExt;
+use uuid::Uuid;
+
+/// What one thread recorded: (span or event name, field, value).
+type Records = Vec<(ThreadId, String, String, String)>;
+
+fn records() -> &'static Mutex<Records> {
+    static RECORDS: OnceLock<Mutex<Records>> = OnceLock::new();
+    static INSTALLED: OnceLock<()> = OnceLock::new();
+    INSTALLED.get_or_init(|| {
+        let subscriber = tracing_subscriber::registry().with(Capture);
+        tracing::subscriber::set_global_default(subscriber).expect("the only global subscriber");
+    });
+    RECORDS.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+fn mine(name: &str) -> Vec<(String, String)> {
+    let me = std::thread::current().id();
+    records()
+        .lock()
+        .expect("records")
+        .iter()
+        .filter(|(thread, n, _, _)| *thread == me && n == name)
+        .map(|(_, _, field, value)| (field.clone(), value.clone()))
+        .collect()
+}
+
+struct Capture;
+
+struct Fields<'a>(&'a str, &'a mut Vec<(String, String)>);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {
+        self.1.push((field.name().to_owned(), value.to_string()));
+    }
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        self.1.push((field.name().to_owned(), value.to_string()));
+    }
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        let _ = self.0;
+        self.1.push((field.name().to_owned(), format!("{value:?}")));
+    }
+}
+
+impl<S> tracing_subscriber::Layer<S> for Capture
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let Some(span) = ctx.span(id) else { return };
+        let mut fields = Vec::new();
+        values.record(&mut Fields(span.name(), &mut fields));
+        store(span.name(), fields);
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let name = format!("{}:{}", event.metadata().level(), event.metadata().target());
+        let mut fields = Vec::new();
+        event.record(&mut Fields(&name, &mut fields));
+        store(&name, fields);
+    }
+}
+
+fn store(name: &str, fields: Vec<(String, String)>) {
+    let me = std::thread::current().id();
+    if let Ok(mut records) = records().lock() {
+        records.extend(fields.into_iter().map(|(field, value)| (me, name.to_owned(), field, value)));
+    }
+}
+
+#[tokio::test]
+async fn a_replayed_tool_call_marks_its_span_replayed() {
+    records();
+    let stack = stack().await;
+    let guard = ToolGuard::new(service(&stack));
+    let spec = ToolSpec::new("tool.email.send", Duration::from_secs(30)).unwrap();
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({}));
+    let allow = || async { Checkpoint::Allow };
+    guard.run(org, &spec, &key, &args, allow, |_| async { ToolResult::success(json!(1)) }).await.unwrap();
+    guard.run(org, &spec, &key, &args, allow, |_| async { panic!("replay") }).await.unwrap();
+
+    let replayed: Vec<String> =
+        mine("tool.call").into_iter().filter(|(field, _)| field == "replayed").map(|(_, value)| value).collect();
+    assert_eq!(replayed, ["false", "true"]);
+    let outcomes: Vec<String> =
+        mine("tool.call").into_iter().filter(|(field, _)| field == "outcome").map(|(_, value)| value).collect();
+    assert_eq!(outcomes, ["\"completed\"", "\"replayed\""]);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn five_times_the_bound_drains_over_several_passes_warning_until_the_last() {
+    records();
+    let stack = stack().await;
+    expired_rows(&stack, 50).await;
+    let sweeper = Sweeper::new(client(&stack), 10).unwrap();
+    let warnings = || {
+        mine("WARN:idempotency_plane::sweeper")
+            .into_iter()
+            .filter(|(field, value)| field == "message" && value.contains("filled its bound"))
+            .count()
+    };
+    let mut reads = Vec::new();
+    for pass in 1..=10 {
+        let report = sweeper.pass().await.unwrap();
+        reads.push(report.read);
+        if !report.filled {
+            break;
+        }
+        assert_eq!((report.deleted, report.bound), (10, 10));
+        assert_eq!(warnings(), pass, "pass {pass} filled its read and warned");
+    }
+    assert_eq!(reads, [10, 10, 10, 10, 10, 0]);
+    assert_eq!(warnings(), 5, "the quiet last pass does not warn");
+    assert_eq!(count_rows(&stack).await, 0);
+    stack.stop().await.unwrap();
+}
