@@ -388,8 +388,11 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
         }
     }
 
+    /// Counts the drop (here, and in `idempotency_webhook_drops_total{reason}`),
+    /// logs it with its reason, and ACKs.
     fn drop_delivery(&self, reason: DropReason) -> Ack {
         self.drops.add(reason);
+        metrics::counter!("idempotency_webhook_drops_total", "reason" => reason.as_str()).increment(1);
         tracing::Span::current().record("drop_reason", reason.as_str());
         tracing::info!(drop_reason = reason.as_str(), "delivery dropped and acknowledged");
         Ack::Dropped(reason)

@@ -104,7 +104,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                     Judged::Reclaimable => ClaimOutcome::Absent,
                 },
             };
-            record_outcome(&outcome);
+            record_outcome("read", scope, &outcome);
             Ok(outcome)
         }
         .instrument(span)
@@ -152,7 +152,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 span.record("reclaimed", claim.reclaimed());
                 span.record("claim_id", field::display(claim.id()));
             }
-            record_outcome(&outcome);
+            record_outcome("claim", scope, &outcome);
             Ok(outcome)
         }
         .instrument(span)
@@ -217,7 +217,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 Some(_) => Ending::Recorded,
                 None => Ending::LeaseMovedOn,
             };
-            record_ending(ending);
+            record_ending("complete", &claim.scope, ending);
             Ok(ending)
         }
         .instrument(span)
@@ -266,7 +266,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             } else {
                 Ending::LeaseMovedOn
             };
-            record_ending(ending);
+            record_ending("release", &claim.scope, ending);
             Ok(ending)
         }
         .instrument(span)
@@ -306,19 +306,37 @@ fn judge(record: IdempotencyRecord, hash: &RequestHash) -> Judged {
     }
 }
 
-fn record_outcome(outcome: &ClaimOutcome) {
+/// Records an outcome on the current span and in the
+/// `idempotency_outcomes_total{operation, scope, outcome}` counter.
+fn record_outcome(operation: &'static str, scope: &str, outcome: &ClaimOutcome) {
     let span = tracing::Span::current();
     span.record("outcome", outcome.kind());
     span.record("replayed", matches!(outcome, ClaimOutcome::Completed { .. }));
     tracing::debug!(outcome = outcome.kind(), "idempotency outcome");
+    metrics::counter!(
+        "idempotency_outcomes_total",
+        "operation" => operation,
+        "scope" => scope.to_owned(),
+        "outcome" => outcome.kind()
+    )
+    .increment(1);
 }
 
-fn record_ending(ending: Ending) {
+/// Records an ending on the current span and in the
+/// `idempotency_endings_total{operation, scope, ending}` counter.
+fn record_ending(operation: &'static str, scope: &str, ending: Ending) {
     let name = match ending {
         Ending::Recorded => "recorded",
         Ending::LeaseMovedOn => "lease_moved_on",
     };
     tracing::Span::current().record("ending", name);
+    metrics::counter!(
+        "idempotency_endings_total",
+        "operation" => operation,
+        "scope" => scope.to_owned(),
+        "ending" => name
+    )
+    .increment(1);
     if ending == Ending::LeaseMovedOn {
         tracing::info!(ending = name, "the lease moved on; this worker's ending was not recorded");
     }

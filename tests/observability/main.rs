@@ -140,3 +140,74 @@ async fn five_times_the_bound_drains_over_several_passes_warning_until_the_last(
     assert_eq!(count_rows(&stack).await, 0);
     stack.stop().await.unwrap();
 }
+
+/// The one global metrics recorder, installed on first use.
+fn snapshotter() -> &'static metrics_util::debugging::Snapshotter {
+    static SNAPSHOTTER: OnceLock<metrics_util::debugging::Snapshotter> = OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().expect("the only global recorder");
+        snapshotter
+    })
+}
+
+/// Counters as one snapshot: (name, labels, value). A snapshot drains what
+/// it reads, so each test takes one and reads it whole.
+type Counters = Vec<(String, Vec<(String, String)>, u64)>;
+
+fn counters() -> Counters {
+    snapshotter()
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(key, _, _, value)| match value {
+            metrics_util::debugging::DebugValue::Counter(n) => Some((
+                key.key().name().to_owned(),
+                key.key().labels().map(|l| (l.key().to_owned(), l.value().to_owned())).collect(),
+                n,
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The sum of counter `name` over the series whose labels include `labels`.
+fn count(counters: &Counters, name: &str, labels: &[(&str, &str)]) -> u64 {
+    counters
+        .iter()
+        .filter(|(n, l, _)| n == name && labels.iter().all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v)))
+        .map(|(_, _, value)| value)
+        .sum()
+}
+
+#[tokio::test]
+async fn outcomes_and_drop_reasons_are_counted_through_the_metrics_facade() {
+    use idempotency_plane::callers::webhook::{Ack, Delivery, DropReason, ProcessingError, ProviderJobs, WebhookGate};
+    records();
+    snapshotter();
+    let stack = stack().await;
+    // A scope no other test uses, so counts from tests running alongside do not mix in.
+    let scope = "webhook.metrics_probe";
+    let gate = WebhookGate::new(service(&stack), ProviderJobs::new(client(&stack)));
+    let delivery = Delivery { organization_id: org(), scope, delivery_id: "d-1", body: b"{}" };
+    let ok = || async { Ok::<serde_json::Value, ProcessingError>(json!("ok")) };
+    assert_eq!(gate.handle(delivery, ok).await, Ack::Processed);
+    assert_eq!(gate.handle(delivery, ok).await, Ack::Dropped(DropReason::Duplicate));
+
+    let counters = counters();
+    let outcome = |operation, outcome| {
+        count(
+            &counters,
+            "idempotency_outcomes_total",
+            &[("scope", scope), ("operation", operation), ("outcome", outcome)],
+        )
+    };
+    assert_eq!(outcome("claim", "claimed"), 1);
+    assert_eq!(outcome("claim", "completed"), 1, "the redelivery replayed");
+    let recorded = &[("scope", scope), ("operation", "complete"), ("ending", "recorded")];
+    assert_eq!(count(&counters, "idempotency_endings_total", recorded), 1);
+    // Other tests may drop duplicates meanwhile; ours is among them.
+    assert!(count(&counters, "idempotency_webhook_drops_total", &[("reason", "duplicate")]) >= 1);
+    stack.stop().await.unwrap();
+}
