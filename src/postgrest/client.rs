@@ -92,6 +92,25 @@ impl PostgrestClient {
         decode(function, &answer.body)
     }
 
+    /// A counted read with no bound, answering the server's `Content-Range`
+    /// and the rows that arrived, without judging truncation. For probes of
+    /// the server's real row cap (`idem doctor`); anything that needs every
+    /// row uses [`rpc_bounded`](Self::rpc_bounded).
+    pub async fn rpc_counted<T: DeserializeOwned>(
+        &self,
+        function: &'static str,
+        args: &impl Serialize,
+        select: Option<&str>,
+    ) -> Result<(ContentRange, Vec<T>), ClientError> {
+        let query: Vec<(&str, &str)> = select.map(|s| ("select", s)).into_iter().collect();
+        let answer = self.call(function, args, &query, true, Repeat::Safe).await?;
+        let range = answer
+            .content_range
+            .unwrap_or_else(|| Err(ContentRangeError { value: String::new(), reason: "missing from a counted read" }))
+            .map_err(|source| ClientError::ContentRange { function, source })?;
+        Ok((range, decode(function, &answer.body)?))
+    }
+
     /// A read of at most `bound` rows from a function that returns a set of
     /// table rows, which must take the bound as an argument itself.
     ///

@@ -17,3 +17,98 @@ fn idem_demo_runs_every_effect_exactly_once_and_exits_zero() {
     assert!(stdout.contains("LeaseMovedOn"), "the stalled worker was fenced off: {stdout}");
     assert!(!stdout.lines().any(|l| l.trim_start().starts_with("FAIL")), "{stdout}");
 }
+
+/// Runs `idem <args>` against the plane at `url` with `key`, told the row cap
+/// `max_rows` when given. Off the runtime's thread: the stack's server runs
+/// on it and must keep answering.
+async fn idem(url: &str, key: &str, max_rows: Option<u32>, args: &[&str]) -> std::process::Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    command.args(args).env_remove("SUPABASE_URL").env("IDEM_POSTGREST_URL", url).env("IDEM_SERVICE_KEY", key);
+    match max_rows {
+        Some(rows) => command.env("IDEM_MAX_ROWS", rows.to_string()),
+        None => command.env_remove("IDEM_MAX_ROWS"),
+    };
+    tokio::task::spawn_blocking(move || command.output().expect("run idem")).await.expect("idem finished")
+}
+
+fn stdout(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn idem_doctor_passes_on_a_healthy_plane_and_names_what_is_wrong_otherwise() {
+    let stack =
+        crate::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(50)).await;
+    let (url, key) = (stack.url(), stack.service_key());
+
+    let healthy = idem(url, key, Some(50), &["doctor"]).await;
+    let out = stdout(&healthy);
+    assert!(healthy.status.success(), "{out}");
+    assert!(out.contains("all checks passed"), "{out}");
+    assert!(out.contains("ok    idempotency_try_claim"), "{out}");
+    assert!(out.contains("truncates at 50 rows, as configured"), "{out}");
+
+    // Told a cap the server does not have.
+    let mismatch = idem(url, key, Some(80), &["doctor"]).await;
+    let out = stdout(&mismatch);
+    assert!(!mismatch.status.success(), "{out}");
+    assert!(out.contains("FAIL  row cap: the server truncates at 50 rows, below the configured 80"), "{out}");
+
+    // A key whose role cannot execute the functions.
+    let wrong_role = idem(url, &stack.token_for("anon"), None, &["doctor"]).await;
+    let out = stdout(&wrong_role);
+    assert!(!wrong_role.status.success(), "{out}");
+    assert!(out.contains("FAIL  reachable: the key's role cannot execute it"), "{out}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_sweep_reports_backlog_until_drained_and_refuses_a_bound_above_the_cap() {
+    let stack =
+        crate::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(10)).await;
+    crate::harness::expired_rows(&stack, 25).await;
+    let (url, key) = (stack.url(), stack.service_key());
+
+    let refused = idem(url, key, Some(10), &["sweep", "--bound", "11"]).await;
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("db-max-rows") && stderr.contains("PGRST_DB_MAX_ROWS"), "{stderr}");
+    assert_eq!(crate::harness::count_rows(&stack).await, 25, "a refused bound deletes nothing");
+
+    let mut codes = Vec::new();
+    let mut reports = Vec::new();
+    for _ in 0..4 {
+        let pass = idem(url, key, Some(10), &["sweep", "--json"]).await;
+        codes.push(pass.status.code());
+        let report: serde_json::Value = serde_json::from_str(stdout(&pass).trim()).expect("one JSON report");
+        reports.push((report["read"].as_u64(), report["deleted"].as_u64(), report["filled"].as_bool()));
+    }
+    assert_eq!(codes, [Some(3), Some(3), Some(0), Some(0)], "3 = backlog");
+    assert_eq!(
+        reports,
+        [
+            (Some(10), Some(10), Some(true)),
+            (Some(10), Some(10), Some(true)),
+            (Some(5), Some(5), Some(false)),
+            (Some(0), Some(0), Some(false))
+        ]
+    );
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_get_explains_a_claim_by_the_database_clock() {
+    use crate::harness::*;
+    let stack = stack().await;
+    let org = org();
+    let claim = claimed(service(&stack).claim(org, "tool.email.send", "run-1:step-2", &hash("x"), LEASE).await);
+    pass_lease(&stack, claim.id()).await;
+    let args = ["get", "--org", &org.to_string(), "--scope", "tool.email.send", "--key", "run-1:step-2"];
+    let output = idem(stack.url(), stack.service_key(), None, &args).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(out.contains("the lease passed: its worker is gone"), "{out}");
+    assert!(out.contains(&claim.lease_token().to_string()), "{out}");
+    assert!(out.contains("lease        passed (by the database clock)"), "{out}");
+    stack.stop().await.unwrap();
+}

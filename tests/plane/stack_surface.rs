@@ -24,6 +24,7 @@ const SURFACE: &[(&str, &str)] = &[
     ("run_admit", "p_organization_id,p_start_key,p_input"),
     ("provider_job_register", "p_organization_id,p_provider,p_job_id"),
     ("provider_job_lookup", "p_provider,p_job_id"),
+    ("idempotency_cap_probe", "p_rows"),
 ];
 
 #[tokio::test]

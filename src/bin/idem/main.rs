@@ -9,9 +9,13 @@
 //! ran but one of its checks failed.
 
 mod demo;
+mod doctor;
+mod get;
 mod plane;
+mod remote;
 mod report;
 mod signal;
+mod sweep;
 mod tally;
 mod up;
 mod vendor;
@@ -46,6 +50,15 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Serve the embedded local stack until Ctrl-C, and print how to reach it.
     Up(up::UpArgs),
+    /// Delete claims past their retention: one bounded pass, or passes on a
+    /// schedule (--every). Exit 0 ok, 3 backlog (the read filled the bound),
+    /// 1 error. Acts on the server IDEM_POSTGREST_URL / SUPABASE_URL names.
+    Sweep(sweep::SweepArgs),
+    /// Show one claim as the database sees it: why did this call not run?
+    Get(get::GetArgs),
+    /// Check that a deployment can serve the plane: reachability, the key's
+    /// role, the exposed schema, every function, the real row cap.
+    Doctor,
 }
 
 #[tokio::main]
@@ -55,6 +68,9 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await,
         Command::Up(args) => up::run(args).await,
+        Command::Sweep(args) => sweep::run(args).await,
+        Command::Get(args) => get::run(args).await,
+        Command::Doctor => doctor::run().await,
     };
     match result {
         Ok(code) => code,
