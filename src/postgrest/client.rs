@@ -37,6 +37,7 @@ pub struct PostgrestClient {
 struct Inner {
     http: reqwest::Client,
     config: ClientConfig,
+    requests: std::sync::atomic::AtomicU64,
 }
 
 /// A success answer, before decoding.
@@ -71,7 +72,13 @@ impl PostgrestClient {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ClientError::Config(format!("building the HTTP client: {e}")))?;
-        Ok(PostgrestClient { inner: Arc::new(Inner { http, config }) })
+        Ok(PostgrestClient { inner: Arc::new(Inner { http, config, requests: std::sync::atomic::AtomicU64::new(0) }) })
+    }
+
+    /// HTTP requests this client (and its clones) sent, retries included:
+    /// what an operation cost in round trips.
+    pub fn requests_sent(&self) -> u64 {
+        self.inner.requests.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The configuration this client was built with.
@@ -220,6 +227,7 @@ impl PostgrestClient {
         body: bytes::Bytes,
         count: bool,
     ) -> Result<Answer, ClientError> {
+        self.inner.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut request = self.inner.http.post(url.clone()).body(body);
         if !query.is_empty() {
             request = request.query(query);

@@ -8,6 +8,7 @@
 //! Exit codes: 0 success, 1 an error (printed with its causes), 2 the demo
 //! ran but one of its checks failed.
 
+mod bench;
 mod demo;
 mod doctor;
 mod get;
@@ -48,6 +49,10 @@ enum Command {
     /// or the server IDEM_POSTGREST_URL / SUPABASE_URL names with its
     /// service key (IDEM_SERVICE_KEY / SUPABASE_SERVICE_ROLE_KEY).
     Demo(demo::DemoArgs),
+    /// Measure the plane on the embedded local stack, side by side: the crate,
+    /// a bare HTTP client, direct SQL, replays, conflicts, a concurrent
+    /// sweep, a large table. Prints ratios; writes the raw figures as JSON.
+    Bench(bench::BenchArgs),
     /// Serve the embedded local stack until Ctrl-C, and print how to reach it.
     Up(up::UpArgs),
     /// Delete claims past their retention: one bounded pass, or passes on a
@@ -67,6 +72,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
         Command::Up(args) => up::run(args).await,
         Command::Sweep(args) => sweep::run(args).await,
         Command::Get(args) => get::run(args).await,
