@@ -121,6 +121,10 @@ pub enum InvalidInput {
         /// The limit.
         limit: u64,
     },
+    /// A response shaped like a stored `ResponseRef` (`{"$response_ref": …}`
+    /// alone), which a replay would mistake for a reference.
+    #[error("a response may not be an object whose only key is \"$response_ref\"")]
+    ReservedResponseShape,
     /// A Run needs an input to be admitted with.
     #[error("a Run needs a non-null input")]
     MissingRunInput,

@@ -5,5 +5,5 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0003_runs.sql", include_str!("../sql/0003_runs.sql")),
     ("0004_privileges.sql", include_str!("../sql/0004_privileges.sql")),
     ("0005_provider_jobs.sql", include_str!("../sql/0005_provider_jobs.sql")),
-    ("0006_cap_probe.sql", include_str!("../sql/0006_cap_probe.sql")),
+    ("0006_operator_probes.sql", include_str!("../sql/0006_operator_probes.sql")),
 ];

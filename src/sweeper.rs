@@ -93,6 +93,9 @@ impl Sweeper {
         span.record("read", report.read).record("deleted", report.deleted).record("filled", report.filled);
         metrics::counter!("idempotency_sweep_read_total").increment(report.read);
         metrics::counter!("idempotency_sweep_deleted_total").increment(report.deleted);
+        if report.filled {
+            metrics::counter!("idempotency_sweep_filled_total").increment(1);
+        }
         span.in_scope(|| {
             if report.filled {
                 tracing::warn!(
@@ -118,10 +121,16 @@ impl Sweeper {
             .await?)
     }
 
-    /// Deletes those of `ids` still past retention; answers how many.
+    /// Deletes those of `ids` still past retention; answers how many. At
+    /// most `bound` ids, like the read that found them. Sent again after a
+    /// lost response, so the count can under-report what a pass deleted;
+    /// the backlog is judged by the read, never by this count.
     pub async fn delete(&self, ids: &[Uuid]) -> Result<u64, Error> {
         if ids.is_empty() {
             return Ok(0);
+        }
+        if ids.len() as u64 > self.bound {
+            return Err(ClientError::BoundAboveCap { bound: ids.len() as u64, cap: self.bound }.into());
         }
         let deleted: i64 =
             self.client.rpc("idempotency_delete_expired", &json!({ "p_ids": ids }), Repeat::Safe).await?;

@@ -29,7 +29,12 @@ pub const SAVED_SEARCH_LEASE: Duration = Duration::from_secs(30);
 /// saved search starts from, read now and frozen.
 pub trait SnapshotSource: Send + Sync {
     /// Reads and freezes the saved search's input. Called at most once per
-    /// start key while the claim is held.
+    /// start key while the claim is held. The snapshot is stored in the
+    /// claim, so it must fit the store limit (64 KiB by default); a bulkier
+    /// baseline belongs in storage of its own, referenced from the snapshot.
+    /// A snapshot above the limit fails the start with
+    /// [`InvalidInput::ResponseTooLarge`](crate::InvalidInput::ResponseTooLarge)
+    /// and releases the claim.
     fn freeze(
         &self,
         organization_id: Uuid,

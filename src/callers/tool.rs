@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use tracing::{field, Instrument};
 use uuid::Uuid;
 
-use crate::error::Error;
+use crate::error::{Error, InvalidInput};
 use crate::repo::IdempotencyRepository;
 use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, TOOL_RETENTION};
 
@@ -417,7 +417,21 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
             let ending = if result.retryable {
                 self.service.release(&claim).await?
             } else {
-                self.service.complete(&claim, result.completion()?).await?
+                match self.service.complete(&claim, result.completion()?).await {
+                    // The effect happened; its output is too large to journal
+                    // and names no resource to point at. Journal a summary, so
+                    // a replay answers instead of running the effect again.
+                    Err(Error::Invalid(InvalidInput::ResponseTooLarge { size, limit })) => {
+                        tracing::warn!(
+                            size,
+                            limit,
+                            "tool output above the store limit with no resource; journaling a summary"
+                        );
+                        let summary = serde_json::json!({"ok": result.ok, "error": result.error, "output_elided": {"size": size}});
+                        self.service.complete(&claim, Completion::response(summary)).await?
+                    }
+                    other => other?,
+                }
             };
             let outcome = match (result.retryable, ending) {
                 (true, _) => "released",

@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::error::Error;
+use crate::error::{Error, InvalidInput};
 use crate::postgrest::{PostgrestClient, Repeat};
 use crate::repo::IdempotencyRepository;
 use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash};
@@ -322,6 +322,7 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
                 return Ack::Retry(RetryReason::ProcessingAborted);
             }
         };
+        let ok = processed.is_ok();
         let (completion, ack) = match processed {
             Ok(response) => (Completion::response(json!({"ok": true, "output": response})), Ack::Processed),
             Err(failure) if failure.retryable => {
@@ -335,7 +336,16 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
                 (Completion::response(answer), Ack::Processed)
             }
         };
-        match self.service.complete(&claim, completion).await {
+        let completed = match self.service.complete(&claim, completion).await {
+            // Processed; the output is too large to journal. The ACK needs
+            // none of it: keep its size.
+            Err(Error::Invalid(InvalidInput::ResponseTooLarge { size, .. })) => {
+                let summary = json!({"ok": ok, "output_elided": {"size": size}});
+                self.service.complete(&claim, Completion::response(summary)).await
+            }
+            other => other,
+        };
+        match completed {
             Ok(Ending::Recorded) => {}
             Ok(Ending::LeaseMovedOn) => {
                 tracing::warn!("processed, but the lease had moved on: another worker holds this delivery now")

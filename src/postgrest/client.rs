@@ -165,6 +165,14 @@ impl PostgrestClient {
                 reason: format!("Content-Range {range} announces {} rows, the body holds {received}", range.rows()),
             });
         }
+        if received > bound {
+            // The function ignored its bound: refuse rather than act on more
+            // rows than the caller allowed.
+            return Err(ClientError::Decode {
+                function,
+                reason: format!("answered {received} rows for a bound of {bound}"),
+            });
+        }
         if received < total || answer.status == StatusCode::PARTIAL_CONTENT {
             return Err(ClientError::Truncated { function, received, total });
         }

@@ -11,6 +11,11 @@ use super::retry::RetryConfig;
 /// Supabase's default `api.max_rows`, and the cap this client assumes unless told.
 pub const DEFAULT_MAX_ROWS: u32 = 1000;
 
+/// The largest row cap this client accepts: the plane's bounded functions
+/// refuse larger limits, so a larger cap would only move the refusal from
+/// here to the server.
+pub const MAX_MAX_ROWS: u32 = 100_000;
+
 /// Configuration of a [`PostgrestClient`](super::PostgrestClient).
 ///
 /// `Debug` never prints the service key or the `apikey`.
@@ -108,8 +113,8 @@ impl ClientConfig {
     /// The server's row cap (`db-max-rows`; Supabase `api.max_rows`). Bounded
     /// reads above it are refused. Must be at least 1.
     pub fn with_max_rows(mut self, max_rows: u32) -> Result<Self, ClientError> {
-        if max_rows == 0 {
-            return Err(ClientError::Config("max_rows must be at least 1".into()));
+        if max_rows == 0 || max_rows > MAX_MAX_ROWS {
+            return Err(ClientError::Config(format!("max_rows must be between 1 and {MAX_MAX_ROWS}, got {max_rows}")));
         }
         self.max_rows = max_rows;
         Ok(self)
@@ -186,7 +191,9 @@ mod tests {
         assert!(matches!(ClientConfig::new("http://x?a=1", "k"), Err(ClientError::Config(_))));
         assert!(matches!(ClientConfig::new("http://x", ""), Err(ClientError::Config(_))));
         let config = ClientConfig::new("http://x", "k").unwrap();
-        assert!(matches!(config.with_max_rows(0), Err(ClientError::Config(_))));
+        assert!(matches!(config.clone().with_max_rows(0), Err(ClientError::Config(_))));
+        assert!(matches!(config.clone().with_max_rows(MAX_MAX_ROWS + 1), Err(ClientError::Config(_))));
+        assert!(config.with_max_rows(MAX_MAX_ROWS).is_ok());
     }
 
     #[test]

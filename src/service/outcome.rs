@@ -20,6 +20,7 @@ pub struct ResourceRef {
 /// Where a response too large to store went: the resource that holds it, and
 /// its size and digest so a reader can check what it fetches.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ResponseRef {
     /// The kind of resource holding the response.
     pub resource_type: String,
@@ -214,6 +215,10 @@ impl Completion {
                 }
             }
         }
+        // A response shaped like a stored reference would replay as one.
+        if self.response.as_ref().is_some_and(|v| ResponseRef::from_stored(v).is_some()) {
+            return Err(InvalidInput::ReservedResponseShape);
+        }
         let has_response = matches!(&self.response, Some(v) if !v.is_null());
         if !has_response && self.resource.is_none() {
             return Err(InvalidInput::EmptyCompletion);
@@ -255,5 +260,8 @@ mod tests {
             Err(InvalidInput::ResourceTooLong { field: "id", .. })
         ));
         assert!(Completion::resource("t".repeat(128), "1".repeat(512)).validate().is_ok());
+        let spoof = json!({"$response_ref": {"resource_type": "t", "resource_id": "1", "size": 1, "sha256": "a"}});
+        assert_eq!(Completion::response(spoof).validate(), Err(InvalidInput::ReservedResponseShape));
+        assert!(Completion::response(json!({"$response_ref": 1, "other": 2})).validate().is_ok());
     }
 }

@@ -112,3 +112,31 @@ async fn idem_get_explains_a_claim_by_the_database_clock() {
     assert!(out.contains("lease        passed (by the database clock)"), "{out}");
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn idem_doctor_writes_nothing_and_names_a_missing_function_and_a_higher_cap() {
+    use sqlx::Executor;
+    let stack =
+        crate::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(50)).await;
+    let (url, key) = (stack.url(), stack.service_key());
+    let tables = "select (select count(*) from agent.idempotency_keys) + (select count(*) from agent.runs)
+                       + (select count(*) from agent.provider_jobs)";
+
+    // The server caps at 50; told 20, the probe of 21 rows comes back whole.
+    let higher = idem(url, key, Some(20), &["doctor"]).await;
+    let out = stdout(&higher);
+    assert!(!higher.status.success(), "{out}");
+    assert!(out.contains("FAIL  row cap: the server returned 21 rows for 21 asked"), "{out}");
+
+    // A deployment that lost a function (the server's schema cache still lists it).
+    stack.db().execute("drop function agent.idempotency_reclaim").await.unwrap();
+    let broken = idem(url, key, Some(50), &["doctor"]).await;
+    let out = stdout(&broken);
+    assert!(!broken.status.success(), "{out}");
+    assert!(out.contains("FAIL  idempotency_reclaim: missing"), "{out}");
+    assert!(out.contains("ok    idempotency_try_claim"), "{out}");
+
+    let rows: i64 = sqlx::query_scalar(tables).fetch_one(stack.db()).await.unwrap();
+    assert_eq!(rows, 0, "doctor wrote nothing");
+    stack.stop().await.unwrap();
+}

@@ -7,6 +7,7 @@ use idempotency_plane::postgrest::{ClientConfig, ClientError, PostgrestClient};
 use idempotency_plane::sweeper::Sweeper;
 use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, InvalidInput, RequestHash};
 use serde_json::json;
+use sqlx::Executor;
 
 use crate::harness::*;
 
@@ -52,11 +53,14 @@ async fn claims_keep_succeeding_while_a_sweep_runs() {
     expired_rows(&stack, 5000).await;
     let sweeper = Sweeper::new(client(&stack), 500).unwrap();
     let sweeping = tokio::spawn(async move {
-        let mut passes = 0;
-        while sweeper.pass().await.expect("sweep pass").filled {
-            passes += 1;
+        let mut filled = 0;
+        for _ in 0..50 {
+            if !sweeper.pass().await.expect("sweep pass").filled {
+                return (filled, std::time::Instant::now());
+            }
+            filled += 1;
         }
-        passes
+        panic!("the sweep did not drain 5000 rows in 50 passes of 500");
     });
     let service = Arc::new(service(&stack));
     let org = org();
@@ -66,14 +70,42 @@ async fn claims_keep_succeeding_while_a_sweep_runs() {
             let outcome =
                 service.claim(org, "tool.email.send", &format!("during-sweep-{i}"), &hash("c"), LEASE).await?;
             let ClaimOutcome::Claimed(claim) = outcome else { panic!("claim {i}: {outcome:?}") };
-            service.complete(&claim, Completion::response(json!(i))).await
+            let ending = service.complete(&claim, Completion::response(json!(i))).await?;
+            Ok::<_, Error>((ending, std::time::Instant::now()))
         })
     });
+    let mut finished = Vec::new();
     for joined in futures::future::join_all(claims).await {
-        assert_eq!(joined.expect("task").expect("claim during sweep"), Ending::Recorded);
+        let (ending, at) = joined.expect("task").expect("claim during sweep");
+        assert_eq!(ending, Ending::Recorded);
+        finished.push(at);
     }
-    assert!(sweeping.await.expect("sweeper") >= 9, "the sweep ran alongside");
+    let (filled_passes, sweep_ended) = sweeping.await.expect("sweeper");
+    assert_eq!(filled_passes, 10, "5000 rows, 500 a pass");
+    assert!(finished.iter().any(|at| *at < sweep_ended), "claims completed while the sweep was still running");
     assert_eq!(count_rows(&stack).await, 60, "every expired row gone, every new claim kept");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_backlog_is_judged_by_the_read_even_when_fewer_rows_are_deleted() {
+    let stack = stack().await;
+    expired_rows(&stack, 10).await;
+    // A writer holds on to one of the rows between the read and the delete:
+    // a trigger makes its delete a no-op, as a concurrent extension would.
+    stack
+        .db()
+        .execute(
+            "create function pg_temp_keep() returns trigger language plpgsql as $$
+             begin if old.key = 'k1' then return null; end if; return old; end $$;
+             create trigger keep_one before delete on agent.idempotency_keys
+               for each row execute function pg_temp_keep();",
+        )
+        .await
+        .unwrap();
+    let report = Sweeper::new(client(&stack), 10).unwrap().pass().await.unwrap();
+    assert_eq!((report.read, report.deleted), (10, 9));
+    assert!(report.filled, "the read filled the bound: a backlog, whatever the delete count says");
     stack.stop().await.unwrap();
 }
 

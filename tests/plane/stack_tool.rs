@@ -366,3 +366,23 @@ async fn a_resource_the_store_would_refuse_still_journals_the_answer() {
     assert_eq!(stored.resource, None);
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_summary() {
+    let stack = stack().await;
+    let guard = ToolGuard::new(service(&stack).with_response_limit(1024));
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "export"), json!({}));
+    let big = json!({"rows": "x".repeat(4096)});
+    let ran = guard.run(org, &spec(), &key, &args, allow, |_| async move { ToolResult::success(big) }).await.unwrap();
+    assert!(matches!(ran, ToolRun::Executed(ref r) if r.ok));
+    // The effect is journaled: a replay answers, it does not run the tool again.
+    let replay = guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("must not run twice") }).await.unwrap();
+    let ToolRun::Replayed(stored) = replay else { panic!("{replay:?}") };
+    assert!(stored.ok);
+    let elided: Value = sqlx::query_scalar("select response -> 'output_elided' -> 'size' from agent.idempotency_keys")
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    assert!(elided.as_u64().is_some_and(|size| size > 4096), "{elided}");
+    stack.stop().await.unwrap();
+}

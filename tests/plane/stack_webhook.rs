@@ -275,3 +275,18 @@ async fn processing_that_panics_or_overruns_is_released_for_redelivery() {
     assert_eq!(redelivered, Ack::Processed, "the vendor's redelivery is processed, not dropped");
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_processing_output_above_the_store_limit_still_completes_the_delivery() {
+    let stack = stack().await;
+    let gate = WebhookGate::new(service(&stack).with_response_limit(1024), ProviderJobs::new(client(&stack)));
+    let org = org();
+    let big = || async { Ok::<Value, ProcessingError>(json!({"rows": "x".repeat(4096)})) };
+    assert_eq!(gate.handle(delivery(org, "d-big", b"{}"), big).await, Ack::Processed);
+    let again = gate.handle(delivery(org, "d-big", b"{}"), || async { panic!("processed once") }).await;
+    assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
+    let status: String =
+        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(status, "completed");
+    stack.stop().await.unwrap();
+}

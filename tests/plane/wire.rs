@@ -1083,3 +1083,13 @@ async fn a_connection_dropped_after_sending_is_retried_only_when_safe_to_repeat(
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), expected_connections, "{repeat:?}");
     }
 }
+
+#[tokio::test]
+async fn a_bounded_read_answering_more_rows_than_its_bound_is_refused() {
+    // §7: the bound is the function's own argument; a function that ignores it
+    // must not make a caller act on more rows than it allowed.
+    let server = MockServer::start().await;
+    mount_expired(&server, counted(200, "0-4/5", expired_rows(5))).await;
+    let err = read_expired(&server, 3).await.unwrap_err();
+    assert!(matches!(err, ClientError::Decode { .. }), "{err:?}");
+}

@@ -41,21 +41,26 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
         ClaimStatus::Processing => "processing — the lease passed: its worker is gone; the next claim reclaims it",
         ClaimStatus::Completed => "completed — every repeat replays the stored answer",
     };
-    let lease = if record.lease_live { "live" } else { "passed" };
     println!("claim        {}", record.id);
     println!("status       {status}");
-    println!("lease        {lease} (by the database clock), until {}", record.lease_expires_at);
+    match record.status {
+        ClaimStatus::Completed => println!("lease        — (completed: no lease is held)"),
+        _ => {
+            let lease = if record.lease_live { "live" } else { "passed" };
+            println!("lease        {lease} (by the database clock), until {}", record.lease_expires_at);
+        }
+    }
     println!("lease token  {}", record.lease_token);
     println!("claimed at   {}", record.claimed_at);
     println!("retained to  {}", record.retain_until);
     println!("request hash {}", record.request_hash);
     match (&record.resource_type, &record.resource_id) {
-        (Some(kind), Some(id)) => println!("resource     {kind} {id}"),
+        (Some(kind), Some(id)) => println!("resource     {} {}", printable(kind), printable(id)),
         _ => println!("resource     —"),
     }
     match &record.response {
         Some(response) => {
-            let text = response.to_string();
+            let text = printable(&response.to_string());
             let shown: String = text.chars().take(SHOWN_RESPONSE_CHARS).collect();
             let cut = text.chars().count().saturating_sub(SHOWN_RESPONSE_CHARS);
             if cut > 0 {
@@ -67,4 +72,10 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
         None => println!("response     —"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `text` without control characters, so a stored value cannot drive the
+/// operator's terminal.
+fn printable(text: &str) -> String {
+    text.chars().map(|c| if c.is_control() { '\u{FFFD}' } else { c }).collect()
 }

@@ -4,9 +4,13 @@
 //!   (or the server `IDEM_POSTGREST_URL` / `SUPABASE_URL` names) and prints
 //!   what the plane prevented.
 //! - `idem up` serves the embedded local stack until Ctrl-C.
+//! - `idem bench` measures the plane side by side on the embedded stack.
+//! - `idem sweep`, `idem get`, `idem doctor` act on the deployment
+//!   `IDEM_POSTGREST_URL` / `SUPABASE_URL` names.
 //!
-//! Exit codes: 0 success, 1 an error (printed with its causes), 2 the demo
-//! ran but one of its checks failed.
+//! Exit codes: 0 success; 1 an error (printed with its causes), or a failed
+//! `doctor` check; 2 a usage error (clap), or a demo check that failed;
+//! 3 `sweep`'s read filled its bound (a backlog).
 
 mod bench;
 mod demo;

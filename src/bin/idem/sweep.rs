@@ -40,20 +40,36 @@ pub(crate) async fn run(args: SweepArgs) -> Result<ExitCode, BoxError> {
         print(&report, args.json)?;
         return Ok(exit_code(&report));
     };
+    // A standalone worker outlives a failed pass (a network blip, a 503):
+    // it logs it, counts it, and tries again at the next tick. Its exit code
+    // on a signal is the last pass's.
     let mut shutdown = Box::pin(signal::shutdown());
     loop {
-        let report = sweeper.pass().await?;
-        print(&report, args.json)?;
+        let last = match sweeper.pass().await {
+            Ok(report) => {
+                print(&report, args.json)?;
+                exit_code(&report)
+            }
+            Err(error) => {
+                tracing::error!(%error, "sweep pass failed; trying again at the next tick");
+                eprintln!("sweep pass failed: {error}");
+                metrics::counter!("idempotency_sweep_errors_total").increment(1);
+                ExitCode::FAILURE
+            }
+        };
         let wait = every.mul_f64(0.9 + 0.2 * rand::random::<f64>());
         tokio::select! {
             () = tokio::time::sleep(wait) => {}
             signal = &mut shutdown => {
                 eprintln!("{}: stopping after the pass above", signal.unwrap_or("signal error"));
-                return Ok(exit_code(&report));
+                return Ok(last);
             }
         }
     }
 }
+
+/// The longest `--every`: a sweep that runs less than weekly is no sweep.
+const MAX_INTERVAL: Duration = Duration::from_secs(7 * 86_400);
 
 fn exit_code(report: &SweepReport) -> ExitCode {
     if report.filled {
@@ -86,10 +102,11 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
         "d" => 86_400,
         other => return Err(format!("unknown unit {other:?}: use s, m, h or d")),
     };
-    if number == 0 {
-        return Err("the interval must be above zero".into());
+    let interval = Duration::from_secs(number.saturating_mul(seconds));
+    if interval.is_zero() || interval > MAX_INTERVAL {
+        return Err("the interval must be above zero and at most 7d".into());
     }
-    Ok(Duration::from_secs(number.saturating_mul(seconds)))
+    Ok(interval)
 }
 
 #[cfg(test)]
@@ -102,7 +119,7 @@ mod tests {
         assert_eq!(parse_interval("15m"), Ok(Duration::from_secs(900)));
         assert_eq!(parse_interval("45"), Ok(Duration::from_secs(45)));
         assert_eq!(parse_interval("2d"), Ok(Duration::from_secs(172_800)));
-        for bad in ["", "h", "0s", "1w", "-1h", "1.5h"] {
+        for bad in ["", "h", "0s", "1w", "-1h", "1.5h", "8d", "99999999999999d"] {
             assert!(parse_interval(bad).is_err(), "{bad}");
         }
     }

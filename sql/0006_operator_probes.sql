@@ -1,4 +1,7 @@
--- Operator probe: answers p_rows synthetic rows of the table's own type
+-- Operator probes for `idem doctor`. Both read nothing of the plane's data
+-- and write nothing.
+
+-- The row-cap probe: answers p_rows synthetic rows of the table's own type
 -- (nothing is read or written), so `idem doctor` can see the server's real
 -- row cap from Content-Range: PostgREST and postrust-server both truncate a
 -- set of table rows at db-max-rows.
@@ -21,3 +24,22 @@ $$;
 
 revoke all on function agent.idempotency_cap_probe(integer) from public, anon, authenticated;
 grant execute on function agent.idempotency_cap_probe(integer) to service_role;
+
+-- The plane's functions as the database holds them: name, identity
+-- arguments (names and types), and whether the calling role may execute
+-- each. Lets `idem doctor` check the SQL surface without calling anything
+-- that writes.
+create function agent.idempotency_surface()
+returns table (name text, arguments text, executable boolean)
+language sql stable security invoker set search_path = ''
+as $$
+  select p.proname::text,
+         pg_catalog.pg_get_function_identity_arguments(p.oid),
+         pg_catalog.has_function_privilege(p.oid, 'execute')
+    from pg_catalog.pg_proc p
+   where p.pronamespace = 'agent'::regnamespace
+   order by 1, 2;
+$$;
+
+revoke all on function agent.idempotency_surface() from public, anon, authenticated;
+grant execute on function agent.idempotency_surface() to service_role;
