@@ -53,12 +53,10 @@ async fn claims_keep_succeeding_while_a_sweep_runs() {
     expired_rows(&stack, 5000).await;
     let sweeper = Sweeper::new(client(&stack), 500).unwrap();
     let sweeping = tokio::spawn(async move {
-        let mut filled = 0;
-        for _ in 0..50 {
+        for filled in 0..50 {
             if !sweeper.pass().await.expect("sweep pass").filled {
                 return (filled, std::time::Instant::now());
             }
-            filled += 1;
         }
         panic!("the sweep did not drain 5000 rows in 50 passes of 500");
     });
