@@ -19,6 +19,8 @@ mod stack_claims;
 #[cfg(feature = "local")]
 mod stack_fences;
 #[cfg(feature = "local")]
+mod stack_indexes;
+#[cfg(feature = "local")]
 mod stack_saved_search;
 #[cfg(feature = "local")]
 mod stack_surface;
