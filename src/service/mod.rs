@@ -7,6 +7,7 @@
 
 mod hash;
 mod outcome;
+mod replay_cache;
 mod scope;
 mod validate;
 
@@ -47,6 +48,7 @@ pub struct IdempotencyService<R> {
     repo: R,
     scopes: ScopeRegistry,
     response_limit: u64,
+    cache: Option<std::sync::Arc<replay_cache::ReplayCache>>,
 }
 
 impl<R: IdempotencyRepository> IdempotencyService<R> {
@@ -57,7 +59,50 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
 
     /// A service over `repo` with a registry of its own.
     pub fn with_scopes(repo: R, scopes: ScopeRegistry) -> Self {
-        IdempotencyService { repo, scopes, response_limit: DEFAULT_RESPONSE_LIMIT }
+        IdempotencyService { repo, scopes, response_limit: DEFAULT_RESPONSE_LIMIT, cache: None }
+    }
+
+    /// Keeps up to `capacity` completed claims in process for `ttl`, so a
+    /// replay (and a conflict against a completed claim) costs no round
+    /// trip. Only completed claims are cached: they are terminal. Keep the
+    /// TTL short (a minute or so): it is measured by this process's clock,
+    /// and must stay far below the shortest retention (24 hours).
+    pub fn with_replay_cache(mut self, capacity: usize, ttl: Duration) -> Self {
+        self.cache = Some(std::sync::Arc::new(replay_cache::ReplayCache::new(capacity, ttl)));
+        self
+    }
+
+    /// Entries in the replay cache and the bytes they approximately hold;
+    /// `None` without a cache.
+    pub fn replay_cache_stats(&self) -> Option<(usize, usize)> {
+        self.cache.as_ref().map(|cache| (cache.len(), cache.approx_bytes()))
+    }
+
+    /// The cached ending of a completed claim: its answer, or a conflict.
+    fn cached(&self, organization_id: Uuid, scope: &str, key: &str, hash: &RequestHash) -> Option<ClaimOutcome> {
+        let answer = self.cache.as_ref()?.get(organization_id, scope, key)?;
+        if answer.request_hash != hash.as_str() {
+            return Some(ClaimOutcome::Conflict);
+        }
+        Some(ClaimOutcome::Completed {
+            response: answer.response,
+            resource: answer.resource,
+            response_ref: answer.response_ref,
+        })
+    }
+
+    /// Remembers a completed ending the store answered.
+    fn remember(&self, organization_id: Uuid, scope: &str, key: &str, hash: &str, outcome: &ClaimOutcome) {
+        let (Some(cache), ClaimOutcome::Completed { response, resource, response_ref }) = (&self.cache, outcome) else {
+            return;
+        };
+        let answer = replay_cache::CachedAnswer {
+            request_hash: hash.to_owned(),
+            response: response.clone(),
+            resource: resource.clone(),
+            response_ref: response_ref.clone(),
+        };
+        cache.put(organization_id, scope, key, answer);
     }
 
     /// Sets the largest response stored inline, in bytes of compact JSON. A
@@ -97,6 +142,10 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         async {
             self.scopes.retention(scope)?;
             validate::key(key)?;
+            if let Some(outcome) = self.cached(organization_id, scope, key, request_hash) {
+                record_outcome("read", scope, &outcome);
+                return Ok(outcome);
+            }
             let outcome = match self.repo.get(organization_id, scope, key).await? {
                 None => ClaimOutcome::Absent,
                 Some(record) => match judge(record, request_hash) {
@@ -104,6 +153,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                     Judged::Reclaimable => ClaimOutcome::Absent,
                 },
             };
+            self.remember(organization_id, scope, key, request_hash.as_str(), &outcome);
             record_outcome("read", scope, &outcome);
             Ok(outcome)
         }
@@ -137,6 +187,10 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             let retention = self.scopes.retention(scope)?;
             validate::key(key)?;
             validate::lease(lease)?;
+            if let Some(outcome) = self.cached(organization_id, scope, key, request_hash) {
+                record_outcome("claim", scope, &outcome);
+                return Ok(outcome);
+            }
             let request = ClaimRequest {
                 organization_id,
                 scope,
@@ -152,6 +206,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 span.record("reclaimed", claim.reclaimed());
                 span.record("claim_id", field::display(claim.id()));
             }
+            self.remember(organization_id, scope, key, request_hash.as_str(), &outcome);
             record_outcome("claim", scope, &outcome);
             Ok(outcome)
         }
@@ -214,7 +269,13 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 response: elided.as_ref().or(response),
             };
             let ending = match self.repo.complete(claim.id, claim.lease_token, args).await? {
-                Some(_) => Ending::Recorded,
+                Some(record) => {
+                    let hash = record.request_hash.clone();
+                    if let Judged::Final(outcome) = judge_row(record) {
+                        self.remember(claim.organization_id, &claim.scope, &claim.key, &hash, &outcome);
+                    }
+                    Ending::Recorded
+                }
                 None => Ending::LeaseMovedOn,
             };
             record_ending("complete", &claim.scope, ending);
@@ -286,6 +347,11 @@ fn judge(record: IdempotencyRecord, hash: &RequestHash) -> Judged {
     if record.request_hash != hash.as_str() {
         return Judged::Final(ClaimOutcome::Conflict);
     }
+    judge_row(record)
+}
+
+/// The ending a row stands for, its hash already compared.
+fn judge_row(record: IdempotencyRecord) -> Judged {
     match record.status {
         ClaimStatus::Completed => {
             let response_ref = record.response.as_ref().and_then(ResponseRef::from_stored);

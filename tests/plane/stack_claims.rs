@@ -294,3 +294,82 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
     assert_eq!(count_rows(&stack).await, 0);
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn round_trips_are_one_per_first_claim_two_per_replay_and_three_per_reclaim() {
+    let stack = stack().await;
+    let client = client(&stack);
+    let service =
+        idempotency_plane::IdempotencyService::new(idempotency_plane::PostgrestRepository::new(client.clone()));
+    let org = org();
+    let h = hash("trips");
+    let trips = |before: u64| client.requests_sent() - before;
+
+    let before = client.requests_sent();
+    let claim = claimed(service.claim(org, "tool.email.send", "k", &h, LEASE).await);
+    assert_eq!(trips(before), 1, "first claim");
+    let _ = service.complete(&claim, Completion::response(json!(1))).await.unwrap();
+
+    let before = client.requests_sent();
+    assert!(matches!(
+        service.claim(org, "tool.email.send", "k", &h, LEASE).await.unwrap(),
+        ClaimOutcome::Completed { .. }
+    ));
+    assert_eq!(trips(before), 2, "replay: try_claim, get");
+
+    let before = client.requests_sent();
+    assert_eq!(
+        service.claim(org, "tool.email.send", "k", &hash("other"), LEASE).await.unwrap(),
+        ClaimOutcome::Conflict
+    );
+    assert_eq!(trips(before), 2, "conflict: try_claim, get");
+
+    let crashed = claimed(service.claim(org, "tool.email.send", "k2", &h, LEASE).await);
+    pass_lease(&stack, crashed.id()).await;
+    let before = client.requests_sent();
+    assert!(claimed(service.claim(org, "tool.email.send", "k2", &h, LEASE).await).reclaimed());
+    assert_eq!(trips(before), 3, "reclaim: try_claim, get, reclaim");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_replay_cache_answers_completed_claims_without_a_round_trip_and_never_caches_processing() {
+    let stack = stack().await;
+    let client = client(&stack);
+    let service =
+        idempotency_plane::IdempotencyService::new(idempotency_plane::PostgrestRepository::new(client.clone()))
+            .with_replay_cache(100, Duration::from_secs(60));
+    let org = org();
+    let h = hash("cached");
+
+    let claim = claimed(service.claim(org, "tool.email.send", "done", &h, LEASE).await);
+    let _ = service.complete(&claim, Completion::response(json!({"id": 9})).with_resource("t", "9")).await.unwrap();
+    let before = client.requests_sent();
+    for _ in 0..3 {
+        let replay = service.claim(org, "tool.email.send", "done", &h, LEASE).await.unwrap();
+        let ClaimOutcome::Completed { response, resource, .. } = replay else { panic!("{replay:?}") };
+        assert_eq!(response, Some(json!({"id": 9})));
+        assert_eq!(resource.map(|r| r.resource_id), Some("9".to_owned()));
+        assert_eq!(service.read(org, "tool.email.send", "done", &h).await.unwrap().kind(), "completed");
+        assert_eq!(
+            service.claim(org, "tool.email.send", "done", &hash("x"), LEASE).await.unwrap(),
+            ClaimOutcome::Conflict
+        );
+    }
+    assert_eq!(client.requests_sent(), before, "replays and conflicts answered in process");
+
+    // A processing claim always goes to the store.
+    let _live = claimed(service.claim(org, "tool.email.send", "live", &h, LEASE).await);
+    let before = client.requests_sent();
+    for _ in 0..2 {
+        assert!(matches!(
+            service.claim(org, "tool.email.send", "live", &h, LEASE).await.unwrap(),
+            ClaimOutcome::Processing { .. }
+        ));
+    }
+    assert_eq!(client.requests_sent() - before, 4, "two round trips each, never cached");
+    let (entries, bytes) = service.replay_cache_stats().expect("a cache");
+    assert_eq!(entries, 1);
+    assert!(bytes > 0);
+    stack.stop().await.unwrap();
+}
