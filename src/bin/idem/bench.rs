@@ -113,10 +113,11 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
     eprintln!("the same SQL over direct connections…");
     figures.push(pairs_direct_sql(stack.db(), args.workers, duration).await?);
     eprintln!("replays and conflicts…");
-    let (replay, conflict, trips) =
+    let (replay, conflict, cached, trips) =
         replays_and_conflicts(stack, &client, service.clone(), args.workers, duration).await?;
     figures.push(replay);
     figures.push(conflict);
+    figures.push(cached);
 
     eprintln!("claim latency idle, then while a sweep deletes {} expired rows…", args.sweep_rows);
     let idle = claims(service.clone(), args.workers, duration, "claim idle").await?;
@@ -300,7 +301,7 @@ async fn replays_and_conflicts(
     service: Service,
     workers: usize,
     duration: Duration,
-) -> Result<(Figure, Figure, Vec<(String, f64)>), BoxError> {
+) -> Result<(Figure, Figure, Figure, Vec<(String, f64)>), BoxError> {
     let org = Uuid::new_v4();
     let hash = RequestHash::of_json(&json!({"bench": "replay"}));
     let other = RequestHash::of_json(&json!({"bench": "other"}));
@@ -357,6 +358,42 @@ async fn replays_and_conflicts(
         Figure::from("conflict", latencies, elapsed)
     };
 
+    // The same replays through a service with a replay cache.
+    let cached = {
+        let service = Arc::new(
+            IdempotencyService::new(PostgrestRepository::new(client.clone()))
+                .with_replay_cache(10_000, Duration::from_secs(60)),
+        );
+        for k in 0..keys {
+            let _ = service.read(org, "tool.bench", &format!("replay-{k}"), &hash).await?;
+        }
+        let before = client.requests_sent();
+        let (latencies, elapsed) = {
+            let (service, hash) = (service.clone(), hash.clone());
+            drive(workers, duration, move |_, i| {
+                let (service, hash) = (service.clone(), hash.clone());
+                async move {
+                    match service
+                        .claim(org, "tool.bench", &format!("replay-{}", i % keys), &hash, Duration::from_secs(60))
+                        .await?
+                    {
+                        ClaimOutcome::Completed { .. } => Ok(()),
+                        other => Err(format!("expected a replay, got {}", other.kind()).into()),
+                    }
+                }
+            })
+            .await?
+        };
+        trips.push((
+            "replay, cached".to_owned(),
+            (client.requests_sent() - before) as f64 / latencies.len().max(1) as f64,
+        ));
+        if let Some((entries, bytes)) = service.replay_cache_stats() {
+            trips.push(("cache bytes per entry".to_owned(), bytes as f64 / entries.max(1) as f64));
+        }
+        Figure::from("replay, cache hit", latencies, elapsed)
+    };
+
     // Reclaims: processing claims whose lease passed, taken over once each.
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
     let mut ids = Vec::new();
@@ -384,7 +421,7 @@ async fn replays_and_conflicts(
         }
     }
     trips.push(("reclaim".to_owned(), (client.requests_sent() - before) as f64 / ids.len().max(1) as f64));
-    Ok((replay, conflict, trips))
+    Ok((replay, conflict, cached, trips))
 }
 
 async fn claims(service: Service, workers: usize, duration: Duration, name: &str) -> Result<Figure, BoxError> {
@@ -513,10 +550,11 @@ fn print(results: &Results) {
     println!("  {:<34} {:>9} {:>11} {:>9} {:>9}", "scenario", "ops", "ops/s", "p50 ms", "p99 ms");
     println!("  {:-<34} {:->9} {:->11} {:->9} {:->9}", "", "", "", "", "");
     for f in &results.figures {
-        println!("  {:<34} {:>9} {:>11.0} {:>9.2} {:>9.2}", f.name, f.operations, f.per_second, f.p50_ms, f.p99_ms);
+        println!("  {:<34} {:>9} {:>11.0} {:>9.3} {:>9.3}", f.name, f.operations, f.per_second, f.p50_ms, f.p99_ms);
     }
     println!();
     println!("  {:<34} {:>9}", "round trips per operation", "HTTP");
+    println!("  (and the replay cache's memory per entry, bytes)");
     println!("  {:-<34} {:->9}", "", "");
     for (name, trips) in &results.round_trips {
         println!("  {:<34} {:>9.2}", name, trips);

@@ -72,8 +72,12 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    init_logging();
     let cli = Cli::parse();
+    init_logging(match cli.command {
+        // The benchmark's sweep fills its bound on purpose.
+        Command::Bench(_) => "warn,postrust_server::build=error,idempotency_plane::sweeper=error,sqlx=error",
+        _ => DEFAULT_LOG_FILTER,
+    });
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,
@@ -96,8 +100,8 @@ async fn main() -> ExitCode {
 /// start-up notice about JSON key order, which says nothing about this plane.
 const DEFAULT_LOG_FILTER: &str = "warn,postrust_server::build=error";
 
-fn init_logging() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_LOG_FILTER));
+fn init_logging(default_filter: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
