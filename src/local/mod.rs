@@ -107,19 +107,47 @@ impl LocalStackConfig {
 }
 
 /// A running local plane. Stop it with [`LocalStack::stop`]; dropping it
-/// also drops its database, from a helper thread.
-#[derive(Debug)]
+/// also drops its database, from a helper thread. `Debug` never prints the
+/// service key or the JWT secret.
 pub struct LocalStack {
     url: String,
     service_key: String,
     jwt_secret: String,
-    max_rows: u32,
+    config: LocalStackConfig,
     db_name: String,
+    db_url: Url,
     admin_url: Url,
     db: PgPool,
     shutdown: Option<oneshot::Sender<()>>,
     server: Option<JoinHandle<()>>,
     dropped: bool,
+}
+
+impl std::fmt::Debug for LocalStack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalStack")
+            .field("url", &self.url)
+            .field("service_key", &"<redacted>")
+            .field("jwt_secret", &"<redacted>")
+            .field("max_rows", &self.config.max_rows)
+            .field("database", &self.db_name)
+            .field("admin_url", &redacted(&self.admin_url))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Serves `router` on `listener` until the returned sender fires.
+fn serve(listener: tokio::net::TcpListener, router: axum::Router) -> (oneshot::Sender<()>, JoinHandle<()>) {
+    let (shutdown, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let serve = axum::serve(listener, router).with_graceful_shutdown(async {
+            let _ = stopped.await;
+        });
+        if let Err(error) = serve.await {
+            tracing::error!(%error, "local PostgREST-compatible server stopped");
+        }
+    });
+    (shutdown, server)
 }
 
 impl LocalStack {
@@ -163,23 +191,16 @@ impl LocalStack {
 
         let address =
             listener.local_addr().map_err(|e| LocalError::Server(format!("reading the bound address: {e}")))?;
-        let (shutdown, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(async move {
-            let serve = axum::serve(listener, router).with_graceful_shutdown(async {
-                let _ = stopped.await;
-            });
-            if let Err(error) = serve.await {
-                tracing::error!(%error, "local PostgREST-compatible server stopped");
-            }
-        });
+        let (shutdown, server) = serve(listener, router);
         let service_key = mint_token(&jwt_secret, "service_role", Duration::from_secs(7 * 24 * 3600));
         tracing::info!(url = %format!("http://{address}"), database = %db_name, "local plane up");
         Ok(LocalStack {
             url: format!("http://{address}"),
             service_key,
             jwt_secret,
-            max_rows: config.max_rows,
+            config: LocalStackConfig { port: address.port(), ..config },
             db_name,
+            db_url,
             admin_url,
             db,
             shutdown: Some(shutdown),
@@ -205,7 +226,32 @@ impl LocalStack {
 
     /// The server's `db-max-rows`.
     pub fn max_rows(&self) -> u32 {
-        self.max_rows
+        self.config.max_rows
+    }
+
+    /// Tears the server down and builds a new one on the same port and
+    /// database, with a fresh connection pool and schema cache: a server
+    /// restart as a deployment sees it. Requests in the gap are refused.
+    pub async fn restart_server(&mut self) -> Result<(), LocalError> {
+        self.stop_server().await;
+        let (listener, router) = build_server(&self.config, &self.db_url, &self.jwt_secret).await?;
+        let (shutdown, server) = serve(listener, router);
+        self.shutdown = Some(shutdown);
+        self.server = Some(server);
+        Ok(())
+    }
+
+    /// Stops the server: graceful for five seconds, then aborted.
+    async fn stop_server(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(mut server) = self.server.take() {
+            if tokio::time::timeout(Duration::from_secs(5), &mut server).await.is_err() {
+                server.abort();
+                let _ = server.await;
+            }
+        }
     }
 
     /// The database's name.
@@ -222,7 +268,7 @@ impl LocalStack {
     /// A client configuration pointing at this stack with the service key
     /// and the server's real row cap.
     pub fn client_config(&self) -> Result<ClientConfig, ClientError> {
-        ClientConfig::new(&self.url, self.service_key.clone())?.with_max_rows(self.max_rows)
+        ClientConfig::new(&self.url, self.service_key.clone())?.with_max_rows(self.config.max_rows)
     }
 
     /// A service over this stack.
@@ -233,12 +279,7 @@ impl LocalStack {
 
     /// Stops the server and drops the database.
     pub async fn stop(mut self) -> Result<(), LocalError> {
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
-        if let Some(server) = self.server.take() {
-            let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-        }
+        self.stop_server().await;
         self.db.close().await;
         let mut admin = PgConnection::connect(self.admin_url.as_str())
             .await

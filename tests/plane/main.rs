@@ -17,6 +17,8 @@ mod migrations_drift;
 #[cfg(feature = "local")]
 mod stack_claims;
 #[cfg(feature = "local")]
+mod stack_faults;
+#[cfg(feature = "local")]
 mod stack_fences;
 #[cfg(feature = "local")]
 mod stack_indexes;

@@ -1,0 +1,314 @@
+//! Faults between the client and the server: lost responses after a commit,
+//! refused connections, a server torn down and rebuilt, a statement timeout.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_plane::postgrest::{ClientConfig, ClientError, PostgrestClient, Repeat, RetryConfig, TransportKind};
+use idempotency_plane::repo::{ClaimRequest, IdempotencyRepository};
+use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, IdempotencyService, PostgrestRepository};
+use serde_json::json;
+use sqlx::Executor;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::harness::*;
+
+/// A TCP proxy in front of the server that can lose the response of one
+/// chosen request after the server answered it (so after it committed).
+/// Every request uses its own connection (the client keeps none idle), so
+/// "the n-th connection" is "the n-th request".
+struct LossyProxy {
+    url: String,
+    connections: Arc<AtomicUsize>,
+    lose: Arc<AtomicUsize>,
+}
+
+impl LossyProxy {
+    async fn start(upstream: &str) -> LossyProxy {
+        let upstream = upstream.trim_start_matches("http://").to_owned();
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
+        let url = format!("http://{}", listener.local_addr().expect("proxy address"));
+        let connections = Arc::new(AtomicUsize::new(0));
+        let lose = Arc::new(AtomicUsize::new(usize::MAX));
+        let (count, target) = (connections.clone(), lose.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let n = count.fetch_add(1, Ordering::SeqCst) + 1;
+                let drop_answer = target.load(Ordering::SeqCst) == n;
+                let upstream = upstream.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = TcpStream::connect(&upstream).await else { return };
+                    relay(client, server, drop_answer).await;
+                });
+            }
+        });
+        LossyProxy { url, connections, lose }
+    }
+
+    /// Loses the answer of the `n`-th request from now (1 = the next one).
+    fn lose_answer(&self, n: usize) {
+        self.lose.store(self.connections.load(Ordering::SeqCst) + n, Ordering::SeqCst);
+    }
+
+    fn client(&self, key: &str, retry: RetryConfig) -> PostgrestClient {
+        let config =
+            ClientConfig::new(&self.url, key.to_owned()).unwrap().with_pool_max_idle_per_host(0).with_retry(retry);
+        PostgrestClient::new(config).unwrap()
+    }
+}
+
+/// Copies the request up and the answer down; with `drop_answer`, waits for
+/// the answer to start and then closes the client's connection instead.
+async fn relay(client: TcpStream, server: TcpStream, drop_answer: bool) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let up = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+    });
+    let mut buffer = vec![0u8; 16 * 1024];
+    loop {
+        match server_read.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) if drop_answer => break,
+            Ok(n) => {
+                if client_write.write_all(&buffer[..n]).await.is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    up.abort();
+}
+
+fn fast_retry() -> RetryConfig {
+    RetryConfig {
+        max_retries: 3,
+        initial_backoff: Duration::from_millis(5),
+        max_backoff: Duration::from_millis(20),
+        max_elapsed: Duration::from_secs(10),
+    }
+}
+
+#[tokio::test]
+async fn a_claim_whose_answer_was_lost_after_its_insert_committed_is_recognized_as_ours() {
+    let stack = stack().await;
+    let proxy = LossyProxy::start(stack.url()).await;
+    let client = proxy.client(stack.service_key(), fast_retry());
+    let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
+
+    proxy.lose_answer(1);
+    let outcome = service.claim(org(), "tool.email.send", "lost-insert", &hash("x"), LEASE).await.unwrap();
+    assert!(matches!(outcome, ClaimOutcome::Claimed(ref c) if !c.reclaimed()), "claimed, not processing: {outcome:?}");
+    assert_eq!(client.requests_sent(), 2, "the insert, then its retry");
+    assert_eq!(count_rows(&stack).await, 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_completion_whose_answer_was_lost_is_recorded_not_a_lost_fence() {
+    let stack = stack().await;
+    let proxy = LossyProxy::start(stack.url()).await;
+    let service = IdempotencyService::new(PostgrestRepository::new(proxy.client(stack.service_key(), fast_retry())));
+    let claim = claimed(service.claim(org(), "tool.email.send", "lost-complete", &hash("x"), LEASE).await);
+
+    proxy.lose_answer(1);
+    let ending = service.complete(&claim, Completion::response(json!({"sent": true}))).await.unwrap();
+    assert_eq!(ending, Ending::Recorded);
+    let status: String =
+        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(status, "completed");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_release_whose_answer_was_lost_is_harmless() {
+    let stack = stack().await;
+    let proxy = LossyProxy::start(stack.url()).await;
+    let client = proxy.client(stack.service_key(), fast_retry());
+    let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
+    let org = org();
+    let claim = claimed(service.claim(org, "tool.email.send", "lost-release", &hash("x"), LEASE).await);
+
+    proxy.lose_answer(1);
+    let before = client.requests_sent();
+    // Release is not repeat-safe in what it reports, so the client does not
+    // resend it: the caller learns the outcome is unknown...
+    let unknown = service.release(&claim).await;
+    assert!(
+        matches!(unknown, Err(Error::Store(ClientError::Transport { kind: TransportKind::Interrupted, .. }))),
+        "{unknown:?}"
+    );
+    assert_eq!(client.requests_sent() - before, 1);
+    // ...and whatever it does next is harmless: the release did commit.
+    assert_eq!(count_rows(&stack).await, 0);
+    assert_eq!(service.release(&claim).await.unwrap(), Ending::LeaseMovedOn);
+    let again = claimed(service.claim(org, "tool.email.send", "lost-release", &hash("x"), LEASE).await);
+    assert!(!again.reclaimed(), "the next attempt executes");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_reclaim_whose_answer_was_lost_is_recognized_as_ours() {
+    let stack = stack().await;
+    let proxy = LossyProxy::start(stack.url()).await;
+    let client = proxy.client(stack.service_key(), fast_retry());
+    let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
+    let org = org();
+    let crashed = claimed(service.claim(org, "tool.email.send", "lost-reclaim", &hash("x"), LEASE).await);
+    pass_lease(&stack, crashed.id()).await;
+
+    // claim() sends try_claim, get, reclaim: lose the reclaim's answer.
+    proxy.lose_answer(3);
+    let before = client.requests_sent();
+    let outcome = service.claim(org, "tool.email.send", "lost-reclaim", &hash("x"), LEASE).await.unwrap();
+    let ClaimOutcome::Claimed(ours) = outcome else { panic!("claimed, not processing: {outcome:?}") };
+    assert!(ours.reclaimed());
+    assert_eq!(client.requests_sent() - before, 4, "try_claim, get, reclaim, its retry");
+    assert_eq!(service.complete(&ours, Completion::response(json!(1))).await.unwrap(), Ending::Recorded);
+
+    // The repository's own view: the repeat of a committed reclaim is ours.
+    let repo = PostgrestRepository::new(client);
+    let token = uuid::Uuid::new_v4();
+    let other = claimed(service.claim(org, "tool.email.send", "lost-reclaim-2", &hash("x"), LEASE).await);
+    pass_lease(&stack, other.id()).await;
+    let x = hash("x");
+    let request = ClaimRequest {
+        organization_id: org,
+        scope: "tool.email.send",
+        key: "lost-reclaim-2",
+        request_hash: x.as_str(),
+        lease_token: token,
+        lease: LEASE,
+        retain: LEASE,
+    };
+    let first = repo.reclaim(&request).await.unwrap().expect("reclaimed");
+    let repeat = repo.reclaim(&request).await.unwrap().expect("recognized as ours");
+    assert_eq!((first.id, first.lease_token), (repeat.id, repeat.lease_token));
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_refused_connection_is_retried_until_the_server_is_back() {
+    let stack = stack().await;
+    // A port with nothing behind it yet.
+    let parked = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = parked.local_addr().unwrap();
+    drop(parked);
+    let retry = RetryConfig {
+        max_retries: 20,
+        initial_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(100),
+        max_elapsed: Duration::from_secs(10),
+    };
+    let client = PostgrestClient::new(
+        ClientConfig::new(&format!("http://{address}"), stack.service_key().to_owned()).unwrap().with_retry(retry),
+    )
+    .unwrap();
+    let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
+    // The server comes up on that port after a few refusals.
+    let upstream = stack.url().trim_start_matches("http://").to_owned();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let listener = TcpListener::bind(address).await.expect("rebind the port");
+        while let Ok((client, _)) = listener.accept().await {
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                if let Ok(server) = TcpStream::connect(&upstream).await {
+                    relay(client, server, false).await;
+                }
+            });
+        }
+    });
+    let outcome = service.claim(org(), "tool.email.send", "refused-then-up", &hash("x"), LEASE).await.unwrap();
+    assert!(matches!(outcome, ClaimOutcome::Claimed(_)), "{outcome:?}");
+    assert!(client.requests_sent() > 1, "refused at least once first");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_server_torn_down_and_rebuilt_mid_run_loses_no_completion_and_repeats_no_effect() {
+    let mut stack = stack().await;
+    let retry = RetryConfig {
+        max_retries: 40,
+        initial_backoff: Duration::from_millis(20),
+        max_backoff: Duration::from_millis(100),
+        max_elapsed: Duration::from_secs(20),
+    };
+    let client = PostgrestClient::new(stack.client_config().unwrap().with_retry(retry)).unwrap();
+    let service = Arc::new(IdempotencyService::new(PostgrestRepository::new(client)));
+    let org = org();
+    let effects = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<String, usize>::new()));
+    let keys = 120;
+
+    let workers: Vec<_> = (0..8)
+        .map(|w| {
+            let (service, effects) = (service.clone(), effects.clone());
+            tokio::spawn(async move {
+                for k in (w..keys).step_by(8) {
+                    let key = format!("restart-{k}");
+                    loop {
+                        // An orchestrator retries the whole step until it settles.
+                        match service.claim(org, "tool.email.send", &key, &hash("r"), Duration::from_secs(30)).await {
+                            Ok(ClaimOutcome::Claimed(claim)) => {
+                                *effects.lock().unwrap().entry(key.clone()).or_default() += 1;
+                                // The effect happened: its completion must land, however long the outage.
+                                while service.complete(&claim, Completion::response(json!(k))).await.is_err() {
+                                    tokio::time::sleep(Duration::from_millis(50)).await;
+                                }
+                                break;
+                            }
+                            Ok(ClaimOutcome::Completed { .. }) => break,
+                            Ok(other) => panic!("{key}: unexpected {other:?}"),
+                            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stack.restart_server().await.unwrap();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+
+    let effects = effects.lock().unwrap();
+    assert_eq!(effects.len(), keys, "every effect ran");
+    assert!(effects.values().all(|&n| n == 1), "no effect ran twice: {effects:?}");
+    let completed: i64 = sqlx::query_scalar("select count(*) from agent.idempotency_keys where status = 'completed'")
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    assert_eq!(completed, keys as i64, "no completion was lost");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_statement_timeout_surfaces_as_a_typed_error() {
+    let mut stack = stack().await;
+    let database = stack.database_name().to_owned();
+    stack
+        .db()
+        .execute(sqlx::AssertSqlSafe(format!(
+            "create function agent.slow_probe() returns integer language sql volatile set search_path = ''
+               as $$ select 1 from pg_catalog.pg_sleep(2) $$;
+             grant execute on function agent.slow_probe() to service_role;
+             alter database \"{database}\" set statement_timeout = '200ms';"
+        )))
+        .await
+        .unwrap();
+    // New connections (and the new schema cache) see both.
+    stack.restart_server().await.unwrap();
+    let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
+    let timed_out = client.rpc::<serde_json::Value>("slow_probe", &json!({}), Repeat::Safe).await;
+    match timed_out {
+        Err(error @ ClientError::Api { .. }) => {
+            assert_eq!(error.code(), Some("57014"), "{error}");
+            assert!(!error.is_retryable(true), "a slow statement repeats: not retried");
+        }
+        other => panic!("expected a 57014 query_canceled, got {other:?}"),
+    }
+    stack.stop().await.unwrap();
+}
