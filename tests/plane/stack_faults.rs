@@ -274,7 +274,7 @@ async fn a_server_torn_down_and_rebuilt_mid_run_loses_no_completion_and_repeats_
         worker.await.unwrap();
     }
 
-    let effects = effects.lock().unwrap();
+    let effects = effects.lock().unwrap().clone();
     assert_eq!(effects.len(), keys, "every effect ran");
     assert!(effects.values().all(|&n| n == 1), "no effect ran twice: {effects:?}");
     let completed: i64 = sqlx::query_scalar("select count(*) from agent.idempotency_keys where status = 'completed'")
