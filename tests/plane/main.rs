@@ -23,6 +23,8 @@ mod stack_fences;
 #[cfg(feature = "local")]
 mod stack_indexes;
 #[cfg(feature = "local")]
+mod stack_load;
+#[cfg(feature = "local")]
 mod stack_saved_search;
 #[cfg(feature = "local")]
 mod stack_surface;
