@@ -27,6 +27,8 @@ mod stack_load;
 #[cfg(feature = "local")]
 mod stack_saved_search;
 #[cfg(feature = "local")]
+mod stack_security;
+#[cfg(feature = "local")]
 mod stack_surface;
 #[cfg(feature = "local")]
 mod stack_sweeper;
