@@ -211,3 +211,56 @@ async fn outcomes_and_drop_reasons_are_counted_through_the_metrics_facade() {
     assert!(count(&counters, "idempotency_webhook_drops_total", &[("reason", "duplicate")]) >= 1);
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn no_secret_appears_in_any_log_record_or_span_field() {
+    use idempotency_plane::postgrest::{ClientConfig, PostgrestClient, RetryConfig};
+    use idempotency_plane::{ClaimOutcome, Completion, IdempotencyService, PostgrestRepository};
+    records();
+    let stack = stack().await;
+    let key = stack.service_key().to_owned();
+    // A server that first refuses with 503 makes the client log its retries.
+    let flaky = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::any())
+        .respond_with(
+            wiremock::ResponseTemplate::new(503)
+                .insert_header("retry-after", "0")
+                .set_body_json(json!({"code": "PGRST002", "message": "schema cache", "details": null, "hint": null})),
+        )
+        .mount(&flaky)
+        .await;
+    let retry = RetryConfig {
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(2),
+        ..RetryConfig::default()
+    };
+    let failing = PostgrestClient::new(
+        ClientConfig::new(&flaky.uri(), key.clone()).unwrap().with_apikey(key.clone()).with_retry(retry),
+    )
+    .unwrap();
+    let service = IdempotencyService::new(PostgrestRepository::new(failing));
+    assert!(service.claim(org(), "tool.email.send", "k", &hash("x"), LEASE).await.is_err());
+    // And a real claim, replay and completion on the stack.
+    let real = IdempotencyService::new(PostgrestRepository::new(client(&stack)));
+    let claim = claimed(real.claim(org(), "tool.email.send", "k", &hash("x"), LEASE).await);
+    let _ = real.complete(&claim, Completion::response(json!(1))).await.unwrap();
+    assert!(matches!(
+        real.claim(claim.organization_id(), "tool.email.send", "k", &hash("x"), LEASE).await.unwrap(),
+        ClaimOutcome::Completed { .. }
+    ));
+
+    let me = std::thread::current().id();
+    let mine: Vec<String> = records()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(thread, ..)| *thread == me)
+        .map(|(_, name, field, value)| format!("{name} {field}={value}"))
+        .collect();
+    assert!(mine.iter().any(|r| r.contains("retrying PostgREST call")), "the retries were logged: {mine:?}");
+    let signature = key.rsplit('.').next().unwrap_or(&key);
+    for record in &mine {
+        assert!(!record.contains(signature), "a log record carries the key: {record}");
+    }
+    stack.stop().await.unwrap();
+}
