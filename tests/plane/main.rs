@@ -13,6 +13,8 @@
 mod cli;
 #[cfg(feature = "local")]
 mod harness;
+#[cfg(feature = "local")]
+mod hostile;
 mod migrations_drift;
 #[cfg(feature = "local")]
 mod stack_claims;
