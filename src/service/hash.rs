@@ -93,9 +93,30 @@ fn write_canonical(value: &Value, out: &mut Sha256) {
 }
 
 fn write_scalar(value: &Value, out: &mut Sha256) {
-    // serde_json writes scalars one canonical way (strings escaped, numbers
-    // as parsed); only objects and arrays need our ordering.
-    out.update(value.to_string().as_bytes());
+    match value {
+        Value::Number(number) => out.update(canonical_number(number).as_bytes()),
+        // serde_json writes strings, booleans and null one way.
+        other => out.update(other.to_string().as_bytes()),
+    }
+}
+
+/// A number by its value, whatever its spelling (`1`, `1.0`, `1e0`) and
+/// whatever serde_json features the build enables (`arbitrary_precision`
+/// keeps the spelling): an integer that fits 64 bits as its digits; any
+/// other number as its f64, integral values below 2^53 as integers and the
+/// rest as the shortest text that reads back as the same f64.
+pub(crate) fn canonical_number(number: &serde_json::Number) -> String {
+    if let Some(i) = number.as_i64() {
+        return i.to_string();
+    }
+    if let Some(u) = number.as_u64() {
+        return u.to_string();
+    }
+    match number.as_f64() {
+        Some(f) if f.is_finite() && f.fract() == 0.0 && f.abs() < 9_007_199_254_740_992.0 => (f as i64).to_string(),
+        Some(f) if f.is_finite() => f.to_string(),
+        _ => number.to_string(),
+    }
 }
 
 #[cfg(test)]
@@ -117,6 +138,21 @@ mod tests {
         assert_ne!(a, RequestHash::of_json(&json!([{"to": "a@b.c"}])));
         // Array order is content.
         assert_ne!(RequestHash::of_json(&json!([1, 2])), RequestHash::of_json(&json!([2, 1])));
+    }
+
+    #[test]
+    fn numbers_hash_by_value_not_by_spelling() {
+        let one: Value = serde_json::from_str(r#"{"n":1}"#).unwrap();
+        for spelling in [r#"{"n":1.0}"#, r#"{"n":1e0}"#, r#"{"n":10e-1}"#, r#"{"n":1.00}"#] {
+            let same: Value = serde_json::from_str(spelling).unwrap();
+            assert_eq!(RequestHash::of_json(&same), RequestHash::of_json(&one), "{spelling}");
+        }
+        let half: Value = serde_json::from_str(r#"{"n":0.5}"#).unwrap();
+        assert_ne!(RequestHash::of_json(&half), RequestHash::of_json(&one));
+        // Through text and back, a float keeps its hash.
+        let float = json!({"f": 0.1 + 0.2});
+        let reparsed: Value = serde_json::from_str(&float.to_string()).unwrap();
+        assert_eq!(RequestHash::of_json(&reparsed), RequestHash::of_json(&float));
     }
 
     #[test]

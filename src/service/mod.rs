@@ -148,7 +148,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             }
             let outcome = match self.repo.get(organization_id, scope, key).await? {
                 None => ClaimOutcome::Absent,
-                Some(record) => match judge(record, request_hash) {
+                Some(record) => match judge(checked(record, organization_id, scope, key, None)?, request_hash) {
                     Judged::Final(outcome) => outcome,
                     Judged::Reclaimable => ClaimOutcome::Absent,
                 },
@@ -226,19 +226,39 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         for _ in 0..MAX_CLAIM_STEPS {
             step = match step {
                 Step::TryClaim => match self.repo.try_claim(request).await? {
-                    Some(record) => return Ok(ClaimOutcome::Claimed(Claim::from_record(record, false))),
+                    Some(record) => {
+                        let record = checked(
+                            record,
+                            request.organization_id,
+                            request.scope,
+                            request.key,
+                            Some(request.lease_token),
+                        )?;
+                        return Ok(ClaimOutcome::Claimed(Claim::from_record(record, false)));
+                    }
                     None => Step::Get,
                 },
                 Step::Get => match self.repo.get(request.organization_id, request.scope, request.key).await? {
                     // Released between our insert and our read: try again.
                     None => Step::TryClaim,
-                    Some(record) => match judge(record, hash) {
-                        Judged::Final(outcome) => return Ok(outcome),
-                        Judged::Reclaimable => Step::Reclaim,
-                    },
+                    Some(record) => {
+                        match judge(checked(record, request.organization_id, request.scope, request.key, None)?, hash) {
+                            Judged::Final(outcome) => return Ok(outcome),
+                            Judged::Reclaimable => Step::Reclaim,
+                        }
+                    }
                 },
                 Step::Reclaim => match self.repo.reclaim(request).await? {
-                    Some(record) => return Ok(ClaimOutcome::Claimed(Claim::from_record(record, true))),
+                    Some(record) => {
+                        let record = checked(
+                            record,
+                            request.organization_id,
+                            request.scope,
+                            request.key,
+                            Some(request.lease_token),
+                        )?;
+                        return Ok(ClaimOutcome::Claimed(Claim::from_record(record, true)));
+                    }
                     // Someone else reclaimed, completed or released it first.
                     None => Step::Get,
                 },
@@ -270,6 +290,14 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             };
             let ending = match self.repo.complete(claim.id, claim.lease_token, args).await? {
                 Some(record) => {
+                    let record =
+                        checked(record, claim.organization_id, &claim.scope, &claim.key, Some(claim.lease_token))?;
+                    if record.id != claim.id {
+                        return Err(Error::Inconsistent(format!(
+                            "completing claim {} answered row {}",
+                            claim.id, record.id
+                        )));
+                    }
                     let hash = record.request_hash.clone();
                     if let Judged::Final(outcome) = judge_row(record) {
                         self.remember(claim.organization_id, &claim.scope, &claim.key, &hash, &outcome);
@@ -333,6 +361,29 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         .instrument(span)
         .await
     }
+}
+
+/// `record`, if it is the row that was asked for (and, for a claim, holds
+/// our token). A store that answers another row is not one to act on.
+fn checked(
+    record: IdempotencyRecord,
+    organization_id: Uuid,
+    scope: &str,
+    key: &str,
+    lease_token: Option<Uuid>,
+) -> Result<IdempotencyRecord, Error> {
+    let same_row = record.organization_id == organization_id && record.scope == scope && record.key == key;
+    let same_token = lease_token.is_none_or(|token| record.lease_token == token);
+    if same_row && same_token {
+        return Ok(record);
+    }
+    Err(Error::Inconsistent(format!(
+        "asked for {organization_id}/{scope}/{key:?}, the store answered {}/{}/{:?}{}",
+        record.organization_id,
+        record.scope,
+        record.key,
+        if same_token { "" } else { " with another lease token" }
+    )))
 }
 
 enum Judged {

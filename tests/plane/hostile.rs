@@ -291,7 +291,9 @@ fn rendered(value: &Value, seed: u64) -> Value {
 }
 
 /// The documented canonical form, written independently: keys sorted by
-/// their UTF-8 bytes at every depth, no whitespace, scalars as serde_json
+/// their UTF-8 bytes at every depth, no whitespace, numbers by value (64-bit
+/// integers as digits; else the f64, integral below 2^53 as an integer,
+/// otherwise its shortest round-trip text), other scalars as serde_json
 /// writes them.
 fn canonical(value: &Value, out: &mut String) {
     match value {
@@ -318,6 +320,18 @@ fn canonical(value: &Value, out: &mut String) {
                 canonical(item, out);
             }
             out.push(']');
+        }
+        Value::Number(n) => {
+            let text = match (n.as_i64(), n.as_u64(), n.as_f64()) {
+                (Some(i), _, _) => i.to_string(),
+                (None, Some(u), _) => u.to_string(),
+                (None, None, Some(f)) if f.is_finite() && f.trunc() == f && f.abs() < 2f64.powi(53) => {
+                    format!("{}", f as i64)
+                }
+                (None, None, Some(f)) if f.is_finite() => format!("{f}"),
+                _ => n.to_string(),
+            };
+            out.push_str(&text);
         }
         scalar => out.push_str(&scalar.to_string()),
     }

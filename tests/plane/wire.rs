@@ -918,10 +918,18 @@ async fn the_service_completes_a_resource_only_claim_without_a_response_key() {
     // §1: only supplied keys are passed; absent values are omitted, never sent as null.
     // Arrange
     let server = MockServer::start().await;
-    let (claim_id, token) = (Uuid::new_v4(), Uuid::new_v4());
+    let (claim_id, org) = (Uuid::new_v4(), Uuid::new_v4());
+    // The store answers the row asked for, holding the token the service minted.
+    let answer = move |request: &Request, status: &str| {
+        let body: Value = request.body_json().expect("a JSON body");
+        let token: Uuid = serde_json::from_value(body["p_lease_token"].clone()).expect("a token");
+        let mut row = record(claim_id, token, status);
+        row["organization_id"] = json!(org);
+        ResponseTemplate::new(200).set_body_json(json!([row]))
+    };
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_try_claim"))
-        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(claim_id, token, "processing")])))
+        .respond_with(move |request: &Request| answer(request, "processing"))
         .expect(1)
         .mount(&server)
         .await;
@@ -929,17 +937,16 @@ async fn the_service_completes_a_resource_only_claim_without_a_response_key() {
         .and(path("/rpc/idempotency_complete"))
         .and(body_partial_json(json!({
             "p_claim_id": claim_id,
-            "p_lease_token": token,
             "p_resource_type": "nylas.message",
             "p_resource_id": "m-1"
         })))
-        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(claim_id, token, "completed")])))
+        .respond_with(move |request: &Request| answer(request, "completed"))
         .expect(1)
         .mount(&server)
         .await;
     let service = service(&server);
     let ClaimOutcome::Claimed(claim) =
-        service.claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await.expect("a claim")
+        service.claim(org, SCOPE, "run-1:step-1", &hash(), LEASE).await.expect("a claim")
     else {
         panic!("try_claim answered a row, so the key is ours");
     };
@@ -1092,4 +1099,33 @@ async fn a_bounded_read_answering_more_rows_than_its_bound_is_refused() {
     mount_expired(&server, counted(200, "0-4/5", expired_rows(5))).await;
     let err = read_expired(&server, 3).await.unwrap_err();
     assert!(matches!(err, ClientError::Decode { .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_row_for_another_tenant_key_or_token_is_never_acted_on() {
+    // The store must answer the row asked for; anything else is a deployment
+    // to distrust, never a replay or an ownership to act on.
+    let server = MockServer::start().await;
+    let mut stored = record(Uuid::new_v4(), Uuid::new_v4(), "completed");
+    stored["response"] = json!({"secret": "of another tenant"});
+    Mock::given(method("POST"))
+        .and(path("/rpc/idempotency_get"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!([stored])))
+        .mount(&server)
+        .await;
+    // try_claim answers a row holding someone else's token.
+    Mock::given(method("POST"))
+        .and(path("/rpc/idempotency_try_claim"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+            "processing"
+        )])))
+        .mount(&server)
+        .await;
+    let service = service(&server);
+    let read = service.read(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash()).await;
+    assert!(matches!(read, Err(Error::Inconsistent(_))), "{read:?}");
+    let claimed = service.claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
+    assert!(matches!(claimed, Err(Error::Inconsistent(_))), "{claimed:?}");
 }
