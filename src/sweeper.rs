@@ -130,7 +130,12 @@ impl Sweeper {
             return Ok(0);
         }
         if ids.len() as u64 > self.bound {
-            return Err(ClientError::BoundAboveCap { bound: ids.len() as u64, cap: self.bound }.into());
+            return Err(ClientError::Config(format!(
+                "{} ids to delete, more than the pass bound {}",
+                ids.len(),
+                self.bound
+            ))
+            .into());
         }
         let deleted: i64 =
             self.client.rpc("idempotency_delete_expired", &json!({ "p_ids": ids }), Repeat::Safe).await?;

@@ -392,6 +392,9 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
                 tracing::Span::current().record("outcome", "held");
                 return Ok(ToolRun::Held);
             }
+            // The lease starts when the claim's transaction does: cut the tool
+            // off a timeout after that, retries of the claim included.
+            let deadline = tokio::time::Instant::now() + spec.timeout;
             let claimed = self.service.claim(organization_id, scope, key.as_str(), &hash, self.lease_for(spec)).await?;
             let claim = match claimed {
                 ClaimOutcome::Claimed(claim) => claim,
@@ -406,7 +409,7 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
                 lease_expires_at: claim.lease_expires_at(),
                 reclaimed: claim.reclaimed(),
             };
-            let Ok(result) = tokio::time::timeout(spec.timeout, tool(call)).await else {
+            let Ok(result) = tokio::time::timeout_at(deadline, tool(call)).await else {
                 tracing::Span::current().record("outcome", "timed_out");
                 return Err(ToolError::TimedOut {
                     scope: scope.to_owned(),

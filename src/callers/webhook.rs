@@ -52,7 +52,7 @@ pub enum DropReason {
 
 impl DropReason {
     /// The reason as logged and counted: `duplicate`, `hash_mismatch`,
-    /// `unknown_job`, `job_mismatch`.
+    /// `unknown_job`, `job_mismatch`, `invalid_delivery`.
     pub fn as_str(self) -> &'static str {
         match self {
             DropReason::Duplicate => "duplicate",
@@ -237,9 +237,15 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
 
     /// Sets how long processing one delivery may take; the lease is that
     /// plus [`LEASE_MARGIN`].
-    pub fn with_processing_timeout(mut self, timeout: Duration) -> Self {
+    /// Refused unless the timeout is above zero and its lease stays within
+    /// the store's [`MAX_LEASE`](crate::service::MAX_LEASE).
+    pub fn with_processing_timeout(mut self, timeout: Duration) -> Result<Self, InvalidInput> {
+        let lease = timeout + LEASE_MARGIN;
+        if timeout.is_zero() || lease > crate::service::MAX_LEASE {
+            return Err(InvalidInput::LeaseTooLong { lease, max: crate::service::MAX_LEASE });
+        }
         self.timeout = timeout;
-        self
+        Ok(self)
     }
 
     /// The lease a delivery is claimed for.
@@ -284,6 +290,9 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
         Fut: Future<Output = Result<Value, ProcessingError>>,
     {
         let hash = RequestHash::of_bytes(delivery.body);
+        // The lease starts when the claim's transaction does: count the
+        // processing timeout from before the claim, retries included.
+        let deadline = tokio::time::Instant::now() + self.timeout;
         let claimed = self
             .service
             .claim(delivery.organization_id, delivery.scope, delivery.delivery_id, &hash, self.lease())
@@ -299,13 +308,18 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
             Ok(ClaimOutcome::Absent) => {
                 return self.unavailable(&Error::Inconsistent("claim() answered absent".into()))
             }
-            Err(Error::Invalid(refused)) => {
-                tracing::warn!(%refused, "the delivery cannot be claimed");
+            // Only the delivery's own id can make it unclaimable for good;
+            // any other refusal is the gate's configuration, and answering
+            // 503 keeps the delivery until that is fixed.
+            Err(Error::Invalid(
+                refused @ (InvalidInput::EmptyKey | InvalidInput::KeyTooLong { .. } | InvalidInput::KeyHasNul),
+            )) => {
+                tracing::warn!(%refused, "the delivery id cannot be claimed");
                 return self.drop_delivery(DropReason::InvalidDelivery);
             }
             Err(error) => return self.unavailable(&error),
         };
-        let processed = tokio::time::timeout(self.timeout, AssertUnwindSafe(process()).catch_unwind()).await;
+        let processed = tokio::time::timeout_at(deadline, AssertUnwindSafe(process()).catch_unwind()).await;
         let processed = match processed {
             Ok(Ok(processed)) => processed,
             Ok(Err(_panic)) => {

@@ -69,7 +69,7 @@ impl<'a> From<&ClaimRequest<'a>> for ClaimArgs<'a> {
     }
 }
 
-/// Whole milliseconds, rounded up so a sub-millisecond lease is not zero.
+/// Whole milliseconds, rounded up so no duration shrinks on the way.
 fn millis(d: std::time::Duration) -> u64 {
     let ms = d.as_nanos().div_ceil(1_000_000);
     u64::try_from(ms).unwrap_or(u64::MAX)

@@ -42,6 +42,10 @@ const MAX_CLAIM_STEPS: u32 = 8;
 /// [`IdempotencyService::with_response_limit`].
 pub const DEFAULT_RESPONSE_LIMIT: u64 = 64 * 1024;
 
+/// The longest a completed claim is served from the replay cache: five
+/// minutes of the process's clock, far below the shortest retention (24 h).
+pub const MAX_REPLAY_CACHE_TTL: Duration = Duration::from_secs(300);
+
 /// The idempotency service. Cheap to clone when its repository is.
 #[derive(Debug, Clone)]
 pub struct IdempotencyService<R> {
@@ -67,7 +71,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     /// trip. Only completed claims are cached: they are terminal. Keep the
     /// TTL short (a minute or so): it is measured by this process's clock,
     /// and must stay far below the shortest retention (24 hours).
+    /// The TTL is capped at [`MAX_REPLAY_CACHE_TTL`].
     pub fn with_replay_cache(mut self, capacity: usize, ttl: Duration) -> Self {
+        let ttl = ttl.min(MAX_REPLAY_CACHE_TTL);
         self.cache = Some(std::sync::Arc::new(replay_cache::ReplayCache::new(capacity, ttl)));
         self
     }
@@ -292,6 +298,12 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 Some(record) => {
                     let record =
                         checked(record, claim.organization_id, &claim.scope, &claim.key, Some(claim.lease_token))?;
+                    if record.status != ClaimStatus::Completed {
+                        return Err(Error::Inconsistent(format!(
+                            "completing claim {} left it {:?}",
+                            claim.id, record.status
+                        )));
+                    }
                     if record.id != claim.id {
                         return Err(Error::Inconsistent(format!(
                             "completing claim {} answered row {}",

@@ -105,7 +105,6 @@ pub struct Claim {
     pub(crate) lease_expires_at: DateTime<Utc>,
     pub(crate) retain_until: DateTime<Utc>,
     pub(crate) reclaimed: bool,
-    pub(crate) request_hash: String,
 }
 
 impl Claim {
@@ -119,7 +118,6 @@ impl Claim {
             lease_expires_at: record.lease_expires_at,
             retain_until: record.retain_until,
             reclaimed,
-            request_hash: record.request_hash,
         }
     }
 

@@ -258,7 +258,7 @@ async fn a_delivery_that_can_never_be_claimed_is_acked_as_invalid() {
 #[tokio::test]
 async fn processing_that_panics_or_overruns_is_released_for_redelivery() {
     let stack = stack().await;
-    let gate = gate(&stack).with_processing_timeout(std::time::Duration::from_millis(300));
+    let gate = gate(&stack).with_processing_timeout(std::time::Duration::from_millis(300)).unwrap();
     let org = org();
     let panicked = gate.handle(delivery(org, "d-6", b"{}"), || async { panic!("a bug in the handler") }).await;
     assert_eq!(panicked, Ack::Retry(RetryReason::ProcessingAborted));

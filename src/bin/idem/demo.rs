@@ -43,8 +43,8 @@ pub(crate) struct DemoArgs {
     /// deliveries and fan-out, racing each other.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=100))]
     calls_per_key: u32,
-    /// Lease of the stalled worker's claim, in milliseconds.
-    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=20_000))]
+    /// Lease of the stalled worker's claim, in milliseconds (the store accepts 1 s and up).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1000..=20_000))]
     stall_lease_ms: u64,
     /// How long the stalled worker sleeps after it sends, in milliseconds;
     /// must be longer than its lease.
