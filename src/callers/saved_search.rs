@@ -182,7 +182,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource> SavedSearchStart<R, S> {
                 let snapshot = match frozen {
                     Ok(snapshot) => snapshot,
                     Err(error) => {
-                        self.release_quietly(&claim).await;
+                        self.service.release_or_log(&claim).await;
                         return Err(error.into());
                     }
                 };
@@ -201,7 +201,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource> SavedSearchStart<R, S> {
                     // the claim; its lease passing makes it reclaimable.
                     Err(error) => {
                         if !error.is_transient() {
-                            self.release_quietly(&claim).await;
+                            self.service.release_or_log(&claim).await;
                         }
                         return Err(error.into());
                     }
@@ -233,12 +233,6 @@ impl<R: IdempotencyRepository, S: SnapshotSource> SavedSearchStart<R, S> {
         span.record("outcome", if run.admitted { "admitted" } else { "replayed" });
         span.record("replayed", replayed);
         Ok(StartedRun { snapshot: run.input.clone(), run, replayed })
-    }
-
-    async fn release_quietly(&self, claim: &crate::service::Claim) {
-        if let Err(error) = self.service.release(claim).await {
-            tracing::error!(%error, "could not release; the claim frees itself when its lease passes");
-        }
     }
 }
 

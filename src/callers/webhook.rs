@@ -324,7 +324,7 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
             Ok(Ok(processed)) => processed,
             Ok(Err(_panic)) => {
                 tracing::error!("processing panicked; released so the vendor's redelivery is processed");
-                self.release_quietly(&claim).await;
+                self.service.release_or_log(&claim).await;
                 return Ack::Retry(RetryReason::ProcessingAborted);
             }
             Err(_elapsed) => {
@@ -332,7 +332,7 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
                     timeout_ms = self.timeout.as_millis() as u64,
                     "processing overran its timeout; released for redelivery"
                 );
-                self.release_quietly(&claim).await;
+                self.service.release_or_log(&claim).await;
                 return Ack::Retry(RetryReason::ProcessingAborted);
             }
         };
@@ -341,7 +341,7 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
             Ok(response) => (Completion::response(json!({"ok": true, "output": response})), Ack::Processed),
             Err(failure) if failure.retryable => {
                 tracing::warn!(error = %failure.message, "processing failed without an effect; released for redelivery");
-                self.release_quietly(&claim).await;
+                self.service.release_or_log(&claim).await;
                 return Ack::Retry(RetryReason::ProcessingFailed);
             }
             Err(failure) => {
@@ -404,12 +404,6 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
             body: callback.body,
         };
         self.handle(delivery, || process(job)).instrument(span).await
-    }
-
-    async fn release_quietly(&self, claim: &crate::service::Claim) {
-        if let Err(error) = self.service.release(claim).await {
-            tracing::error!(%error, "could not release; the claim frees itself when its lease passes");
-        }
     }
 
     /// Counts the drop (here, and in `idempotency_webhook_drops_total{reason}`),

@@ -47,6 +47,20 @@ struct Answer {
     body: bytes::Bytes,
 }
 
+impl Answer {
+    /// The `Content-Range` a counted read must carry.
+    fn counted_range(&self, function: &'static str) -> Result<ContentRange, ClientError> {
+        match &self.content_range {
+            Some(Ok(range)) => Ok(*range),
+            Some(Err(source)) => Err(ClientError::ContentRange { function, source: source.clone() }),
+            None => Err(ClientError::ContentRange {
+                function,
+                source: ContentRangeError { value: String::new(), reason: "missing from a counted read" },
+            }),
+        }
+    }
+}
+
 impl PostgrestClient {
     /// Builds the client and its connection pool. Fails on a service key or
     /// schema a header cannot carry.
@@ -111,10 +125,7 @@ impl PostgrestClient {
     ) -> Result<(ContentRange, Vec<T>), ClientError> {
         let query: Vec<(&str, &str)> = select.map(|s| ("select", s)).into_iter().collect();
         let answer = self.call(function, args, &query, true, Repeat::Safe).await?;
-        let range = answer
-            .content_range
-            .unwrap_or_else(|| Err(ContentRangeError { value: String::new(), reason: "missing from a counted read" }))
-            .map_err(|source| ClientError::ContentRange { function, source })?;
+        let range = answer.counted_range(function)?;
         Ok((range, decode(function, &answer.body)?))
     }
 
@@ -144,10 +155,7 @@ impl PostgrestClient {
         }
         let query: Vec<(&str, &str)> = select.map(|s| ("select", s)).into_iter().collect();
         let answer = self.call(function, args, &query, true, repeat).await?;
-        let range = answer
-            .content_range
-            .unwrap_or_else(|| Err(ContentRangeError { value: String::new(), reason: "missing from a counted read" }))
-            .map_err(|source| ClientError::ContentRange { function, source })?;
+        let range = answer.counted_range(function)?;
         let rows: Vec<T> = decode(function, &answer.body)?;
         let received = rows.len() as u64;
         let Some(total) = range.total else {

@@ -352,6 +352,14 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         Ok(Some(reference.to_stored()))
     }
 
+    /// Releases `claim` where the caller has nothing better to do with a
+    /// failure than log it: the claim frees itself when its lease passes.
+    pub(crate) async fn release_or_log(&self, claim: &Claim) {
+        if let Err(error) = self.release(claim).await {
+            tracing::error!(%error, "could not release; the claim frees itself when its lease passes");
+        }
+    }
+
     /// Releases `claim` without an answer, so the next attempt executes. For
     /// a failure that made no effect (a vendor 429). `LeaseMovedOn` when the
     /// key is no longer ours: then nothing was deleted.
