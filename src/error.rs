@@ -34,6 +34,16 @@ pub enum Error {
         steps: u32,
     },
 
+    /// The store answered a claim whose lease had already passed by its own
+    /// clock (a database whose functions stamp the lease before a lock wait).
+    /// Not handed out: another worker could reclaim it while this one ran
+    /// the effect. Transient: a retry reclaims it.
+    #[error("the store answered a claim whose lease had already passed at {lease_expires_at}")]
+    LeaseLapsed {
+        /// When the lease passed, by the database clock.
+        lease_expires_at: chrono::DateTime<chrono::Utc>,
+    },
+
     /// The store answered something the contract rules out, e.g. two rows for
     /// one key. A deployment with a mismatched SQL surface, most likely.
     #[error("the store answered inconsistently: {0}")]
@@ -41,12 +51,41 @@ pub enum Error {
 }
 
 impl Error {
+    /// True when a completion failed because of the answer itself, data the
+    /// store cannot hold, rather than the plane's availability.
+    ///
+    /// The one place that tells the two apart. After an effect happened:
+    ///
+    /// | completion failed with | it is | the caller |
+    /// |---|---|---|
+    /// | an answer refused before sending ([`InvalidInput`]: NUL, nesting, size, an empty or bad resource, an empty completion) | the caller's data | journals a stand-in ([`IdempotencyService::complete_after_effect`](crate::IdempotencyService::complete_after_effect)) |
+    /// | a refusal by the database of the data (SQLSTATE class `22` data exception, `23` check, `54` program limit) | the caller's data | journals a stand-in |
+    /// | anything else: unreachable, timed out, a lock timeout, a 5xx | the plane's availability | releases if no effect happened; otherwise leaves the claim to its lease, whose passing makes it reclaimable |
+    pub fn is_unstorable_answer(&self) -> bool {
+        match self {
+            Error::Invalid(input) => matches!(
+                input,
+                InvalidInput::EmptyCompletion
+                    | InvalidInput::ResponseTooLarge { .. }
+                    | InvalidInput::ReservedResponseShape
+                    | InvalidInput::UnstorableResponse(_)
+                    | InvalidInput::EmptyResource
+                    | InvalidInput::ResourceTooLong { .. }
+                    | InvalidInput::ResourceHasNul { .. }
+            ),
+            Error::Store(ClientError::Api { error, .. }) => {
+                ["22", "23", "54"].iter().any(|class| error.code.starts_with(class))
+            }
+            _ => false,
+        }
+    }
+
     /// True when retrying the same call later may succeed (a transient store
     /// failure); false for bad input or a refusal that will repeat.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Store(e) => e.is_retryable(true),
-            Error::Contended { .. } => true,
+            Error::Store(e) => e.is_transient(),
+            Error::Contended { .. } | Error::LeaseLapsed { .. } => true,
             _ => false,
         }
     }
@@ -125,6 +164,17 @@ pub enum InvalidInput {
     /// alone), which a replay would mistake for a reference.
     #[error("a response may not be an object whose only key is \"$response_ref\"")]
     ReservedResponseShape,
+    /// A response the store cannot hold: a NUL character in a string or a
+    /// key, or arrays and objects nested deeper than
+    /// [`MAX_RESPONSE_DEPTH`](crate::service::MAX_RESPONSE_DEPTH).
+    #[error("the response cannot be stored ({}): PostgreSQL cannot hold U+0000, and a replay cannot read back more than {} levels of nesting", .0.as_str(), crate::service::MAX_RESPONSE_DEPTH)]
+    UnstorableResponse(crate::service::Unstorable),
+    /// A resource type or id holding a NUL character, which PostgreSQL text cannot store.
+    #[error("the resource {field} holds a NUL character")]
+    ResourceHasNul {
+        /// `type` or `id`.
+        field: &'static str,
+    },
     /// A Run needs an input to be admitted with.
     #[error("a Run needs a non-null input")]
     MissingRunInput,
@@ -140,6 +190,19 @@ pub enum InvalidInput {
         chars: usize,
         /// The limit.
         max: usize,
+    },
+    /// A tool scope registered with a retention under 30 days: the claim is
+    /// the replay journal of a Run that may wait that long on an approval.
+    #[error(
+        "scope {scope:?} covers tool scopes; its retention {retention:?} is under the {min:?} every tool scope keeps"
+    )]
+    ToolRetentionTooShort {
+        /// The scope or family prefix.
+        scope: String,
+        /// The retention asked for.
+        retention: Duration,
+        /// The tool retention.
+        min: Duration,
     },
     /// A scope registered with a retention the store does not accept.
     #[error("scope {scope:?} is registered with retention {retention:?}; it must be between 1 s and 366 days")]

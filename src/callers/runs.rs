@@ -27,7 +27,8 @@ pub struct AdmittedRun {
     pub admitted_at: DateTime<Utc>,
     /// How long the Run row is kept (396 days).
     pub retain_until: DateTime<Utc>,
-    /// True only for the call that inserted it; a replay answers false.
+    /// True for the call that inserted it (its retries included); a replay
+    /// by anyone else answers false.
     pub admitted: bool,
 }
 
@@ -42,6 +43,7 @@ struct AdmitArgs<'a> {
     p_organization_id: Uuid,
     p_start_key: &'a str,
     p_input: &'a serde_json::Value,
+    p_admission_token: Uuid,
 }
 
 impl RunAdmission {
@@ -54,8 +56,10 @@ impl RunAdmission {
     /// under it (`admitted = false`, with its original input).
     ///
     /// A direct capability or generic definition start calls this alone: it
-    /// writes no claim. Retried only when the server proves the first attempt
-    /// never ran, so `admitted` stays truthful.
+    /// writes no claim. Each call mints a fresh admission token and carries
+    /// it across its retries, so a retry after a lost answer is recognized
+    /// as the call that inserted the Run and still answers `admitted = true`;
+    /// any other caller gets `false`.
     pub async fn admit(
         &self,
         organization_id: Uuid,
@@ -66,8 +70,13 @@ impl RunAdmission {
         if input.is_null() {
             return Err(InvalidInput::MissingRunInput.into());
         }
-        let args = AdmitArgs { p_organization_id: organization_id, p_start_key: start_key, p_input: input };
-        let mut rows: Vec<AdmittedRun> = self.client.rpc("run_admit", &args, Repeat::Unsafe).await?;
+        let args = AdmitArgs {
+            p_organization_id: organization_id,
+            p_start_key: start_key,
+            p_input: input,
+            p_admission_token: Uuid::new_v4(),
+        };
+        let mut rows: Vec<AdmittedRun> = self.client.rpc("run_admit", &args, Repeat::Safe).await?;
         let run = match (rows.pop(), rows.is_empty()) {
             (Some(run), true) => run,
             _ => return Err(Error::Inconsistent("run_admit must answer exactly one row".into())),

@@ -6,18 +6,22 @@
 //! it again; it is never turned into a result. A retryable failure releases
 //! the claim; success and business failures complete it.
 
+use std::borrow::Cow;
+use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tracing::{field, Instrument};
 use uuid::Uuid;
 
-use crate::error::{Error, InvalidInput};
+use crate::error::Error;
 use crate::repo::IdempotencyRepository;
-use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, TOOL_RETENTION};
+use crate::service::{Claim, ClaimOutcome, Ending, IdempotencyService, RequestHash, ResourceRef, TOOL_RETENTION};
 
 /// The longest a tool call may run: the orchestrator's step budget.
 pub const STEP_BUDGET: Duration = Duration::from_secs(120);
@@ -41,17 +45,64 @@ pub fn validate_max_run_duration(max_run_duration: Duration) -> Result<(), ToolE
     Ok(())
 }
 
-/// A tool's scope and timeout, checked once.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Asks the vendor whether a call's effect already happened, and what it
+/// returned: `Ok(Some(result))` when it did, `Ok(None)` when it did not,
+/// `Err(reason)` when the vendor cannot tell right now.
+pub type Reconciler =
+    Arc<dyn Fn(ToolCall, Value) -> BoxFuture<'static, Result<Option<ToolResult>, String>> + Send + Sync>;
+
+/// How a repeat of a tool call is made safe after a worker died mid-call.
+///
+/// Postgres cannot commit atomically with a vendor's API: a worker can reach
+/// the vendor and die before it journals the answer, and the next attempt
+/// then reclaims the call. Either the vendor recognizes the repeat, or the
+/// guard asks it first. A tool must say which; there is no third choice.
+#[derive(Clone)]
+pub enum RepeatSafety {
+    /// The vendor dedupes on the key the guard hands the tool
+    /// ([`ToolCall::idempotency_key`]), so a repeat is a replay at the vendor.
+    VendorKey,
+    /// The vendor takes no key. Before a reclaimed call runs, the guard
+    /// calls the reconciler: an effect it finds is journaled as the call's
+    /// answer and the vendor is not called again; otherwise the call runs
+    /// once.
+    Reconcile(Reconciler),
+}
+
+impl RepeatSafety {
+    /// [`RepeatSafety::Reconcile`] with `check`, e.g. a search of the
+    /// vendor's sent items for a reference the tool attached to the call.
+    pub fn reconcile<F, Fut>(check: F) -> Self
+    where
+        F: Fn(ToolCall, Value) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Option<ToolResult>, String>> + Send + 'static,
+    {
+        RepeatSafety::Reconcile(Arc::new(move |call, arguments| Box::pin(check(call, arguments))))
+    }
+}
+
+impl fmt::Debug for RepeatSafety {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RepeatSafety::VendorKey => "VendorKey",
+            RepeatSafety::Reconcile(_) => "Reconcile(..)",
+        })
+    }
+}
+
+/// A tool's scope, timeout and how its repeats are made safe, checked once.
+#[derive(Debug, Clone)]
 pub struct ToolSpec {
     scope: String,
     timeout: Duration,
+    repeat: RepeatSafety,
 }
 
 impl ToolSpec {
     /// A tool under `scope` (which must start with `tool.`) whose calls
-    /// finish within `timeout` (at most [`STEP_BUDGET`]).
-    pub fn new(scope: impl Into<String>, timeout: Duration) -> Result<Self, ToolError> {
+    /// finish within `timeout` (at most [`STEP_BUDGET`]), made safe to repeat
+    /// by `repeat`.
+    pub fn new(scope: impl Into<String>, timeout: Duration, repeat: RepeatSafety) -> Result<Self, ToolError> {
         let scope = scope.into();
         if !scope.starts_with("tool.") || scope.len() == "tool.".len() {
             return Err(ToolError::NotAToolScope { scope });
@@ -59,7 +110,7 @@ impl ToolSpec {
         if timeout.is_zero() || timeout > STEP_BUDGET {
             return Err(ToolError::TimeoutOutOfRange { timeout, budget: STEP_BUDGET });
         }
-        Ok(ToolSpec { scope, timeout })
+        Ok(ToolSpec { scope, timeout, repeat })
     }
 
     /// The scope, e.g. `tool.email.send`.
@@ -70,6 +121,43 @@ impl ToolSpec {
     /// The call's timeout.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// How a repeat of its call is made safe.
+    pub fn repeat_safety(&self) -> &RepeatSafety {
+        &self.repeat
+    }
+}
+
+/// How long after a step's first attempt its orchestrator makes the last
+/// one. A claim's lease must pass before then: a worker that died holding
+/// the claim otherwise blocks every remaining attempt, and the Run fails on
+/// a worker that died seconds after it started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryHorizon(Duration);
+
+impl RetryHorizon {
+    /// The last attempt starts at least `after` the first one.
+    pub const fn until_last_attempt(after: Duration) -> Self {
+        RetryHorizon(after)
+    }
+
+    /// An orchestrator that retries a failed step `retries` times, waiting
+    /// `initial` before the first retry and doubling the wait up to
+    /// `max_delay`. Counts the least it waits: jitter only adds.
+    pub fn exponential(retries: u32, initial: Duration, max_delay: Duration) -> Self {
+        let mut delay = initial.min(max_delay);
+        let mut total = Duration::ZERO;
+        for _ in 0..retries {
+            total = total.saturating_add(delay);
+            delay = delay.saturating_mul(2).min(max_delay);
+        }
+        RetryHorizon(total)
+    }
+
+    /// The time from the first attempt to the last.
+    pub fn until_last(&self) -> Duration {
+        self.0
     }
 }
 
@@ -86,8 +174,13 @@ impl ToolKey {
     /// The key of the call made by step `step_id` of Run `run_id`. The step
     /// id is the orchestrator's (e.g. Inngest's), which a replay recomputes;
     /// never pass the model's tool-call id here.
+    ///
+    /// Distinct `(run, step)` and `(run, step, index)` never share a key: a
+    /// `:` or `%` in the step id is percent-encoded, so the step id ends
+    /// where the key says it does. (A step id without either is used as
+    /// given.)
     pub fn for_step(run_id: Uuid, step_id: &str) -> Self {
-        ToolKey(format!("run:{run_id}:step:{step_id}"))
+        ToolKey(format!("run:{run_id}:step:{}", escape_step(step_id)))
     }
 
     /// The key of the `call_index`-th distinct call a step makes, for a step
@@ -95,12 +188,22 @@ impl ToolKey {
     /// the step's plan, which a replay recomputes. The same call proposed
     /// twice must keep one index, so the duplicate meets the live claim.
     pub fn for_step_call(run_id: Uuid, step_id: &str, call_index: u32) -> Self {
-        ToolKey(format!("run:{run_id}:step:{step_id}:call:{call_index}"))
+        ToolKey(format!("run:{run_id}:step:{}:call:{call_index}", escape_step(step_id)))
     }
 
     /// The key as stored.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+/// `step_id` with `%` and `:` percent-encoded: injective, and the identity
+/// on the step ids orchestrators make, so their keys are unchanged.
+fn escape_step(step_id: &str) -> Cow<'_, str> {
+    if step_id.contains([':', '%']) {
+        Cow::Owned(step_id.replace('%', "%25").replace(':', "%3A"))
+    } else {
+        Cow::Borrowed(step_id)
     }
 }
 
@@ -193,24 +296,22 @@ impl ToolResult {
         result
     }
 
-    /// The completion that stores this result. A resource the store would
-    /// refuse (empty or over-long) is left out with a warning rather than
-    /// failing the completion: the effect already happened, and its answer
-    /// must be journaled.
-    fn completion(&self) -> Result<Completion, ToolError> {
-        let response = serde_json::to_value(self).map_err(|e| ToolError::Encode(e.to_string()))?;
-        let bare = Completion::response(response);
-        let Some(resource) = &self.resource else {
-            return Ok(bare);
+    /// Journals this result as `claim`'s answer: the envelope (`ok`,
+    /// `error`) always inline, the output replaced by a stand-in when the
+    /// store cannot hold it (see
+    /// [`IdempotencyService::complete_after_effect`]), so a replay of a large
+    /// business failure is still that failure.
+    async fn journal<R: IdempotencyRepository>(
+        &self,
+        service: &IdempotencyService<R>,
+        claim: &Claim,
+    ) -> Result<Ending, Error> {
+        let (ok, error) = (self.ok, self.error.clone());
+        let envelope = move |output: Value| match &error {
+            Some(error) => json!({"ok": ok, "error": error, "output": output}),
+            None => json!({"ok": ok, "output": output}),
         };
-        let with_resource = bare.clone().with_resource(resource.resource_type.clone(), resource.resource_id.clone());
-        match with_resource.validate() {
-            Ok(()) => Ok(with_resource),
-            Err(refused) => {
-                tracing::warn!(%refused, "the tool's resource cannot be stored; journaling the response alone");
-                Ok(bare)
-            }
-        }
+        service.complete_after_effect(claim, self.output.clone(), self.resource.clone(), envelope).await
     }
 }
 
@@ -231,6 +332,10 @@ pub enum ToolRun {
     Executed(ToolResult),
     /// An earlier attempt ran it; this is its stored answer.
     Replayed(ToolResult),
+    /// An earlier attempt reached the vendor and died before journaling
+    /// its answer; the reconciler found the effect, which is now the call's
+    /// journaled answer. The vendor was not called again.
+    Reconciled(ToolResult),
     /// The checkpoint held the call; nothing ran and no key was taken.
     Held,
 }
@@ -281,9 +386,6 @@ pub enum ToolError {
         /// The cap.
         cap: Duration,
     },
-    /// The tool's result could not be encoded for the journal.
-    #[error("the tool result cannot be stored: {0}")]
-    Encode(String),
     /// The tool did not return within its timeout. Its effect is unknown, so
     /// the claim is neither completed nor released: it becomes reclaimable
     /// when its lease (timeout + margin) passes, and the retry reaches the
@@ -300,6 +402,30 @@ pub enum ToolError {
     /// The lease margin is outside [`LEASE_MARGIN_RANGE`].
     #[error("lease margin {0:?} must be between 1 s and 5 min")]
     MarginOutOfRange(Duration),
+    /// The call's lease (timeout + margin) would still hold when the
+    /// orchestrator makes its last attempt, so a worker that died holding
+    /// the claim would fail the whole Run.
+    #[error("tool {scope}: its lease {lease:?} does not pass before the orchestrator's last attempt, {horizon:?} after the first")]
+    LeaseOutlastsRetries {
+        /// The scope.
+        scope: String,
+        /// The lease a call would be claimed for.
+        lease: Duration,
+        /// The time until the orchestrator's last attempt.
+        horizon: Duration,
+    },
+    /// The reconciler could not tell whether an earlier attempt's effect
+    /// happened. The claim is kept (releasing it would let the next attempt
+    /// run without asking); it is reconciled again once its lease passes.
+    #[error("tool call {scope}/{key}: could not reconcile an earlier attempt: {reason}")]
+    ReconcileFailed {
+        /// The scope.
+        scope: String,
+        /// The key.
+        key: String,
+        /// What the reconciler reported.
+        reason: String,
+    },
     /// The plane failed (invalid input, store unreachable, …).
     #[error(transparent)]
     Plane(#[from] Error),
@@ -311,7 +437,7 @@ impl ToolError {
     /// failure. False for a conflict or a configuration error.
     pub fn is_retryable(&self) -> bool {
         match self {
-            ToolError::ClaimInFlight { .. } | ToolError::TimedOut { .. } => true,
+            ToolError::ClaimInFlight { .. } | ToolError::TimedOut { .. } | ToolError::ReconcileFailed { .. } => true,
             ToolError::Plane(error) => error.is_transient(),
             _ => false,
         }
@@ -323,17 +449,18 @@ impl ToolError {
 pub struct ToolGuard<R> {
     service: IdempotencyService<R>,
     margin: Duration,
+    horizon: RetryHorizon,
 }
 
 impl<R: IdempotencyRepository> ToolGuard<R> {
-    /// A guard over `service`, with [`DEFAULT_LEASE_MARGIN`].
-    pub fn new(service: IdempotencyService<R>) -> Self {
-        ToolGuard { service, margin: DEFAULT_LEASE_MARGIN }
+    /// A guard over `service` for steps that `horizon` retries, with
+    /// [`DEFAULT_LEASE_MARGIN`].
+    pub fn new(service: IdempotencyService<R>, horizon: RetryHorizon) -> Self {
+        ToolGuard { service, margin: DEFAULT_LEASE_MARGIN, horizon }
     }
 
     /// Sets the margin added to a tool's timeout to make its lease: 1 s to
-    /// 5 min. Keep timeout + margin below the orchestrator's retry horizon,
-    /// or every retry meets the lease.
+    /// 5 min.
     pub fn with_lease_margin(mut self, margin: Duration) -> Result<Self, ToolError> {
         if !LEASE_MARGIN_RANGE.contains(&margin) {
             return Err(ToolError::MarginOutOfRange(margin));
@@ -347,20 +474,38 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
         spec.timeout + self.margin
     }
 
+    /// Checks that a call of `spec` can run under this guard: its lease
+    /// passes before the orchestrator's last attempt. Check every spec when
+    /// it is defined; [`run`](Self::run) refuses one that fails, too.
+    pub fn check(&self, spec: &ToolSpec) -> Result<(), ToolError> {
+        let lease = self.lease_for(spec);
+        if lease >= self.horizon.until_last() {
+            return Err(ToolError::LeaseOutlastsRetries {
+                scope: spec.scope.clone(),
+                lease,
+                horizon: self.horizon.until_last(),
+            });
+        }
+        Ok(())
+    }
+
     /// Runs one tool call at most once.
     ///
     /// 1. Reads the journal: a stored answer is replayed (span `replayed =
     ///    true`), a live claim raises [`ToolError::ClaimInFlight`], a
     ///    different request under the key raises [`ToolError::Conflict`].
+    ///    The checkpoint is not consulted for any of these.
     /// 2. Runs `checkpoint`; [`Checkpoint::Hold`] returns [`ToolRun::Held`]
     ///    without taking the key.
-    /// 3. Claims the key (reclaiming a dead worker's), runs `tool` with the
-    ///    vendor key, then completes (success, business failure) or releases
-    ///    (retryable failure).
+    /// 3. Claims the key. A reclaimed call of a [`RepeatSafety::Reconcile`]
+    ///    tool asks its reconciler first ([`ToolRun::Reconciled`]). Then runs
+    ///    `tool` with the vendor key, and completes (success, business
+    ///    failure) or releases (retryable failure).
     ///
-    /// `tool` is cut off at the spec's timeout ([`ToolError::TimedOut`]),
-    /// before its lease (timeout + margin) passes, so no other worker can
-    /// reclaim the call while this one still runs it.
+    /// `tool` (and a reconciler) is cut off at the spec's timeout
+    /// ([`ToolError::TimedOut`]), before its lease (timeout + margin)
+    /// passes, so no other worker can reclaim the call while this one still
+    /// runs it.
     pub async fn run<C, CF, T, TF>(
         &self,
         organization_id: Uuid,
@@ -382,6 +527,7 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
             outcome = field::Empty, replayed = field::Empty
         );
         async move {
+            self.check(spec)?;
             let hash = RequestHash::of_json(arguments);
             let scope = spec.scope();
             let read = self.service.read(organization_id, scope, key.as_str(), &hash).await?;
@@ -409,41 +555,42 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
                 lease_expires_at: claim.lease_expires_at(),
                 reclaimed: claim.reclaimed(),
             };
-            let Ok(result) = tokio::time::timeout_at(deadline, tool(call)).await else {
+            let timed_out = || {
                 tracing::Span::current().record("outcome", "timed_out");
-                return Err(ToolError::TimedOut {
-                    scope: scope.to_owned(),
-                    key: key.as_str().to_owned(),
-                    timeout: spec.timeout,
-                });
+                ToolError::TimedOut { scope: scope.to_owned(), key: key.as_str().to_owned(), timeout: spec.timeout }
             };
-            let ending = if result.retryable {
-                self.service.release(&claim).await?
-            } else {
-                match self.service.complete(&claim, result.completion()?).await {
-                    // The effect happened; its output is too large to journal
-                    // and names no resource to point at. Journal a summary, so
-                    // a replay answers instead of running the effect again.
-                    Err(Error::Invalid(InvalidInput::ResponseTooLarge { size, limit })) => {
-                        tracing::warn!(
-                            size,
-                            limit,
-                            "tool output above the store limit with no resource; journaling a summary"
-                        );
-                        let summary = serde_json::json!({"ok": result.ok, "error": result.error, "output_elided": {"size": size}});
-                        self.service.complete(&claim, Completion::response(summary)).await?
+            if let (true, RepeatSafety::Reconcile(reconciler)) = (claim.reclaimed(), &spec.repeat) {
+                let reconciled = tokio::time::timeout_at(deadline, reconciler(call.clone(), arguments.clone()))
+                    .await
+                    .map_err(|_| timed_out())?;
+                match reconciled {
+                    Ok(Some(mut found)) => {
+                        // An effect was found: it is the answer, never a
+                        // failure to retry.
+                        found.retryable = false;
+                        let ending = found.journal(&self.service, &claim).await?;
+                        record_ending(ending, "reconciled");
+                        return Ok(ToolRun::Reconciled(found));
                     }
-                    other => other?,
+                    Ok(None) => tracing::info!("reconciled: the earlier attempt made no effect; executing"),
+                    Err(reason) => {
+                        tracing::Span::current().record("outcome", "reconcile_failed");
+                        return Err(ToolError::ReconcileFailed {
+                            scope: scope.to_owned(),
+                            key: key.as_str().to_owned(),
+                            reason,
+                        });
+                    }
                 }
-            };
-            let outcome = match (result.retryable, ending) {
-                (true, _) => "released",
-                (false, Ending::Recorded) => "completed",
-                (false, Ending::LeaseMovedOn) => "lease_moved_on",
-            };
-            let span = tracing::Span::current();
-            span.record("outcome", outcome);
-            span.record("replayed", false);
+            }
+            let result = tokio::time::timeout_at(deadline, tool(call)).await.map_err(|_| timed_out())?;
+            if result.retryable {
+                let ending = self.service.release(&claim).await?;
+                record_ending(ending, "released");
+            } else {
+                let ending = result.journal(&self.service, &claim).await?;
+                record_ending(ending, "completed");
+            }
             Ok(ToolRun::Executed(result))
         }
         .instrument(span)
@@ -479,6 +626,14 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
     }
 }
 
+/// Records how an executed call ended on the `tool.call` span: `outcome` is
+/// `done` (completed, released, reconciled) unless the lease moved on.
+fn record_ending(ending: Ending, done: &'static str) {
+    let span = tracing::Span::current();
+    span.record("outcome", if ending == Ending::LeaseMovedOn { "lease_moved_on" } else { done });
+    span.record("replayed", false);
+}
+
 /// `hex(sha256(organization ":" scope ":" key))`: stable across attempts,
 /// distinct across tenants sharing one vendor account.
 fn vendor_key(organization_id: Uuid, scope: &str, key: &str) -> String {
@@ -496,31 +651,59 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn spec(scope: &str, timeout: Duration) -> Result<ToolSpec, ToolError> {
+        ToolSpec::new(scope, timeout, RepeatSafety::VendorKey)
+    }
+
+    fn guard(horizon: RetryHorizon) -> ToolGuard<crate::PostgrestRepository> {
+        let client = crate::PostgrestClient::new(crate::ClientConfig::new("http://localhost:1", "k").unwrap()).unwrap();
+        ToolGuard::new(IdempotencyService::new(crate::PostgrestRepository::new(client)), horizon)
+    }
+
+    const TEN_MINUTES: RetryHorizon = RetryHorizon(Duration::from_secs(600));
+
     #[test]
     fn a_tool_spec_refuses_timeouts_above_the_step_budget_and_non_tool_scopes() {
-        assert!(ToolSpec::new("tool.email.send", STEP_BUDGET).is_ok());
+        assert!(spec("tool.email.send", STEP_BUDGET).is_ok());
         assert!(matches!(
-            ToolSpec::new("tool.email.send", STEP_BUDGET + Duration::from_millis(1)),
+            spec("tool.email.send", STEP_BUDGET + Duration::from_millis(1)),
             Err(ToolError::TimeoutOutOfRange { .. })
         ));
-        assert!(matches!(ToolSpec::new("tool.email.send", Duration::ZERO), Err(ToolError::TimeoutOutOfRange { .. })));
+        assert!(matches!(spec("tool.email.send", Duration::ZERO), Err(ToolError::TimeoutOutOfRange { .. })));
         for scope in ["webhook.nylas", "tool.", "email.send"] {
-            assert!(matches!(ToolSpec::new(scope, Duration::from_secs(5)), Err(ToolError::NotAToolScope { .. })));
+            assert!(matches!(spec(scope, Duration::from_secs(5)), Err(ToolError::NotAToolScope { .. })));
         }
     }
 
     #[test]
     fn a_margin_outside_one_second_to_five_minutes_is_refused() {
-        let guard = |margin| {
-            let client =
-                crate::PostgrestClient::new(crate::ClientConfig::new("http://localhost:1", "k").unwrap()).unwrap();
-            ToolGuard::new(IdempotencyService::new(crate::PostgrestRepository::new(client))).with_lease_margin(margin)
-        };
-        assert!(matches!(guard(Duration::ZERO), Err(ToolError::MarginOutOfRange(_))));
-        assert!(matches!(guard(Duration::from_secs(301)), Err(ToolError::MarginOutOfRange(_))));
+        assert!(matches!(guard(TEN_MINUTES).with_lease_margin(Duration::ZERO), Err(ToolError::MarginOutOfRange(_))));
+        assert!(matches!(
+            guard(TEN_MINUTES).with_lease_margin(Duration::from_secs(301)),
+            Err(ToolError::MarginOutOfRange(_))
+        ));
+        let guard = guard(TEN_MINUTES).with_lease_margin(Duration::from_secs(7)).unwrap();
+        assert_eq!(guard.lease_for(&spec("tool.x", Duration::from_secs(3)).unwrap()), Duration::from_secs(10));
+    }
+
+    #[test]
+    fn retry_horizon_a_lease_that_outlasts_the_last_attempt_is_refused_and_one_that_passes_before_it_is_not() {
+        // An orchestrator retrying 4 times from 1 s, doubling up to 1 min: its
+        // last attempt comes 1 + 2 + 4 + 8 = 15 s after the first.
+        let horizon = RetryHorizon::exponential(4, Duration::from_secs(1), Duration::from_secs(60));
+        assert_eq!(horizon.until_last(), Duration::from_secs(15));
+        let guard = guard(horizon).with_lease_margin(Duration::from_secs(5)).unwrap();
+        assert!(guard.check(&spec("tool.x", Duration::from_secs(9)).unwrap()).is_ok(), "lease 14 s < 15 s");
+        let refused = guard.check(&spec("tool.x", Duration::from_secs(10)).unwrap());
+        assert!(
+            matches!(refused, Err(ToolError::LeaseOutlastsRetries { lease, horizon, .. })
+                if lease == Duration::from_secs(15) && horizon == Duration::from_secs(15)),
+            "lease 15 s is still held at the last attempt: {refused:?}"
+        );
         assert_eq!(
-            guard(Duration::from_secs(7)).unwrap().lease_for(&ToolSpec::new("tool.x", Duration::from_secs(3)).unwrap()),
-            Duration::from_secs(10)
+            RetryHorizon::exponential(10, Duration::from_secs(10), Duration::from_secs(30)).until_last(),
+            Duration::from_secs(10 + 20 + 30 * 8),
+            "each wait is capped"
         );
     }
 
@@ -528,8 +711,38 @@ mod tests {
     fn step_keys_are_stable_and_distinct_per_call() {
         let run = Uuid::new_v4();
         assert_eq!(ToolKey::for_step(run, "s1"), ToolKey::for_step(run, "s1"));
+        assert_eq!(ToolKey::for_step(run, "s1").as_str(), format!("run:{run}:step:s1"), "unchanged for plain ids");
         assert_ne!(ToolKey::for_step_call(run, "s1", 0), ToolKey::for_step_call(run, "s1", 1));
         assert_ne!(ToolKey::for_step(run, "s1"), ToolKey::for_step_call(run, "s1", 0));
+    }
+
+    #[test]
+    fn tool_keys_never_collide_when_a_step_id_looks_like_a_call_suffix() {
+        let run = Uuid::new_v4();
+        assert_ne!(ToolKey::for_step(run, "charge:call:0"), ToolKey::for_step_call(run, "charge", 0));
+        assert_ne!(ToolKey::for_step(run, "a%3Ab"), ToolKey::for_step(run, "a:b"));
+        assert_ne!(ToolKey::for_step_call(run, "a:call:1", 2), ToolKey::for_step_call(run, "a", 1));
+    }
+
+    /// Which call a key was built for: `(run, step, index)`.
+    type Call = (u8, String, Option<u32>);
+
+    fn key_of((run, step, index): &Call) -> ToolKey {
+        let run = Uuid::from_u128(u128::from(*run));
+        match index {
+            None => ToolKey::for_step(run, step),
+            Some(index) => ToolKey::for_step_call(run, step, *index),
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn distinct_run_step_index_tuples_never_produce_the_same_key(
+            a in (0u8..3, "[a-c:%0-9]{0,12}", proptest::option::of(0u32..3)),
+            b in (0u8..3, "[a-c:%0-9]{0,12}", proptest::option::of(0u32..3)),
+        ) {
+            proptest::prop_assert_eq!(a == b, key_of(&a) == key_of(&b), "{:?} and {:?}", a, b);
+        }
     }
 
     #[test]

@@ -25,7 +25,7 @@ use uuid::Uuid;
 use crate::error::{Error, InvalidInput};
 use crate::postgrest::{PostgrestClient, Repeat};
 use crate::repo::IdempotencyRepository;
-use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash};
+use crate::service::{ClaimOutcome, Ending, IdempotencyService, RequestHash};
 
 /// How long processing one delivery may take unless set otherwise.
 pub const DEFAULT_PROCESSING_TIMEOUT: Duration = Duration::from_secs(20);
@@ -240,7 +240,7 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
     /// Refused unless the timeout is above zero and its lease stays within
     /// the store's [`MAX_LEASE`](crate::service::MAX_LEASE).
     pub fn with_processing_timeout(mut self, timeout: Duration) -> Result<Self, InvalidInput> {
-        let lease = timeout + LEASE_MARGIN;
+        let lease = timeout.saturating_add(LEASE_MARGIN);
         if timeout.is_zero() || lease > crate::service::MAX_LEASE {
             return Err(InvalidInput::LeaseTooLong { lease, max: crate::service::MAX_LEASE });
         }
@@ -336,9 +336,8 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
                 return Ack::Retry(RetryReason::ProcessingAborted);
             }
         };
-        let ok = processed.is_ok();
-        let (completion, ack) = match processed {
-            Ok(response) => (Completion::response(json!({"ok": true, "output": response})), Ack::Processed),
+        let (payload, ok) = match processed {
+            Ok(output) => (output, true),
             Err(failure) if failure.retryable => {
                 tracing::warn!(error = %failure.message, "processing failed without an effect; released for redelivery");
                 self.service.release_or_log(&claim).await;
@@ -346,19 +345,20 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
             }
             Err(failure) => {
                 tracing::warn!(error = %failure.message, "processing failed; the failure is the delivery's answer");
-                let answer = json!({"ok": false, "error": failure.message});
-                (Completion::response(answer), Ack::Processed)
+                (Value::String(failure.message), false)
             }
         };
-        let completed = match self.service.complete(&claim, completion).await {
-            // Processed; the output is too large to journal. The ACK needs
-            // none of it: keep its size.
-            Err(Error::Invalid(InvalidInput::ResponseTooLarge { size, .. })) => {
-                let summary = json!({"ok": ok, "output_elided": {"size": size}});
-                self.service.complete(&claim, Completion::response(summary)).await
+        // The processing happened: journal its answer whatever it holds (a
+        // stand-in when the store cannot hold it), so a redelivery is a
+        // duplicate.
+        let envelope = move |payload| {
+            if ok {
+                json!({"ok": true, "output": payload})
+            } else {
+                json!({"ok": false, "error": payload})
             }
-            other => other,
         };
+        let completed = self.service.complete_after_effect(&claim, payload, None, envelope).await;
         match completed {
             Ok(Ending::Recorded) => {}
             Ok(Ending::LeaseMovedOn) => {
@@ -367,10 +367,10 @@ impl<R: IdempotencyRepository> WebhookGate<R> {
             // The processing happened; the vendor must not redeliver it. The
             // claim is reclaimable once its lease passes.
             Err(error) => {
-                tracing::error!(%error, "processed, but the completion could not be recorded")
+                tracing::error!(%error, "processed, but the completion could not be recorded (the plane is unavailable)")
             }
         }
-        ack
+        Ack::Processed
     }
 
     /// Resolves the callback's tenant from `agent.provider_jobs`, checks the

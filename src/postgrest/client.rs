@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::config::ClientConfig;
-use super::error::{ClientError, PostgrestError, TransportKind};
+use super::error::{codes, ClientError, PostgrestError, TransportKind};
 use super::range::{ContentRange, ContentRangeError};
 
 /// Whether a call may be sent again after its response was lost.
@@ -158,7 +158,7 @@ impl PostgrestClient {
         let range = answer.counted_range(function)?;
         let rows: Vec<T> = decode(function, &answer.body)?;
         let received = rows.len() as u64;
-        let Some(total) = range.total else {
+        let Some(total) = range.total() else {
             return Err(ClientError::ContentRange {
                 function,
                 source: ContentRangeError {
@@ -270,11 +270,12 @@ impl PostgrestClient {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map(Duration::from_secs);
-        let body = response.bytes().await.map_err(transport)?;
+        let body = read_body(function, response, self.inner.config.max_response_bytes).await?;
         if status.is_success() {
             return Ok(Answer { status, content_range, body });
         }
         Err(match serde_json::from_slice::<Box<PostgrestError>>(&body) {
+            Ok(error) if error.code == codes::LOCK_NOT_AVAILABLE => ClientError::LockTimeout { function, error },
             Ok(error) => ClientError::Api { function, status: status.as_u16(), error, retry_after },
             Err(_) => ClientError::Http {
                 function,
@@ -284,6 +285,28 @@ impl PostgrestClient {
             },
         })
     }
+}
+
+/// Reads the body, refusing one longer than `limit` bytes without reading
+/// the rest: a server (or a proxy) must not be able to fill our memory.
+async fn read_body(
+    function: &'static str,
+    mut response: reqwest::Response,
+    limit: usize,
+) -> Result<bytes::Bytes, ClientError> {
+    let too_large = ClientError::ResponseTooLarge { function, limit };
+    if response.content_length().is_some_and(|length| length > limit as u64) {
+        return Err(too_large);
+    }
+    let mut body = bytes::BytesMut::new();
+    let transport = |source: reqwest::Error| ClientError::Transport { function, kind: transport_kind(&source), source };
+    while let Some(chunk) = response.chunk().await.map_err(transport)? {
+        if body.len() + chunk.len() > limit {
+            return Err(too_large);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
 }
 
 fn decode<T: DeserializeOwned>(function: &'static str, body: &[u8]) -> Result<T, ClientError> {

@@ -16,6 +16,11 @@ pub const DEFAULT_MAX_ROWS: u32 = 1000;
 /// here to the server.
 pub const MAX_MAX_ROWS: u32 = 100_000;
 
+/// The largest response body the client reads unless told otherwise: 8 MiB.
+/// A claim row holds at most a 64 KiB answer by default, and the largest
+/// bounded read (100,000 rows of `id,retain_until`) is about 7.5 MB.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 8 * 1024 * 1024;
+
 /// Configuration of a [`PostgrestClient`](super::PostgrestClient).
 ///
 /// `Debug` never prints the service key or the `apikey`.
@@ -30,6 +35,7 @@ pub struct ClientConfig {
     pub(crate) connect_timeout: Duration,
     pub(crate) pool_max_idle_per_host: usize,
     pub(crate) retry: RetryConfig,
+    pub(crate) max_response_bytes: usize,
 }
 
 impl ClientConfig {
@@ -38,7 +44,8 @@ impl ClientConfig {
     /// `base_url` is PostgREST's root: `http://host:3000` for plain
     /// PostgREST, `https://<ref>.supabase.co/rest/v1` for Supabase. Defaults:
     /// schema `agent`, `max_rows` 1000, 15 s request and 5 s connect timeouts,
-    /// [`RetryConfig::default`], no `apikey`.
+    /// [`RetryConfig::default`], no `apikey`, bodies up to
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`].
     pub fn new(base_url: &str, service_key: impl Into<String>) -> Result<Self, ClientError> {
         let mut base_url =
             Url::parse(base_url).map_err(|e| ClientError::Config(format!("base URL {base_url:?}: {e}")))?;
@@ -70,6 +77,7 @@ impl ClientConfig {
             connect_timeout: Duration::from_secs(5),
             pool_max_idle_per_host: 64,
             retry: RetryConfig::default(),
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
         })
     }
 
@@ -145,6 +153,17 @@ impl ClientConfig {
         self
     }
 
+    /// The largest response body read, in bytes; a longer one fails the call
+    /// with [`ClientError::ResponseTooLarge`] instead of filling memory.
+    /// Default [`DEFAULT_MAX_RESPONSE_BYTES`]; at least 1 KiB.
+    pub fn with_max_response_bytes(mut self, bytes: usize) -> Result<Self, ClientError> {
+        if bytes < 1024 {
+            return Err(ClientError::Config(format!("max_response_bytes must be at least 1024, got {bytes}")));
+        }
+        self.max_response_bytes = bytes;
+        Ok(self)
+    }
+
     /// The root every `rpc/<name>` is resolved against, with a trailing slash.
     pub fn base_url(&self) -> &Url {
         &self.base_url
@@ -168,6 +187,7 @@ impl fmt::Debug for ClientConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("pool_max_idle_per_host", &self.pool_max_idle_per_host)
             .field("retry", &self.retry)
+            .field("max_response_bytes", &self.max_response_bytes)
             .finish()
     }
 }

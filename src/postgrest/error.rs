@@ -60,6 +60,10 @@ pub mod codes {
     pub const SERIALIZATION_FAILURE: &str = "40001";
     /// SQLSTATE deadlock_detected (500): rolled back, safe to retry.
     pub const DEADLOCK_DETECTED: &str = "40P01";
+    /// SQLSTATE lock_not_available (500): the call waited longer than the
+    /// plane's `lock_timeout` for a row another transaction holds; rolled
+    /// back, nothing written.
+    pub const LOCK_NOT_AVAILABLE: &str = "55P03";
 }
 
 /// What went wrong with a transport-level failure, and so whether a retry can
@@ -135,6 +139,29 @@ pub enum ClientError {
         reason: String,
     },
 
+    /// The call waited longer than the plane's `lock_timeout` (5 s) for a
+    /// row another transaction holds, and was rolled back: nothing was
+    /// written. Transient, but not retried by the client, which would only
+    /// queue up behind the same lock: the caller retries later (see
+    /// [`is_transient`](Self::is_transient)).
+    #[error("{function}: gave up waiting for a row lock another transaction holds ({}): {}", codes::LOCK_NOT_AVAILABLE, error.message)]
+    LockTimeout {
+        /// The function called.
+        function: &'static str,
+        /// The body, as PostgREST sent it.
+        error: Box<PostgrestError>,
+    },
+
+    /// The response body was longer than the configured
+    /// `max_response_bytes`; it was not read to the end.
+    #[error("{function}: the response is longer than the {limit}-byte limit")]
+    ResponseTooLarge {
+        /// The function called.
+        function: &'static str,
+        /// The limit, in bytes.
+        limit: usize,
+    },
+
     /// A bounded read whose `Content-Range` is missing or malformed.
     #[error("{function}: unusable Content-Range")]
     ContentRange {
@@ -178,7 +205,7 @@ impl ClientError {
     /// The PostgREST or SQLSTATE code, when the server sent one.
     pub fn code(&self) -> Option<&str> {
         match self {
-            ClientError::Api { error, .. } => Some(&error.code),
+            ClientError::Api { error, .. } | ClientError::LockTimeout { error, .. } => Some(&error.code),
             _ => None,
         }
     }
@@ -199,7 +226,14 @@ impl ClientError {
         }
     }
 
-    /// Whether a retry may help, given whether the call is safe to repeat
+    /// Whether running the same call again later may succeed: what
+    /// [`is_retryable`](Self::is_retryable) allows for a call that is safe to
+    /// repeat, and a lock timeout (the lock will be released).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, ClientError::LockTimeout { .. }) || self.is_retryable(true)
+    }
+
+    /// Whether the client itself retries, given whether the call is safe to repeat
     /// after a lost response. The single place this crate decides it:
     ///
     /// | failure | any call | repeat-safe call |
@@ -209,6 +243,7 @@ impl ClientError {
     /// | other 503 (`PGRST001`, `08*`, `53*`, `57P01`) | no | yes |
     /// | 500 `40001` / `40P01` (rolled back) | yes | yes |
     /// | timeout, connection reset after sending | no | yes |
+    /// | 500 `55P03`, a lock timeout ([`ClientError::LockTimeout`]) | no | no |
     /// | 503/504 without a PostgREST body (a gateway) | no | yes |
     /// | anything else | no | no |
     pub fn is_retryable(&self, repeat_safe: bool) -> bool {

@@ -11,7 +11,7 @@ mod range;
 mod retry;
 
 pub use client::{PostgrestClient, Repeat};
-pub use config::{ClientConfig, DEFAULT_MAX_ROWS, MAX_MAX_ROWS};
+pub use config::{ClientConfig, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS};
 pub use error::{codes, ClientError, PostgrestError, TransportKind};
 pub use range::{ContentRange, ContentRangeError};
 pub use retry::RetryConfig;

@@ -1,19 +1,19 @@
 //! PostgREST's `Content-Range` header.
 //!
 //! PostgREST writes `{lower}-{upper}/{total}` with no unit prefix: `0-24/*`,
-//! `0-999/5000`, `*/0`, `*/*` (`postgrest-behavior.md` §3). The range part is
+//! `0-999/5000`, `*/0`, `*/*` (PostgREST's documentation, "Pagination and Count"). The range part is
 //! `*` when no rows came back; the total is `*` when nothing was counted.
 
 use std::fmt;
 use std::str::FromStr;
 
-/// A parsed `Content-Range` value.
+/// A parsed `Content-Range` value. Always consistent: its lower bound is at
+/// most its upper bound, and a counted total lies beyond the range, whether
+/// it was parsed or built with [`ContentRange::new`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ContentRange {
-    /// The rows this response holds, inclusive; `None` for `*` (no rows).
-    pub range: Option<(u64, u64)>,
-    /// The whole result's size; `None` for `*` (not counted).
-    pub total: Option<u64>,
+    range: Option<(u64, u64)>,
+    total: Option<u64>,
 }
 
 /// A `Content-Range` value that is not one of PostgREST's forms.
@@ -27,6 +27,34 @@ pub struct ContentRangeError {
 }
 
 impl ContentRange {
+    /// A range of rows `lower..=upper` (`None` for `*`, no rows) out of
+    /// `total` (`None` for `*`, not counted). Refused, like a header saying
+    /// the same, when the upper bound is below the lower one or the range
+    /// ends at or past the total.
+    pub fn new(range: Option<(u64, u64)>, total: Option<u64>) -> Result<Self, ContentRangeError> {
+        let candidate = ContentRange { range, total };
+        let fail = |reason| ContentRangeError { value: candidate.to_string(), reason };
+        if let Some((lower, upper)) = range {
+            if upper < lower {
+                return Err(fail("upper bound below lower bound"));
+            }
+            if total.is_some_and(|total| upper >= total) {
+                return Err(fail("range ends past the total"));
+            }
+        }
+        Ok(candidate)
+    }
+
+    /// The rows this response holds, inclusive; `None` for `*` (no rows).
+    pub fn range(&self) -> Option<(u64, u64)> {
+        self.range
+    }
+
+    /// The whole result's size; `None` for `*` (not counted).
+    pub fn total(&self) -> Option<u64> {
+        self.total
+    }
+
     /// How many rows the response says it holds.
     pub fn rows(&self) -> u64 {
         match self.range {
@@ -40,7 +68,7 @@ impl ContentRange {
     /// its offset on, that is when it cut the result short.
     pub fn is_truncated(&self) -> bool {
         match (self.range, self.total) {
-            (Some((_, upper)), Some(total)) => upper + 1 < total,
+            (Some((_, upper)), Some(total)) => upper < total.saturating_sub(1),
             (None, Some(total)) => total > 0,
             (_, None) => false,
         }
@@ -63,18 +91,10 @@ impl FromStr for ContentRange {
                 let (lower, upper) = bounds.split_once('-').ok_or_else(|| fail("expected `lower-upper`"))?;
                 let lower = parse_number(lower).ok_or_else(|| fail("lower bound is not a number"))?;
                 let upper = parse_number(upper).ok_or_else(|| fail("upper bound is not a number"))?;
-                if upper < lower {
-                    return Err(fail("upper bound below lower bound"));
-                }
                 Some((lower, upper))
             }
         };
-        if let (Some((_, upper)), Some(total)) = (range, total) {
-            if upper >= total {
-                return Err(fail("range ends past the total"));
-            }
-        }
-        Ok(ContentRange { range, total })
+        ContentRange::new(range, total).map_err(|e| fail(e.reason))
     }
 }
 
@@ -126,6 +146,22 @@ mod tests {
             assert_eq!(parsed.is_truncated(), truncated, "{text}");
             assert_eq!(parsed.to_string(), text);
         }
+    }
+
+    #[test]
+    fn a_hand_built_range_is_checked_like_a_parsed_one() {
+        assert!(matches!(
+            ContentRange::new(Some((5, 1)), None),
+            Err(ContentRangeError { reason: "upper bound below lower bound", .. })
+        ));
+        assert!(matches!(
+            ContentRange::new(Some((0, 9)), Some(5)),
+            Err(ContentRangeError { reason: "range ends past the total", .. })
+        ));
+        let widest = ContentRange::new(Some((0, u64::MAX)), None).unwrap();
+        assert_eq!((widest.rows(), widest.is_truncated()), (u64::MAX, false));
+        assert!(ContentRange::new(Some((0, u64::MAX - 1)), Some(u64::MAX)).is_ok_and(|r| !r.is_truncated()));
+        assert_eq!(ContentRange::new(None, Some(3)).unwrap().to_string(), "*/3");
     }
 
     #[test]

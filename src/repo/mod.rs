@@ -19,7 +19,8 @@ pub use record::{ClaimStatus, IdempotencyRecord};
 /// The arguments of a claim or a reclaim.
 ///
 /// Durations, not instants: the database computes `lease_expires_at` and
-/// `retain_until` from its own clock (design.md, "One clock").
+/// `retain_until` from its own clock (README, "Deliberate differences from
+/// the spec": one clock).
 #[derive(Debug, Clone, Copy)]
 pub struct ClaimRequest<'a> {
     /// The tenant; the unique key starts with it.

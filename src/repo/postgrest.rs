@@ -83,7 +83,8 @@ struct KeyArgs<'a> {
 }
 
 /// Absent values are omitted, never sent as JSON `null`: postrust-server
-/// binds a `null` as `''` (see `postrust-differences.md`).
+/// binds a `null` as `''`, and PostgREST as SQL `NULL`: omitting the key is
+/// the one form both servers read as the parameter's `DEFAULT NULL`.
 #[derive(Serialize)]
 struct CompleteArgs<'a> {
     p_claim_id: Uuid,

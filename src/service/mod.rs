@@ -6,6 +6,7 @@
 //! else, whatever the lease says.
 
 mod hash;
+mod journal;
 mod outcome;
 mod replay_cache;
 mod scope;
@@ -20,6 +21,7 @@ use crate::error::{Error, InvalidInput};
 use crate::repo::{ClaimRequest, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
 
 pub use hash::RequestHash;
+pub use journal::{Elided, Unstorable, MAX_RESPONSE_DEPTH};
 pub use outcome::{
     Claim, ClaimOutcome, Completion, Ending, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS, MAX_RESOURCE_TYPE_CHARS,
 };
@@ -66,15 +68,17 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         IdempotencyService { repo, scopes, response_limit: DEFAULT_RESPONSE_LIMIT, cache: None }
     }
 
-    /// Keeps up to `capacity` completed claims in process for `ttl`, so a
-    /// replay (and a conflict against a completed claim) costs no round
-    /// trip. Only completed claims are cached: they are terminal. Keep the
-    /// TTL short (a minute or so): it is measured by this process's clock,
-    /// and must stay far below the shortest retention (24 hours).
+    /// Keeps up to `capacity` completed claims, holding at most about
+    /// `max_bytes` together, in process for `ttl`, so a replay (and a
+    /// conflict against a completed claim) costs no round trip. Only
+    /// completed claims are cached: they are terminal. The oldest is evicted
+    /// first; an answer larger than `max_bytes` alone is not cached. Keep
+    /// the TTL short (a minute or so): it is measured by this process's
+    /// clock, and must stay far below the shortest retention (24 hours).
     /// The TTL is capped at [`MAX_REPLAY_CACHE_TTL`].
-    pub fn with_replay_cache(mut self, capacity: usize, ttl: Duration) -> Self {
+    pub fn with_replay_cache(mut self, capacity: usize, max_bytes: usize, ttl: Duration) -> Self {
         let ttl = ttl.min(MAX_REPLAY_CACHE_TTL);
-        self.cache = Some(std::sync::Arc::new(replay_cache::ReplayCache::new(capacity, ttl)));
+        self.cache = Some(std::sync::Arc::new(replay_cache::ReplayCache::new(capacity, max_bytes, ttl)));
         self
     }
 
@@ -117,6 +121,11 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     pub fn with_response_limit(mut self, bytes: u64) -> Self {
         self.response_limit = bytes;
         self
+    }
+
+    /// The largest response stored inline, in bytes of compact JSON.
+    pub fn response_limit(&self) -> u64 {
+        self.response_limit
     }
 
     /// The repository underneath.
@@ -232,16 +241,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         for _ in 0..MAX_CLAIM_STEPS {
             step = match step {
                 Step::TryClaim => match self.repo.try_claim(request).await? {
-                    Some(record) => {
-                        let record = checked(
-                            record,
-                            request.organization_id,
-                            request.scope,
-                            request.key,
-                            Some(request.lease_token),
-                        )?;
-                        return Ok(ClaimOutcome::Claimed(Claim::from_record(record, false)));
-                    }
+                    Some(record) => return owned(record, request, false),
                     None => Step::Get,
                 },
                 Step::Get => match self.repo.get(request.organization_id, request.scope, request.key).await? {
@@ -255,16 +255,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                     }
                 },
                 Step::Reclaim => match self.repo.reclaim(request).await? {
-                    Some(record) => {
-                        let record = checked(
-                            record,
-                            request.organization_id,
-                            request.scope,
-                            request.key,
-                            Some(request.lease_token),
-                        )?;
-                        return Ok(ClaimOutcome::Claimed(Claim::from_record(record, true)));
-                    }
+                    Some(record) => return owned(record, request, true),
                     // Someone else reclaimed, completed or released it first.
                     None => Step::Get,
                 },
@@ -332,24 +323,68 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         response: &serde_json::Value,
         resource: Option<&ResourceRef>,
     ) -> Result<Option<serde_json::Value>, Error> {
-        let size = json_size(response);
+        let size = journal::json_size(response);
         if size <= self.response_limit {
             return Ok(None);
         }
-        let Some(resource) = resource else {
+        let too_large = Unstorable::TooLarge { size, limit: self.response_limit };
+        if resource.is_none() {
             return Err(InvalidInput::ResponseTooLarge { size, limit: self.response_limit }.into());
-        };
-        let digest = serde_json::to_vec(response)
-            .map(|bytes| hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&bytes)))
-            .map_err(|e| Error::Inconsistent(format!("a JSON value did not serialize: {e}")))?;
+        }
         tracing::info!(size, limit = self.response_limit, "response above the store limit; storing a reference");
-        let reference = ResponseRef {
-            resource_type: resource.resource_type.clone(),
-            resource_id: resource.resource_id.clone(),
-            size,
-            sha256: digest,
+        Ok(Some(journal::stand_in(response, too_large, resource)))
+    }
+
+    /// Completes `claim` after its effect happened, whatever its answer
+    /// holds, so that a repeat replays instead of running the effect again.
+    ///
+    /// `payload` is the bulky part of the answer (a tool's output, what a
+    /// webhook's processing returned) and `wrap` builds the stored answer
+    /// around it (the outcome envelope: ok, error). When the store cannot
+    /// hold the payload (a NUL character, nesting deeper than
+    /// [`MAX_RESPONSE_DEPTH`], a wrapped answer above the response limit, or
+    /// data the database refuses), the payload is replaced by a stand-in and
+    /// the envelope kept: a [`ResponseRef`] to `resource` when size is the
+    /// only problem and there is a resource, else an [`Elided`] summary with
+    /// the original's size and SHA-256. A resource the store would refuse is
+    /// left out with a warning. So an error here is never the answer's
+    /// fault: it is the plane's availability (see
+    /// [`Error::is_unstorable_answer`]).
+    pub async fn complete_after_effect(
+        &self,
+        claim: &Claim,
+        payload: serde_json::Value,
+        resource: Option<ResourceRef>,
+        wrap: impl Fn(serde_json::Value) -> serde_json::Value,
+    ) -> Result<Ending, Error> {
+        let resource = resource.filter(|resource| match resource.validate() {
+            Ok(()) => true,
+            Err(refused) => {
+                tracing::warn!(%refused, "the effect's resource cannot be stored; journaling the answer without it");
+                false
+            }
+        });
+        let envelope = wrap(serde_json::Value::Null);
+        let budget = self.response_limit.saturating_sub(journal::json_size(&envelope).saturating_sub(4));
+        let stored = match journal::unstorable(&payload, journal::depth(&envelope), budget) {
+            None => wrap(payload.clone()),
+            Some(reason) => {
+                tracing::warn!(
+                    reason = reason.as_str(),
+                    "the answer cannot be journaled as given; journaling a stand-in"
+                );
+                wrap(journal::stand_in(&payload, reason, resource.as_ref()))
+            }
         };
-        Ok(Some(reference.to_stored()))
+        let completion = Completion { response: Some(stored), resource: resource.clone() };
+        match self.complete(claim, completion).await {
+            Err(refused) if refused.is_unstorable_answer() => {
+                tracing::warn!(%refused, "the store refused the answer; journaling a stand-in");
+                let stand_in = Elided::of(&payload, Unstorable::Refused).to_stored();
+                self.complete(claim, Completion { response: Some(wrap(stand_in)), resource: None }).await
+            }
+            other => other,
+        }
     }
 
     /// Releases `claim` where the caller has nothing better to do with a
@@ -404,6 +439,17 @@ fn checked(
         record.key,
         if same_token { "" } else { " with another lease token" }
     )))
+}
+
+/// The claim a try_claim or reclaim answered: our row, under our token, with
+/// a lease that is live by the database clock. A lease already over when it
+/// is handed out would let a second worker reclaim while this one executes.
+fn owned(record: IdempotencyRecord, request: &ClaimRequest<'_>, reclaimed: bool) -> Result<ClaimOutcome, Error> {
+    let record = checked(record, request.organization_id, request.scope, request.key, Some(request.lease_token))?;
+    if !record.lease_live {
+        return Err(Error::LeaseLapsed { lease_expires_at: record.lease_expires_at });
+    }
+    Ok(ClaimOutcome::Claimed(Claim::from_record(record, reclaimed)))
 }
 
 enum Judged {
@@ -479,33 +525,9 @@ fn record_ending(operation: &'static str, scope: &str, ending: Ending) {
     }
 }
 
-/// The size of `value` as compact JSON, counted without building it.
-fn json_size(value: &serde_json::Value) -> u64 {
-    struct Count(u64);
-    impl std::io::Write for Count {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0 += bytes.len() as u64;
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    // Writing a Value to an infallible writer cannot fail.
-    let _ = serde_json::to_writer(&mut count, value);
-    count.0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn json_size_counts_compact_bytes() {
-        let value = serde_json::json!({"a": [1, 2, "é"]});
-        assert_eq!(json_size(&value), serde_json::to_vec(&value).unwrap().len() as u64);
-    }
 
     #[test]
     fn a_response_ref_round_trips_and_nothing_else_reads_as_one() {

@@ -17,6 +17,28 @@ pub struct ResourceRef {
     pub resource_id: String,
 }
 
+impl ResourceRef {
+    /// Refuses what the table would: an empty type or id, one longer than
+    /// it accepts, or one holding a NUL character.
+    pub(crate) fn validate(&self) -> Result<(), InvalidInput> {
+        if self.resource_type.is_empty() || self.resource_id.is_empty() {
+            return Err(InvalidInput::EmptyResource);
+        }
+        for (field, value, max) in
+            [("type", &self.resource_type, MAX_RESOURCE_TYPE_CHARS), ("id", &self.resource_id, MAX_RESOURCE_ID_CHARS)]
+        {
+            let chars = value.chars().count();
+            if chars > max {
+                return Err(InvalidInput::ResourceTooLong { field, chars, max });
+            }
+            if value.contains('\0') {
+                return Err(InvalidInput::ResourceHasNul { field });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Where a response too large to store went: the resource that holds it, and
 /// its size and digest so a reader can check what it fetches.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -202,22 +224,18 @@ impl Completion {
     /// `null` response counts as none.
     pub(crate) fn validate(&self) -> Result<(), InvalidInput> {
         if let Some(resource) = &self.resource {
-            if resource.resource_type.is_empty() || resource.resource_id.is_empty() {
-                return Err(InvalidInput::EmptyResource);
-            }
-            for (field, value, max) in [
-                ("type", &resource.resource_type, MAX_RESOURCE_TYPE_CHARS),
-                ("id", &resource.resource_id, MAX_RESOURCE_ID_CHARS),
-            ] {
-                let chars = value.chars().count();
-                if chars > max {
-                    return Err(InvalidInput::ResourceTooLong { field, chars, max });
-                }
-            }
+            resource.validate()?;
         }
-        // A response shaped like a stored reference would replay as one.
-        if self.response.as_ref().is_some_and(|v| ResponseRef::from_stored(v).is_some()) {
-            return Err(InvalidInput::ReservedResponseShape);
+        if let Some(response) = &self.response {
+            // A response shaped like a stored reference would replay as one.
+            if ResponseRef::from_stored(response).is_some() {
+                return Err(InvalidInput::ReservedResponseShape);
+            }
+            // Size is the service's to judge: it knows the limit, and may
+            // store a reference instead.
+            if let Some(reason) = super::journal::unstorable(response, 0, u64::MAX) {
+                return Err(InvalidInput::UnstorableResponse(reason));
+            }
         }
         let has_response = matches!(&self.response, Some(v) if !v.is_null());
         if !has_response && self.resource.is_none() {
@@ -260,6 +278,16 @@ mod tests {
             Err(InvalidInput::ResourceTooLong { field: "id", .. })
         ));
         assert!(Completion::resource("t".repeat(128), "1".repeat(512)).validate().is_ok());
+        assert_eq!(Completion::resource("t", "a\u{0}").validate(), Err(InvalidInput::ResourceHasNul { field: "id" }));
+        assert_eq!(
+            Completion::response(json!({"text": "a\u{0}b"})).validate(),
+            Err(InvalidInput::UnstorableResponse(crate::service::Unstorable::Nul))
+        );
+        let deep = (0..=crate::service::MAX_RESPONSE_DEPTH).fold(json!(1), |inner, _| json!([inner]));
+        assert_eq!(
+            Completion::response(deep).validate(),
+            Err(InvalidInput::UnstorableResponse(crate::service::Unstorable::TooDeep))
+        );
         let spoof = json!({"$response_ref": {"resource_type": "t", "resource_id": "1", "size": 1, "sha256": "a"}});
         assert_eq!(Completion::response(spoof).validate(), Err(InvalidInput::ReservedResponseShape));
         assert!(Completion::response(json!({"$response_ref": 1, "other": 2})).validate().is_ok());

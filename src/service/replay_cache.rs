@@ -39,48 +39,62 @@ impl CachedAnswer {
 
 type Key = (Uuid, String, String);
 
-/// A bounded, time-limited map of completed claims, oldest evicted first.
+/// A time-limited map of completed claims, bounded in entries and in
+/// bytes, oldest evicted first.
 #[derive(Debug)]
 pub(crate) struct ReplayCache {
     capacity: usize,
+    max_bytes: usize,
     ttl: Duration,
     inner: Mutex<Entries>,
 }
 
 #[derive(Debug, Default)]
 struct Entries {
-    map: HashMap<Key, (CachedAnswer, Instant)>,
+    /// Each answer, when it was stored, and the bytes it was counted for.
+    map: HashMap<Key, (CachedAnswer, Instant, usize)>,
     order: VecDeque<Key>,
+    bytes: usize,
+}
+
+/// Approximate bytes one entry holds, its key included.
+fn entry_bytes((_, scope, key): &Key, answer: &CachedAnswer) -> usize {
+    std::mem::size_of::<(Key, (CachedAnswer, Instant, usize))>()
+        + std::mem::size_of::<Key>()
+        + 2 * (scope.len() + key.len())
+        + answer.approx_bytes()
 }
 
 impl ReplayCache {
-    pub(crate) fn new(capacity: usize, ttl: Duration) -> Self {
-        ReplayCache { capacity, ttl, inner: Mutex::new(Entries::default()) }
+    pub(crate) fn new(capacity: usize, max_bytes: usize, ttl: Duration) -> Self {
+        ReplayCache { capacity, max_bytes, ttl, inner: Mutex::new(Entries::default()) }
     }
 
     /// The cached answer for a claim, if one was stored less than a TTL ago.
     pub(crate) fn get(&self, organization_id: Uuid, scope: &str, key: &str) -> Option<CachedAnswer> {
         let entries = self.inner.lock().ok()?;
-        let (answer, stored_at) = entries.map.get(&(organization_id, scope.to_owned(), key.to_owned()))?;
+        let (answer, stored_at, _) = entries.map.get(&(organization_id, scope.to_owned(), key.to_owned()))?;
         (stored_at.elapsed() < self.ttl).then(|| answer.clone())
     }
 
-    /// Remembers a completed claim's answer.
+    /// Remembers a completed claim's answer. One larger than the whole byte
+    /// bound is not cached at all.
     pub(crate) fn put(&self, organization_id: Uuid, scope: &str, key: &str, answer: CachedAnswer) {
-        if self.capacity == 0 {
+        let entry_key = (organization_id, scope.to_owned(), key.to_owned());
+        let size = entry_bytes(&entry_key, &answer);
+        if self.capacity == 0 || size > self.max_bytes {
             return;
         }
         let Ok(mut entries) = self.inner.lock() else { return };
-        let entry_key = (organization_id, scope.to_owned(), key.to_owned());
-        if entries.map.insert(entry_key.clone(), (answer, Instant::now())).is_none() {
-            entries.order.push_back(entry_key);
+        match entries.map.insert(entry_key.clone(), (answer, Instant::now(), size)) {
+            Some((_, _, replaced)) => entries.bytes -= replaced,
+            None => entries.order.push_back(entry_key),
         }
-        while entries.map.len() > self.capacity {
-            match entries.order.pop_front() {
-                Some(oldest) => {
-                    entries.map.remove(&oldest);
-                }
-                None => break,
+        entries.bytes += size;
+        while entries.map.len() > self.capacity || entries.bytes > self.max_bytes {
+            let Some(oldest) = entries.order.pop_front() else { break };
+            if let Some((_, _, evicted)) = entries.map.remove(&oldest) {
+                entries.bytes -= evicted;
             }
         }
     }
@@ -92,18 +106,7 @@ impl ReplayCache {
 
     /// Approximate bytes the entries hold, keys included.
     pub(crate) fn approx_bytes(&self) -> usize {
-        self.inner.lock().map_or(0, |entries| {
-            entries
-                .map
-                .iter()
-                .map(|((_, scope, key), (answer, _))| {
-                    std::mem::size_of::<(Key, (CachedAnswer, Instant))>()
-                        + std::mem::size_of::<Key>()
-                        + 2 * (scope.len() + key.len())
-                        + answer.approx_bytes()
-                })
-                .sum()
-        })
+        self.inner.lock().map_or(0, |entries| entries.bytes)
     }
 }
 
@@ -122,7 +125,7 @@ mod tests {
 
     #[test]
     fn entries_are_bounded_oldest_first_and_expire() {
-        let cache = ReplayCache::new(2, Duration::from_secs(60));
+        let cache = ReplayCache::new(2, usize::MAX, Duration::from_secs(60));
         let org = Uuid::new_v4();
         cache.put(org, "tool.x", "a", answer("1"));
         cache.put(org, "tool.x", "b", answer("2"));
@@ -133,8 +136,32 @@ mod tests {
         assert!(cache.get(Uuid::new_v4(), "tool.x", "c").is_none(), "keys are per tenant");
         assert!(cache.approx_bytes() > 0);
 
-        let expired = ReplayCache::new(2, Duration::ZERO);
+        let expired = ReplayCache::new(2, usize::MAX, Duration::ZERO);
         expired.put(org, "tool.x", "a", answer("1"));
         assert!(expired.get(org, "tool.x", "a").is_none());
+    }
+
+    #[test]
+    fn the_replay_cache_is_bounded_in_bytes_as_well_as_entries() {
+        let org = Uuid::new_v4();
+        let big = |hash: &str| CachedAnswer {
+            response: Some(serde_json::json!({"text": "x".repeat(10_000)})),
+            ..answer(hash)
+        };
+        let one = entry_bytes(&(org, "tool.x".into(), "a".into()), &big("1"));
+        let cache = ReplayCache::new(1_000, one * 2 + one / 2, Duration::from_secs(60));
+        for (key, hash) in [("a", "1"), ("b", "2"), ("c", "3")] {
+            cache.put(org, "tool.x", key, big(hash));
+        }
+        assert_eq!(cache.len(), 2, "two entries fit the byte bound, not three");
+        assert!(cache.get(org, "tool.x", "a").is_none(), "the oldest was evicted");
+        assert!(cache.approx_bytes() <= one * 2 + one / 2);
+        // Replacing an entry does not count it twice.
+        cache.put(org, "tool.x", "c", big("3"));
+        assert_eq!((cache.len(), cache.approx_bytes()), (2, one * 2));
+        // One answer above the whole bound is not cached.
+        let tiny = ReplayCache::new(1_000, one - 1, Duration::from_secs(60));
+        tiny.put(org, "tool.x", "a", big("1"));
+        assert_eq!(tiny.len(), 0);
     }
 }

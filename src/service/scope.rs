@@ -57,16 +57,24 @@ impl ScopeRegistry {
         ScopeRegistry { exact: Vec::new(), families: Vec::new() }
     }
 
-    /// Adds one scope with its retention.
-    pub fn with_scope(mut self, scope: impl Into<String>, retention: Duration) -> Self {
-        self.exact.push((scope.into(), retention));
-        self
+    /// Adds one scope with its retention. A tool scope (`tool.…`) under
+    /// [`TOOL_RETENTION`] is refused: its claim is the replay journal of a
+    /// Run that may wait on an approval for up to 30 days.
+    pub fn with_scope(mut self, scope: impl Into<String>, retention: Duration) -> Result<Self, InvalidInput> {
+        let scope = scope.into();
+        check_tool_retention(&scope, retention)?;
+        self.exact.push((scope, retention));
+        Ok(self)
     }
 
-    /// Adds every scope that starts with `prefix` (e.g. `tool.`).
-    pub fn with_family(mut self, prefix: impl Into<String>, retention: Duration) -> Self {
-        self.families.push((prefix.into(), retention));
-        self
+    /// Adds every scope that starts with `prefix` (e.g. `tool.`). A family
+    /// that covers tool scopes (`tool.`, `tool.crm.`, or a shorter prefix
+    /// of `tool.`) with a retention under [`TOOL_RETENTION`] is refused.
+    pub fn with_family(mut self, prefix: impl Into<String>, retention: Duration) -> Result<Self, InvalidInput> {
+        let prefix = prefix.into();
+        check_tool_retention(&prefix, retention)?;
+        self.families.push((prefix, retention));
+        Ok(self)
     }
 
     /// The retention of `scope`, after checking its shape and that its
@@ -79,11 +87,28 @@ impl ScopeRegistry {
         let Some((_, retention)) = registered else {
             return Err(Error::UnknownScope { scope: scope.to_owned() });
         };
+        check_tool_retention(scope, *retention)?;
         if !(MIN_RETENTION..=MAX_RETENTION).contains(retention) {
             return Err(InvalidInput::RetentionOutOfRange { scope: scope.to_owned(), retention: *retention }.into());
         }
         Ok(*retention)
     }
+}
+
+/// Refuses a retention under [`TOOL_RETENTION`] for a scope, or a family
+/// prefix, that names or covers tool scopes. Taking the ceiling is the
+/// point: a shorter tool retention forgets an effect a waiting Run already
+/// made, and its restarted segment repeats it.
+fn check_tool_retention(scope_or_prefix: &str, retention: Duration) -> Result<(), InvalidInput> {
+    let covers_tools = scope_or_prefix.starts_with("tool.") || "tool.".starts_with(scope_or_prefix);
+    if covers_tools && retention < TOOL_RETENTION {
+        return Err(InvalidInput::ToolRetentionTooShort {
+            scope: scope_or_prefix.to_owned(),
+            retention,
+            min: TOOL_RETENTION,
+        });
+    }
+    Ok(())
 }
 
 /// A scope is 1 to 128 characters of `a-z 0-9 . _ -`.
@@ -106,6 +131,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_tool_retention_under_thirty_days_is_refused() {
+        let short = ScopeRegistry::empty().with_scope("tool.email.send", DAY);
+        assert!(matches!(short, Err(InvalidInput::ToolRetentionTooShort { .. })), "{short:?}");
+        for prefix in ["tool.", "tool.crm.", "to", ""] {
+            let family = ScopeRegistry::empty().with_family(prefix, DAY * 29);
+            assert!(matches!(family, Err(InvalidInput::ToolRetentionTooShort { .. })), "{prefix:?}: {family:?}");
+        }
+        assert!(ScopeRegistry::empty().with_scope("tool.email.send", TOOL_RETENTION).is_ok());
+        assert!(ScopeRegistry::empty().with_family("tool.", DAY * 31).is_ok());
+        assert!(ScopeRegistry::empty().with_scope("webhook.slack", DAY).is_ok());
+        assert!(ScopeRegistry::empty().with_family("tools.", DAY).is_ok(), "not a tool scope");
+    }
+
+    #[test]
     fn spec_retentions() {
         let registry = ScopeRegistry::default();
         assert_eq!(registry.retention("tool.email.send").unwrap(), TOOL_RETENTION);
@@ -124,7 +163,10 @@ mod tests {
         assert!(matches!(registry.retention(""), Err(Error::Invalid(InvalidInput::EmptyScope))));
         let long = format!("tool.{}", "x".repeat(200));
         assert!(matches!(registry.retention(&long), Err(Error::Invalid(InvalidInput::ScopeTooLong { .. }))));
-        let odd = ScopeRegistry::empty().with_scope("forever.x", DAY * 400).with_family("never.", Duration::ZERO);
+        let odd = ScopeRegistry::empty()
+            .with_scope("forever.x", DAY * 400)
+            .and_then(|r| r.with_family("never.", Duration::ZERO))
+            .unwrap();
         for scope in ["forever.x", "never.x"] {
             assert!(matches!(odd.retention(scope), Err(Error::Invalid(InvalidInput::RetentionOutOfRange { .. }))));
         }

@@ -1,7 +1,7 @@
 -- The idempotency plane: one table, and the functions that make every atomic
 -- decision about it. Callers reach these through PostgREST as
 -- POST /rpc/<name> with Content-Profile: agent. Names, argument names and
--- result shapes are a public contract (design.md, "The SQL surface").
+-- result shapes are a public contract (README, "The SQL surface").
 --
 -- One clock: callers pass durations (p_lease_ms, p_retain_ms) and the
 -- database computes every instant from its own now(). No caller's clock ever

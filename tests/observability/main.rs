@@ -15,7 +15,9 @@ use std::thread::ThreadId;
 use std::time::Duration;
 
 use harness::*;
-use idempotency_plane::callers::tool::{Checkpoint, ToolGuard, ToolKey, ToolResult, ToolSpec};
+use idempotency_plane::callers::tool::{
+    Checkpoint, RepeatSafety, RetryHorizon, ToolGuard, ToolKey, ToolResult, ToolSpec,
+};
 use idempotency_plane::sweeper::Sweeper;
 use serde_json::json;
 use tracing_subscriber::layer::SubscriberExt;
@@ -97,8 +99,8 @@ fn store(name: &str, fields: Vec<(String, String)>) {
 async fn a_replayed_tool_call_marks_its_span_replayed() {
     records();
     let stack = stack().await;
-    let guard = ToolGuard::new(service(&stack));
-    let spec = ToolSpec::new("tool.email.send", Duration::from_secs(30)).unwrap();
+    let guard = ToolGuard::new(service(&stack), RetryHorizon::until_last_attempt(Duration::from_secs(600)));
+    let spec = ToolSpec::new("tool.email.send", Duration::from_secs(30), RepeatSafety::VendorKey).unwrap();
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({}));
     let allow = || async { Checkpoint::Allow };
     guard.run(org, &spec, &key, &args, allow, |_| async { ToolResult::success(json!(1)) }).await.unwrap();

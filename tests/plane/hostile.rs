@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use idempotency_plane::postgrest::{
     ClientConfig, ClientError, ContentRange, PostgrestClient, Repeat, RetryConfig, TransportKind,
 };
-use idempotency_plane::repo::{ClaimRequest, IdempotencyRepository};
+use idempotency_plane::repo::{ClaimRequest, CompletionArgs, IdempotencyRepository};
+use idempotency_plane::service::Unstorable;
 use idempotency_plane::sweeper::Sweeper;
 use idempotency_plane::{
     ClaimOutcome, Completion, Ending, Error, IdempotencyService, InvalidInput, PostgrestRepository, RequestHash,
@@ -76,12 +77,12 @@ fn bounds() -> impl Strategy<Value = (u64, u64)> {
 fn valid_content_range() -> impl Strategy<Value = ContentRange> {
     let counted = bounds().prop_filter("a total above the range fits in u64", |(_, upper)| *upper < u64::MAX);
     prop_oneof![
-        Just(ContentRange { range: None, total: None }),
-        any::<u64>().prop_map(|total| ContentRange { range: None, total: Some(total) }),
-        bounds().prop_map(|range| ContentRange { range: Some(range), total: None }),
+        Just(ContentRange::new(None, None).unwrap()),
+        any::<u64>().prop_map(|total| ContentRange::new(None, Some(total)).unwrap()),
+        bounds().prop_map(|range| ContentRange::new(Some(range), None).unwrap()),
         (counted, any::<u64>()).prop_map(|((lower, upper), extra)| {
             let total = upper + 1 + extra % (u64::MAX - upper);
-            ContentRange { range: Some((lower, upper)), total: Some(total) }
+            ContentRange::new(Some((lower, upper)), Some(total)).unwrap()
         }),
     ]
 }
@@ -101,9 +102,9 @@ proptest! {
     fn content_range_parsing_never_panics_and_anything_it_accepts_is_consistent(text in content_range_text()) {
         match text.parse::<ContentRange>() {
             Ok(parsed) => {
-                if let Some((lower, upper)) = parsed.range {
+                if let Some((lower, upper)) = parsed.range() {
                     prop_assert!(lower <= upper, "{text:?} parsed to {parsed:?}");
-                    if let Some(total) = parsed.total {
+                    if let Some(total) = parsed.total() {
                         prop_assert!(upper < total, "{text:?} parsed to {parsed:?}");
                     }
                 }
@@ -120,7 +121,7 @@ proptest! {
         let text = range.to_string();
         prop_assert!(text.bytes().all(|b| b.is_ascii_digit() || b"-/*".contains(&b)), "{text}");
         prop_assert_eq!(text.parse::<ContentRange>(), Ok(range));
-        prop_assert_eq!(range.rows(), range.range.map_or(0, |(l, u)| (u - l).saturating_add(1)));
+        prop_assert_eq!(range.rows(), range.range().map_or(0, |(l, u)| (u - l).saturating_add(1)));
     }
 
     #[test]
@@ -897,17 +898,29 @@ async fn bad_keys_hashes_and_leases_that_bypass_the_service_are_refused_by_the_d
 }
 
 #[tokio::test]
-async fn a_response_holding_nul_is_refused_with_a_typed_error_and_the_claim_stays_ours() {
+async fn a_response_holding_nul_is_refused_before_any_request_and_by_the_database_and_the_claim_stays_ours() {
     // Arrange
     let stack = crate::harness::stack().await;
     let service = crate::harness::service(&stack);
     let org = crate::harness::org();
     let hash = crate::harness::hash("nul response");
     let claim = crate::harness::claimed(service.claim(org, SCOPE, "run-1", &hash, crate::harness::LEASE).await);
+    let sent = service.repository().client().requests_sent();
     // Act
     let result = service.complete(&claim, Completion::response(json!({"text": "a\u{0}b"}))).await;
-    // Assert: jsonb cannot hold \u0000; nothing was stored and the claim can still be released.
-    assert_api_400(result, &["22P05"], "a response holding NUL");
+    let bypass = service
+        .repository()
+        .complete(
+            claim.id(),
+            claim.lease_token(),
+            CompletionArgs { response: Some(&json!({"text": "a\u{0}b"})), ..CompletionArgs::default() },
+        )
+        .await;
+    // Assert: the service refuses it with a typed error before sending; the
+    // database (jsonb cannot hold \u0000) refuses it from any other client.
+    assert!(matches!(result, Err(Error::Invalid(InvalidInput::UnstorableResponse(Unstorable::Nul)))), "{result:?}");
+    assert_eq!(service.repository().client().requests_sent(), sent + 1, "only the bypass was sent");
+    assert_api_400(bypass, &["22P05"], "a response holding NUL");
     let status: String = sqlx::query_scalar("select status from agent.idempotency_keys where organization_id = $1")
         .bind(org)
         .fetch_one(stack.db())

@@ -338,7 +338,7 @@ async fn the_replay_cache_answers_completed_claims_without_a_round_trip_and_neve
     let client = client(&stack);
     let service =
         idempotency_plane::IdempotencyService::new(idempotency_plane::PostgrestRepository::new(client.clone()))
-            .with_replay_cache(100, Duration::from_secs(60));
+            .with_replay_cache(100, 1 << 20, Duration::from_secs(60));
     let org = org();
     let h = hash("cached");
 

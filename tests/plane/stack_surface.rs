@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 
 use crate::harness::*;
 
-/// Every function of design.md's table, with its argument names in order.
+/// Every function of the README's SQL surface table, with its argument names in order.
 const SURFACE: &[(&str, &str)] = &[
     ("idempotency_try_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
     ("idempotency_reclaim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
@@ -21,7 +21,7 @@ const SURFACE: &[(&str, &str)] = &[
     ("idempotency_release", "p_claim_id,p_lease_token"),
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
-    ("run_admit", "p_organization_id,p_start_key,p_input"),
+    ("run_admit", "p_organization_id,p_start_key,p_input,p_admission_token"),
     ("provider_job_register", "p_organization_id,p_provider,p_job_id"),
     ("provider_job_lookup", "p_provider,p_job_id"),
     ("idempotency_cap_probe", "p_rows"),
@@ -47,7 +47,22 @@ async fn every_function_is_security_invoker_with_an_empty_search_path_and_servic
         let (names, definer, config, service, anon, authenticated, returns_set) = row;
         assert_eq!(&names, args, "agent.{name} arguments");
         assert!(!definer, "agent.{name} is SECURITY INVOKER");
-        assert_eq!(config, Some(vec!["search_path=\"\"".to_owned()]), "agent.{name} pins search_path");
+        // Every function that takes a row lock gives up after lock_timeout.
+        let locks = matches!(
+            *name,
+            "idempotency_try_claim"
+                | "idempotency_reclaim"
+                | "idempotency_complete"
+                | "idempotency_release"
+                | "idempotency_delete_expired"
+                | "run_admit"
+                | "provider_job_register"
+        );
+        let mut expected = vec!["search_path=\"\"".to_owned()];
+        if locks {
+            expected.push("lock_timeout=5s".to_owned());
+        }
+        assert_eq!(config, Some(expected), "agent.{name} pins search_path (and lock_timeout when it locks rows)");
         assert!(service && !anon && !authenticated, "agent.{name}: execute for service_role only");
         let scalar = matches!(*name, "idempotency_release" | "idempotency_delete_expired");
         assert_eq!(returns_set, !scalar, "agent.{name} returns a set unless it is a scalar");

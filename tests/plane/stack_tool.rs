@@ -5,7 +5,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotency_plane::callers::tool::{Checkpoint, ToolError, ToolGuard, ToolKey, ToolResult, ToolRun, ToolSpec};
+use idempotency_plane::callers::tool::{
+    Checkpoint, RepeatSafety, RetryHorizon, ToolError, ToolGuard, ToolKey, ToolResult, ToolRun, ToolSpec,
+};
+use idempotency_plane::service::Elided;
 use idempotency_plane::PostgrestRepository;
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -14,12 +17,15 @@ use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
 
 use crate::harness::*;
 
+/// An orchestrator whose last attempt comes ten minutes after the first.
+const HORIZON: RetryHorizon = RetryHorizon::until_last_attempt(Duration::from_secs(600));
+
 fn guard(stack: &idempotency_plane::local::LocalStack) -> ToolGuard<PostgrestRepository> {
-    ToolGuard::new(service(stack))
+    ToolGuard::new(service(stack), HORIZON)
 }
 
 fn spec() -> ToolSpec {
-    ToolSpec::new("tool.email.send", Duration::from_secs(30)).expect("spec")
+    ToolSpec::new("tool.email.send", Duration::from_secs(30), RepeatSafety::VendorKey).expect("spec")
 }
 
 async fn allow() -> Checkpoint {
@@ -163,7 +169,7 @@ async fn a_crashed_workers_tool_claim_is_reclaimed_and_the_run_continues() {
 async fn the_lease_is_the_tools_timeout_plus_the_margin() {
     let stack = stack().await;
     let guard = guard(&stack).with_lease_margin(Duration::from_secs(7)).unwrap();
-    let spec = ToolSpec::new("tool.crm.company.create", Duration::from_secs(120)).unwrap();
+    let spec = ToolSpec::new("tool.crm.company.create", Duration::from_secs(120), RepeatSafety::VendorKey).unwrap();
     let (org, key) = (org(), ToolKey::for_step(Uuid::new_v4(), "create"));
     let stack_ref = &stack;
     guard
@@ -325,7 +331,7 @@ async fn the_same_key_with_different_arguments_is_a_conflict_and_nothing_runs() 
 async fn a_tool_that_overruns_its_timeout_is_cut_off_and_its_claim_waits_for_the_lease() {
     let stack = stack().await;
     let guard = guard(&stack).with_lease_margin(Duration::from_secs(5)).unwrap();
-    let spec = ToolSpec::new("tool.email.send", Duration::from_secs(1)).unwrap();
+    let spec = ToolSpec::new("tool.email.send", Duration::from_secs(1), RepeatSafety::VendorKey).unwrap();
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "slow"), json!({}));
     let overran = guard
         .run(org, &spec, &key, &args, allow, |_| async {
@@ -370,7 +376,7 @@ async fn a_resource_the_store_would_refuse_still_journals_the_answer() {
 #[tokio::test]
 async fn a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_summary() {
     let stack = stack().await;
-    let guard = ToolGuard::new(service(&stack).with_response_limit(1024));
+    let guard = ToolGuard::new(service(&stack).with_response_limit(1024), HORIZON);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "export"), json!({}));
     let big = json!({"rows": "x".repeat(4096)});
     let ran = guard.run(org, &spec(), &key, &args, allow, |_| async move { ToolResult::success(big) }).await.unwrap();
@@ -379,10 +385,8 @@ async fn a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_
     let replay = guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("must not run twice") }).await.unwrap();
     let ToolRun::Replayed(stored) = replay else { panic!("{replay:?}") };
     assert!(stored.ok);
-    let elided: Value = sqlx::query_scalar("select response -> 'output_elided' -> 'size' from agent.idempotency_keys")
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
-    assert!(elided.as_u64().is_some_and(|size| size > 4096), "{elided}");
+    let elided = Elided::from_stored(&stored.output).expect("the output is an elided summary");
+    assert_eq!(elided.reason, "too_large");
+    assert!(elided.size.is_some_and(|size| size > 4096), "{elided:?}");
     stack.stop().await.unwrap();
 }

@@ -1,6 +1,8 @@
 //! The client, repository and service against PostgREST's exact answers,
-//! replayed with wiremock. Every test cites the section of
-//! `/work/shared/reference/postgrest-behavior.md` that pins the answer.
+//! replayed with wiremock. The `§` marks name the subject in PostgREST's own
+//! documentation (https://docs.postgrest.org: §1 functions as RPC, §2 their
+//! response shapes, §3 pagination, `db-max-rows` and `Content-Range`, §4
+//! errors, §5 transactions, §6 authentication) that pins the answer.
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
@@ -881,7 +883,7 @@ async fn an_answer_slower_than_the_request_timeout_is_a_timeout_transport_error(
 #[tokio::test]
 async fn the_repository_omits_absent_optional_arguments_instead_of_sending_null() {
     // §1: only supplied keys are passed, so omitted defaulted params take the SQL default;
-    // postrust-server binds a JSON null as '' (postrust-differences.md).
+    // postrust-server binds a JSON null as '', PostgREST as SQL NULL.
     // Arrange
     let server = MockServer::start().await;
     let (claim_id, token) = (Uuid::new_v4(), Uuid::new_v4());

@@ -360,10 +360,11 @@ async fn replays_and_conflicts(
 
     // The same replays through a service with a replay cache.
     let cached = {
-        let service = Arc::new(
-            IdempotencyService::new(PostgrestRepository::new(client.clone()))
-                .with_replay_cache(10_000, Duration::from_secs(60)),
-        );
+        let service = Arc::new(IdempotencyService::new(PostgrestRepository::new(client.clone())).with_replay_cache(
+            10_000,
+            64 << 20,
+            Duration::from_secs(60),
+        ));
         for k in 0..keys {
             let _ = service.read(org, "tool.bench", &format!("replay-{k}"), &hash).await?;
         }

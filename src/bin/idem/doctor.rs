@@ -22,7 +22,7 @@ const SURFACE: &[(&str, &str)] = &[
     ("idempotency_expired", "p_limit integer"),
     ("idempotency_delete_expired", "p_ids uuid[]"),
     ("idempotency_cap_probe", "p_rows integer"),
-    ("run_admit", "p_organization_id uuid, p_start_key text, p_input jsonb"),
+    ("run_admit", "p_organization_id uuid, p_start_key text, p_input jsonb, p_admission_token uuid"),
     ("provider_job_register", "p_organization_id uuid, p_provider text, p_job_id text"),
     ("provider_job_lookup", "p_provider text, p_job_id text"),
 ];
@@ -113,7 +113,7 @@ async fn check_row_cap(client: &PostgrestClient, report: &mut Report) {
         Err(error) => return report.line(false, "row cap", diagnose(&error)),
     };
     let received = rows.len() as u64;
-    if range.rows() != received || range.total != Some(cap + 1) {
+    if range.rows() != received || range.total() != Some(cap + 1) {
         let detail = format!(
             "Content-Range {range} does not count the {received} rows that arrived out of {} asked: \
              bounded reads cannot detect truncation through this server",

@@ -1,0 +1,227 @@
+//! What the journal can hold, and what a caller journals in its place.
+//!
+//! PostgreSQL `jsonb` and `text` cannot hold U+0000; a response nested
+//! deeper than a JSON reader's recursion limit cannot be read back; a
+//! response above the store limit is refused. A completion carrying any of
+//! these is refused before any request. But once an effect has happened its
+//! claim must be completed, or the next attempt runs the effect again: so
+//! the callers journal a stand-in of such an answer instead (see
+//! [`IdempotencyService::complete_after_effect`](super::IdempotencyService::complete_after_effect)).
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use super::outcome::{ResourceRef, ResponseRef};
+
+/// The deepest nesting of arrays and objects a stored response may have.
+/// Every replay reads the row back through a JSON reader, and serde_json's
+/// stops at 128 levels, two of which the row and its array take: 64 leaves
+/// room for callers that wrap the response again.
+pub const MAX_RESPONSE_DEPTH: usize = 64;
+
+/// Why the store cannot hold an answer as given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Unstorable {
+    /// A string or an object key holds U+0000.
+    Nul,
+    /// Arrays and objects nest deeper than [`MAX_RESPONSE_DEPTH`].
+    TooDeep,
+    /// Above the store limit, as compact JSON.
+    TooLarge {
+        /// Its size in bytes.
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// The database refused the data (a data exception or a check).
+    Refused,
+}
+
+impl Unstorable {
+    /// The reason as journaled and logged: `nul`, `too_deep`, `too_large`, `refused`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unstorable::Nul => "nul",
+            Unstorable::TooDeep => "too_deep",
+            Unstorable::TooLarge { .. } => "too_large",
+            Unstorable::Refused => "refused",
+        }
+    }
+}
+
+/// The first reason `value`, nested `enclosing` levels deep in the stored
+/// answer, cannot be stored within `limit` bytes; `None` when it can.
+/// Walks the value without recursion, so any depth is safe to check.
+pub(crate) fn unstorable(value: &Value, enclosing: usize, limit: u64) -> Option<Unstorable> {
+    let mut pending = vec![(value, enclosing)];
+    while let Some((value, depth)) = pending.pop() {
+        match value {
+            Value::String(text) if text.contains('\0') => return Some(Unstorable::Nul),
+            Value::Array(items) => {
+                if depth + 1 > MAX_RESPONSE_DEPTH {
+                    return Some(Unstorable::TooDeep);
+                }
+                pending.extend(items.iter().map(|item| (item, depth + 1)));
+            }
+            Value::Object(fields) => {
+                if depth + 1 > MAX_RESPONSE_DEPTH {
+                    return Some(Unstorable::TooDeep);
+                }
+                for (name, field) in fields {
+                    if name.contains('\0') {
+                        return Some(Unstorable::Nul);
+                    }
+                    pending.push((field, depth + 1));
+                }
+            }
+            _ => {}
+        }
+    }
+    let size = json_size(value);
+    (size > limit).then_some(Unstorable::TooLarge { size, limit })
+}
+
+/// How many arrays and objects enclose the deepest point of `value`.
+pub(crate) fn depth(value: &Value) -> usize {
+    let mut deepest = 0;
+    let mut pending = vec![(value, 0)];
+    while let Some((value, depth)) = pending.pop() {
+        deepest = deepest.max(depth);
+        match value {
+            Value::Array(items) => pending.extend(items.iter().map(|item| (item, depth + 1))),
+            Value::Object(fields) => pending.extend(fields.values().map(|field| (field, depth + 1))),
+            _ => {}
+        }
+    }
+    deepest
+}
+
+/// A summary journaled in place of an answer the store cannot hold:
+/// `{"$elided": {"reason": "nul", "size": 1234, "sha256": "…"}}`. Size and
+/// digest are those of the original as compact JSON, so whoever kept the
+/// original elsewhere can match it; both are absent for an answer nested too
+/// deep to serialize safely.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Elided {
+    /// Why it was elided: [`Unstorable::as_str`].
+    pub reason: String,
+    /// The original's size in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    /// Lowercase hex SHA-256 of the original.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+}
+
+/// The key under which an [`Elided`] is stored.
+const ELIDED_KEY: &str = "$elided";
+
+impl Elided {
+    /// The summary of `original`, elided for `reason`.
+    pub fn of(original: &Value, reason: Unstorable) -> Self {
+        let digest = (reason != Unstorable::TooDeep).then(|| digest(original)).flatten();
+        Elided {
+            reason: reason.as_str().to_owned(),
+            size: digest.as_ref().map(|(size, _)| *size),
+            sha256: digest.map(|(_, sha256)| sha256),
+        }
+    }
+
+    /// The stored form: `{"$elided": {...}}`.
+    pub fn to_stored(&self) -> Value {
+        serde_json::json!({ ELIDED_KEY: self })
+    }
+
+    /// Reads the stored form back; `None` for any other value.
+    pub fn from_stored(value: &Value) -> Option<Self> {
+        let object = value.as_object().filter(|o| o.len() == 1)?;
+        serde_json::from_value(object.get(ELIDED_KEY)?.clone()).ok()
+    }
+}
+
+/// What journals in place of `original`: a [`ResponseRef`] to `resource`
+/// when the only problem is size and there is a resource holding the
+/// answer, else an [`Elided`] summary.
+pub(crate) fn stand_in(original: &Value, reason: Unstorable, resource: Option<&ResourceRef>) -> Value {
+    match (reason, resource, digest(original)) {
+        (Unstorable::TooLarge { .. }, Some(resource), Some((size, sha256))) => ResponseRef {
+            resource_type: resource.resource_type.clone(),
+            resource_id: resource.resource_id.clone(),
+            size,
+            sha256,
+        }
+        .to_stored(),
+        _ => Elided::of(original, reason).to_stored(),
+    }
+}
+
+/// Size and lowercase hex SHA-256 of `value` as compact JSON; `None` if it
+/// does not serialize.
+pub(crate) fn digest(value: &Value) -> Option<(u64, String)> {
+    let bytes = serde_json::to_vec(value).ok()?;
+    Some((bytes.len() as u64, hex::encode(Sha256::digest(&bytes))))
+}
+
+/// The size of `value` as compact JSON, counted without building it.
+pub(crate) fn json_size(value: &Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len() as u64;
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing a Value to an infallible writer cannot fail.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn nested(levels: usize) -> Value {
+        (0..levels).fold(json!(1), |inner, _| json!([inner]))
+    }
+
+    #[test]
+    fn json_size_counts_compact_bytes() {
+        let value = json!({"a": [1, 2, "é"]});
+        assert_eq!(json_size(&value), serde_json::to_vec(&value).unwrap().len() as u64);
+    }
+
+    #[test]
+    fn nul_anywhere_depth_and_size_are_found() {
+        assert_eq!(unstorable(&json!({"a": ["x\u{0}y"]}), 0, 1000), Some(Unstorable::Nul));
+        assert_eq!(unstorable(&json!({"a\u{0}": 1}), 0, 1000), Some(Unstorable::Nul));
+        assert_eq!(unstorable(&json!({"a": "fine"}), 0, 1000), None);
+        assert_eq!(unstorable(&nested(MAX_RESPONSE_DEPTH), 0, u64::MAX), None);
+        assert_eq!(unstorable(&nested(MAX_RESPONSE_DEPTH), 1, u64::MAX), Some(Unstorable::TooDeep));
+        assert_eq!(unstorable(&nested(1_000), 0, u64::MAX), Some(Unstorable::TooDeep));
+        assert_eq!(unstorable(&json!("abcd"), 0, 5), Some(Unstorable::TooLarge { size: 6, limit: 5 }));
+        assert_eq!(depth(&json!({"a": [1, {"b": 2}]})), 3);
+    }
+
+    #[test]
+    fn a_stand_in_keeps_size_and_digest_and_points_at_the_resource_only_for_size() {
+        let original = json!({"text": "a\u{0}b"});
+        let (size, sha256) = digest(&original).unwrap();
+        let elided = Elided::from_stored(&stand_in(&original, Unstorable::Nul, None)).unwrap();
+        assert_eq!(elided, Elided { reason: "nul".into(), size: Some(size), sha256: Some(sha256.clone()) });
+        let resource = ResourceRef { resource_type: "blob".into(), resource_id: "b-1".into() };
+        let too_large = Unstorable::TooLarge { size, limit: 1 };
+        let reference = ResponseRef::from_stored(&stand_in(&original, too_large, Some(&resource))).unwrap();
+        assert_eq!((reference.size, reference.sha256), (size, sha256));
+        let deep = Elided::of(&nested(10), Unstorable::TooDeep);
+        assert_eq!((deep.size, deep.sha256), (None, None));
+        assert_eq!(Elided::from_stored(&json!({"$elided": {"reason": "nul"}, "x": 1})), None);
+    }
+}
