@@ -101,3 +101,13 @@ pub async fn expired_rows(stack: &idempotency_plane::local::LocalStack, n: i64) 
     .await
     .unwrap();
 }
+
+/// `lease_expires_at - claimed_at` of the only claim, in milliseconds.
+pub async fn stored_lease_ms(stack: &LocalStack) -> f64 {
+    sqlx::query_scalar(
+        "select extract(epoch from lease_expires_at - claimed_at)::float8 * 1000 from agent.idempotency_keys",
+    )
+    .fetch_one(stack.db())
+    .await
+    .expect("the claim's lease")
+}

@@ -1413,3 +1413,29 @@ async fn an_unknown_three_digit_status_is_an_http_error() {
         other => panic!("expected Store(Http 999), got {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn an_endless_chunked_body_stops_at_the_response_limit() {
+    // Arrange: a chunked answer (no Content-Length) of 2 MiB.
+    let chunk = format!("{:x}\r\n{}\r\n", 64 * 1024, "x".repeat(64 * 1024));
+    let mut answer =
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..32 {
+        answer.extend_from_slice(chunk.as_bytes());
+    }
+    answer.extend_from_slice(b"0\r\n\r\n");
+    let (url, _) = raw_server(answer).await;
+    let config = ClientConfig::new(&url, KEY)
+        .expect("config")
+        .with_retry(RetryConfig::disabled())
+        .with_max_response_bytes(1024 * 1024)
+        .expect("a limit");
+    // Act
+    let result =
+        PostgrestRepository::new(PostgrestClient::new(config).expect("client")).get(Uuid::new_v4(), SCOPE, "k").await;
+    // Assert
+    assert!(
+        matches!(result, Err(Error::Store(ClientError::ResponseTooLarge { function: "idempotency_get", .. }))),
+        "{result:?}"
+    );
+}

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use idempotency_plane::repo::IdempotencyRepository;
 use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, InvalidInput, RequestHash};
 use serde_json::json;
 
@@ -371,5 +372,100 @@ async fn the_replay_cache_answers_completed_claims_without_a_round_trip_and_neve
     let (entries, bytes) = service.replay_cache_stats().expect("a cache");
     assert_eq!(entries, 1);
     assert!(bytes > 0);
+    stack.stop().await.unwrap();
+}
+
+/// Holds the row lock of claim `id` in a transaction of its own until the
+/// returned sender is dropped or sent to.
+async fn hold_row_lock(
+    stack: &idempotency_plane::local::LocalStack,
+    id: uuid::Uuid,
+) -> tokio::sync::oneshot::Sender<()> {
+    let mut holder = stack.db().begin().await.expect("begin");
+    sqlx::query("select 1 from agent.idempotency_keys where id = $1 for update")
+        .bind(id)
+        .execute(&mut *holder)
+        .await
+        .expect("lock the row");
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = released.await;
+        let _ = holder.commit().await;
+    });
+    release
+}
+
+#[tokio::test]
+async fn a_claim_that_waited_on_a_lock_clock_starts_its_lease_when_it_wins_the_row() {
+    // Arrange: a dead worker's claim whose lease passed, its row locked by
+    // another transaction for 3 s.
+    let stack = stack().await;
+    let service = service(&stack);
+    let org = org();
+    let dead = claimed(service.claim(org, "tool.email.send", "k", &hash("x"), LEASE).await);
+    pass_lease(&stack, dead.id()).await;
+    let release = hold_row_lock(&stack, dead.id()).await;
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let _ = release.send(());
+    });
+    // Act: reclaim with a 2 s lease behind that lock.
+    let claim = claimed(service.claim(org, "tool.email.send", "k", &hash("x"), Duration::from_secs(2)).await);
+    // Assert: right after the answer, more than 1 s of the lease is left by
+    // the database clock, and another worker's reclaim gets nothing.
+    let left_ms: f64 = sqlx::query_scalar(
+        "select extract(epoch from lease_expires_at - clock_timestamp())::float8 * 1000
+           from agent.idempotency_keys where id = $1",
+    )
+    .bind(claim.id())
+    .fetch_one(stack.db())
+    .await
+    .unwrap();
+    assert!(left_ms > 1000.0, "the lease had only {left_ms} ms left");
+    assert!(claim.reclaimed());
+    let same = hash("x");
+    let request = idempotency_plane::repo::ClaimRequest {
+        organization_id: org,
+        scope: "tool.email.send",
+        key: "k",
+        request_hash: same.as_str(),
+        lease_token: uuid::Uuid::new_v4(),
+        lease: Duration::from_secs(2),
+        retain: LEASE,
+    };
+    assert_eq!(service.repository().reclaim(&request).await.unwrap(), None, "the new lease is live");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_call_behind_a_stuck_lock_gives_up_at_the_lock_timeout_with_a_typed_error_and_writes_nothing() {
+    // Arrange: a claim whose row another transaction locks and keeps locked.
+    let stack = stack().await;
+    let service = service(&stack);
+    let claim = claimed(service.claim(org(), "tool.email.send", "stuck", &hash("x"), LEASE).await);
+    let release = hold_row_lock(&stack, claim.id()).await;
+    let sent = service.repository().client().requests_sent();
+    // Act
+    let started = std::time::Instant::now();
+    let stuck = service.complete(&claim, Completion::response(json!({"sent": true}))).await;
+    let waited = started.elapsed();
+    // Assert: the database's lock_timeout ended the wait (55P03, not the
+    // client's own timeout), the client did not queue up behind the lock
+    // again, and it is transient for the caller.
+    match &stuck {
+        Err(
+            error @ Error::Store(idempotency_plane::ClientError::LockTimeout {
+                function: "idempotency_complete", ..
+            }),
+        ) => {
+            assert!(error.is_transient());
+        }
+        other => panic!("expected a lock timeout, got {other:?} after {waited:?}"),
+    }
+    assert_eq!(service.repository().client().requests_sent(), sent + 1, "not retried by the client");
+    // Nothing was written: once the lock is gone the completion goes through.
+    release.send(()).expect("release the lock");
+    let ending = service.complete(&claim, Completion::response(json!({"sent": true}))).await.unwrap();
+    assert_eq!(ending, Ending::Recorded);
     stack.stop().await.unwrap();
 }

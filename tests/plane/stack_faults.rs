@@ -312,3 +312,23 @@ async fn a_statement_timeout_surfaces_as_a_typed_error() {
     }
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_run_admission_whose_answer_was_lost_is_still_admitted_for_its_caller_and_for_nobody_else() {
+    let stack = stack().await;
+    let proxy = LossyProxy::start(stack.url()).await;
+    let client = proxy.client(stack.service_key(), fast_retry());
+    let (org, input) = (org(), json!({"capability": "summarize", "request": "req-1"}));
+
+    proxy.lose_answer(1);
+    let admission = idempotency_plane::callers::runs::RunAdmission::new(client.clone());
+    let run = admission.admit(org, "capability:summarize:req-1", &input).await.unwrap();
+    assert!(run.admitted, "the retry carried the admitting call's token, so it is still that call");
+    assert_eq!(client.requests_sent(), 2, "the admission, then its retry");
+    assert_eq!(count_runs(&stack).await, 1);
+
+    let replay = admission.admit(org, "capability:summarize:req-1", &input).await.unwrap();
+    assert!(!replay.admitted, "another call (another token) is a replay");
+    assert_eq!(replay.id, run.id);
+    stack.stop().await.unwrap();
+}

@@ -250,3 +250,26 @@ async fn a_null_snapshot_is_refused_and_the_claim_released() {
     assert_eq!(count_runs(&stack).await, 0);
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_saved_search_preparation_carries_the_specs_30_second_lease() {
+    let stack = stack().await;
+    let (source, gate) = ProductTables::gated();
+    let org = org();
+    let preparing = {
+        let starter = starter(&stack, source.clone());
+        tokio::spawn(async move { starter.start(org, "search-lease", "tick-1").await })
+    };
+    // Read the lease while the freeze is held open, before the completion.
+    for _ in 0..500 {
+        if source.freezes() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(source.freezes(), 1, "the preparation reached its freeze");
+    assert_eq!(stored_lease_ms(&stack).await, 30_000.0, "surface.saved_search.start: lease 30 s");
+    gate.add_permits(1);
+    assert!(preparing.await.expect("task").is_ok());
+    stack.stop().await.unwrap();
+}

@@ -146,3 +146,56 @@ async fn no_secret_appears_in_debug_output_or_errors() {
     }
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_function_added_later_in_schema_agent_is_executable_by_nobody_but_its_owner() {
+    // Arrange: a function created after the migrations, by the role that ran them.
+    let mut stack = stack().await;
+    sqlx::query("create function agent.added_later() returns integer language sql as 'select 1'")
+        .execute(stack.db())
+        .await
+        .expect("create a function");
+    // Assert: the catalog grants it to nobody but its owner.
+    let executable: (bool, bool, bool, bool, bool) = sqlx::query_as(
+        "select has_function_privilege('service_role', 'agent.added_later()', 'execute'),
+                has_function_privilege('anon', 'agent.added_later()', 'execute'),
+                has_function_privilege('authenticated', 'agent.added_later()', 'execute'),
+                has_function_privilege('authenticator', 'agent.added_later()', 'execute'),
+                has_function_privilege(current_user, 'agent.added_later()', 'execute')",
+    )
+    .fetch_one(stack.db())
+    .await
+    .unwrap();
+    assert_eq!(executable, (false, false, false, false, true));
+    // And over HTTP the service role is refused it.
+    stack.restart_server().await.expect("reload the schema cache");
+    let refused = client(&stack).rpc::<Value>("added_later", &json!({}), Repeat::Safe).await;
+    assert_eq!(refused.as_ref().err().and_then(ClientError::code), Some("42501"), "{refused:?}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_service_role_holds_only_the_table_privileges_the_functions_use() {
+    let stack = stack().await;
+    let privileges: Vec<String> = sqlx::query_scalar(
+        "select g.table_name || ' ' || g.privilege_type
+           from information_schema.role_table_grants g
+          where g.table_schema = 'agent' and g.grantee = 'service_role'
+          order by 1",
+    )
+    .fetch_all(stack.db())
+    .await
+    .unwrap();
+    let expected = [
+        "idempotency_keys DELETE",
+        "idempotency_keys INSERT",
+        "idempotency_keys SELECT",
+        "idempotency_keys UPDATE",
+        "provider_jobs INSERT",
+        "provider_jobs SELECT",
+        "runs INSERT",
+        "runs SELECT",
+    ];
+    assert_eq!(privileges, expected);
+    stack.stop().await.unwrap();
+}

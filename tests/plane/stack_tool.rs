@@ -174,13 +174,7 @@ async fn the_lease_is_the_tools_timeout_plus_the_margin() {
     let stack_ref = &stack;
     guard
         .run(org, &spec, &key, &json!({}), allow, |_| async move {
-            let lease_ms: f64 = sqlx::query_scalar(
-                "select extract(epoch from lease_expires_at - claimed_at)::float8 * 1000 from agent.idempotency_keys",
-            )
-            .fetch_one(stack_ref.db())
-            .await
-            .unwrap();
-            assert_eq!(lease_ms, 127_000.0);
+            assert_eq!(stored_lease_ms(stack_ref).await, 127_000.0);
             ToolResult::success(json!({"id": "c-1"})).with_resource("crm.company", "c-1")
         })
         .await
@@ -388,5 +382,236 @@ async fn a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_
     let elided = Elided::from_stored(&stored.output).expect("the output is an elided summary");
     assert_eq!(elided.reason, "too_large");
     assert!(elided.size.is_some_and(|size| size > 4096), "{elided:?}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_tool_output_holding_nul_is_journaled_and_the_next_attempt_replays_without_a_second_vendor_call() {
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "fetch"), json!({"url": "https://x"}));
+    let vendor_calls = AtomicUsize::new(0);
+    let tool = |_| async {
+        vendor_calls.fetch_add(1, Ordering::SeqCst);
+        // A vendor's body with a NUL byte in it: PostgreSQL jsonb cannot hold it.
+        ToolResult::success(json!({"body": "PK\u{0}\u{3}\u{4}", "status": 200}))
+    };
+
+    let first = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
+    assert!(matches!(first, ToolRun::Executed(ref r) if r.ok), "{first:?}");
+    let status: String =
+        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(status, "completed", "the effect is journaled, not left processing");
+
+    let again = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
+    let ToolRun::Replayed(replayed) = again else { panic!("expected a replay, got {again:?}") };
+    assert!(replayed.ok);
+    let elided = Elided::from_stored(&replayed.output).expect("the output is journaled as a summary");
+    assert_eq!(elided.reason, "nul");
+    let original = serde_json::to_vec(&json!({"body": "PK\u{0}\u{3}\u{4}", "status": 200})).unwrap();
+    assert_eq!(elided.sha256.as_deref(), Some(hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&original)).as_str()));
+    assert_eq!(vendor_calls.load(Ordering::SeqCst), 1, "no second vendor call");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_large_business_failure_with_a_resource_replays_as_the_same_business_failure() {
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "import"), json!({"file": "f-1"}));
+    let output = json!({"errors": "e".repeat(100 * 1024)});
+    let made = ToolResult::business_failure("invalid_input", output).with_resource("crm.import", "imp-1");
+
+    let first = guard.run(org, &spec(), &key, &args, allow, |_| async { made.clone() }).await.unwrap();
+    assert_eq!(first, ToolRun::Executed(made.clone()));
+
+    let again = guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("must replay") }).await.unwrap();
+    let ToolRun::Replayed(replayed) = again else { panic!("expected a replay, got {again:?}") };
+    assert!(!replayed.ok, "a business failure replays as a failure, not a success");
+    assert!(!replayed.retryable);
+    assert_eq!(replayed.error.as_deref(), Some("invalid_input"));
+    assert_eq!(replayed.resource, made.resource);
+    let reference: idempotency_plane::ResponseRef =
+        serde_json::from_value(replayed.output["$response_ref"].clone()).expect("a reference");
+    assert_eq!((reference.resource_type.as_str(), reference.resource_id.as_str()), ("crm.import", "imp-1"));
+    assert!(reference.size > 100 * 1024);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_replay_and_a_claim_in_flight_never_call_the_checkpoint() {
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let service = service(&stack);
+    let checkpoints = AtomicUsize::new(0);
+    let checkpoint = || async {
+        checkpoints.fetch_add(1, Ordering::SeqCst);
+        Checkpoint::Allow
+    };
+    let org = org();
+
+    // A completed call: its replay is read before the checkpoint.
+    let (done, args) = (ToolKey::for_step(Uuid::new_v4(), "done"), json!({"n": 1}));
+    guard.run(org, &spec(), &done, &args, checkpoint, |_| async { ToolResult::success(json!(1)) }).await.unwrap();
+    assert_eq!(checkpoints.load(Ordering::SeqCst), 1, "the first attempt passed the checkpoint");
+    let replay = guard.run(org, &spec(), &done, &args, checkpoint, |_| async { panic!("must replay") }).await;
+    assert!(matches!(replay, Ok(ToolRun::Replayed(_))), "{replay:?}");
+
+    // A call another worker holds: in flight, read before the checkpoint.
+    let (held, args) = (ToolKey::for_step(Uuid::new_v4(), "held"), json!({"n": 2}));
+    let hash = idempotency_plane::RequestHash::of_json(&args);
+    let _holder = claimed(service.claim(org, "tool.email.send", held.as_str(), &hash, LEASE).await);
+    let in_flight = guard.run(org, &spec(), &held, &args, checkpoint, |_| async { panic!("in flight") }).await;
+    assert!(matches!(in_flight, Err(ToolError::ClaimInFlight { .. })), "{in_flight:?}");
+
+    assert_eq!(
+        checkpoints.load(Ordering::SeqCst),
+        1,
+        "neither the replay nor the claim in flight reached the checkpoint"
+    );
+    stack.stop().await.unwrap();
+}
+
+/// A vendor that takes no idempotency key: every send makes a message. It
+/// can be searched by the reference a tool attaches to a send.
+#[derive(Default, Clone)]
+struct KeylessVendor {
+    sent: Arc<Mutex<Vec<(String, String)>>>,
+}
+
+impl KeylessVendor {
+    fn send(&self, reference: &str) -> String {
+        let mut sent = self.sent.lock().unwrap();
+        let id = format!("msg-{}", sent.len() + 1);
+        sent.push((reference.to_owned(), id.clone()));
+        id
+    }
+
+    fn find(&self, reference: &str) -> Option<String> {
+        self.sent.lock().unwrap().iter().find(|(r, _)| r == reference).map(|(_, id)| id.clone())
+    }
+
+    fn effects(&self) -> usize {
+        self.sent.lock().unwrap().len()
+    }
+
+    /// A tool spec whose repeats are made safe by searching this vendor.
+    fn spec(&self) -> ToolSpec {
+        let vendor = self.clone();
+        let reconcile = RepeatSafety::reconcile(move |call, _arguments| {
+            let vendor = vendor.clone();
+            async move {
+                Ok(vendor
+                    .find(call.idempotency_key())
+                    .map(|id| ToolResult::success(json!({"message_id": id})).with_resource("keyless.message", id)))
+            }
+        });
+        ToolSpec::new("tool.keyless.send", Duration::from_secs(1), reconcile).unwrap()
+    }
+}
+
+#[tokio::test]
+async fn reconcile_a_worker_that_stalls_after_the_vendor_succeeded_is_reconciled_and_the_vendor_sends_once() {
+    let stack = stack().await;
+    let guard = guard(&stack).with_lease_margin(Duration::from_secs(1)).unwrap();
+    let vendor = KeylessVendor::default();
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "notify"), json!({"to": "ops"}));
+
+    // Worker A reaches the vendor, then stalls past its timeout: cut off,
+    // its claim left processing, its answer never journaled.
+    let stalled = guard
+        .run(org, &vendor.spec(), &key, &args, allow, |call| {
+            let vendor = vendor.clone();
+            async move {
+                let id = vendor.send(call.idempotency_key());
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                ToolResult::success(json!({"message_id": id}))
+            }
+        })
+        .await;
+    assert!(matches!(stalled, Err(ToolError::TimedOut { .. })), "{stalled:?}");
+    assert_eq!(vendor.effects(), 1);
+    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    pass_lease(&stack, id).await;
+
+    // Worker B reclaims; the reconciler finds A's message.
+    let retried = guard
+        .run(org, &vendor.spec(), &key, &args, allow, |_| async { panic!("the vendor must not be called again") })
+        .await
+        .unwrap();
+    let ToolRun::Reconciled(found) = retried else { panic!("expected a reconciled answer, got {retried:?}") };
+    assert_eq!(found.output, json!({"message_id": "msg-1"}));
+    assert_eq!(vendor.effects(), 1, "exactly one vendor effect");
+
+    // The journaled answer is the vendor's, and it replays.
+    let replay = guard.run(org, &vendor.spec(), &key, &args, allow, |_| async { panic!("must replay") }).await.unwrap();
+    let ToolRun::Replayed(stored) = replay else { panic!("expected a replay, got {replay:?}") };
+    assert_eq!(stored.output, json!({"message_id": "msg-1"}));
+    let resource: (String, String) = sqlx::query_as("select resource_type, resource_id from agent.idempotency_keys")
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    assert_eq!(resource, ("keyless.message".to_owned(), "msg-1".to_owned()));
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn reconcile_that_finds_nothing_executes_exactly_once() {
+    let stack = stack().await;
+    let guard = guard(&stack).with_lease_margin(Duration::from_secs(1)).unwrap();
+    let vendor = KeylessVendor::default();
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "notify"), json!({"to": "ops"}));
+
+    // Worker A stalls before it reaches the vendor.
+    let stalled = guard
+        .run(org, &vendor.spec(), &key, &args, allow, |_| async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            ToolResult::success(json!(null))
+        })
+        .await;
+    assert!(matches!(stalled, Err(ToolError::TimedOut { .. })), "{stalled:?}");
+    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    pass_lease(&stack, id).await;
+
+    let send = |call: idempotency_plane::callers::tool::ToolCall| {
+        let vendor = vendor.clone();
+        async move {
+            assert!(call.reclaimed());
+            let id = vendor.send(call.idempotency_key());
+            ToolResult::success(json!({"message_id": id}))
+        }
+    };
+    let retried = guard.run(org, &vendor.spec(), &key, &args, allow, send).await.unwrap();
+    assert!(matches!(retried, ToolRun::Executed(ref r) if r.output == json!({"message_id": "msg-1"})), "{retried:?}");
+    let replay = guard.run(org, &vendor.spec(), &key, &args, allow, send).await.unwrap();
+    assert!(matches!(replay, ToolRun::Replayed(_)), "{replay:?}");
+    assert_eq!(vendor.effects(), 1, "exactly one execution");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn reconcile_that_cannot_tell_keeps_the_claim_so_the_next_attempt_asks_again() {
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let service = service(&stack);
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "notify"), json!({"to": "ops"}));
+    let hash = idempotency_plane::RequestHash::of_json(&args);
+    let crashed = claimed(service.claim(org, "tool.keyless.send", key.as_str(), &hash, LEASE).await);
+    pass_lease(&stack, crashed.id()).await;
+    let unsure = ToolSpec::new(
+        "tool.keyless.send",
+        Duration::from_secs(1),
+        RepeatSafety::reconcile(|_, _| async { Err("the vendor's search is down".to_owned()) }),
+    )
+    .unwrap();
+
+    let outcome = guard.run(org, &unsure, &key, &args, allow, |_| async { panic!("must not run unreconciled") }).await;
+    match outcome {
+        Err(error @ ToolError::ReconcileFailed { .. }) => assert!(error.is_retryable()),
+        other => panic!("expected ReconcileFailed, got {other:?}"),
+    }
+    let status: String =
+        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(status, "processing", "kept, not released: a fresh claim would skip the reconciler");
     stack.stop().await.unwrap();
 }

@@ -290,3 +290,55 @@ async fn a_processing_output_above_the_store_limit_still_completes_the_delivery(
     assert_eq!(status, "completed");
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_duplicate() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    let org = org();
+    let body = b"{\"type\":\"file.uploaded\",\"name\":\"a\\u0000b\"}";
+    let performed = AtomicUsize::new(0);
+    // Processing echoes what it stored, NUL included: jsonb cannot hold it.
+    let process = || async {
+        performed.fetch_add(1, Ordering::SeqCst);
+        let parsed: Value = serde_json::from_slice(body).expect("the body is JSON");
+        Ok::<Value, ProcessingError>(json!({"stored": parsed["name"]}))
+    };
+
+    assert_eq!(gate.handle(delivery(org, "d-nul", body), process).await, Ack::Processed);
+    let stored: (String, Value) = sqlx::query_as("select status, response from agent.idempotency_keys")
+        .fetch_one(stack.db())
+        .await
+        .expect("the claim");
+    assert_eq!(stored.0, "completed", "journaled, not left processing");
+    assert_eq!(stored.1["ok"], json!(true));
+    assert_eq!(stored.1["output"]["$elided"]["reason"], json!("nul"));
+    assert_eq!(gate.handle(delivery(org, "d-nul", body), process).await, Ack::Dropped(DropReason::Duplicate));
+    assert_eq!(performed.load(Ordering::SeqCst), 1, "processed once");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_webhook_claim_carries_the_specs_30_second_lease() {
+    let stack = stack().await;
+    let gate = gate(&stack);
+    let stack_ref = &stack;
+    let ack = gate
+        .handle(delivery(org(), "d-lease", b"{}"), || async move {
+            assert_eq!(stored_lease_ms(stack_ref).await, 30_000.0, "webhook.nylas: lease 30 s");
+            Ok::<Value, ProcessingError>(json!("done"))
+        })
+        .await;
+    assert_eq!(ack, Ack::Processed);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_absurd_processing_timeout_is_refused_not_a_panic() {
+    let stack = stack().await;
+    for timeout in [std::time::Duration::MAX, std::time::Duration::ZERO, std::time::Duration::from_secs(86_400)] {
+        assert!(gate(&stack).with_processing_timeout(timeout).is_err(), "{timeout:?}");
+    }
+    assert!(gate(&stack).with_processing_timeout(std::time::Duration::from_secs(60)).is_ok());
+    stack.stop().await.unwrap();
+}

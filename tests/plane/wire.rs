@@ -1131,3 +1131,60 @@ async fn a_row_for_another_tenant_key_or_token_is_never_acted_on() {
     let claimed = service.claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
     assert!(matches!(claimed, Err(Error::Inconsistent(_))), "{claimed:?}");
 }
+
+/// A try_claim that answers the caller's own row, under its own token, but
+/// with a lease already passed: what a store that stamped the lease before
+/// a lock wait would answer.
+struct LapsedClaim;
+
+impl wiremock::Respond for LapsedClaim {
+    fn respond(&self, request: &Request) -> ResponseTemplate {
+        let args: Value = serde_json::from_slice(&request.body).expect("JSON arguments");
+        let token: Uuid = serde_json::from_value(args["p_lease_token"].clone()).expect("a lease token");
+        let mut row = record(Uuid::new_v4(), token, "processing");
+        for (column, argument) in [("organization_id", "p_organization_id"), ("scope", "p_scope"), ("key", "p_key")] {
+            row[column] = args[argument].clone();
+        }
+        row["lease_live"] = json!(false);
+        ResponseTemplate::new(200).set_body_json(json!([row]))
+    }
+}
+
+#[tokio::test]
+async fn a_claim_answered_with_a_lease_already_passed_is_not_handed_out() {
+    // Arrange
+    let server = MockServer::start().await;
+    Mock::given(method("POST")).and(path("/rpc/idempotency_try_claim")).respond_with(LapsedClaim).mount(&server).await;
+    // Act
+    let outcome = service(&server).claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
+    // Assert: not Claimed, and transient, so the caller's retry reclaims it.
+    match outcome {
+        Err(error @ Error::LeaseLapsed { .. }) => assert!(error.is_transient()),
+        other => panic!("expected LeaseLapsed, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_response_body_above_the_configured_limit_is_refused_without_reading_it_whole() {
+    // Arrange: 2 MiB of rows, with and without a Content-Length.
+    let server = MockServer::start().await;
+    let huge = format!("[{}]", vec!["\"x\""; 700_000].join(","));
+    Mock::given(method("POST"))
+        .and(path("/rpc/idempotency_get"))
+        .respond_with(ResponseTemplate::new(200).set_body_raw(huge.clone(), "application/json"))
+        .mount(&server)
+        .await;
+    let client = client(config(&server).with_max_response_bytes(1024 * 1024).expect("a limit"));
+    let args = json!({"p_organization_id": Uuid::new_v4(), "p_scope": SCOPE, "p_key": "k"});
+    // Act
+    let result = client.rpc::<Value>("idempotency_get", &args, Repeat::Safe).await;
+    // Assert
+    assert!(
+        matches!(result, Err(ClientError::ResponseTooLarge { function: "idempotency_get", limit: 1_048_576 })),
+        "{result:?}"
+    );
+    assert!(matches!(
+        ClientConfig::new("http://x", KEY).unwrap().with_max_response_bytes(10),
+        Err(ClientError::Config(_))
+    ));
+}
