@@ -213,3 +213,45 @@ pub enum InvalidInput {
         retention: Duration,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::postgrest::PostgrestError;
+
+    fn refused(status: u16, code: &str) -> Error {
+        Error::Store(ClientError::Api {
+            function: "idempotency_complete",
+            status,
+            error: Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None }),
+            retry_after: None,
+        })
+    }
+
+    #[test]
+    fn the_callers_data_is_told_from_the_planes_availability() {
+        let data = [
+            Error::from(InvalidInput::EmptyCompletion),
+            InvalidInput::UnstorableResponse(crate::service::Unstorable::Nul).into(),
+            InvalidInput::ResponseTooLarge { size: 2, limit: 1 }.into(),
+            InvalidInput::ResourceHasNul { field: "id" }.into(),
+            refused(400, "22P05"),
+            refused(400, "22003"),
+            refused(400, "23514"),
+            refused(500, "54001"),
+        ];
+        for error in &data {
+            assert!(error.is_unstorable_answer(), "{error}");
+        }
+        let availability = [
+            refused(503, "PGRST001"),
+            refused(500, "40001"),
+            refused(500, "57014"),
+            Error::Contended { steps: 8 },
+            InvalidInput::EmptyKey.into(),
+        ];
+        for error in &availability {
+            assert!(!error.is_unstorable_answer(), "{error}");
+        }
+    }
+}

@@ -615,3 +615,34 @@ async fn reconcile_that_cannot_tell_keeps_the_claim_so_the_next_attempt_asks_aga
     assert_eq!(status, "processing", "kept, not released: a fresh claim would skip the reconciler");
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn an_output_the_database_refuses_is_journaled_as_a_stand_in_and_replays() {
+    // The embedded stack's build keeps JSON numbers as written, so an output
+    // can hold a number PostgreSQL's numeric cannot (22003): the service
+    // passes it, the database refuses it.
+    let Ok(huge) = serde_json::from_str::<Value>(r#"{"balance": 1e999999}"#) else {
+        return; // a build that cannot even represent it cannot send it either
+    };
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "balance"), json!({}));
+    let calls = AtomicUsize::new(0);
+    let tool = |_| {
+        let huge = huge.clone();
+        let calls = &calls;
+        async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            ToolResult::success(huge)
+        }
+    };
+
+    let first = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
+    assert!(matches!(first, ToolRun::Executed(_)), "{first:?}");
+    let again = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
+    let ToolRun::Replayed(replayed) = again else { panic!("expected a replay, got {again:?}") };
+    assert!(replayed.ok);
+    assert_eq!(Elided::from_stored(&replayed.output).map(|e| e.reason), Some("refused".to_owned()));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    stack.stop().await.unwrap();
+}
