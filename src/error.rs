@@ -14,8 +14,9 @@ pub enum Error {
     #[error(transparent)]
     Invalid(#[from] InvalidInput),
 
-    /// The scope is not in the registry, so it has no retention.
-    #[error("unknown scope {scope:?}: register it with a retention before using it")]
+    /// The scope has no policy (`agent.idempotency_scopes`), so it has no
+    /// retention; the database refused the claim (`IDEM1`) and wrote nothing.
+    #[error("unknown scope {scope:?}: add it (or its family, e.g. tool.*) to agent.idempotency_scopes")]
     UnknownScope {
         /// The scope asked for.
         scope: String,
@@ -25,14 +26,6 @@ pub enum Error {
     /// something undecodable. See [`ClientError`] for the cases.
     #[error(transparent)]
     Store(#[from] ClientError),
-
-    /// The key changed hands more often than one claim will follow (claimed,
-    /// released and claimed again while we read it). Transient: retry later.
-    #[error("the key kept changing hands; gave up after {steps} steps")]
-    Contended {
-        /// Repository steps taken.
-        steps: u32,
-    },
 
     /// The store answered a claim whose lease had already passed by its own
     /// clock (a database whose functions stamp the lease before a lock wait).
@@ -59,7 +52,7 @@ impl Error {
     /// | completion failed with | it is | the caller |
     /// |---|---|---|
     /// | an answer refused before sending ([`InvalidInput`]: NUL, nesting, size, an empty or bad resource, an empty completion) | the caller's data | journals a stand-in ([`IdempotencyService::complete_after_effect`](crate::IdempotencyService::complete_after_effect)) |
-    /// | a refusal by the database of the data (SQLSTATE class `22` data exception, `23` check, `54` program limit) | the caller's data | journals a stand-in |
+    /// | a refusal by the database of the data (SQLSTATE class `22` data exception, `23` check, `54` program limit; `IDEM2` above the scope's response limit) | the caller's data | journals a stand-in |
     /// | anything else: unreachable, timed out, a lock timeout, a 5xx | the plane's availability | releases if no effect happened; otherwise leaves the claim to its lease, whose passing makes it reclaimable |
     pub fn is_unstorable_answer(&self) -> bool {
         match self {
@@ -74,7 +67,8 @@ impl Error {
                     | InvalidInput::ResourceHasNul { .. }
             ),
             Error::Store(ClientError::Api { error, .. }) => {
-                ["22", "23", "54"].iter().any(|class| error.code.starts_with(class))
+                error.code == crate::postgrest::codes::RESPONSE_TOO_LARGE
+                    || ["22", "23", "54"].iter().any(|class| error.code.starts_with(class))
             }
             _ => false,
         }
@@ -85,7 +79,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Store(e) => e.is_transient(),
-            Error::Contended { .. } | Error::LeaseLapsed { .. } => true,
+            Error::LeaseLapsed { .. } => true,
             _ => false,
         }
     }
@@ -191,27 +185,6 @@ pub enum InvalidInput {
         /// The limit.
         max: usize,
     },
-    /// A tool scope registered with a retention under 30 days: the claim is
-    /// the replay journal of a Run that may wait that long on an approval.
-    #[error(
-        "scope {scope:?} covers tool scopes; its retention {retention:?} is under the {min:?} every tool scope keeps"
-    )]
-    ToolRetentionTooShort {
-        /// The scope or family prefix.
-        scope: String,
-        /// The retention asked for.
-        retention: Duration,
-        /// The tool retention.
-        min: Duration,
-    },
-    /// A scope registered with a retention the store does not accept.
-    #[error("scope {scope:?} is registered with retention {retention:?}; it must be between 1 s and 366 days")]
-    RetentionOutOfRange {
-        /// The scope.
-        scope: String,
-        /// Its registered retention.
-        retention: Duration,
-    },
 }
 
 #[cfg(test)]
@@ -239,6 +212,7 @@ mod tests {
             refused(400, "22003"),
             refused(400, "23514"),
             refused(500, "54001"),
+            refused(400, "IDEM2"),
         ];
         for error in &data {
             assert!(error.is_unstorable_answer(), "{error}");
@@ -247,7 +221,7 @@ mod tests {
             refused(503, "PGRST001"),
             refused(500, "40001"),
             refused(500, "57014"),
-            Error::Contended { steps: 8 },
+            Error::LeaseLapsed { lease_expires_at: chrono::Utc::now() },
             InvalidInput::EmptyKey.into(),
         ];
         for error in &availability {

@@ -59,6 +59,4 @@ pub mod local;
 pub use error::{Error, InvalidInput};
 pub use postgrest::{ClientConfig, ClientError, PostgrestClient, RetryConfig};
 pub use repo::{IdempotencyRecord, IdempotencyRepository, PostgrestRepository};
-pub use service::{
-    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, ResponseRef, ScopeRegistry,
-};
+pub use service::{Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, ResponseRef};

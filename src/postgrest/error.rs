@@ -60,6 +60,12 @@ pub mod codes {
     pub const SERIALIZATION_FAILURE: &str = "40001";
     /// SQLSTATE deadlock_detected (500): rolled back, safe to retry.
     pub const DEADLOCK_DETECTED: &str = "40P01";
+    /// The plane's own (400): the scope has no row in
+    /// `agent.idempotency_scopes`, so it has no retention. Nothing written.
+    pub const UNKNOWN_SCOPE: &str = "IDEM1";
+    /// The plane's own (400): the response is above its scope's
+    /// `max_response_bytes`. Nothing written; the claim stays processing.
+    pub const RESPONSE_TOO_LARGE: &str = "IDEM2";
     /// SQLSTATE lock_not_available (500): the call waited longer than the
     /// plane's `lock_timeout` for a row another transaction holds; rolled
     /// back, nothing written.

@@ -14,7 +14,7 @@ use uuid::Uuid;
 use crate::Error;
 
 pub use self::postgrest::PostgrestRepository;
-pub use record::{ClaimStatus, IdempotencyRecord};
+pub use record::{ClaimDecision, ClaimRow, ClaimStatus, IdempotencyRecord};
 
 /// The arguments of a claim or a reclaim.
 ///
@@ -39,6 +39,26 @@ pub struct ClaimRequest<'a> {
     pub retain: Duration,
 }
 
+/// The arguments of the one-call claim. No retention: the database takes it
+/// from the scope's policy (`agent.idempotency_scopes`).
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimCall<'a> {
+    /// The tenant; the unique key starts with it.
+    pub organization_id: Uuid,
+    /// The scope, e.g. `tool.email.send`; one the policy table names.
+    pub scope: &'a str,
+    /// The idempotency key within the scope.
+    pub key: &'a str,
+    /// Lowercase hex SHA-256 of the request content.
+    pub request_hash: &'a str,
+    /// The fence the caller minted and will carry to `complete`/`release`;
+    /// a fresh random value per call, so a repeat after a lost answer is
+    /// recognized as this call.
+    pub lease_token: Uuid,
+    /// How long the worker holds the key.
+    pub lease: Duration,
+}
+
 /// What a completion stores. The database refuses one that carries neither a
 /// response nor a resource id, and a resource id without its type.
 #[derive(Debug, Clone, Copy, Default)]
@@ -51,8 +71,16 @@ pub struct CompletionArgs<'a> {
     pub response: Option<&'a serde_json::Value>,
 }
 
-/// The spec's `IdempotencyRepository`: atomic operations, no policy.
+/// The spec's `IdempotencyRepository` (atomic operations, no policy), plus
+/// the one-call claim that decides every ending in one round trip.
 pub trait IdempotencyRepository: Send + Sync {
+    /// Claims, reclaims, or answers why not, in one call and one
+    /// transaction: always exactly one [`ClaimRow`]. The hash is compared
+    /// first, whatever the lease says; of concurrent callers on a passed
+    /// lease exactly one reclaims. A scope with no policy is
+    /// [`Error::UnknownScope`](crate::Error::UnknownScope).
+    fn claim(&self, call: &ClaimCall<'_>) -> impl Future<Output = Result<ClaimRow, Error>> + Send;
+
     /// Inserts a new processing claim. `None` when the key is already claimed.
     fn try_claim(
         &self,

@@ -3,7 +3,8 @@
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{ClaimRequest, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
+use super::{ClaimCall, ClaimRequest, ClaimRow, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
+use crate::postgrest::codes;
 use crate::postgrest::{PostgrestClient, Repeat};
 use crate::Error;
 
@@ -69,10 +70,30 @@ impl<'a> From<&ClaimRequest<'a>> for ClaimArgs<'a> {
     }
 }
 
+/// The database's refusal of a scope with no policy, as the typed error.
+fn unknown_scope(error: Error, scope: &str) -> Error {
+    match error {
+        Error::Store(store) if store.code() == Some(codes::UNKNOWN_SCOPE) => {
+            Error::UnknownScope { scope: scope.to_owned() }
+        }
+        other => other,
+    }
+}
+
 /// Whole milliseconds, rounded up so no duration shrinks on the way.
 fn millis(d: std::time::Duration) -> u64 {
     let ms = d.as_nanos().div_ceil(1_000_000);
     u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+#[derive(Serialize)]
+struct OneCallArgs<'a> {
+    p_organization_id: Uuid,
+    p_scope: &'a str,
+    p_key: &'a str,
+    p_request_hash: &'a str,
+    p_lease_token: Uuid,
+    p_lease_ms: u64,
 }
 
 #[derive(Serialize)]
@@ -104,17 +125,36 @@ struct FenceArgs {
 }
 
 impl IdempotencyRepository for PostgrestRepository {
+    async fn claim(&self, call: &ClaimCall<'_>) -> Result<ClaimRow, Error> {
+        let args = OneCallArgs {
+            p_organization_id: call.organization_id,
+            p_scope: call.scope,
+            p_key: call.key,
+            p_request_hash: call.request_hash,
+            p_lease_token: call.lease_token,
+            p_lease_ms: millis(call.lease),
+        };
+        let rows: Result<Vec<ClaimRow>, _> = self.client.rpc("idempotency_claim", &args, Repeat::Safe).await;
+        let mut rows = rows.map_err(|error| unknown_scope(error.into(), call.scope))?;
+        match (rows.pop(), rows.is_empty()) {
+            (Some(row), true) => Ok(row),
+            _ => Err(Error::Inconsistent("idempotency_claim must answer exactly one row".into())),
+        }
+    }
+
     async fn try_claim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
-        self.at_most_one("idempotency_try_claim", &ClaimArgs::from(request)).await
+        let answer = self.at_most_one("idempotency_try_claim", &ClaimArgs::from(request)).await;
+        answer.map_err(|error| unknown_scope(error, request.scope))
     }
 
     async fn reclaim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
-        self.at_most_one("idempotency_reclaim", &ClaimArgs::from(request)).await
+        let answer = self.at_most_one("idempotency_reclaim", &ClaimArgs::from(request)).await;
+        answer.map_err(|error| unknown_scope(error, request.scope))
     }
 
     async fn get(&self, organization_id: Uuid, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, Error> {
         let args = KeyArgs { p_organization_id: organization_id, p_scope: scope, p_key: key };
-        self.at_most_one("idempotency_get", &args).await
+        self.at_most_one("idempotency_get", &args).await.map_err(|error| unknown_scope(error, scope))
     }
 
     async fn complete(

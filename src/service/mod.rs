@@ -1,9 +1,10 @@
 //! The service: the spec's duplicate semantics over any repository.
 //!
-//! It validates input, mints every lease token, looks up the scope's
-//! retention, and turns the rows the repository answers into one of five
-//! endings ([`ClaimOutcome`]). The request hash is compared before anything
-//! else, whatever the lease says.
+//! It validates input, mints every lease token, and turns what the
+//! repository answers into one of the endings ([`ClaimOutcome`]). The
+//! database decides a claim in one call (the scope's retention policy
+//! included); the service checks the answer is the one it asked for. The
+//! request hash is compared before anything else, whatever the lease says.
 
 mod hash;
 mod journal;
@@ -18,7 +19,9 @@ use tracing::{field, Instrument};
 use uuid::Uuid;
 
 use crate::error::{Error, InvalidInput};
-use crate::repo::{ClaimRequest, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
+use crate::repo::{
+    ClaimCall, ClaimDecision, ClaimRow, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository,
+};
 
 pub use hash::RequestHash;
 pub use journal::{Elided, Unstorable, MAX_RESPONSE_DEPTH};
@@ -26,16 +29,10 @@ pub use outcome::{
     Claim, ClaimOutcome, Completion, Ending, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS, MAX_RESOURCE_TYPE_CHARS,
 };
 pub use scope::{
-    ScopeRegistry, DAY, MAX_SCOPE_CHARS, SAVED_SEARCH_START_RETENTION, SAVED_SEARCH_START_SCOPE, TOOL_RETENTION,
-    WEBHOOK_RETENTION,
+    DAY, MAX_SCOPE_CHARS, SAVED_SEARCH_START_RETENTION, SAVED_SEARCH_START_SCOPE, TOOL_RETENTION, WEBHOOK_RETENTION,
 };
 pub(crate) use validate::key as validate_key;
 pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};
-
-/// How many repository steps one `claim` may take before it gives up on a key
-/// that keeps changing under it. Ordinary contention settles in at most four
-/// (try_claim, get, reclaim, get).
-const MAX_CLAIM_STEPS: u32 = 8;
 
 /// The largest response stored inline, as compact JSON: 64 KiB. Every replay
 /// reads the row back, and a tool claim lives for 30 days, so the journal
@@ -52,20 +49,15 @@ pub const MAX_REPLAY_CACHE_TTL: Duration = Duration::from_secs(300);
 #[derive(Debug, Clone)]
 pub struct IdempotencyService<R> {
     repo: R,
-    scopes: ScopeRegistry,
     response_limit: u64,
     cache: Option<std::sync::Arc<replay_cache::ReplayCache>>,
 }
 
 impl<R: IdempotencyRepository> IdempotencyService<R> {
-    /// A service over `repo` with the spec's scopes ([`ScopeRegistry::default`]).
+    /// A service over `repo`. Scopes and their retention are the database's
+    /// (`agent.idempotency_scopes`).
     pub fn new(repo: R) -> Self {
-        Self::with_scopes(repo, ScopeRegistry::default())
-    }
-
-    /// A service over `repo` with a registry of its own.
-    pub fn with_scopes(repo: R, scopes: ScopeRegistry) -> Self {
-        IdempotencyService { repo, scopes, response_limit: DEFAULT_RESPONSE_LIMIT, cache: None }
+        IdempotencyService { repo, response_limit: DEFAULT_RESPONSE_LIMIT, cache: None }
     }
 
     /// Keeps up to `capacity` completed claims, holding at most about
@@ -133,11 +125,6 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         &self.repo
     }
 
-    /// The scope registry.
-    pub fn scopes(&self) -> &ScopeRegistry {
-        &self.scopes
-    }
-
     /// Reads the journal without writing anything.
     ///
     /// Answers `Absent` when there is no row, and also for a processing row
@@ -155,7 +142,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             %organization_id, scope, key, outcome = field::Empty, replayed = field::Empty
         );
         async {
-            self.scopes.retention(scope)?;
+            scope::validate_scope(scope)?;
             validate::key(key)?;
             if let Some(outcome) = self.cached(organization_id, scope, key, request_hash) {
                 record_outcome("read", scope, &outcome);
@@ -176,13 +163,14 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         .await
     }
 
-    /// Claims the key for `lease`, or answers why not.
+    /// Claims the key for `lease`, or answers why not, in one round trip.
     ///
     /// `Claimed` when the key was free, or held by a worker whose lease passed
     /// (an atomic reclaim: of many concurrent callers exactly one wins). The
-    /// retention is the scope's constant, raised to `lease` when the lease is
-    /// longer. The lease is the operation's timeout plus a margin: the caller
-    /// knows it, the scope does not.
+    /// retention is the scope's policy in the database, never under the
+    /// lease; a scope with no policy is [`Error::UnknownScope`]. The lease is
+    /// the operation's timeout plus a margin: the caller knows it, the scope
+    /// does not.
     pub async fn claim(
         &self,
         organization_id: Uuid,
@@ -199,23 +187,23 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             claim_id = field::Empty
         );
         async {
-            let retention = self.scopes.retention(scope)?;
+            scope::validate_scope(scope)?;
             validate::key(key)?;
             validate::lease(lease)?;
             if let Some(outcome) = self.cached(organization_id, scope, key, request_hash) {
                 record_outcome("claim", scope, &outcome);
                 return Ok(outcome);
             }
-            let request = ClaimRequest {
+            let call = ClaimCall {
                 organization_id,
                 scope,
                 key,
                 request_hash: request_hash.as_str(),
                 lease_token: Uuid::new_v4(),
                 lease,
-                retain: retention.max(lease),
             };
-            let outcome = self.claim_steps(&request, request_hash).await?;
+            let row = self.repo.claim(&call).await?;
+            let outcome = decided(row, &call)?;
             if let ClaimOutcome::Claimed(claim) = &outcome {
                 let span = tracing::Span::current();
                 span.record("reclaimed", claim.reclaimed());
@@ -227,41 +215,6 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         }
         .instrument(span)
         .await
-    }
-
-    /// try_claim; on a conflict read the row; reclaim a passed lease; re-read
-    /// when someone else moved first.
-    async fn claim_steps(&self, request: &ClaimRequest<'_>, hash: &RequestHash) -> Result<ClaimOutcome, Error> {
-        enum Step {
-            TryClaim,
-            Get,
-            Reclaim,
-        }
-        let mut step = Step::TryClaim;
-        for _ in 0..MAX_CLAIM_STEPS {
-            step = match step {
-                Step::TryClaim => match self.repo.try_claim(request).await? {
-                    Some(record) => return owned(record, request, false),
-                    None => Step::Get,
-                },
-                Step::Get => match self.repo.get(request.organization_id, request.scope, request.key).await? {
-                    // Released between our insert and our read: try again.
-                    None => Step::TryClaim,
-                    Some(record) => {
-                        match judge(checked(record, request.organization_id, request.scope, request.key, None)?, hash) {
-                            Judged::Final(outcome) => return Ok(outcome),
-                            Judged::Reclaimable => Step::Reclaim,
-                        }
-                    }
-                },
-                Step::Reclaim => match self.repo.reclaim(request).await? {
-                    Some(record) => return owned(record, request, true),
-                    // Someone else reclaimed, completed or released it first.
-                    None => Step::Get,
-                },
-            };
-        }
-        Err(Error::Contended { steps: MAX_CLAIM_STEPS })
     }
 
     /// Completes `claim` with its answer. `LeaseMovedOn` when another worker
@@ -441,15 +394,67 @@ fn checked(
     )))
 }
 
-/// The claim a try_claim or reclaim answered: our row, under our token, with
-/// a lease that is live by the database clock. A lease already over when it
-/// is handed out would let a second worker reclaim while this one executes.
-fn owned(record: IdempotencyRecord, request: &ClaimRequest<'_>, reclaimed: bool) -> Result<ClaimOutcome, Error> {
-    let record = checked(record, request.organization_id, request.scope, request.key, Some(request.lease_token))?;
-    if !record.lease_live {
-        return Err(Error::LeaseLapsed { lease_expires_at: record.lease_expires_at });
+/// The ending the one-call claim decided, once the service has checked it
+/// is an answer to this call: the row asked for, and for a claim our token
+/// with a lease that is live by the database clock (a lease already over
+/// when handed out would let a second worker reclaim while this one runs).
+fn decided(row: ClaimRow, call: &ClaimCall<'_>) -> Result<ClaimOutcome, Error> {
+    let inconsistent = |what: &str| {
+        Err(Error::Inconsistent(format!(
+            "asked to claim {}/{}/{:?}, the store answered {}/{}/{:?} {what}",
+            call.organization_id, call.scope, call.key, row.organization_id, row.scope, row.key
+        )))
+    };
+    if row.organization_id != call.organization_id || row.scope != call.scope || row.key != call.key {
+        return inconsistent("(another row)");
     }
-    Ok(ClaimOutcome::Claimed(Claim::from_record(record, reclaimed)))
+    let ours = row.request_hash.as_deref() == Some(call.request_hash);
+    match row.outcome {
+        ClaimDecision::Claimed | ClaimDecision::Reclaimed => {
+            if !ours || row.lease_token != Some(call.lease_token) || row.status != ClaimStatus::Processing {
+                return inconsistent("as claimed, but not under this call's hash and token");
+            }
+            if !row.lease_live {
+                return Err(Error::LeaseLapsed { lease_expires_at: row.lease_expires_at });
+            }
+            let reclaimed = row.outcome == ClaimDecision::Reclaimed;
+            Ok(ClaimOutcome::Claimed(Claim {
+                id: row.id,
+                organization_id: row.organization_id,
+                scope: row.scope,
+                key: row.key,
+                lease_token: call.lease_token,
+                lease_expires_at: row.lease_expires_at,
+                retain_until: row.retain_until,
+                reclaimed,
+            }))
+        }
+        ClaimDecision::Completed if ours && row.status == ClaimStatus::Completed => {
+            Ok(completed(row.response, row.resource_type, row.resource_id))
+        }
+        ClaimDecision::Completed => inconsistent("as completed, but not completed under this call's hash"),
+        ClaimDecision::Processing if ours => Ok(ClaimOutcome::Processing { lease_expires_at: row.lease_expires_at }),
+        ClaimDecision::Processing => inconsistent("as processing, but under another hash"),
+        ClaimDecision::Conflict if !ours => Ok(ClaimOutcome::Conflict),
+        ClaimDecision::Conflict => inconsistent("as a conflict, but under this call's hash"),
+    }
+}
+
+/// A completed claim's ending: its answer, a [`ResponseRef`] read back as one.
+fn completed(
+    response: Option<serde_json::Value>,
+    resource_type: Option<String>,
+    resource_id: Option<String>,
+) -> ClaimOutcome {
+    let response_ref = response.as_ref().and_then(ResponseRef::from_stored);
+    ClaimOutcome::Completed {
+        response: if response_ref.is_some() { None } else { response },
+        resource: match (resource_type, resource_id) {
+            (Some(resource_type), Some(resource_id)) => Some(ResourceRef { resource_type, resource_id }),
+            _ => None,
+        },
+        response_ref,
+    }
 }
 
 enum Judged {
@@ -470,18 +475,7 @@ fn judge(record: IdempotencyRecord, hash: &RequestHash) -> Judged {
 /// The ending a row stands for, its hash already compared.
 fn judge_row(record: IdempotencyRecord) -> Judged {
     match record.status {
-        ClaimStatus::Completed => {
-            let response_ref = record.response.as_ref().and_then(ResponseRef::from_stored);
-            let response = if response_ref.is_some() { None } else { record.response };
-            Judged::Final(ClaimOutcome::Completed {
-                response_ref,
-                response,
-                resource: match (record.resource_type, record.resource_id) {
-                    (Some(resource_type), Some(resource_id)) => Some(ResourceRef { resource_type, resource_id }),
-                    _ => None,
-                },
-            })
-        }
+        ClaimStatus::Completed => Judged::Final(completed(record.response, record.resource_type, record.resource_id)),
         ClaimStatus::Processing if record.lease_live => {
             Judged::Final(ClaimOutcome::Processing { lease_expires_at: record.lease_expires_at })
         }

@@ -5,7 +5,6 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::error::InvalidInput;
-use crate::repo::IdempotencyRecord;
 
 /// A reference to the resource an effect made, e.g. a CRM company or a Nylas
 /// message. Its type is required so a reader can tell the two apart.
@@ -130,19 +129,6 @@ pub struct Claim {
 }
 
 impl Claim {
-    pub(crate) fn from_record(record: IdempotencyRecord, reclaimed: bool) -> Self {
-        Claim {
-            id: record.id,
-            organization_id: record.organization_id,
-            scope: record.scope,
-            key: record.key,
-            lease_token: record.lease_token,
-            lease_expires_at: record.lease_expires_at,
-            retain_until: record.retain_until,
-            reclaimed,
-        }
-    }
-
     /// The claim id.
     pub fn id(&self) -> Uuid {
         self.id

@@ -158,7 +158,7 @@ async fn a_completion_with_neither_response_nor_resource_is_refused() {
 }
 
 #[tokio::test]
-async fn retention_is_raised_to_the_lease_and_a_reclaim_can_extend_it() {
+async fn an_argument_can_only_lengthen_the_scopes_retention_and_a_reclaim_can_extend_it() {
     let stack = stack().await;
     let service = service(&stack);
     let repo = service.repository();
@@ -173,16 +173,16 @@ async fn retention_is_raised_to_the_lease_and_a_reclaim_can_extend_it() {
         lease: Duration::from_secs(60),
         retain: Duration::from_secs(1),
     };
-    // The store raises a retention shorter than the lease to the lease.
+    // A shorter retention than the scope's 30 days is ignored: the policy holds.
     let claimed = repo.try_claim(&request).await.unwrap().expect("claimed");
-    assert_eq!(claimed.retain_until, claimed.lease_expires_at);
+    assert_eq!(claimed.retain_until - claimed.lease_expires_at, chrono::TimeDelta::days(30));
 
     // A reclaim asking for a longer retention extends it: greatest() takes the new one.
     pass_lease(&stack, claimed.id).await;
-    let longer = ClaimRequest { lease_token: uuid::Uuid::new_v4(), retain: Duration::from_secs(3600), ..request };
+    let longer =
+        ClaimRequest { lease_token: uuid::Uuid::new_v4(), retain: Duration::from_secs(40 * 86_400), ..request };
     let reclaimed = repo.reclaim(&longer).await.unwrap().expect("reclaimed");
-    let window = reclaimed.retain_until - reclaimed.claimed_at;
-    assert_eq!(window, chrono::TimeDelta::seconds(3600));
+    assert_eq!(reclaimed.retain_until - reclaimed.lease_expires_at, chrono::TimeDelta::days(40));
     assert_eq!(reclaimed.lease_expires_at - reclaimed.claimed_at, chrono::TimeDelta::seconds(60));
     stack.stop().await.unwrap();
 }

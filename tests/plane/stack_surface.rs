@@ -14,6 +14,7 @@ use crate::harness::*;
 
 /// Every function of the README's SQL surface table, with its argument names in order.
 const SURFACE: &[(&str, &str)] = &[
+    ("idempotency_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms"),
     ("idempotency_try_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
     ("idempotency_reclaim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
     ("idempotency_get", "p_organization_id,p_scope,p_key"),
@@ -50,7 +51,8 @@ async fn every_function_is_security_invoker_with_an_empty_search_path_and_servic
         // Every function that takes a row lock gives up after lock_timeout.
         let locks = matches!(
             *name,
-            "idempotency_try_claim"
+            "idempotency_claim"
+                | "idempotency_try_claim"
                 | "idempotency_reclaim"
                 | "idempotency_complete"
                 | "idempotency_release"
@@ -199,7 +201,7 @@ async fn the_database_refuses_malformed_rows_whoever_calls_it() {
         (with("p_request_hash", json!("abc")), "23514"),
         (with("p_key", json!("")), "23514"),
         (with("p_key", json!("k".repeat(513))), "23514"),
-        (with("p_scope", json!("")), "23514"),
+        (with("p_scope", json!("")), "IDEM1"),
         (with("p_lease_ms", json!(0)), "22023"),
         (with("p_lease_ms", json!(-5)), "22023"),
         (with("p_retain_ms", json!(0)), "22023"),

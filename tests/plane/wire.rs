@@ -550,11 +550,11 @@ async fn a_claim_refused_with_insufficient_privilege_is_a_store_error_of_the_ser
     // Arrange
     let server = MockServer::start().await;
     Mock::given(method("POST"))
-        .and(path("/rpc/idempotency_try_claim"))
+        .and(path("/rpc/idempotency_claim"))
         .and(body_partial_json(json!({"p_scope": SCOPE, "p_key": "run-1:step-1"})))
         .respond_with(
             ResponseTemplate::new(403)
-                .set_body_json(error_body("42501", "permission denied for function idempotency_try_claim")),
+                .set_body_json(error_body("42501", "permission denied for function idempotency_claim")),
         )
         .expect(1)
         .mount(&server)
@@ -579,11 +579,11 @@ async fn a_claim_refused_as_the_anonymous_role_is_a_store_error_with_401() {
     // Arrange
     let server = MockServer::start().await;
     Mock::given(method("POST"))
-        .and(path("/rpc/idempotency_try_claim"))
+        .and(path("/rpc/idempotency_claim"))
         .respond_with(
             ResponseTemplate::new(401)
                 .insert_header("www-authenticate", "Bearer")
-                .set_body_json(error_body("42501", "permission denied for function idempotency_try_claim")),
+                .set_body_json(error_body("42501", "permission denied for function idempotency_claim")),
         )
         .expect(1)
         .mount(&server)
@@ -927,10 +927,11 @@ async fn the_service_completes_a_resource_only_claim_without_a_response_key() {
         let token: Uuid = serde_json::from_value(body["p_lease_token"].clone()).expect("a token");
         let mut row = record(claim_id, token, status);
         row["organization_id"] = json!(org);
+        row["outcome"] = json!("claimed"); // what the one-call claim adds
         ResponseTemplate::new(200).set_body_json(json!([row]))
     };
     Mock::given(method("POST"))
-        .and(path("/rpc/idempotency_try_claim"))
+        .and(path("/rpc/idempotency_claim"))
         .respond_with(move |request: &Request| answer(request, "processing"))
         .expect(1)
         .mount(&server)
@@ -1115,14 +1116,13 @@ async fn a_row_for_another_tenant_key_or_token_is_never_acted_on() {
         .respond_with(ResponseTemplate::new(200).set_body_json(json!([stored])))
         .mount(&server)
         .await;
-    // try_claim answers a row holding someone else's token.
+    // The claim answers "claimed" with a row of another tenant, holding
+    // someone else's token.
+    let mut foreign = record(Uuid::new_v4(), Uuid::new_v4(), "processing");
+    foreign["outcome"] = json!("claimed");
     Mock::given(method("POST"))
-        .and(path("/rpc/idempotency_try_claim"))
-        .respond_with(ResponseTemplate::new(200).set_body_json(json!([record(
-            Uuid::new_v4(),
-            Uuid::new_v4(),
-            "processing"
-        )])))
+        .and(path("/rpc/idempotency_claim"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!([foreign])))
         .mount(&server)
         .await;
     let service = service(&server);
@@ -1132,7 +1132,7 @@ async fn a_row_for_another_tenant_key_or_token_is_never_acted_on() {
     assert!(matches!(claimed, Err(Error::Inconsistent(_))), "{claimed:?}");
 }
 
-/// A try_claim that answers the caller's own row, under its own token, but
+/// A claim that answers the caller's own row, under its own token, but
 /// with a lease already passed: what a store that stamped the lease before
 /// a lock wait would answer.
 struct LapsedClaim;
@@ -1146,6 +1146,7 @@ impl wiremock::Respond for LapsedClaim {
             row[column] = args[argument].clone();
         }
         row["lease_live"] = json!(false);
+        row["outcome"] = json!("claimed");
         ResponseTemplate::new(200).set_body_json(json!([row]))
     }
 }
@@ -1154,7 +1155,7 @@ impl wiremock::Respond for LapsedClaim {
 async fn a_claim_answered_with_a_lease_already_passed_is_not_handed_out() {
     // Arrange
     let server = MockServer::start().await;
-    Mock::given(method("POST")).and(path("/rpc/idempotency_try_claim")).respond_with(LapsedClaim).mount(&server).await;
+    Mock::given(method("POST")).and(path("/rpc/idempotency_claim")).respond_with(LapsedClaim).mount(&server).await;
     // Act
     let outcome = service(&server).claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
     // Assert: not Claimed, and transient, so the caller's retry reclaims it.

@@ -14,6 +14,7 @@ use crate::{remote, BoxError};
 /// The SQL surface: every function a caller reaches, with its identity
 /// arguments exactly as `pg_get_function_identity_arguments` prints them.
 const SURFACE: &[(&str, &str)] = &[
+    ("idempotency_claim", "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint"),
     ("idempotency_try_claim", "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint"),
     ("idempotency_reclaim", "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint"),
     ("idempotency_get", "p_organization_id uuid, p_scope text, p_key text"),
