@@ -59,4 +59,6 @@ pub mod local;
 pub use error::{Error, InvalidInput};
 pub use postgrest::{ClientConfig, ClientError, PostgrestClient, RetryConfig};
 pub use repo::{IdempotencyRecord, IdempotencyRepository, PostgrestRepository};
-pub use service::{Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, ResponseRef};
+pub use service::{
+    canonical_json, Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, ResponseRef,
+};

@@ -16,12 +16,12 @@ use crate::error::InvalidInput;
 pub struct RequestHash(String);
 
 impl RequestHash {
-    /// SHA-256 of `value`'s canonical JSON: object keys sorted at every depth,
-    /// no whitespace. Two requests that differ only in key order hash equal.
+    /// SHA-256 of `value`'s RFC 8785 canonical form ([`canonical_json`]): the
+    /// same hash a JavaScript caller gets from the `canonicalize` npm package
+    /// and SHA-256, or a Python caller from a JCS library. Two requests that
+    /// differ only in key order or number spelling hash equal.
     pub fn of_json(value: &Value) -> Self {
-        let mut hasher = Sha256::new();
-        write_canonical(value, &mut hasher);
-        RequestHash(hex::encode(hasher.finalize()))
+        RequestHash(hex::encode(Sha256::digest(canonical_json(value).as_bytes())))
     }
 
     /// SHA-256 of raw bytes, e.g. a webhook body exactly as delivered.
@@ -33,6 +33,20 @@ impl RequestHash {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+}
+
+/// The RFC 8785 (JSON Canonicalization Scheme) form of `value`: no
+/// whitespace; object members sorted by their names' UTF-16 code units;
+/// strings escaped as ECMAScript's `JSON.stringify` does; every number as
+/// the IEEE 754 double it denotes, written as ECMAScript's
+/// `Number.prototype.toString` writes it (`1.0` → `1`, `1e21` → `1e+21`,
+/// `-0` → `0`). Integers beyond 2^53 therefore lose precision, as they do in
+/// every JSON reader that follows I-JSON; a number no double can hold (only
+/// possible with serde_json's `arbitrary_precision`) is written as given.
+pub fn canonical_json(value: &Value) -> String {
+    let mut out = String::new();
+    write_canonical(value, &mut out);
+    out
 }
 
 impl FromStr for RequestHash {
@@ -61,60 +75,67 @@ impl fmt::Display for RequestHash {
     }
 }
 
-/// Feeds the canonical encoding into `out` without building it as one string.
-fn write_canonical(value: &Value, out: &mut Sha256) {
+fn write_canonical(value: &Value, out: &mut String) {
     match value {
         Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            out.update(b"{");
-            for (i, (key, value)) in entries.into_iter().enumerate() {
+            let mut members: Vec<(&String, &Value)> = map.iter().collect();
+            members.sort_unstable_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+            out.push('{');
+            for (i, (name, member)) in members.into_iter().enumerate() {
                 if i > 0 {
-                    out.update(b",");
+                    out.push(',');
                 }
-                write_scalar(&Value::String(key.clone()), out);
-                out.update(b":");
-                write_canonical(value, out);
+                write_string(name, out);
+                out.push(':');
+                write_canonical(member, out);
             }
-            out.update(b"}");
+            out.push('}');
         }
         Value::Array(items) => {
-            out.update(b"[");
+            out.push('[');
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.update(b",");
+                    out.push(',');
                 }
                 write_canonical(item, out);
             }
-            out.update(b"]");
+            out.push(']');
         }
-        scalar => write_scalar(scalar, out),
+        Value::String(text) => write_string(text, out),
+        Value::Number(number) => out.push_str(&canonical_number(number)),
+        Value::Bool(true) => out.push_str("true"),
+        Value::Bool(false) => out.push_str("false"),
+        Value::Null => out.push_str("null"),
     }
 }
 
-fn write_scalar(value: &Value, out: &mut Sha256) {
-    match value {
-        Value::Number(number) => out.update(canonical_number(number).as_bytes()),
-        // serde_json writes strings, booleans and null one way.
-        other => out.update(other.to_string().as_bytes()),
+/// A string as `JSON.stringify` writes it: `"` and `\` escaped, the
+/// controls as `\b \t \n \f \r` or `\u00xx`, everything else as is.
+fn write_string(text: &str, out: &mut String) {
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\u{8}' => out.push_str("\\b"),
+            '\t' => out.push_str("\\t"),
+            '\n' => out.push_str("\\n"),
+            '\u{c}' => out.push_str("\\f"),
+            '\r' => out.push_str("\\r"),
+            c if c < ' ' => {
+                use std::fmt::Write;
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
     }
+    out.push('"');
 }
 
-/// A number by its value, whatever its spelling (`1`, `1.0`, `1e0`) and
-/// whatever serde_json features the build enables (`arbitrary_precision`
-/// keeps the spelling): an integer that fits 64 bits as its digits; any
-/// other number as its f64, integral values below 2^53 as integers and the
-/// rest as the shortest text that reads back as the same f64.
-pub(crate) fn canonical_number(number: &serde_json::Number) -> String {
-    if let Some(i) = number.as_i64() {
-        return i.to_string();
-    }
-    if let Some(u) = number.as_u64() {
-        return u.to_string();
-    }
+/// A number as ECMAScript writes the double it denotes.
+fn canonical_number(number: &serde_json::Number) -> String {
     match number.as_f64() {
-        Some(f) if f.is_finite() && f.fract() == 0.0 && f.abs() < 9_007_199_254_740_992.0 => (f as i64).to_string(),
-        Some(f) if f.is_finite() => f.to_string(),
+        Some(double) if double.is_finite() => ryu_js::Buffer::new().format_finite(double).to_owned(),
         _ => number.to_string(),
     }
 }

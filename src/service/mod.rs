@@ -23,7 +23,7 @@ use crate::repo::{
     ClaimCall, ClaimDecision, ClaimRow, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository,
 };
 
-pub use hash::RequestHash;
+pub use hash::{canonical_json, RequestHash};
 pub use journal::{Elided, Unstorable, MAX_RESPONSE_DEPTH};
 pub use outcome::{
     Claim, ClaimOutcome, Completion, Ending, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS, MAX_RESOURCE_TYPE_CHARS,

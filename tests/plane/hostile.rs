@@ -300,7 +300,8 @@ fn canonical(value: &Value, out: &mut String) {
     match value {
         Value::Object(map) => {
             let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            // RFC 8785: member names in the order of their UTF-16 code units.
+            entries.sort_by_key(|(name, _)| name.encode_utf16().collect::<Vec<u16>>());
             out.push('{');
             for (i, (key, item)) in entries.into_iter().enumerate() {
                 if i > 0 {
@@ -322,18 +323,12 @@ fn canonical(value: &Value, out: &mut String) {
             }
             out.push(']');
         }
-        Value::Number(n) => {
-            let text = match (n.as_i64(), n.as_u64(), n.as_f64()) {
-                (Some(i), _, _) => i.to_string(),
-                (None, Some(u), _) => u.to_string(),
-                (None, None, Some(f)) if f.is_finite() && f.trunc() == f && f.abs() < 2f64.powi(53) => {
-                    format!("{}", f as i64)
-                }
-                (None, None, Some(f)) if f.is_finite() => format!("{f}"),
-                _ => n.to_string(),
-            };
-            out.push_str(&text);
-        }
+        // RFC 8785: the double a number denotes, as ECMAScript writes it
+        // (the vectors pin that against the reference implementation).
+        Value::Number(n) => match n.as_f64() {
+            Some(f) if f.is_finite() => out.push_str(ryu_js::Buffer::new().format_finite(f)),
+            _ => out.push_str(&n.to_string()),
+        },
         scalar => out.push_str(&scalar.to_string()),
     }
 }
@@ -395,7 +390,7 @@ proptest! {
     }
 
     #[test]
-    fn the_request_hash_is_sha256_of_the_sorted_compact_json(value in json_value()) {
+    fn the_request_hash_is_sha256_of_the_jcs_form(value in json_value()) {
         let mut text = String::new();
         canonical(&value, &mut text);
         let hash = RequestHash::of_json(&value);
