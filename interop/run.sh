@@ -107,7 +107,7 @@ set +a
 echo "interop: idem up serving at $IDEM_POSTGREST_URL (max rows $IDEM_MAX_ROWS)"
 
 status=0
-node check.mjs || status=$?
+IDEM_BIN="$idem" node check.mjs || status=$?
 
 stop_status=0
 stop_server || stop_status=$?

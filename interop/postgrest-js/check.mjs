@@ -1,17 +1,23 @@
 // Calls the idempotency plane's SQL surface with @supabase/postgrest-js, the
 // way a Supabase Edge Function would: one PostgrestClient on schema `agent`,
 // the service-role key as a Bearer token, every decision made by the
-// agent.idempotency_* functions.
+// agent.idempotency_* functions. Request hashes are RFC 8785 (JCS) canonical
+// JSON hashed with SHA-256, computed with the `canonicalize` package, and
+// with IDEM_BIN set the Rust crate (`idem claim`) repeats requests this
+// client made, and the other way round.
 //
-//   IDEM_POSTGREST_URL=http://127.0.0.1:PORT IDEM_SERVICE_KEY=... IDEM_MAX_ROWS=1000 node check.mjs
+//   IDEM_POSTGREST_URL=http://127.0.0.1:PORT IDEM_SERVICE_KEY=... IDEM_MAX_ROWS=1000 [IDEM_BIN=path/to/idem] node check.mjs
 //
 // Prints one line per check; exits 1 on the first failure, 2 on bad
 // configuration.
 
+import { execFile } from 'node:child_process';
 import { createHash, createHmac, randomBytes, randomUUID } from 'node:crypto';
+import { readFileSync } from 'node:fs';
 import { isDeepStrictEqual } from 'node:util';
 
 import { PostgrestClient } from '@supabase/postgrest-js';
+import canonicalize from 'canonicalize';
 
 const REQUEST_TIMEOUT_MS = 15_000;
 
@@ -90,9 +96,9 @@ async function check(name, body) {
   }
 }
 
-/** SHA-256 hex of the request, as the plane stores it (64 lowercase hex digits). */
+/** The request hash every client computes: SHA-256 (lowercase hex) of the request's RFC 8785 form. */
 function requestHash(request) {
-  return createHash('sha256').update(JSON.stringify(request)).digest('hex');
+  return createHash('sha256').update(canonicalize(request), 'utf8').digest('hex');
 }
 
 /** An HS256 JWT for `role`, signed with a secret the server does not know. */
@@ -105,7 +111,7 @@ function wrongSecretToken(role) {
 }
 
 const organization = randomUUID();
-const scope = 'interop.postgrest_js';
+const scope = 'tool.interop.send';
 const LEASE_MS = 30_000;
 const RETAIN_MS = 3_600_000;
 
@@ -247,5 +253,183 @@ await check('a call without Authorization (anon) is refused', async () => refuse
 
 await check('a service_role token signed with the wrong secret is refused', async () =>
   refused('a wrong-secret token', client({ Authorization: 'Bearer ' + wrongSecretToken('service_role') })));
+
+// ---- Surface v2: one call decides, for every client alike -----------------
+
+function oneCall(callKey, callHash, callToken, leaseMs = LEASE_MS, callScope = scope) {
+  return {
+    p_organization_id: organization,
+    p_scope: callScope,
+    p_key: callKey,
+    p_request_hash: callHash,
+    p_lease_token: callToken,
+    p_lease_ms: leaseMs,
+  };
+}
+
+async function claimOnce(name, args) {
+  return oneRow(name, answered('idempotency_claim', await service.rpc('idempotency_claim', args)));
+}
+
+function discloses(row) {
+  return { token: row.lease_token, response: row.response, resource: row.resource_id };
+}
+
+const v2Key = `interop-v2-${randomUUID()}`;
+const v2Request = { to: 'b@example.com', subject: 'One call', amount: 1 };
+const v2Hash = requestHash(v2Request);
+const v2Token = randomUUID();
+const v2Answer = { message_id: `m-${randomUUID()}`, status: 'sent' };
+let v2Claim;
+
+await check('idempotency_claim: a fresh key is claimed, with our token and a live lease', async () => {
+  v2Claim = await claimOnce('idempotency_claim', oneCall(v2Key, v2Hash, v2Token));
+  expect(v2Claim.outcome === 'claimed' && v2Claim.status === 'processing', "outcome 'claimed', processing", v2Claim);
+  expect(v2Claim.lease_token === v2Token && v2Claim.lease_live === true, 'our token, a live lease', v2Claim);
+  const window = Date.parse(v2Claim.retain_until) - Date.parse(v2Claim.lease_expires_at);
+  expect(window === 30 * 86_400_000, 'a tool claim is kept 30 days past its lease (the scope policy)', v2Claim);
+});
+
+await check('idempotency_claim: a repeat with the same token answers our own claim again', async () => {
+  const row = await claimOnce('idempotency_claim (repeat)', oneCall(v2Key, v2Hash, v2Token));
+  expect(row.outcome === 'claimed' && row.id === v2Claim.id && row.lease_token === v2Token,
+    'the caller whose answer was lost gets its own claim back', row);
+});
+
+await check('idempotency_claim: another caller gets processing, with no token, response or resource', async () => {
+  const row = await claimOnce('idempotency_claim (other)', oneCall(v2Key, v2Hash, randomUUID()));
+  expect(row.outcome === 'processing' && row.lease_live === true, "outcome 'processing'", row);
+  expect(row.lease_token === null && row.response === null && row.resource_id === null,
+    'processing discloses no token, response or resource', discloses(row));
+});
+
+await check('idempotency_claim: after completion it replays the stored answer, without the token', async () => {
+  answered('idempotency_complete', await service.rpc('idempotency_complete', {
+    p_claim_id: v2Claim.id, p_lease_token: v2Token, p_response: v2Answer,
+    p_resource_type: 'email.message', p_resource_id: v2Answer.message_id,
+  }));
+  const row = await claimOnce('idempotency_claim (replay)', oneCall(v2Key, v2Hash, randomUUID()));
+  expect(row.outcome === 'completed' && isDeepStrictEqual(row.response, v2Answer), 'the stored answer', row);
+  expect(row.resource_id === v2Answer.message_id && row.lease_token === null, 'the resource, no token', row);
+});
+
+await check('idempotency_claim: another request under the key is a conflict that discloses nothing', async () => {
+  const row = await claimOnce('idempotency_claim (conflict)',
+    oneCall(v2Key, requestHash({ ...v2Request, amount: 2 }), randomUUID()));
+  expect(row.outcome === 'conflict', "outcome 'conflict'", row);
+  expect(row.lease_token === null && row.response === null && row.resource_id === null && row.request_hash === null,
+    'a conflict discloses no token, response, resource or stored hash', row);
+});
+
+await check('idempotency_claim: a passed lease is reclaimed by the next caller', async () => {
+  const key = `interop-reclaim-${randomUUID()}`;
+  const hashed = requestHash({ key });
+  const first = await claimOnce('idempotency_claim', oneCall(key, hashed, randomUUID(), 1000));
+  expect(first.outcome === 'claimed', "outcome 'claimed'", first);
+  await new Promise((resolve) => setTimeout(resolve, 1_200));
+  const token2 = randomUUID();
+  const row = await claimOnce('idempotency_claim (after the lease)', oneCall(key, hashed, token2));
+  expect(row.outcome === 'reclaimed' && row.id === first.id && row.lease_token === token2 && row.lease_live === true,
+    "outcome 'reclaimed', the same claim under our token", row);
+});
+
+/** Fails unless `result` is a PostgREST error with this HTTP status and code. */
+function refusedWith(name, result, status, code) {
+  expect(result.error, `${name} should be refused, but got data`, result.data);
+  expect(result.status === status && result.error.code === code,
+    `${name} should be refused with HTTP ${status} ${code}`, { status: result.status, error: result.error });
+  return `HTTP ${status} ${code}`;
+}
+
+await check('a tool claim cannot be kept less than 30 days: a short p_retain_ms is ignored, the policy table read-only',
+  async () => {
+    const key = `interop-retain-${randomUUID()}`;
+    const row = oneRow('idempotency_try_claim', answered('idempotency_try_claim', await service.rpc(
+      'idempotency_try_claim', { ...claimArgs(key, requestHash({ key }), randomUUID()), p_retain_ms: 86_400_000 })));
+    const window = Date.parse(row.retain_until) - Date.parse(row.lease_expires_at);
+    expect(window === 30 * 86_400_000, 'one day asked, 30 days kept', row);
+    const write = await service.from('idempotency_scopes').insert({
+      scope: 'tool.interop.short', retain: '1 day', max_response_bytes: 65536,
+    });
+    expect(write.error, 'writing the policy table should be refused', write);
+    return `policy write refused: HTTP ${write.status} ${write.error.code}`;
+  });
+
+await check('an unknown scope is refused with IDEM1', async () => {
+  const key = `interop-unknown-${randomUUID()}`;
+  const result = await service.rpc('idempotency_claim',
+    oneCall(key, requestHash({ key }), randomUUID(), LEASE_MS, 'payments.charge'));
+  return refusedWith('a claim under an unknown scope', result, 400, 'IDEM1');
+});
+
+await check('a response above the scope limit is refused with IDEM2 and the claim stays processing', async () => {
+  const key = `interop-large-${randomUUID()}`;
+  const largeToken = randomUUID();
+  const row = await claimOnce('idempotency_claim', oneCall(key, requestHash({ key }), largeToken));
+  const result = await service.rpc('idempotency_complete', {
+    p_claim_id: row.id, p_lease_token: largeToken, p_response: { text: 'x'.repeat(70_000) },
+  });
+  const refusal = refusedWith('a 70 kB response', result, 400, 'IDEM2');
+  const after = oneRow('idempotency_get', answered('idempotency_get', await service.rpc('idempotency_get', {
+    p_organization_id: organization, p_scope: scope, p_key: key,
+  })));
+  expect(after.status === 'processing', 'the refused completion wrote nothing', after);
+  return refusal;
+});
+
+await check('every request-hash vector matches the canonicalize package', async () => {
+  const vectors = JSON.parse(readFileSync(new URL('../../tests/vectors/request_hash.json', import.meta.url), 'utf8'));
+  expect(vectors.length >= 25, 'at least 25 vectors', vectors.length);
+  for (const vector of vectors) {
+    expect(canonicalize(vector.input) === vector.canonical, 'canonical form', vector);
+    expect(requestHash(vector.input) === vector.sha256, 'sha256', vector);
+  }
+  return `${vectors.length} vectors`;
+});
+
+/** Runs `idem claim` (the Rust crate) for `requestText`; answers its JSON line. */
+function rustClaim(key, requestText, leaseMs = LEASE_MS) {
+  return new Promise((resolve, reject) => {
+    const child = execFile(process.env.IDEM_BIN, [
+      'claim', '--org', organization, '--scope', scope, '--key', key, '--lease-ms', String(leaseMs),
+    ], { timeout: 30_000 }, (error, stdout, stderr) => {
+      if (error) reject(new CheckFailed(`idem claim failed: ${error.message}\n${stderr}`));
+      else resolve(JSON.parse(stdout));
+    });
+    child.stdin.end(requestText);
+  });
+}
+
+if (process.env.IDEM_BIN) {
+  await check('cross-language: a request JavaScript completed is replayed, not conflicted, when Rust repeats it',
+    async () => {
+      const key = `interop-js-first-${randomUUID()}`;
+      const request = { to: ['a@example.com', 'c@example.com'], amount: 1.5, meta: { b: 1, a: 'é' } };
+      const jsToken = randomUUID();
+      const row = await claimOnce('idempotency_claim', oneCall(key, requestHash(request), jsToken));
+      answered('idempotency_complete', await service.rpc('idempotency_complete', {
+        p_claim_id: row.id, p_lease_token: jsToken, p_response: { sent: true },
+      }));
+      // The same request as another client writes it: other key order, other number spelling.
+      const rust = await rustClaim(key, '{"meta":{"a":"\\u00e9","b":1.0},"amount":15e-1,"to":["a@example.com","c@example.com"]}');
+      expect(rust.outcome === 'completed' && isDeepStrictEqual(rust.response, { sent: true }),
+        'Rust replays the answer JavaScript stored', rust);
+      expect(rust.request_hash === requestHash(request), 'both hash the request alike', rust);
+    });
+
+  await check('cross-language: a request Rust claimed is the same request to JavaScript', async () => {
+    const key = `interop-rust-first-${randomUUID()}`;
+    const rust = await rustClaim(key, '{"subject":"Hi","to":"d@example.com","priority":1e2}');
+    expect(rust.outcome === 'claimed', 'Rust claims the fresh key', rust);
+    const same = await claimOnce('idempotency_claim',
+      oneCall(key, requestHash({ to: 'd@example.com', priority: 100, subject: 'Hi' }), randomUUID()));
+    expect(same.outcome === 'processing', 'JavaScript sees the same request in flight, not a conflict', same);
+    const other = await claimOnce('idempotency_claim',
+      oneCall(key, requestHash({ to: 'd@example.com', priority: 101, subject: 'Hi' }), randomUUID()));
+    expect(other.outcome === 'conflict', 'and a different request as a conflict', other);
+  });
+} else {
+  console.log('skip  cross-language checks: IDEM_BIN is not set');
+}
 
 console.log(`postgrest-js interop: all ${passed} checks passed`);

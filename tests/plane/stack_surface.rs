@@ -414,3 +414,98 @@ async fn a_repeat_answers_only_a_live_lease_or_the_same_completion() {
     assert!(!repo.release(claim.id, claim.lease_token).await.unwrap());
     stack.stop().await.unwrap();
 }
+
+/// The one-call claim's answer, through a bare client (as curl or
+/// postgrest-js would call it).
+async fn one_call(client: &PostgrestClient, org: uuid::Uuid, key: &str, hash: &str, token: uuid::Uuid) -> Value {
+    let args = json!({
+        "p_organization_id": org, "p_scope": "tool.email.send", "p_key": key,
+        "p_request_hash": hash, "p_lease_token": token, "p_lease_ms": 60_000,
+    });
+    let mut rows: Vec<Value> = client.rpc("idempotency_claim", &args, Repeat::Safe).await.expect("idempotency_claim");
+    assert_eq!(rows.len(), 1, "always exactly one row: {rows:?}");
+    rows.remove(0)
+}
+
+#[tokio::test]
+async fn the_one_call_claim_shows_the_token_only_to_its_holder_and_the_answer_only_once_completed() {
+    let stack = stack().await;
+    let client = client(&stack);
+    let (org, h, token) = (org(), hash("v2"), uuid::Uuid::new_v4());
+
+    let claimed = one_call(&client, org, "k", h.as_str(), token).await;
+    assert_eq!(
+        (claimed["outcome"].as_str(), claimed["lease_token"].as_str()),
+        (Some("claimed"), Some(&*token.to_string()))
+    );
+    let again = one_call(&client, org, "k", h.as_str(), token).await;
+    assert_eq!((again["outcome"].as_str(), &again["id"]), (Some("claimed"), &claimed["id"]), "a repeat is ours");
+
+    let processing = one_call(&client, org, "k", h.as_str(), uuid::Uuid::new_v4()).await;
+    assert_eq!(processing["outcome"], "processing");
+    assert_eq!((&processing["lease_token"], &processing["response"]), (&Value::Null, &Value::Null));
+
+    let args = json!({"p_claim_id": claimed["id"], "p_lease_token": token, "p_response": {"sent": 1},
+                      "p_resource_type": "email.message", "p_resource_id": "m-1"});
+    let _: Vec<Value> = client.rpc("idempotency_complete", &args, Repeat::Safe).await.expect("complete");
+    let completed = one_call(&client, org, "k", h.as_str(), uuid::Uuid::new_v4()).await;
+    assert_eq!((completed["outcome"].as_str(), &completed["response"]), (Some("completed"), &json!({"sent": 1})));
+    assert_eq!((&completed["resource_id"], &completed["lease_token"]), (&json!("m-1"), &Value::Null));
+
+    let conflict = one_call(&client, org, "k", hash("other").as_str(), uuid::Uuid::new_v4()).await;
+    assert_eq!(conflict["outcome"], "conflict");
+    for hidden in ["lease_token", "response", "resource_type", "resource_id", "request_hash"] {
+        assert_eq!(conflict[hidden], Value::Null, "a conflict discloses no {hidden}");
+    }
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_tool_policy_under_thirty_days_is_refused_by_the_database() {
+    let stack = stack().await;
+    for (scope, retain) in [("tool.*", "29 days"), ("tool.crm.*", "1 day"), ("tool.email.send", "12 hours")] {
+        let refused = sqlx::query("insert into agent.idempotency_scopes values ($1, $2::interval, 65536)")
+            .bind(scope)
+            .bind(retain)
+            .execute(stack.db())
+            .await;
+        let code = refused.expect_err(scope).as_database_error().and_then(|e| e.code().map(|c| c.into_owned()));
+        assert_eq!(code.as_deref(), Some("23514"), "{scope} {retain}");
+    }
+    let updated = sqlx::query("update agent.idempotency_scopes set retain = interval '1 day' where scope = 'tool.*'")
+        .execute(stack.db())
+        .await;
+    assert!(updated.is_err(), "the seeded tool policy cannot be shortened either");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_response_above_the_scopes_limit_is_refused_by_the_database_and_journaled_as_a_stand_in_after_an_effect() {
+    // A scope whose policy keeps 2 KiB, below the service's own 64 KiB limit:
+    // only the database knows it.
+    let stack = stack().await;
+    sqlx::query("insert into agent.idempotency_scopes values ('webhook.small', interval '1 day', 2048)")
+        .execute(stack.db())
+        .await
+        .unwrap();
+    let service = service(&stack);
+    let big = json!({"text": "x".repeat(10_000)});
+
+    let claim = claimed(service.claim(org(), "webhook.small", "d-1", &hash("big"), LEASE).await);
+    let refused = service.complete(&claim, idempotency_plane::Completion::response(big.clone())).await;
+    match &refused {
+        Err(error @ idempotency_plane::Error::Store(ClientError::Api { status: 400, error: body, .. })) => {
+            assert_eq!(body.code, idempotency_plane::postgrest::codes::RESPONSE_TOO_LARGE);
+            assert!(error.is_unstorable_answer(), "the caller's data, not the plane's availability");
+        }
+        other => panic!("expected a 400 IDEM2, got {other:?}"),
+    }
+    // After an effect the answer is journaled anyway, as a stand-in.
+    let ending =
+        service.complete_after_effect(&claim, big, None, |payload| json!({"ok": true, "output": payload})).await;
+    assert_eq!(ending.unwrap(), idempotency_plane::Ending::Recorded);
+    let stored: Value =
+        sqlx::query_scalar("select response from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(stored["output"]["$elided"]["reason"], "refused");
+    stack.stop().await.unwrap();
+}

@@ -5,7 +5,7 @@
 //!   what the plane prevented.
 //! - `idem up` serves the embedded local stack until Ctrl-C.
 //! - `idem bench` measures the plane side by side on the embedded stack.
-//! - `idem sweep`, `idem get`, `idem doctor` act on the deployment
+//! - `idem sweep`, `idem get`, `idem claim`, `idem doctor` act on the deployment
 //!   `IDEM_POSTGREST_URL` / `SUPABASE_URL` names.
 //!
 //! Exit codes: 0 success; 1 an error (printed with its causes), or a failed
@@ -13,6 +13,7 @@
 //! 3 `sweep`'s read filled its bound (a backlog).
 
 mod bench;
+mod claim;
 mod demo;
 mod doctor;
 mod get;
@@ -65,6 +66,10 @@ enum Command {
     Sweep(sweep::SweepArgs),
     /// Show one claim as the database sees it: why did this call not run?
     Get(get::GetArgs),
+    /// Would this call run? Claim a key the way a worker does, for the
+    /// request JSON on stdin; print the outcome as one JSON line. A key it
+    /// takes is held for its lease (or released with --release).
+    Claim(claim::ClaimArgs),
     /// Check that a deployment can serve the plane: reachability, the key's
     /// role, the exposed schema, every function, the real row cap.
     Doctor,
@@ -84,6 +89,7 @@ async fn main() -> ExitCode {
         Command::Up(args) => up::run(args).await,
         Command::Sweep(args) => sweep::run(args).await,
         Command::Get(args) => get::run(args).await,
+        Command::Claim(args) => claim::run(args).await,
         Command::Doctor => doctor::run().await,
     };
     match result {
