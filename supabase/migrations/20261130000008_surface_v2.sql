@@ -9,12 +9,12 @@
 -- * agent.idempotency_claim decides a claim in one call: claimed,
 --   reclaimed, completed, processing or conflict.
 --
--- The v1 functions keep their arguments and answers. Each decision is
--- written once, in a helper the v1 and v2 functions share: the policy
--- (idempotency_terms), claiming a free key (idempotency_insert), taking over
--- a passed lease (idempotency_take_over), stamping a lease
--- (idempotency_restamp), and what a claim answer shows (idempotency_claim_of,
--- idempotency_outcome_of).
+-- The v1 functions keep their arguments and answers. Every claim decision
+-- is written once, in agent.idempotency_decide, which the one-call claim and
+-- the v1 try_claim and reclaim call with what each may do (insert a free
+-- key, take over a passed lease). It is one lean plpgsql body on purpose:
+-- nested helper calls, each with its own SET search_path, cost more than
+-- the statements they wrap on the hot path of every effect.
 --
 -- Retention counts from the end of the lease: a claim is remembered until
 -- lease_expires_at + retention, so an answer given within the lease is kept
@@ -53,12 +53,12 @@ insert into agent.idempotency_scopes (scope, retain, max_response_bytes) values
 alter table agent.idempotency_scopes enable row level security;
 
 -- The policy of p_scope: its exact row, else the longest family whose
--- prefix it extends (tool.crm.* before tool.*). No row when none applies.
-create function agent.idempotency_policy(p_scope text)
-returns setof agent.idempotency_scopes
-language sql stable security invoker set search_path = ''
+-- prefix it extends (tool.crm.* before tool.*). Both NULL when none applies.
+create function agent.idempotency_policy(p_scope text, out retain interval, out max_response_bytes integer)
+language plpgsql stable security invoker set search_path = ''
 as $$
-  select s.*
+begin
+  select s.retain, s.max_response_bytes into retain, max_response_bytes
     from agent.idempotency_scopes s
    where s.scope = p_scope
       or (s.scope like '%.*'
@@ -66,34 +66,6 @@ as $$
           and left(p_scope, char_length(s.scope) - 1) = left(s.scope, -1))
    order by s.scope = p_scope desc, char_length(s.scope) desc
    limit 1;
-$$;
-
--- The terms of a claim: its lease, and its retention, which is the scope's
--- policy, lengthened by p_retain_ms when given and never under the lease.
--- Bad durations raise 22023; a scope with no policy raises IDEM1.
-create function agent.idempotency_terms(p_scope text, p_lease_ms bigint, p_retain_ms bigint,
-                                        out lease interval, out retain interval)
-language plpgsql stable security invoker set search_path = ''
-as $$
-declare
-  v_policy interval;
-begin
-  if p_lease_ms is null or p_lease_ms < 1000 or p_lease_ms > 86400000 then
-    raise exception 'p_lease_ms must be between 1000 (one second) and 86400000 (one day), got %', p_lease_ms
-      using errcode = '22023';
-  end if;
-  if p_retain_ms is not null and (p_retain_ms <= 0 or p_retain_ms > 31622400000) then
-    raise exception 'p_retain_ms must be between 1 and 31622400000 (366 days), got %', p_retain_ms
-      using errcode = '22023';
-  end if;
-  select p.retain into v_policy from agent.idempotency_policy(p_scope) p;
-  if v_policy is null then
-    raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', p_scope
-      using errcode = 'IDEM1',
-            hint = 'add the scope (or its family, e.g. tool.*) to agent.idempotency_scopes with its retention';
-  end if;
-  lease := p_lease_ms * interval '1 millisecond';
-  retain := greatest(v_policy, coalesce(p_retain_ms, 0) * interval '1 millisecond', lease);
 end
 $$;
 
@@ -104,100 +76,207 @@ $$;
 alter table agent.idempotency_keys add column reclaims integer not null default 0;
 alter table agent.idempotency_keys set (fillfactor = 80);
 
--- Retention now counts from the end of the lease.
-create or replace function agent.idempotency_restamp(p_id uuid, p_lease interval, p_retain interval)
-returns agent.idempotency_keys
-language sql volatile security invoker set search_path = ''
-as $$
-  update agent.idempotency_keys as k
-     set claimed_at = c.at,
-         lease_expires_at = c.at + p_lease,
-         retain_until = greatest(k.retain_until, c.at + p_lease + p_retain)
-    from (select pg_catalog.clock_timestamp() as at) c
-   where k.id = p_id
-  returning k.*;
-$$;
+-- What the claim functions answer: the outcome, and the claim as the caller
+-- may see it.
+create type agent.idempotency_claim_outcome as (
+  outcome          text,
+  id               uuid,
+  organization_id  uuid,
+  scope            text,
+  key              text,
+  request_hash     text,
+  status           text,
+  lease_token      uuid,
+  resource_type    text,
+  resource_id      text,
+  response         jsonb,
+  claimed_at       timestamptz,
+  lease_expires_at timestamptz,
+  retain_until     timestamptz,
+  lease_live       boolean
+);
 
--- Claims a free key: the new row, or NULL when the key is taken. The lease
--- starts when the row is won (a wait on a concurrent insert of the same key
--- is not taken out of it).
-create function agent.idempotency_insert(p_organization_id uuid, p_scope text, p_key text, p_request_hash text,
-                                         p_lease_token uuid, p_lease interval, p_retain interval)
-returns agent.idempotency_keys
-language plpgsql volatile security invoker set search_path = ''
+-- Every claim decision, following the spec's diagram: insert a free key
+-- (when p_may_insert); else load the row; a different hash is a conflict
+-- whatever the lease says; completed replays; a live lease is processing,
+-- or the caller's own claim when it carries the caller's token (a repeat
+-- after a lost answer); a passed lease is taken over (when p_may_take_over)
+-- by one UPDATE that re-checks the row it read, so of any number of
+-- concurrent callers exactly one wins, or answered 'reclaimable'.
+--
+-- The lease starts when the row is won: it is stamped from
+-- clock_timestamp(), and stamped again when winning took longer than 10 ms
+-- (a wait on another transaction's insert or lock of the same key).
+-- Retention is the scope's policy (IDEM1 when it has none), lengthened by
+-- p_retain_ms when given, never under the lease, counted from the lease's
+-- end. Only claimed and reclaimed show the lease token; processing and
+-- conflict show neither the answer nor the resource, and conflict not the
+-- stored request hash either. Malformed keys, scopes and hashes are refused
+-- by the table's checks (23514), bad durations with 22023. Callers set the
+-- lock_timeout it runs under.
+create function agent.idempotency_decide(
+  p_organization_id uuid,
+  p_scope text,
+  p_key text,
+  p_request_hash text,
+  p_lease_token uuid,
+  p_lease_ms bigint,
+  p_retain_ms bigint,
+  p_may_insert boolean,
+  p_may_take_over boolean
+) returns setof agent.idempotency_claim_outcome
+language plpgsql volatile security invoker
+set search_path = ''
 as $$
 declare
+  v_policy record;
+  v_lease interval;
+  v_retain interval;
+  v_at timestamptz;
+  v_won boolean := false;
+  v_outcome text;
   r agent.idempotency_keys;
-  v_at timestamptz := pg_catalog.clock_timestamp();
 begin
-  insert into agent.idempotency_keys as k
-    (organization_id, scope, key, request_hash, status, lease_token,
-     claimed_at, lease_expires_at, retain_until)
-  values
-    (p_organization_id, p_scope, p_key, p_request_hash, 'processing', p_lease_token,
-     v_at, v_at + p_lease, v_at + p_lease + p_retain)
-  on conflict (organization_id, scope, key) do nothing
-  returning k.* into r;
-  if found and pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' then
-    r := agent.idempotency_restamp(r.id, p_lease, p_retain);
+  -- One test on the way in; the messages are built only for a refusal.
+  if p_organization_id is null or p_lease_token is null
+     or p_lease_ms is null or p_lease_ms not between 1000 and 86400000
+     or p_retain_ms not between 1 and 31622400000 then
+    if p_organization_id is null or p_lease_token is null then
+      raise exception 'p_organization_id and p_lease_token are required' using errcode = '22023';
+    elsif p_lease_ms is null or p_lease_ms not between 1000 and 86400000 then
+      raise exception 'p_lease_ms must be between 1000 (one second) and 86400000 (one day), got %', p_lease_ms
+        using errcode = '22023';
+    else
+      raise exception 'p_retain_ms must be between 1 and 31622400000 (366 days), got %', p_retain_ms
+        using errcode = '22023';
+    end if;
   end if;
-  return r;
+  select * into v_policy from agent.idempotency_policy(p_scope);
+  if v_policy.retain is null then
+    raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', p_scope
+      using errcode = 'IDEM1',
+            hint = 'add the scope (or its family, e.g. tool.*) to agent.idempotency_scopes with its retention';
+  end if;
+  v_lease := p_lease_ms * interval '1 millisecond';
+  v_retain := greatest(v_policy.retain, coalesce(p_retain_ms, 0) * interval '1 millisecond', v_lease);
+
+  -- Each pass decides, or sees the row change under it (released, taken
+  -- over by someone else) and looks again; a key that keeps changing hands
+  -- gives up with a serialization failure, which is safe to retry.
+  for pass in 1..4 loop
+    if p_may_insert then
+      v_at := pg_catalog.clock_timestamp();
+      insert into agent.idempotency_keys as k
+        (organization_id, scope, key, request_hash, status, lease_token,
+         claimed_at, lease_expires_at, retain_until)
+      values
+        (p_organization_id, p_scope, p_key, p_request_hash, 'processing', p_lease_token,
+         v_at, v_at + v_lease, v_at + v_lease + v_retain)
+      on conflict (organization_id, scope, key) do nothing
+      returning k.* into r;
+      if found then
+        v_outcome := 'claimed';
+        v_won := true;
+        exit;
+      end if;
+    end if;
+
+    select k.* into r
+      from agent.idempotency_keys k
+     where k.organization_id = p_organization_id and k.scope = p_scope and k.key = p_key;
+    if not found then
+      -- Released since our insert: insert again; or nothing to take over.
+      continue when p_may_insert;
+      return;
+    end if;
+    if r.request_hash <> p_request_hash then
+      v_outcome := 'conflict';
+    elsif r.status = 'completed' then
+      v_outcome := 'completed';
+    elsif r.lease_expires_at > pg_catalog.clock_timestamp() then
+      v_outcome := case when r.lease_token <> p_lease_token then 'processing'
+                        when r.reclaims > 0 then 'reclaimed'
+                        else 'claimed' end;
+    elsif not p_may_take_over then
+      v_outcome := 'reclaimable';
+    end if;
+    exit when v_outcome is not null;
+
+    v_at := pg_catalog.clock_timestamp();
+    update agent.idempotency_keys as k
+       set lease_token = p_lease_token,
+           claimed_at = v_at,
+           lease_expires_at = v_at + v_lease,
+           retain_until = greatest(k.retain_until, v_at + v_lease + v_retain),
+           reclaims = k.reclaims + 1
+     where k.id = r.id
+       and k.lease_token = r.lease_token
+       and k.status = 'processing'
+       and k.lease_expires_at <= pg_catalog.clock_timestamp()
+    returning k.* into r;
+    if found then
+      v_outcome := 'reclaimed';
+      v_won := true;
+      exit;
+    end if;
+  end loop;
+  if v_outcome is null then
+    raise exception 'the key %/% kept changing hands; try again', p_scope, p_key using errcode = '40001';
+  end if;
+
+  if v_won and pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' then
+    v_at := pg_catalog.clock_timestamp();
+    update agent.idempotency_keys as k
+       set claimed_at = v_at,
+           lease_expires_at = v_at + v_lease,
+           retain_until = greatest(k.retain_until, v_at + v_lease + v_retain)
+     where k.id = r.id
+    returning k.* into r;
+  end if;
+
+  return next (
+    v_outcome, r.id, r.organization_id, r.scope, r.key,
+    case when v_outcome = 'conflict' then null else r.request_hash end,
+    r.status,
+    case when v_outcome in ('claimed', 'reclaimed') then r.lease_token end,
+    case when v_outcome = 'completed' then r.resource_type end,
+    case when v_outcome = 'completed' then r.resource_id end,
+    case when v_outcome = 'completed' then r.response end,
+    r.claimed_at, r.lease_expires_at, r.retain_until,
+    r.status = 'processing' and r.lease_expires_at > pg_catalog.clock_timestamp()
+  )::agent.idempotency_claim_outcome;
 end
 $$;
 
--- Takes over a claim whose worker is gone: processing, lease passed, same
--- hash. One UPDATE decides, so of any number of concurrent callers exactly
--- one wins; the others wait for its row lock, re-check the row it wrote,
--- find a live lease and match nothing. NULL when nothing was taken over.
-create function agent.idempotency_take_over(p_organization_id uuid, p_scope text, p_key text, p_request_hash text,
-                                            p_lease_token uuid, p_lease interval, p_retain interval)
-returns agent.idempotency_keys
-language plpgsql volatile security invoker set search_path = ''
+-- v2: one call decides ----------------------------------------------------------
+
+-- Claims a key, or answers why not, in one call and one transaction: always
+-- exactly one row, whose outcome is claimed, reclaimed, completed,
+-- processing or conflict (see agent.idempotency_decide). A repeat with the
+-- same token after a lost answer answers that caller's own row again.
+create function agent.idempotency_claim(
+  p_organization_id uuid,
+  p_scope text,
+  p_key text,
+  p_request_hash text,
+  p_lease_token uuid,
+  p_lease_ms bigint
+) returns setof agent.idempotency_claim_outcome
+language plpgsql volatile security invoker
+set search_path = '' set lock_timeout = '5s'
 as $$
-declare
-  r agent.idempotency_keys;
-  v_at timestamptz := pg_catalog.clock_timestamp();
 begin
-  update agent.idempotency_keys as k
-     set lease_token = p_lease_token,
-         claimed_at = v_at,
-         lease_expires_at = v_at + p_lease,
-         retain_until = greatest(k.retain_until, v_at + p_lease + p_retain),
-         reclaims = k.reclaims + 1
-   where k.organization_id = p_organization_id
-     and k.scope = p_scope
-     and k.key = p_key
-     and k.request_hash = p_request_hash
-     and k.status = 'processing'
-     and k.lease_expires_at <= pg_catalog.clock_timestamp()
-  returning k.* into r;
-  if found and pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' then
-    r := agent.idempotency_restamp(r.id, p_lease, p_retain);
-  end if;
-  return r;
+  return query
+    select * from agent.idempotency_decide(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token,
+                                           p_lease_ms, null, true, true);
 end
 $$;
 
--- The caller's own live claim: what a repeat with the same token finds
--- after its answer was lost. NULL when the token holds no live claim.
-create function agent.idempotency_own(p_organization_id uuid, p_scope text, p_key text, p_request_hash text,
-                                      p_lease_token uuid)
-returns setof agent.idempotency_keys
-language sql stable security invoker set search_path = ''
-as $$
-  select k.*
-    from agent.idempotency_keys k
-   where k.organization_id = p_organization_id
-     and k.scope = p_scope
-     and k.key = p_key
-     and k.lease_token = p_lease_token
-     and k.request_hash = p_request_hash
-     and k.status = 'processing'
-     and k.lease_expires_at > pg_catalog.clock_timestamp();
-$$;
+-- v1, on the same decisions ---------------------------------------------------
 
--- v1, on the shared helpers ---------------------------------------------------
-
+-- Claims a key nobody holds: the new row, or no row when the key is taken
+-- (a passed lease included: reclaiming is idempotency_reclaim's). A repeat
+-- with the same token answers that caller's live claim.
 create or replace function agent.idempotency_try_claim(
   p_organization_id uuid,
   p_scope text,
@@ -210,24 +289,20 @@ create or replace function agent.idempotency_try_claim(
 language plpgsql volatile security invoker
 set search_path = '' set lock_timeout = '5s'
 as $$
-declare
-  t record;
-  r agent.idempotency_keys;
 begin
-  if p_lease_token is null then
-    raise exception 'p_lease_token is required' using errcode = '22023';
-  end if;
-  t := agent.idempotency_terms(p_scope, p_lease_ms, p_retain_ms);
-  r := agent.idempotency_insert(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token, t.lease, t.retain);
-  if r.id is null then
-    select o.* into r from agent.idempotency_own(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token) o;
-  end if;
-  if r.id is not null then
-    return next agent.idempotency_claim_of(r);
-  end if;
+  return query
+    select d.id, d.organization_id, d.scope, d.key, d.request_hash, d.status, d.lease_token, d.resource_type,
+           d.resource_id, d.response, d.claimed_at, d.lease_expires_at, d.retain_until, d.lease_live
+      from agent.idempotency_decide(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token,
+                                    p_lease_ms, p_retain_ms, true, false) d
+     where d.outcome in ('claimed', 'reclaimed');
 end
 $$;
 
+-- Takes over a claim whose worker is gone: the row with the caller's new
+-- token and lease when it is processing, its lease has passed and its hash
+-- matches; else no row. A repeat with the same token answers that caller's
+-- live claim.
 create or replace function agent.idempotency_reclaim(
   p_organization_id uuid,
   p_scope text,
@@ -240,29 +315,21 @@ create or replace function agent.idempotency_reclaim(
 language plpgsql volatile security invoker
 set search_path = '' set lock_timeout = '5s'
 as $$
-declare
-  t record;
-  r agent.idempotency_keys;
 begin
-  if p_lease_token is null then
-    raise exception 'p_lease_token is required' using errcode = '22023';
-  end if;
-  t := agent.idempotency_terms(p_scope, p_lease_ms, p_retain_ms);
-  r := agent.idempotency_take_over(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token, t.lease,
-                                   t.retain);
-  if r.id is null then
-    select o.* into r from agent.idempotency_own(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token) o;
-  end if;
-  if r.id is not null then
-    return next agent.idempotency_claim_of(r);
-  end if;
+  return query
+    select d.id, d.organization_id, d.scope, d.key, d.request_hash, d.status, d.lease_token, d.resource_type,
+           d.resource_id, d.response, d.claimed_at, d.lease_expires_at, d.retain_until, d.lease_live
+      from agent.idempotency_decide(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token,
+                                    p_lease_ms, p_retain_ms, false, true) d
+     where d.outcome in ('claimed', 'reclaimed');
 end
 $$;
 
 -- Completes a claim the caller still holds; see 0002 for the rules. The
 -- answer is remembered for the claim's retention from the later of its
--- lease's end and the completion, and a response above its scope's
--- max_response_bytes (as compact JSON) is refused with IDEM2.
+-- lease's end and the completion (so a completion within the lease changes
+-- no indexed column), and a response above its scope's max_response_bytes
+-- (as compact JSON) is refused with IDEM2.
 create or replace function agent.idempotency_complete(
   p_claim_id uuid,
   p_lease_token uuid,
@@ -307,12 +374,21 @@ begin
 
   if found then
     if v_response is not null then
-      select p.max_response_bytes into v_limit from agent.idempotency_policy(r.scope) p;
-      if v_limit is null then
-        raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', r.scope
-          using errcode = 'IDEM1';
+      -- PostgreSQL's text form of a jsonb is the compact form plus a space
+      -- after every ',' and ':' between tokens: no text shorter than the
+      -- smallest limit a policy may set (1024) can be above one, and only a
+      -- text longer than the scope's limit is measured exactly.
+      v_size := octet_length(v_response::text);
+      if v_size > 1024 then
+        select p.max_response_bytes into v_limit from agent.idempotency_policy(r.scope) p;
+        if v_limit is null then
+          raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', r.scope
+            using errcode = 'IDEM1';
+        end if;
+        if v_size > v_limit then
+          v_size := agent.idempotency_json_size(v_response);
+        end if;
       end if;
-      v_size := agent.idempotency_json_size(v_response, v_limit);
       if v_size > v_limit then
         raise exception 'the response is % bytes as compact JSON, above the % bytes scope % keeps',
                         v_size, v_limit, r.scope
@@ -337,137 +413,19 @@ begin
 end
 $$;
 
--- The size of p_value as compact JSON, in bytes, as far as it matters
--- against p_limit: PostgreSQL's text form of a jsonb is the compact form
--- plus one space after every ',' and ':' between tokens, so a text no
--- longer than p_limit fits, and only a longer one is measured exactly (its
--- separators counted outside string literals).
-create function agent.idempotency_json_size(p_value jsonb, p_limit bigint)
+-- The size of p_value as compact JSON, in bytes: its text form without the
+-- space PostgreSQL writes after every ',' and ':' outside string literals.
+create function agent.idempotency_json_size(p_value jsonb)
 returns bigint
 language plpgsql immutable security invoker set search_path = ''
 as $$
 declare
   v_text text := p_value::text;
-  v_bare text;
+  v_bare text := pg_catalog.regexp_replace(v_text, '"(?:[^"\\]|\\.)*"', '', 'g');
 begin
-  if octet_length(v_text) <= p_limit then
-    return octet_length(v_text);
-  end if;
-  v_bare := pg_catalog.regexp_replace(v_text, '"(?:[^"\\]|\\.)*"', '', 'g');
   return octet_length(v_text)
          - (octet_length(v_bare) - octet_length(pg_catalog.replace(v_bare, ', ', ','))
             + octet_length(v_bare) - octet_length(pg_catalog.replace(v_bare, ': ', ':')));
-end
-$$;
-
--- v2: one call decides ----------------------------------------------------------
-
--- What the one-call claim answers: the outcome, and the claim as the caller
--- may see it.
-create type agent.idempotency_claim_outcome as (
-  outcome          text,
-  id               uuid,
-  organization_id  uuid,
-  scope            text,
-  key              text,
-  request_hash     text,
-  status           text,
-  lease_token      uuid,
-  resource_type    text,
-  resource_id      text,
-  response         jsonb,
-  claimed_at       timestamptz,
-  lease_expires_at timestamptz,
-  retain_until     timestamptz,
-  lease_live       boolean
-);
-
--- A row as the one-call claim answers it under p_outcome. Only claimed and
--- reclaimed show the lease token (the caller's own secret); processing and
--- conflict show neither the answer nor the resource, and conflict not the
--- stored request hash either.
-create function agent.idempotency_outcome_of(p_outcome text, k agent.idempotency_keys)
-returns agent.idempotency_claim_outcome
-language sql volatile security invoker set search_path = ''
-as $$
-  select p_outcome, c.id, c.organization_id, c.scope, c.key,
-         case when p_outcome = 'conflict' then null else c.request_hash end,
-         c.status,
-         case when p_outcome in ('claimed', 'reclaimed') then c.lease_token end,
-         case when p_outcome = 'completed' then c.resource_type end,
-         case when p_outcome = 'completed' then c.resource_id end,
-         case when p_outcome = 'completed' then c.response end,
-         c.claimed_at, c.lease_expires_at, c.retain_until, c.lease_live
-    from agent.idempotency_claim_of(k) c;
-$$;
-
--- Claims a key, or answers why not, in one call and one transaction,
--- following the spec's diagram: insert; or load the row; a different hash
--- is a conflict whatever the lease says; completed replays; a live lease is
--- processing; a passed lease is taken over (exactly one of any number of
--- concurrent callers wins). A repeat with the same token after a lost
--- answer answers that caller's own row again. Always exactly one row.
-create function agent.idempotency_claim(
-  p_organization_id uuid,
-  p_scope text,
-  p_key text,
-  p_request_hash text,
-  p_lease_token uuid,
-  p_lease_ms bigint
-) returns setof agent.idempotency_claim_outcome
-language plpgsql volatile security invoker
-set search_path = '' set lock_timeout = '5s'
-as $$
-declare
-  t record;
-  r agent.idempotency_keys;
-begin
-  if p_organization_id is null or p_lease_token is null then
-    raise exception 'p_organization_id and p_lease_token are required' using errcode = '22023';
-  end if;
-  if p_request_hash is null or p_request_hash !~ '^[0-9a-f]{64}$' then
-    raise exception 'p_request_hash must be a lowercase hex SHA-256' using errcode = '22023';
-  end if;
-  t := agent.idempotency_terms(p_scope, p_lease_ms, null);
-  -- Each pass either decides or sees the row change under it (released,
-  -- taken over by someone else); a key that keeps changing hands gives up
-  -- with a retryable serialization failure.
-  for pass in 1..4 loop
-    r := agent.idempotency_insert(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token, t.lease,
-                                  t.retain);
-    if r.id is not null then
-      return next agent.idempotency_outcome_of('claimed', r);
-      return;
-    end if;
-    select k.* into r
-      from agent.idempotency_keys k
-     where k.organization_id = p_organization_id and k.scope = p_scope and k.key = p_key;
-    continue when not found;  -- released since our insert: insert again
-    if r.request_hash <> p_request_hash then
-      return next agent.idempotency_outcome_of('conflict', r);
-      return;
-    end if;
-    if r.status = 'completed' then
-      return next agent.idempotency_outcome_of('completed', r);
-      return;
-    end if;
-    if r.lease_expires_at > pg_catalog.clock_timestamp() then
-      if r.lease_token = p_lease_token then
-        -- Our own claim, whose answer was lost on the way back.
-        return next agent.idempotency_outcome_of(case when r.reclaims > 0 then 'reclaimed' else 'claimed' end, r);
-      else
-        return next agent.idempotency_outcome_of('processing', r);
-      end if;
-      return;
-    end if;
-    r := agent.idempotency_take_over(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token, t.lease,
-                                     t.retain);
-    if r.id is not null then
-      return next agent.idempotency_outcome_of('reclaimed', r);
-      return;
-    end if;
-  end loop;
-  raise exception 'the key %/% kept changing hands; try again', p_scope, p_key using errcode = '40001';
 end
 $$;
 
@@ -481,7 +439,7 @@ create or replace function agent.idempotency_get(
 language plpgsql stable security invoker set search_path = ''
 as $$
 begin
-  if not exists (select 1 from agent.idempotency_policy(p_scope)) then
+  if (select p.retain from agent.idempotency_policy(p_scope) p) is null then
     raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', p_scope
       using errcode = 'IDEM1';
   end if;
@@ -512,8 +470,24 @@ begin
 end
 $$;
 
--- The old durations helper is replaced by idempotency_terms.
+-- A row as the v1 functions answer it. plpgsql, so its plan is cached: a
+-- SQL function that cannot be inlined (it pins search_path) is planned anew
+-- on every call, which cost more than the completion it shapes.
+create or replace function agent.idempotency_claim_of(k agent.idempotency_keys)
+returns agent.idempotency_claim
+language plpgsql volatile security invoker set search_path = ''
+as $$
+begin
+  return (k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
+          k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
+          k.lease_expires_at, k.retain_until,
+          k.status = 'processing' and k.lease_expires_at > pg_catalog.clock_timestamp())::agent.idempotency_claim;
+end
+$$;
+
+-- Replaced by idempotency_decide.
 drop function agent.idempotency_durations(bigint, bigint);
+drop function agent.idempotency_restamp(uuid, interval, interval);
 
 -- Privileges ------------------------------------------------------------------
 
@@ -525,21 +499,13 @@ grant usage on type agent.idempotency_claim_outcome to service_role;
 
 revoke all on function
   agent.idempotency_policy(text),
-  agent.idempotency_terms(text, bigint, bigint),
-  agent.idempotency_insert(uuid, text, text, text, uuid, interval, interval),
-  agent.idempotency_take_over(uuid, text, text, text, uuid, interval, interval),
-  agent.idempotency_own(uuid, text, text, text, uuid),
-  agent.idempotency_json_size(jsonb, bigint),
-  agent.idempotency_outcome_of(text, agent.idempotency_keys),
-  agent.idempotency_claim(uuid, text, text, text, uuid, bigint)
+  agent.idempotency_decide(uuid, text, text, text, uuid, bigint, bigint, boolean, boolean),
+  agent.idempotency_claim(uuid, text, text, text, uuid, bigint),
+  agent.idempotency_json_size(jsonb)
 from public, anon, authenticated;
 grant execute on function
   agent.idempotency_policy(text),
-  agent.idempotency_terms(text, bigint, bigint),
-  agent.idempotency_insert(uuid, text, text, text, uuid, interval, interval),
-  agent.idempotency_take_over(uuid, text, text, text, uuid, interval, interval),
-  agent.idempotency_own(uuid, text, text, text, uuid),
-  agent.idempotency_json_size(jsonb, bigint),
-  agent.idempotency_outcome_of(text, agent.idempotency_keys),
-  agent.idempotency_claim(uuid, text, text, text, uuid, bigint)
+  agent.idempotency_decide(uuid, text, text, text, uuid, bigint, bigint, boolean, boolean),
+  agent.idempotency_claim(uuid, text, text, text, uuid, bigint),
+  agent.idempotency_json_size(jsonb)
 to service_role;

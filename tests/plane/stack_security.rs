@@ -78,20 +78,11 @@ fn arguments(identity: &str) -> Value {
     Value::Object(args)
 }
 
-/// Helpers the plane's functions call, never called over HTTP (several take
-/// composite or interval arguments no JSON body binds). The catalog check
+/// Helpers the plane's functions call, never called over HTTP (they take
+/// composite rows or mode flags, or answer OUT parameters). The catalog check
 /// above covers their privileges like every other function's.
-const INTERNAL_HELPERS: &[&str] = &[
-    "idempotency_claim_of",
-    "idempotency_outcome_of",
-    "idempotency_restamp",
-    "idempotency_policy",
-    "idempotency_terms",
-    "idempotency_insert",
-    "idempotency_take_over",
-    "idempotency_own",
-    "idempotency_json_size",
-];
+const INTERNAL_HELPERS: &[&str] =
+    &["idempotency_claim_of", "idempotency_policy", "idempotency_decide", "idempotency_json_size"];
 
 #[tokio::test]
 async fn every_function_refuses_anonymous_authenticated_and_wrong_secret_tokens() {

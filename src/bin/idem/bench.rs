@@ -16,6 +16,8 @@ use idempotency_plane::{
 use serde::Serialize;
 use serde_json::{json, Value};
 use sqlx::{Executor, PgPool, Row};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 use uuid::Uuid;
 
 use crate::BoxError;
@@ -35,6 +37,12 @@ pub(crate) struct BenchArgs {
     /// Expired rows the concurrent sweep deletes.
     #[arg(long, default_value_t = 100_000)]
     sweep_rows: i64,
+    /// One-way delay of the simulated WAN link, in milliseconds.
+    #[arg(long, default_value_t = 25)]
+    wan_delay_ms: u64,
+    /// Operations per outcome over the simulated WAN link.
+    #[arg(long, default_value_t = 40)]
+    wan_operations: usize,
     /// Where to write the raw figures as JSON.
     #[arg(long, default_value = "bench.json")]
     out: std::path::PathBuf,
@@ -76,6 +84,7 @@ struct Results {
     seconds_per_scenario: u64,
     figures: Vec<Figure>,
     round_trips: Vec<(String, f64)>,
+    wan: Vec<Figure>,
     ratios: Vec<Ratio>,
 }
 
@@ -110,8 +119,10 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
     figures.push(pairs_through_crate(service.clone(), args.workers, duration).await?);
     eprintln!("the same two calls from a bare HTTP client…");
     figures.push(pairs_bare_http(stack, args.workers, duration).await?);
-    eprintln!("the same SQL over direct connections…");
+    eprintln!("the same SQL functions over direct connections…");
     figures.push(pairs_direct_sql(stack.db(), args.workers, duration).await?);
+    eprintln!("the floor: the leanest plain statements that keep the contract, over direct connections…");
+    figures.push(pairs_floor(stack.db(), args.workers, duration).await?);
     eprintln!("replays and conflicts…");
     let (replay, conflict, cached, trips) =
         replays_and_conflicts(stack, &client, service.clone(), args.workers, duration).await?;
@@ -134,10 +145,15 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
     figures.push(large.clone());
 
     let get = |name: &str| figures.iter().find(|f| f.name == name).cloned();
-    let (crate_pairs, bare, direct) = (
+    eprintln!("each outcome over a link with {} ms each way…", args.wan_delay_ms);
+    let wan = wan_outcomes(stack, args).await?;
+    let wan_p50 = |name: &str| wan.iter().find(|f| f.name == name).map_or(f64::NAN, |f| f.p50_ms);
+
+    let (crate_pairs, bare, direct, floor) = (
         get("pairs via crate").ok_or("missing figure")?,
         get("pairs via bare HTTP").ok_or("missing figure")?,
         get("pairs via direct SQL").ok_or("missing figure")?,
+        get("pairs via floor SQL").ok_or("missing figure")?,
     );
     let ratio = |name: &str, value: f64, target: &str, met: bool| Ratio {
         name: name.to_owned(),
@@ -159,9 +175,27 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
             let v = bare.per_second / direct.per_second;
             ratio("pairs/s PostgREST server ÷ direct SQL", v, "≥ 0.50", v >= 0.50)
         },
-        ratio("round trips: first claim", trip("first claim"), "1", trip("first claim") <= 1.0),
-        ratio("round trips: replay", trip("replay"), "≤ 2", trip("replay") <= 2.0),
-        ratio("round trips: reclaim", trip("reclaim"), "≤ 3", trip("reclaim") <= 3.0),
+        {
+            let v = direct.per_second / floor.per_second;
+            ratio("pairs/s functions (direct SQL) ÷ floor", v, "≥ 0.90", v >= 0.90)
+        },
+        ratio("round trips: first claim", trip("first claim"), "1", trip("first claim") == 1.0),
+        ratio("round trips: replay", trip("replay"), "1", trip("replay") == 1.0),
+        ratio("round trips: conflict", trip("conflict"), "1", trip("conflict") == 1.0),
+        ratio("round trips: processing", trip("processing"), "1", trip("processing") == 1.0),
+        ratio("round trips: reclaim", trip("reclaim"), "1", trip("reclaim") == 1.0),
+        {
+            let v = wan_p50("replay") / wan_p50("first claim");
+            ratio("WAN p50 replay ÷ first claim", v, "≤ 1.15", v <= 1.15)
+        },
+        {
+            let v = wan_p50("conflict") / wan_p50("first claim");
+            ratio("WAN p50 conflict ÷ first claim", v, "≤ 1.15", v <= 1.15)
+        },
+        {
+            let v = wan_p50("reclaim") / wan_p50("first claim");
+            ratio("WAN p50 reclaim ÷ first claim", v, "≤ 1.15", v <= 1.15)
+        },
         {
             let v = during.p99_ms / idle.p99_ms;
             ratio("claim p99 during sweep ÷ idle", v, "≤ 1.5", v <= 1.5)
@@ -171,7 +205,7 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
             ratio("claim p50 large table ÷ 10k rows", v, "≤ 1.2", v <= 1.2)
         },
     ];
-    Ok(Results { workers: args.workers, seconds_per_scenario: args.seconds, figures, round_trips: trips, ratios })
+    Ok(Results { workers: args.workers, seconds_per_scenario: args.seconds, figures, round_trips: trips, wan, ratios })
 }
 
 /// Runs `op(worker, i)` on `workers` tasks until `duration` passes; answers
@@ -238,7 +272,7 @@ async fn pairs_bare_http(stack: &LocalStack, workers: usize, duration: Duration)
         .pool_max_idle_per_host(workers)
         .tcp_nodelay(true)
         .build()?;
-    let claim_url = format!("{}/rpc/idempotency_try_claim", stack.url());
+    let claim_url = format!("{}/rpc/idempotency_claim", stack.url());
     let complete_url = format!("{}/rpc/idempotency_complete", stack.url());
     let org = Uuid::new_v4();
     let hash = RequestHash::of_json(&json!({"bench": true})).as_str().to_owned();
@@ -246,7 +280,7 @@ async fn pairs_bare_http(stack: &LocalStack, workers: usize, duration: Duration)
         let (http, claim_url, complete_url) = (http.clone(), claim_url.clone(), complete_url.clone());
         let token = Uuid::new_v4();
         let body = format!(
-            r#"{{"p_organization_id":"{org}","p_scope":"tool.bench","p_key":"bare-{worker}-{i}","p_request_hash":"{hash}","p_lease_token":"{token}","p_lease_ms":60000,"p_retain_ms":2592000000}}"#
+            r#"{{"p_organization_id":"{org}","p_scope":"tool.bench","p_key":"bare-{worker}-{i}","p_request_hash":"{hash}","p_lease_token":"{token}","p_lease_ms":60000}}"#
         );
         async move {
             let rows: Vec<Value> = http.post(&claim_url).body(body).send().await?.error_for_status()?.json().await?;
@@ -271,15 +305,13 @@ async fn pairs_direct_sql(db: &PgPool, workers: usize, duration: Duration) -> Re
         let (pool, hash) = (pool.clone(), hash.clone());
         async move {
             let token = Uuid::new_v4();
-            let row = sqlx::query(
-                "select id from agent.idempotency_try_claim($1, 'tool.bench', $2, $3, $4, 60000, 2592000000)",
-            )
-            .bind(org)
-            .bind(format!("sql-{worker}-{i}"))
-            .bind(&hash)
-            .bind(token)
-            .fetch_one(&pool)
-            .await?;
+            let row = sqlx::query("select id from agent.idempotency_claim($1, 'tool.bench', $2, $3, $4, 60000)")
+                .bind(org)
+                .bind(format!("sql-{worker}-{i}"))
+                .bind(&hash)
+                .bind(token)
+                .fetch_one(&pool)
+                .await?;
             let id: Uuid = row.try_get("id")?;
             sqlx::query("select id from agent.idempotency_complete($1, $2, null, null, '{\"ok\":true}'::jsonb)")
                 .bind(id)
@@ -291,6 +323,204 @@ async fn pairs_direct_sql(db: &PgPool, workers: usize, duration: Duration) -> Re
     })
     .await?;
     Ok(Figure::from("pairs via direct SQL", latencies, elapsed))
+}
+
+/// The floor: claim → complete with the leanest plain statements that keep
+/// the contract (the scope's policy, lease stamped from the clock,
+/// retention from the lease's end, the fence, the response limit), over
+/// direct connections. What the plane's functions cost is measured against it.
+async fn pairs_floor(db: &PgPool, workers: usize, duration: Duration) -> Result<Figure, BoxError> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(20)
+        .connect_with(db.connect_options().as_ref().clone())
+        .await?;
+    let org = Uuid::new_v4();
+    let hash = RequestHash::of_json(&json!({"bench": true})).as_str().to_owned();
+    let (latencies, elapsed) = drive(workers, duration, move |worker, i| {
+        let (pool, hash) = (pool.clone(), hash.clone());
+        async move {
+            let token = Uuid::new_v4();
+            let row = sqlx::query(
+                "with p as (select s.retain from agent.idempotency_scopes s
+                             where s.scope = 'tool.bench'
+                                or (s.scope like '%.*'
+                                    and char_length('tool.bench') > char_length(s.scope) - 1
+                                    and left('tool.bench', char_length(s.scope) - 1) = left(s.scope, -1))
+                             order by s.scope = 'tool.bench' desc, char_length(s.scope) desc limit 1),
+                      c as (select clock_timestamp() as at)
+                 insert into agent.idempotency_keys as k
+                   (organization_id, scope, key, request_hash, status, lease_token,
+                    claimed_at, lease_expires_at, retain_until)
+                 select $1, 'tool.bench', $2, $3, 'processing', $4,
+                        c.at, c.at + interval '60 seconds', c.at + interval '60 seconds' + p.retain
+                   from p, c
+                 on conflict (organization_id, scope, key) do nothing
+                 returning k.id",
+            )
+            .bind(org)
+            .bind(format!("floor-{worker}-{i}"))
+            .bind(&hash)
+            .bind(token)
+            .fetch_one(&pool)
+            .await?;
+            let id: Uuid = row.try_get("id")?;
+            sqlx::query(
+                "update agent.idempotency_keys as k
+                    set status = 'completed', response = $3,
+                        retain_until = greatest(k.retain_until, clock_timestamp() + (k.retain_until - k.lease_expires_at))
+                  where k.id = $1 and k.lease_token = $2 and k.status = 'processing'
+                    and octet_length($3::text) <= (
+                          select s.max_response_bytes from agent.idempotency_scopes s
+                           where s.scope = k.scope
+                              or (s.scope like '%.*'
+                                  and char_length(k.scope) > char_length(s.scope) - 1
+                                  and left(k.scope, char_length(s.scope) - 1) = left(s.scope, -1))
+                           order by s.scope = k.scope desc, char_length(s.scope) desc limit 1)
+                 returning k.id",
+            )
+            .bind(id)
+            .bind(token)
+            .bind(json!({"ok": true}))
+            .fetch_one(&pool)
+            .await?;
+            Ok(())
+        }
+    })
+    .await?;
+    Ok(Figure::from("pairs via floor SQL", latencies, elapsed))
+}
+
+/// A TCP proxy that holds every byte `delay` in each direction, as a long
+/// link does (latency, not bandwidth); answers its URL.
+async fn delaying_proxy(upstream: &str, delay: Duration) -> Result<String, BoxError> {
+    let upstream = upstream.trim_start_matches("http://").to_owned();
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                let Ok(server) = TcpStream::connect(&upstream).await else { return };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::join!(
+                    delayed_copy(client_read, server_write, delay),
+                    delayed_copy(server_read, client_write, delay)
+                );
+            });
+        }
+    });
+    Ok(url)
+}
+
+/// Copies `from` to `to`, each chunk written `delay` after it was read.
+async fn delayed_copy(mut from: impl AsyncReadExt + Unpin, mut to: impl AsyncWriteExt + Unpin, delay: Duration) {
+    let (chunks, mut due) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let read = async move {
+        let mut buffer = vec![0u8; 16 * 1024];
+        while let Ok(n @ 1..) = from.read(&mut buffer).await {
+            if chunks.send((tokio::time::Instant::now() + delay, buffer[..n].to_vec())).is_err() {
+                break;
+            }
+        }
+    };
+    let write = async move {
+        while let Some((at, bytes)) = due.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(read, write);
+}
+
+/// p50 of each claim outcome through a link with `--wan-delay-ms` each way:
+/// one call decides every outcome, so each costs about one round trip.
+async fn wan_outcomes(stack: &LocalStack, args: &BenchArgs) -> Result<Vec<Figure>, BoxError> {
+    let url = delaying_proxy(stack.url(), Duration::from_millis(args.wan_delay_ms)).await?;
+    let config = stack.client_config()?;
+    let client = PostgrestClient::new(
+        idempotency_plane::ClientConfig::new(&url, stack.service_key().to_owned())?.with_max_rows(config.max_rows())?,
+    )?;
+    let service = IdempotencyService::new(PostgrestRepository::new(client));
+    let (org, hash, other) = (
+        Uuid::new_v4(),
+        RequestHash::of_json(&json!({"bench": "wan"})),
+        RequestHash::of_json(&json!({"bench": "wan, other"})),
+    );
+    let n = args.wan_operations;
+    let lease = Duration::from_secs(60);
+    let key = |outcome: &str, k: usize| format!("wan-{outcome}-{k}");
+    // Warm the connection, then time each outcome in turn.
+    for k in 0..3 {
+        let _ = service.claim(org, "tool.bench", &key("warm", k), &hash, lease).await?;
+    }
+    let mut figures = Vec::new();
+    let mut timed = Vec::new();
+    let mut claims = Vec::new();
+    let started = Instant::now();
+    for k in 0..n {
+        let t = Instant::now();
+        match service.claim(org, "tool.bench", &key("done", k), &hash, lease).await? {
+            ClaimOutcome::Claimed(claim) => claims.push(claim),
+            other => return Err(format!("expected a first claim, got {}", other.kind()).into()),
+        }
+        timed.push(t.elapsed());
+    }
+    figures.push(Figure::from("first claim", std::mem::take(&mut timed), started.elapsed()));
+    for claim in &claims {
+        let _ = service.complete(claim, Completion::response(json!({"ok": true}))).await?;
+    }
+    for (name, wanted, request) in [("replay", "completed", &hash), ("conflict", "conflict", &other)] {
+        let started = Instant::now();
+        for k in 0..n {
+            let t = Instant::now();
+            let outcome = service.claim(org, "tool.bench", &key("done", k), request, lease).await?;
+            if outcome.kind() != wanted {
+                return Err(format!("expected {wanted}, got {}", outcome.kind()).into());
+            }
+            timed.push(t.elapsed());
+        }
+        figures.push(Figure::from(name, std::mem::take(&mut timed), started.elapsed()));
+    }
+    let mut ids = Vec::new();
+    for k in 0..n {
+        if let ClaimOutcome::Claimed(claim) = service.claim(org, "tool.bench", &key("held", k), &hash, lease).await? {
+            ids.push(claim.id());
+        }
+    }
+    let started = Instant::now();
+    for k in 0..n {
+        let t = Instant::now();
+        let outcome = service.claim(org, "tool.bench", &key("held", k), &hash, lease).await?;
+        if outcome.kind() != "processing" {
+            return Err(format!("expected processing, got {}", outcome.kind()).into());
+        }
+        timed.push(t.elapsed());
+    }
+    figures.push(Figure::from("processing", std::mem::take(&mut timed), started.elapsed()));
+    stack
+        .db()
+        .execute(
+            sqlx::query(
+                "update agent.idempotency_keys set lease_expires_at = now() - interval '1 second' where id = any($1)",
+            )
+            .bind(&ids),
+        )
+        .await?;
+    let started = Instant::now();
+    for k in 0..n {
+        let t = Instant::now();
+        match service.claim(org, "tool.bench", &key("held", k), &hash, lease).await? {
+            ClaimOutcome::Claimed(claim) if claim.reclaimed() => timed.push(t.elapsed()),
+            other => return Err(format!("expected a reclaim, got {}", other.kind()).into()),
+        }
+    }
+    figures.push(Figure::from("reclaim", timed, started.elapsed()));
+    Ok(figures)
 }
 
 /// Replays and conflicts on completed keys, and the round trips of each path
@@ -395,7 +625,7 @@ async fn replays_and_conflicts(
         Figure::from("replay, cache hit", latencies, elapsed)
     };
 
-    // Reclaims: processing claims whose lease passed, taken over once each.
+    // Claims in flight: processing, answered to every other caller.
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
     let mut ids = Vec::new();
     for k in 0..64u64 {
@@ -405,6 +635,16 @@ async fn replays_and_conflicts(
             ids.push(claim.id());
         }
     }
+    let before = client.requests_sent();
+    for k in 0..ids.len() {
+        match service.claim(org, "tool.bench", &format!("reclaim-{k}"), &hash, Duration::from_secs(60)).await? {
+            ClaimOutcome::Processing { .. } => {}
+            other => return Err(format!("expected processing, got {}", other.kind()).into()),
+        }
+    }
+    trips.push(("processing".to_owned(), (client.requests_sent() - before) as f64 / ids.len().max(1) as f64));
+
+    // Reclaims: the same claims once their lease passed, taken over once each.
     stack
         .db()
         .execute(
@@ -559,6 +799,12 @@ fn print(results: &Results) {
     println!("  {:-<34} {:->9}", "", "");
     for (name, trips) in &results.round_trips {
         println!("  {:<34} {:>9.2}", name, trips);
+    }
+    println!();
+    println!("  {:<34} {:>9} {:>9}", "over the WAN link, per outcome", "p50 ms", "p99 ms");
+    println!("  {:-<34} {:->9} {:->9}", "", "", "");
+    for f in &results.wan {
+        println!("  {:<34} {:>9.1} {:>9.1}", f.name, f.p50_ms, f.p99_ms);
     }
     println!();
     println!("  {:<40} {:>8} {:>9}  met", "ratio", "value", "target");
