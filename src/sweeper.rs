@@ -15,23 +15,15 @@
 //! refused before any request, never clamped; a server whose real cap is
 //! lower than configured is caught as [`ClientError::Truncated`].
 
-use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
-use serde_json::json;
+use serde::Serialize;
 use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::error::Error;
-use crate::postgrest::{ClientError, PostgrestClient, Repeat};
+use crate::postgrest::{ClientError, PostgrestClient};
+use crate::repo::{ExpiredClaims, PostgrestRepository};
 
-/// One expired claim, as the sweeper reads it (`?select=id,retain_until`).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct ExpiredClaim {
-    /// The claim id.
-    pub id: Uuid,
-    /// When its retention ended.
-    pub retain_until: DateTime<Utc>,
-}
+pub use crate::repo::ExpiredClaim;
 
 /// What one pass did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -48,27 +40,37 @@ pub struct SweepReport {
 
 /// Runs bounded sweeper passes.
 #[derive(Debug, Clone)]
-pub struct Sweeper {
-    client: PostgrestClient,
+pub struct Sweeper<R = PostgrestRepository> {
+    repo: R,
     bound: u64,
 }
 
-impl Sweeper {
-    /// A sweeper reading at most `bound` claims a pass.
+impl Sweeper<PostgrestRepository> {
+    /// A sweeper through PostgREST, over `client`, reading at most `bound`
+    /// claims a pass. See [`Sweeper::over`] for the refusals.
+    pub fn new(client: PostgrestClient, bound: u64) -> Result<Self, ClientError> {
+        Sweeper::over(PostgrestRepository::new(client), bound)
+    }
+}
+
+impl<R: ExpiredClaims> Sweeper<R> {
+    /// A sweeper over any [`ExpiredClaims`], reading at most `bound` claims
+    /// a pass.
     ///
     /// Refused with [`ClientError::BoundAboveCap`] when `bound` exceeds the
-    /// client's configured row cap (`max_rows`: PostgREST's `db-max-rows`,
-    /// `PGRST_DB_MAX_ROWS`, Supabase's `api.max_rows`), and with
-    /// [`ClientError::Config`] when it is zero. Nothing is sent either way.
-    pub fn new(client: PostgrestClient, bound: u64) -> Result<Self, ClientError> {
-        let cap = u64::from(client.config().max_rows());
+    /// repository's row cap (for PostgREST the configured `max_rows`:
+    /// PostgREST's `db-max-rows`, `PGRST_DB_MAX_ROWS`, Supabase's
+    /// `api.max_rows`), and with [`ClientError::Config`] when it is zero.
+    /// Nothing is sent either way.
+    pub fn over(repo: R, bound: u64) -> Result<Self, ClientError> {
+        let cap = repo.max_bound();
         if bound > cap {
             return Err(ClientError::BoundAboveCap { bound, cap });
         }
         if bound == 0 {
             return Err(ClientError::Config("the sweep bound must be at least 1".into()));
         }
-        Ok(Sweeper { client, bound })
+        Ok(Sweeper { repo, bound })
     }
 
     /// The bound.
@@ -114,11 +116,7 @@ impl Sweeper {
     /// Reads up to `bound` expired claims, oldest first. Fails with
     /// [`ClientError::Truncated`] when the server cut the read short.
     pub async fn read_expired(&self) -> Result<Vec<ExpiredClaim>, Error> {
-        let args = json!({ "p_limit": self.bound });
-        Ok(self
-            .client
-            .rpc_bounded("idempotency_expired", &args, self.bound, Some("id,retain_until"), Repeat::Safe)
-            .await?)
+        self.repo.expired(self.bound).await
     }
 
     /// Deletes those of `ids` still past retention; answers how many. At
@@ -137,9 +135,6 @@ impl Sweeper {
             ))
             .into());
         }
-        let deleted: i64 =
-            self.client.rpc("idempotency_delete_expired", &json!({ "p_ids": ids }), Repeat::Safe).await?;
-        u64::try_from(deleted)
-            .map_err(|_| Error::Inconsistent(format!("idempotency_delete_expired answered {deleted}")))
+        self.repo.delete_expired(ids).await
     }
 }

@@ -21,13 +21,13 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use super::webhook::{Ack, ProcessingError, ProviderCallback, ProviderJob, WebhookGate};
-use crate::repo::IdempotencyRepository;
+use crate::repo::{IdempotencyRepository, ProviderJobRepository};
 
 /// The headers a delivery id is read from, in order.
 pub const DELIVERY_ID_HEADERS: [&str; 2] = ["webhook-id", "x-delivery-id"];
 
-struct Route<R, V, P> {
-    gate: WebhookGate<R>,
+struct Route<R, J, V, P> {
+    gate: WebhookGate<R, J>,
     verify: V,
     process: P,
 }
@@ -38,25 +38,27 @@ struct Route<R, V, P> {
 /// provider's signature scheme and runs before anything else; `process`
 /// handles a delivery the gate lets through, with the job it belongs to and
 /// the body.
-pub fn provider_callback_router<R, V, P, Fut>(gate: WebhookGate<R>, verify: V, process: P) -> Router
+pub fn provider_callback_router<R, J, V, P, Fut>(gate: WebhookGate<R, J>, verify: V, process: P) -> Router
 where
     R: IdempotencyRepository + 'static,
+    J: ProviderJobRepository + 'static,
     V: Fn(&str, &HeaderMap, &Bytes) -> bool + Send + Sync + 'static,
     P: Fn(ProviderJob, Bytes) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
 {
     let route = Arc::new(Route { gate, verify, process });
-    Router::new().route("/callbacks/{provider}/{job_id}", post(callback::<R, V, P, Fut>)).with_state(route)
+    Router::new().route("/callbacks/{provider}/{job_id}", post(callback::<R, J, V, P, Fut>)).with_state(route)
 }
 
-async fn callback<R, V, P, Fut>(
-    State(route): State<Arc<Route<R, V, P>>>,
+async fn callback<R, J, V, P, Fut>(
+    State(route): State<Arc<Route<R, J, V, P>>>,
     Path((provider, job_id)): Path<(String, String)>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response
 where
     R: IdempotencyRepository + 'static,
+    J: ProviderJobRepository + 'static,
     V: Fn(&str, &HeaderMap, &Bytes) -> bool + Send + Sync + 'static,
     P: Fn(ProviderJob, Bytes) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,

@@ -19,8 +19,15 @@ use uuid::Uuid;
 
 use super::runs::{AdmittedRun, RunAdmission};
 use crate::error::Error;
-use crate::repo::IdempotencyRepository;
-use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, SAVED_SEARCH_START_SCOPE};
+use crate::repo::{IdempotencyRepository, PostgrestRepository, RunRepository};
+use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, DAY};
+
+/// The scope of saved-search input preparation.
+pub const SAVED_SEARCH_START_SCOPE: &str = "surface.saved_search.start";
+
+/// Retention of the saved-search snapshot: the database's policy for the
+/// scope (seeded by the migrations), 24 hours.
+pub const SAVED_SEARCH_START_RETENTION: Duration = DAY;
 
 /// The spec's lease for input preparation.
 pub const SAVED_SEARCH_LEASE: Duration = Duration::from_secs(30);
@@ -125,16 +132,16 @@ struct Prepared {
 
 /// Starts saved searches: claim, freeze, complete, admit.
 #[derive(Debug, Clone)]
-pub struct SavedSearchStart<R, S> {
+pub struct SavedSearchStart<R, S, Q = PostgrestRepository> {
     service: IdempotencyService<R>,
-    runs: RunAdmission,
+    runs: RunAdmission<Q>,
     source: S,
     lease: Duration,
 }
 
-impl<R: IdempotencyRepository, S: SnapshotSource> SavedSearchStart<R, S> {
+impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchStart<R, S, Q> {
     /// A starter with the spec's 30 s lease.
-    pub fn new(service: IdempotencyService<R>, runs: RunAdmission, source: S) -> Self {
+    pub fn new(service: IdempotencyService<R>, runs: RunAdmission<Q>, source: S) -> Self {
         SavedSearchStart { service, runs, source, lease: SAVED_SEARCH_LEASE }
     }
 

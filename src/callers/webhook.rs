@@ -17,14 +17,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::error::{Error, InvalidInput};
-use crate::postgrest::{PostgrestClient, Repeat};
-use crate::repo::IdempotencyRepository;
+use crate::postgrest::PostgrestClient;
+use crate::repo::{IdempotencyRepository, PostgrestRepository, ProviderJobRepository};
+
+pub use crate::repo::ProviderJob;
 use crate::service::{ClaimOutcome, Ending, IdempotencyService, RequestHash};
 
 /// How long processing one delivery may take unless set otherwise.
@@ -163,44 +164,34 @@ pub struct Delivery<'a> {
     pub body: &'a [u8],
 }
 
-/// A job started at a provider that answers by callback.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct ProviderJob {
-    /// Our row id.
-    pub id: Uuid,
-    /// The tenant the job belongs to.
-    pub organization_id: Uuid,
-    /// The provider, e.g. `transcribe`.
-    pub provider: String,
-    /// The provider's job id.
-    pub job_id: String,
-}
-
 /// The `agent.provider_jobs` directory.
 #[derive(Debug, Clone)]
-pub struct ProviderJobs {
-    client: PostgrestClient,
+pub struct ProviderJobs<J = PostgrestRepository> {
+    repo: J,
 }
 
-impl ProviderJobs {
-    /// The directory over `client`.
+impl ProviderJobs<PostgrestRepository> {
+    /// The directory through PostgREST, over `client`.
     pub fn new(client: PostgrestClient) -> Self {
-        ProviderJobs { client }
+        ProviderJobs { repo: PostgrestRepository::new(client) }
+    }
+}
+
+impl<J: ProviderJobRepository> ProviderJobs<J> {
+    /// The directory over any [`ProviderJobRepository`].
+    pub fn over(repo: J) -> Self {
+        ProviderJobs { repo }
     }
 
     /// Records a job this platform started at `provider`. A repeat answers
     /// the stored job; the same job id under another organization is refused.
     pub async fn register(&self, organization_id: Uuid, provider: &str, job_id: &str) -> Result<ProviderJob, Error> {
-        let args = json!({"p_organization_id": organization_id, "p_provider": provider, "p_job_id": job_id});
-        let mut rows: Vec<ProviderJob> = self.client.rpc("provider_job_register", &args, Repeat::Safe).await?;
-        rows.pop().ok_or_else(|| Error::Inconsistent("provider_job_register answered no row".into()))
+        self.repo.register(organization_id, provider, job_id).await
     }
 
     /// The job `provider` knows as `job_id`, if we hold it.
     pub async fn lookup(&self, provider: &str, job_id: &str) -> Result<Option<ProviderJob>, Error> {
-        let args = json!({"p_provider": provider, "p_job_id": job_id});
-        let mut rows: Vec<ProviderJob> = self.client.rpc("provider_job_lookup", &args, Repeat::Safe).await?;
-        Ok(rows.pop())
+        self.repo.lookup(provider, job_id).await
     }
 }
 
@@ -221,17 +212,17 @@ pub struct ProviderCallback<'a> {
 
 /// The gate. Cheap to clone; clones share their counters.
 #[derive(Debug, Clone)]
-pub struct WebhookGate<R> {
+pub struct WebhookGate<R, J = PostgrestRepository> {
     service: IdempotencyService<R>,
-    jobs: ProviderJobs,
+    jobs: ProviderJobs<J>,
     timeout: Duration,
     drops: Arc<DropCounters>,
 }
 
-impl<R: IdempotencyRepository> WebhookGate<R> {
+impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
     /// A gate over `service`, resolving provider callbacks through `jobs`,
     /// with [`DEFAULT_PROCESSING_TIMEOUT`].
-    pub fn new(service: IdempotencyService<R>, jobs: ProviderJobs) -> Self {
+    pub fn new(service: IdempotencyService<R>, jobs: ProviderJobs<J>) -> Self {
         WebhookGate { service, jobs, timeout: DEFAULT_PROCESSING_TIMEOUT, drops: Arc::new(DropCounters::default()) }
     }
 

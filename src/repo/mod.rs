@@ -1,10 +1,17 @@
-//! The repository: the five atomic operations on the claim table.
+//! The repository: the one road to the database.
 //!
-//! The repository owns atomic SQL behaviour; the service owns duplicate
-//! semantics. Every decision here is one SQL statement in the database.
+//! The repository owns atomic SQL behaviour; the service and the callers own
+//! the semantics. Every decision is made by one SQL function in the
+//! database; only this module knows their names and arguments
+//! ([`SQL_SURFACE`]). Four traits, one per table the plane owns:
+//! [`IdempotencyRepository`] (claims), [`RunRepository`] (Run admission),
+//! [`ProviderJobRepository`] (provider callbacks' tenants) and
+//! [`ExpiredClaims`] (the sweeper's bounded reads and deletes).
+//! [`PostgrestRepository`] implements all four over PostgREST.
 
 mod postgrest;
 mod record;
+mod surface;
 
 use std::future::Future;
 use std::time::Duration;
@@ -14,7 +21,8 @@ use uuid::Uuid;
 use crate::Error;
 
 pub use self::postgrest::PostgrestRepository;
-pub use record::{ClaimDecision, ClaimRow, ClaimStatus, IdempotencyRecord};
+pub use record::{AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, IdempotencyRecord, ProviderJob};
+pub use surface::{SqlFunction, SQL_SURFACE};
 
 /// The arguments of a claim or a reclaim.
 ///
@@ -116,4 +124,49 @@ pub trait IdempotencyRepository: Send + Sync {
     /// Deletes the unfinished claim `claim_id` if `lease_token` still holds
     /// it. `false` when the lease moved on: the caller must do nothing more.
     fn release(&self, claim_id: Uuid, lease_token: Uuid) -> impl Future<Output = Result<bool, Error>> + Send;
+}
+
+/// Run admission: `agent.runs`, whose unique start key per organization is
+/// the Run claim. Never the claim table.
+pub trait RunRepository: Send + Sync {
+    /// Admits the Run `start_key` names, or answers the one already admitted
+    /// under it. `admitted` is true for the call that inserted it, and for a
+    /// repeat carrying the same `admission_token` (its answer was lost).
+    fn admit(
+        &self,
+        organization_id: Uuid,
+        start_key: &str,
+        input: &serde_json::Value,
+        admission_token: Uuid,
+    ) -> impl Future<Output = Result<AdmittedRun, Error>> + Send;
+}
+
+/// Provider jobs: which organization a job a provider will call back about
+/// belongs to (`agent.provider_jobs`).
+pub trait ProviderJobRepository: Send + Sync {
+    /// Records a job this platform started, once. A repeat answers the stored
+    /// job; the same job id under another organization is refused.
+    fn register(
+        &self,
+        organization_id: Uuid,
+        provider: &str,
+        job_id: &str,
+    ) -> impl Future<Output = Result<ProviderJob, Error>> + Send;
+
+    /// The job `provider` knows as `job_id`, if this platform holds it.
+    fn lookup(&self, provider: &str, job_id: &str) -> impl Future<Output = Result<Option<ProviderJob>, Error>> + Send;
+}
+
+/// The sweeper's side of the claim table: bounded reads of claims past
+/// retention, and deletes that re-check it.
+pub trait ExpiredClaims: Send + Sync {
+    /// The largest bound a read may ask for: the server's row cap.
+    fn max_bound(&self) -> u64;
+
+    /// Up to `bound` claims past retention, oldest first. A read the server
+    /// cut short is an error, never a short page.
+    fn expired(&self, bound: u64) -> impl Future<Output = Result<Vec<ExpiredClaim>, Error>> + Send;
+
+    /// Deletes those of `ids` still past retention; answers how many.
+    fn delete_expired(&self, ids: &[Uuid]) -> impl Future<Output = Result<u64, Error>> + Send;
 }

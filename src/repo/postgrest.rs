@@ -3,12 +3,19 @@
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{ClaimCall, ClaimRequest, ClaimRow, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
-use crate::postgrest::codes;
+use super::surface::{
+    CLAIM, COMPLETE, DELETE_EXPIRED, EXPIRED, GET, PROVIDER_JOB_LOOKUP, PROVIDER_JOB_REGISTER, RECLAIM, RELEASE,
+    RUN_ADMIT, TRY_CLAIM,
+};
+use super::{
+    AdmittedRun, ClaimCall, ClaimRequest, ClaimRow, CompletionArgs, ExpiredClaim, ExpiredClaims, IdempotencyRecord,
+    IdempotencyRepository, ProviderJob, ProviderJobRepository, RunRepository,
+};
+use crate::postgrest::{codes, ClientError};
 use crate::postgrest::{PostgrestClient, Repeat};
 use crate::Error;
 
-/// [`IdempotencyRepository`] over the `agent.idempotency_*` functions.
+/// Every repository trait over the plane's SQL functions, through PostgREST.
 ///
 /// `try_claim`, `reclaim`, `get` and `complete` are safe to repeat after a
 /// lost response (the functions answer the caller's own row to a repeat with
@@ -27,7 +34,7 @@ impl PostgrestRepository {
         PostgrestRepository { client }
     }
 
-    /// The client underneath, for the sweeper and operator tools.
+    /// The client underneath, for operator tools.
     pub fn client(&self) -> &PostgrestClient {
         &self.client
     }
@@ -134,7 +141,7 @@ impl IdempotencyRepository for PostgrestRepository {
             p_lease_token: call.lease_token,
             p_lease_ms: millis(call.lease),
         };
-        let rows: Result<Vec<ClaimRow>, _> = self.client.rpc("idempotency_claim", &args, Repeat::Safe).await;
+        let rows: Result<Vec<ClaimRow>, _> = self.client.rpc(CLAIM.name, &args, Repeat::Safe).await;
         let mut rows = rows.map_err(|error| unknown_scope(error.into(), call.scope))?;
         match (rows.pop(), rows.is_empty()) {
             (Some(row), true) => Ok(row),
@@ -143,18 +150,18 @@ impl IdempotencyRepository for PostgrestRepository {
     }
 
     async fn try_claim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
-        let answer = self.at_most_one("idempotency_try_claim", &ClaimArgs::from(request)).await;
+        let answer = self.at_most_one(TRY_CLAIM.name, &ClaimArgs::from(request)).await;
         answer.map_err(|error| unknown_scope(error, request.scope))
     }
 
     async fn reclaim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
-        let answer = self.at_most_one("idempotency_reclaim", &ClaimArgs::from(request)).await;
+        let answer = self.at_most_one(RECLAIM.name, &ClaimArgs::from(request)).await;
         answer.map_err(|error| unknown_scope(error, request.scope))
     }
 
     async fn get(&self, organization_id: Uuid, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, Error> {
         let args = KeyArgs { p_organization_id: organization_id, p_scope: scope, p_key: key };
-        self.at_most_one("idempotency_get", &args).await.map_err(|error| unknown_scope(error, scope))
+        self.at_most_one(GET.name, &args).await.map_err(|error| unknown_scope(error, scope))
     }
 
     async fn complete(
@@ -170,11 +177,105 @@ impl IdempotencyRepository for PostgrestRepository {
             p_resource_id: completion.resource_id,
             p_response: completion.response,
         };
-        self.at_most_one("idempotency_complete", &args).await
+        self.at_most_one(COMPLETE.name, &args).await
     }
 
     async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
         let args = FenceArgs { p_claim_id: claim_id, p_lease_token: lease_token };
-        Ok(self.client.rpc("idempotency_release", &args, Repeat::Unsafe).await?)
+        Ok(self.client.rpc(RELEASE.name, &args, Repeat::Unsafe).await?)
+    }
+}
+
+#[derive(Serialize)]
+struct AdmitArgs<'a> {
+    p_organization_id: Uuid,
+    p_start_key: &'a str,
+    p_input: &'a serde_json::Value,
+    p_admission_token: Uuid,
+}
+
+/// `run_admit` is safe to repeat: the admission token makes a repeat of the
+/// inserting call answer `admitted = true` again.
+impl RunRepository for PostgrestRepository {
+    async fn admit(
+        &self,
+        organization_id: Uuid,
+        start_key: &str,
+        input: &serde_json::Value,
+        admission_token: Uuid,
+    ) -> Result<AdmittedRun, Error> {
+        let args = AdmitArgs {
+            p_organization_id: organization_id,
+            p_start_key: start_key,
+            p_input: input,
+            p_admission_token: admission_token,
+        };
+        let mut rows: Vec<AdmittedRun> = self.client.rpc(RUN_ADMIT.name, &args, Repeat::Safe).await?;
+        match (rows.pop(), rows.is_empty()) {
+            (Some(run), true) => Ok(run),
+            _ => Err(Error::Inconsistent(format!("{} must answer exactly one row", RUN_ADMIT.name))),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct JobArgs<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_organization_id: Option<Uuid>,
+    p_provider: &'a str,
+    p_job_id: &'a str,
+}
+
+impl ProviderJobRepository for PostgrestRepository {
+    async fn register(&self, organization_id: Uuid, provider: &str, job_id: &str) -> Result<ProviderJob, Error> {
+        let args = JobArgs { p_organization_id: Some(organization_id), p_provider: provider, p_job_id: job_id };
+        let mut rows: Vec<ProviderJob> = self.client.rpc(PROVIDER_JOB_REGISTER.name, &args, Repeat::Safe).await?;
+        match (rows.pop(), rows.is_empty()) {
+            (Some(job), true) => Ok(job),
+            _ => Err(Error::Inconsistent(format!("{} must answer exactly one row", PROVIDER_JOB_REGISTER.name))),
+        }
+    }
+
+    async fn lookup(&self, provider: &str, job_id: &str) -> Result<Option<ProviderJob>, Error> {
+        let args = JobArgs { p_organization_id: None, p_provider: provider, p_job_id: job_id };
+        let mut rows: Vec<ProviderJob> = self.client.rpc(PROVIDER_JOB_LOOKUP.name, &args, Repeat::Safe).await?;
+        match rows.len() {
+            0 | 1 => Ok(rows.pop()),
+            n => {
+                Err(Error::Inconsistent(format!("{} answered {n} rows, at most 1 expected", PROVIDER_JOB_LOOKUP.name)))
+            }
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct LimitArgs {
+    p_limit: u64,
+}
+
+#[derive(Serialize)]
+struct IdsArgs<'a> {
+    p_ids: &'a [Uuid],
+}
+
+/// The read asks `Prefer: count=exact` and checks `Content-Range`, so a
+/// server whose real row cap is lower than configured is
+/// [`ClientError::Truncated`]; a bound above the configured cap is
+/// [`ClientError::BoundAboveCap`] before any request.
+impl ExpiredClaims for PostgrestRepository {
+    fn max_bound(&self) -> u64 {
+        u64::from(self.client.config().max_rows())
+    }
+
+    async fn expired(&self, bound: u64) -> Result<Vec<ExpiredClaim>, Error> {
+        let args = LimitArgs { p_limit: bound };
+        Ok(self.client.rpc_bounded(EXPIRED.name, &args, bound, Some("id,retain_until"), Repeat::Safe).await?)
+    }
+
+    async fn delete_expired(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        let deleted: i64 = self.client.rpc(DELETE_EXPIRED.name, &IdsArgs { p_ids: ids }, Repeat::Safe).await?;
+        u64::try_from(deleted).map_err(|_| {
+            Error::Store(ClientError::Decode { function: DELETE_EXPIRED.name, reason: format!("answered {deleted}") })
+        })
     }
 }

@@ -101,3 +101,47 @@ pub struct ClaimRow {
     /// Whether a worker holds a live lease, by the database clock.
     pub lease_live: bool,
 }
+
+/// An admitted Run, as `agent.run_admit` answers it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdmittedRun {
+    /// The Run's id.
+    pub id: Uuid,
+    /// Its organization.
+    pub organization_id: Uuid,
+    /// The start key it was admitted under.
+    pub start_key: String,
+    /// The input it was admitted with (a replay answers this, not its own).
+    pub input: serde_json::Value,
+    /// Its status.
+    pub status: String,
+    /// When it was admitted (database clock).
+    pub admitted_at: DateTime<Utc>,
+    /// How long the Run row is kept (396 days).
+    pub retain_until: DateTime<Utc>,
+    /// True for the call that inserted it (its retries included); a replay
+    /// by anyone else answers false.
+    pub admitted: bool,
+}
+
+/// A job started at a provider that answers by callback.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProviderJob {
+    /// Our row id.
+    pub id: Uuid,
+    /// The tenant the job belongs to.
+    pub organization_id: Uuid,
+    /// The provider, e.g. `transcribe`.
+    pub provider: String,
+    /// The provider's job id.
+    pub job_id: String,
+}
+
+/// One expired claim, as the sweeper reads it (`?select=id,retain_until`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpiredClaim {
+    /// The claim id.
+    pub id: Uuid,
+    /// When its retention ended.
+    pub retain_until: DateTime<Utc>,
+}

@@ -28,9 +28,7 @@ pub use journal::{Elided, Unstorable, MAX_RESPONSE_DEPTH};
 pub use outcome::{
     Claim, ClaimOutcome, Completion, Ending, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS, MAX_RESOURCE_TYPE_CHARS,
 };
-pub use scope::{
-    DAY, MAX_SCOPE_CHARS, SAVED_SEARCH_START_RETENTION, SAVED_SEARCH_START_SCOPE, TOOL_RETENTION, WEBHOOK_RETENTION,
-};
+pub use scope::{DAY, MAX_SCOPE_CHARS, TOOL_RETENTION, WEBHOOK_RETENTION};
 pub(crate) use validate::key as validate_key;
 pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};
 

@@ -2,8 +2,9 @@
 //!
 //! Each scope's retention and response limit live in the database
 //! (`agent.idempotency_scopes`), which applies them to every client; the
-//! constants here are the seeded values, for callers that reason about them
-//! (a tool's `max_run_duration` cap is the tool retention).
+//! constants here are the seeded values of the scope families, for callers
+//! that reason about them (a tool's `max_run_duration` cap is the tool
+//! retention). A caller's own scope lives with the caller.
 
 use std::time::Duration;
 
@@ -22,12 +23,6 @@ pub const TOOL_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 
 /// Retention of webhook deliveries (`webhook.*`): vendors redeliver within hours.
 pub const WEBHOOK_RETENTION: Duration = DAY;
-
-/// The scope of saved-search input preparation.
-pub const SAVED_SEARCH_START_SCOPE: &str = "surface.saved_search.start";
-
-/// Retention of the saved-search snapshot.
-pub const SAVED_SEARCH_START_RETENTION: Duration = DAY;
 
 /// A scope is 1 to 128 characters of `a-z 0-9 . _ -`. Whether it has a
 /// policy is the database's to say.

@@ -16,6 +16,7 @@ mod harness;
 #[cfg(feature = "local")]
 mod hostile;
 mod migrations_drift;
+mod readme_surface;
 mod request_hash;
 #[cfg(feature = "local")]
 mod stack_claims;

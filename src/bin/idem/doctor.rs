@@ -7,26 +7,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use idempotency_plane::postgrest::{codes, ClientError, PostgrestClient, Repeat};
+use idempotency_plane::repo::{SqlFunction, SQL_SURFACE};
 use serde_json::{json, Value};
 
 use crate::{remote, BoxError};
-
-/// The SQL surface: every function a caller reaches, with its identity
-/// arguments exactly as `pg_get_function_identity_arguments` prints them.
-const SURFACE: &[(&str, &str)] = &[
-    ("idempotency_claim", "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint"),
-    ("idempotency_try_claim", "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint"),
-    ("idempotency_reclaim", "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint"),
-    ("idempotency_get", "p_organization_id uuid, p_scope text, p_key text"),
-    ("idempotency_complete", "p_claim_id uuid, p_lease_token uuid, p_resource_type text, p_resource_id text, p_response jsonb"),
-    ("idempotency_release", "p_claim_id uuid, p_lease_token uuid"),
-    ("idempotency_expired", "p_limit integer"),
-    ("idempotency_delete_expired", "p_ids uuid[]"),
-    ("idempotency_cap_probe", "p_rows integer"),
-    ("run_admit", "p_organization_id uuid, p_start_key text, p_input jsonb, p_admission_token uuid"),
-    ("provider_job_register", "p_organization_id uuid, p_provider text, p_job_id text"),
-    ("provider_job_lookup", "p_provider text, p_job_id text"),
-];
 
 /// One function as `agent.idempotency_surface()` reports it.
 #[derive(Debug, serde::Deserialize)]
@@ -88,9 +72,9 @@ async fn check_surface(client: &PostgrestClient, report: &mut Report) {
         Ok(held) => held,
         Err(error) => return report.line(false, "idempotency_surface", diagnose(&error)),
     };
-    for (name, arguments) in SURFACE {
-        let versions: Vec<&Held> = held.iter().filter(|h| h.name == *name).collect();
-        match versions.iter().find(|h| h.arguments == *arguments) {
+    for &SqlFunction { name, arguments } in SQL_SURFACE {
+        let versions: Vec<&Held> = held.iter().filter(|h| h.name == name).collect();
+        match versions.iter().find(|h| h.arguments == arguments) {
             Some(h) if h.executable => report.line(true, name, "present with the contract's arguments, executable"),
             Some(_) => {
                 report.line(false, name, "present, but the key's role cannot execute it: use the service_role key")

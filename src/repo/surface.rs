@@ -1,0 +1,81 @@
+//! The plane's SQL surface: every function a client may call, in one list.
+//!
+//! The repository calls them by these names; `idem doctor` checks a
+//! deployment against this list; the tests check the migrations and the
+//! README against it. Names, argument names and answer shapes are a public
+//! contract: TypeScript, `curl` and other clients call them directly.
+
+/// One function of the SQL surface, in schema `agent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SqlFunction {
+    /// Its name.
+    pub name: &'static str,
+    /// Its identity arguments exactly as PostgreSQL's
+    /// `pg_get_function_identity_arguments` prints them.
+    pub arguments: &'static str,
+}
+
+impl SqlFunction {
+    /// The argument names, in order.
+    pub fn argument_names(&self) -> impl Iterator<Item = &'static str> {
+        self.arguments.split(", ").filter_map(|argument| argument.split(' ').next()).filter(|name| !name.is_empty())
+    }
+}
+
+const fn function(name: &'static str, arguments: &'static str) -> SqlFunction {
+    SqlFunction { name, arguments }
+}
+
+const CLAIM_ARGUMENTS: &str = "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, \
+                               p_lease_token uuid, p_lease_ms bigint";
+const V1_CLAIM_ARGUMENTS: &str = "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, \
+                                  p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint";
+
+pub(crate) const CLAIM: SqlFunction = function("idempotency_claim", CLAIM_ARGUMENTS);
+pub(crate) const TRY_CLAIM: SqlFunction = function("idempotency_try_claim", V1_CLAIM_ARGUMENTS);
+pub(crate) const RECLAIM: SqlFunction = function("idempotency_reclaim", V1_CLAIM_ARGUMENTS);
+pub(crate) const GET: SqlFunction = function("idempotency_get", "p_organization_id uuid, p_scope text, p_key text");
+pub(crate) const COMPLETE: SqlFunction = function(
+    "idempotency_complete",
+    "p_claim_id uuid, p_lease_token uuid, p_resource_type text, p_resource_id text, p_response jsonb",
+);
+pub(crate) const RELEASE: SqlFunction = function("idempotency_release", "p_claim_id uuid, p_lease_token uuid");
+pub(crate) const EXPIRED: SqlFunction = function("idempotency_expired", "p_limit integer");
+pub(crate) const DELETE_EXPIRED: SqlFunction = function("idempotency_delete_expired", "p_ids uuid[]");
+pub(crate) const RUN_ADMIT: SqlFunction =
+    function("run_admit", "p_organization_id uuid, p_start_key text, p_input jsonb, p_admission_token uuid");
+pub(crate) const PROVIDER_JOB_REGISTER: SqlFunction =
+    function("provider_job_register", "p_organization_id uuid, p_provider text, p_job_id text");
+pub(crate) const PROVIDER_JOB_LOOKUP: SqlFunction = function("provider_job_lookup", "p_provider text, p_job_id text");
+pub(crate) const CAP_PROBE: SqlFunction = function("idempotency_cap_probe", "p_rows integer");
+pub(crate) const SURFACE: SqlFunction = function("idempotency_surface", "");
+
+/// Every function of the SQL surface.
+pub const SQL_SURFACE: &[SqlFunction] = &[
+    CLAIM,
+    TRY_CLAIM,
+    RECLAIM,
+    GET,
+    COMPLETE,
+    RELEASE,
+    EXPIRED,
+    DELETE_EXPIRED,
+    RUN_ADMIT,
+    PROVIDER_JOB_REGISTER,
+    PROVIDER_JOB_LOOKUP,
+    CAP_PROBE,
+    SURFACE,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argument_names_are_read_off_the_identity_arguments() {
+        assert_eq!(RELEASE.argument_names().collect::<Vec<_>>(), ["p_claim_id", "p_lease_token"]);
+        assert_eq!(SURFACE.argument_names().count(), 0);
+        let names: std::collections::BTreeSet<_> = SQL_SURFACE.iter().map(|f| f.name).collect();
+        assert_eq!(names.len(), SQL_SURFACE.len(), "each function once");
+    }
+}
