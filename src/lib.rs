@@ -36,7 +36,6 @@
 //!     ClaimOutcome::Completed { response, resource, .. } => { /* replay it */ }
 //!     ClaimOutcome::Processing { .. } => { /* in flight elsewhere: raise or drop */ }
 //!     ClaimOutcome::Conflict => { /* same key, different content */ }
-//!     ClaimOutcome::Absent => unreachable!("claim never answers absent"),
 //! }
 //! # Ok(()) }
 //! ```
@@ -60,5 +59,6 @@ pub use error::{Error, InvalidInput};
 pub use postgrest::{ClientConfig, ClientError, PostgrestClient, RetryConfig};
 pub use repo::{IdempotencyRecord, IdempotencyRepository, PostgrestRepository};
 pub use service::{
-    canonical_json, Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResourceRef, ResponseRef,
+    canonical_json, Claim, ClaimOutcome, Completion, Ending, IdempotencyService, ReadOutcome, RequestHash, ResourceRef,
+    ResponseRef,
 };

@@ -229,7 +229,6 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
                 span.record("outcome", "conflict");
                 return Err(SavedSearchError::Conflict { key: key.to_owned() });
             }
-            ClaimOutcome::Absent => return Err(Error::Inconsistent("claim() answered absent".into()).into()),
         };
         // Admission is its own claim (agent.runs' unique start key): a replay
         // whose first attempt died after completing admits the Run now, and a

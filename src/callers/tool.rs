@@ -21,7 +21,9 @@ use uuid::Uuid;
 
 use crate::error::Error;
 use crate::repo::IdempotencyRepository;
-use crate::service::{Claim, ClaimOutcome, Ending, IdempotencyService, RequestHash, ResourceRef, TOOL_RETENTION};
+use crate::service::{
+    Claim, ClaimOutcome, Ending, IdempotencyService, ReadOutcome, RequestHash, ResourceRef, ResponseRef, TOOL_RETENTION,
+};
 
 /// The longest a tool call may run: the orchestrator's step budget.
 pub const STEP_BUDGET: Duration = Duration::from_secs(120);
@@ -530,9 +532,13 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
             self.check(spec)?;
             let hash = RequestHash::of_json(arguments);
             let scope = spec.scope();
-            let read = self.service.read(organization_id, scope, key.as_str(), &hash).await?;
-            if let Some(ended) = self.settled(spec, key, read)? {
-                return Ok(ended);
+            match self.service.read(organization_id, scope, key.as_str(), &hash).await? {
+                ReadOutcome::Absent => {}
+                ReadOutcome::Completed { response, resource, response_ref } => {
+                    return Ok(replayed(response, resource, response_ref))
+                }
+                ReadOutcome::Processing { lease_expires_at } => return Err(in_flight(spec, key, lease_expires_at)),
+                ReadOutcome::Conflict => return Err(conflict(spec, key)),
             }
             if checkpoint().await == Checkpoint::Hold {
                 tracing::Span::current().record("outcome", "held");
@@ -544,11 +550,11 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
             let claimed = self.service.claim(organization_id, scope, key.as_str(), &hash, self.lease_for(spec)).await?;
             let claim = match claimed {
                 ClaimOutcome::Claimed(claim) => claim,
-                other => {
-                    return self
-                        .settled(spec, key, other)?
-                        .ok_or_else(|| Error::Inconsistent("claim() answered absent".into()).into())
+                ClaimOutcome::Completed { response, resource, response_ref } => {
+                    return Ok(replayed(response, resource, response_ref))
                 }
+                ClaimOutcome::Processing { lease_expires_at } => return Err(in_flight(spec, key, lease_expires_at)),
+                ClaimOutcome::Conflict => return Err(conflict(spec, key)),
             };
             let call = ToolCall {
                 vendor_key: vendor_key(organization_id, scope, key.as_str()),
@@ -596,34 +602,28 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
         .instrument(span)
         .await
     }
+}
 
-    /// The endings that need no execution: replay, in flight, conflict.
-    /// `None` when the caller may go on to claim.
-    fn settled(&self, spec: &ToolSpec, key: &ToolKey, outcome: ClaimOutcome) -> Result<Option<ToolRun>, ToolError> {
-        let span = tracing::Span::current();
-        match outcome {
-            ClaimOutcome::Absent | ClaimOutcome::Claimed(_) => Ok(None),
-            ClaimOutcome::Completed { response, resource, response_ref } => {
-                // A response above the store limit replays as its reference.
-                let response = response.or_else(|| response_ref.map(|r| r.to_stored()));
-                span.record("outcome", "replayed");
-                span.record("replayed", true);
-                Ok(Some(ToolRun::Replayed(ToolResult::from_stored(response, resource))))
-            }
-            ClaimOutcome::Processing { lease_expires_at } => {
-                span.record("outcome", "in_flight");
-                Err(ToolError::ClaimInFlight {
-                    scope: spec.scope().to_owned(),
-                    key: key.as_str().to_owned(),
-                    lease_expires_at,
-                })
-            }
-            ClaimOutcome::Conflict => {
-                span.record("outcome", "conflict");
-                Err(ToolError::Conflict { scope: spec.scope().to_owned(), key: key.as_str().to_owned() })
-            }
-        }
-    }
+/// A replay of the stored answer (a response above the store limit replays
+/// as its reference), marked on the `tool.call` span.
+fn replayed(response: Option<Value>, resource: Option<ResourceRef>, response_ref: Option<ResponseRef>) -> ToolRun {
+    let span = tracing::Span::current();
+    span.record("outcome", "replayed");
+    span.record("replayed", true);
+    let response = response.or_else(|| response_ref.map(|r| r.to_stored()));
+    ToolRun::Replayed(ToolResult::from_stored(response, resource))
+}
+
+/// A live claim elsewhere: raised, never a result.
+fn in_flight(spec: &ToolSpec, key: &ToolKey, lease_expires_at: chrono::DateTime<chrono::Utc>) -> ToolError {
+    tracing::Span::current().record("outcome", "in_flight");
+    ToolError::ClaimInFlight { scope: spec.scope().to_owned(), key: key.as_str().to_owned(), lease_expires_at }
+}
+
+/// The key answers for other arguments.
+fn conflict(spec: &ToolSpec, key: &ToolKey) -> ToolError {
+    tracing::Span::current().record("outcome", "conflict");
+    ToolError::Conflict { scope: spec.scope().to_owned(), key: key.as_str().to_owned() }
 }
 
 /// Records how an executed call ended on the `tool.call` span: `outcome` is

@@ -296,9 +296,6 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
             }
             Ok(ClaimOutcome::Processing { .. }) => return self.drop_delivery(DropReason::Duplicate),
             Ok(ClaimOutcome::Conflict) => return self.drop_delivery(DropReason::HashMismatch),
-            Ok(ClaimOutcome::Absent) => {
-                return self.unavailable(&Error::Inconsistent("claim() answered absent".into()))
-            }
             // Only the delivery's own id can make it unclaimable for good;
             // any other refusal is the gate's configuration, and answering
             // 503 keeps the delivery until that is fixed.

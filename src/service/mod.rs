@@ -1,7 +1,8 @@
 //! The service: the spec's duplicate semantics over any repository.
 //!
 //! It validates input, mints every lease token, and turns what the
-//! repository answers into one of the endings ([`ClaimOutcome`]). The
+//! repository answers into what a read finds ([`ReadOutcome`]) or how a
+//! claim ended ([`ClaimOutcome`]). The
 //! database decides a claim in one call (the scope's retention policy
 //! included); the service checks the answer is the one it asked for. The
 //! request hash is compared before anything else, whatever the lease says.
@@ -26,7 +27,8 @@ use crate::repo::{
 pub use hash::{canonical_json, RequestHash};
 pub use journal::{Elided, Unstorable, MAX_RESPONSE_DEPTH};
 pub use outcome::{
-    Claim, ClaimOutcome, Completion, Ending, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS, MAX_RESOURCE_TYPE_CHARS,
+    Claim, ClaimOutcome, Completion, Ending, ReadOutcome, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS,
+    MAX_RESOURCE_TYPE_CHARS,
 };
 pub use scope::{DAY, MAX_SCOPE_CHARS, TOOL_RETENTION, WEBHOOK_RETENTION};
 pub(crate) use validate::key as validate_key;
@@ -78,29 +80,28 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         self.cache.as_ref().map(|cache| (cache.len(), cache.approx_bytes()))
     }
 
-    /// The cached ending of a completed claim: its answer, or a conflict.
-    fn cached(&self, organization_id: Uuid, scope: &str, key: &str, hash: &RequestHash) -> Option<ClaimOutcome> {
+    /// What the replay cache knows of a completed claim: its answer for
+    /// this request, or a conflict.
+    fn cached(&self, organization_id: Uuid, scope: &str, key: &str, hash: &RequestHash) -> Option<Cached> {
         let answer = self.cache.as_ref()?.get(organization_id, scope, key)?;
         if answer.request_hash != hash.as_str() {
-            return Some(ClaimOutcome::Conflict);
+            return Some(Cached::Conflict);
         }
-        Some(ClaimOutcome::Completed {
+        Some(Cached::Answer(Stored {
             response: answer.response,
             resource: answer.resource,
             response_ref: answer.response_ref,
-        })
+        }))
     }
 
-    /// Remembers a completed ending the store answered.
-    fn remember(&self, organization_id: Uuid, scope: &str, key: &str, hash: &str, outcome: &ClaimOutcome) {
-        let (Some(cache), ClaimOutcome::Completed { response, resource, response_ref }) = (&self.cache, outcome) else {
-            return;
-        };
+    /// Remembers the answer of a completed claim the store answered.
+    fn remember(&self, organization_id: Uuid, scope: &str, key: &str, hash: &str, stored: &Stored) {
+        let Some(cache) = &self.cache else { return };
         let answer = replay_cache::CachedAnswer {
             request_hash: hash.to_owned(),
-            response: response.clone(),
-            resource: resource.clone(),
-            response_ref: response_ref.clone(),
+            response: stored.response.clone(),
+            resource: stored.resource.clone(),
+            response_ref: stored.response_ref.clone(),
         };
         cache.put(organization_id, scope, key, answer);
     }
@@ -127,14 +128,14 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     ///
     /// Answers `Absent` when there is no row, and also for a processing row
     /// whose lease has passed: its worker is gone, and the caller's `claim`
-    /// will reclaim it. Never answers `Claimed`.
+    /// will reclaim it. A scope with no policy is [`Error::UnknownScope`].
     pub async fn read(
         &self,
         organization_id: Uuid,
         scope: &str,
         key: &str,
         request_hash: &RequestHash,
-    ) -> Result<ClaimOutcome, Error> {
+    ) -> Result<ReadOutcome, Error> {
         let span = tracing::info_span!(
             "idempotency.read",
             %organization_id, scope, key, outcome = field::Empty, replayed = field::Empty
@@ -142,19 +143,27 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         async {
             scope::validate_scope(scope)?;
             validate::key(key)?;
-            if let Some(outcome) = self.cached(organization_id, scope, key, request_hash) {
-                record_outcome("read", scope, &outcome);
+            if let Some(cached) = self.cached(organization_id, scope, key, request_hash) {
+                let outcome = match cached {
+                    Cached::Answer(stored) => stored.into(),
+                    Cached::Conflict => ReadOutcome::Conflict,
+                };
+                record_outcome("read", scope, outcome.kind());
                 return Ok(outcome);
             }
             let outcome = match self.repo.get(organization_id, scope, key).await? {
-                None => ClaimOutcome::Absent,
-                Some(record) => match judge(checked(record, organization_id, scope, key, None)?, request_hash) {
-                    Judged::Final(outcome) => outcome,
-                    Judged::Reclaimable => ClaimOutcome::Absent,
-                },
+                None => ReadOutcome::Absent,
+                Some(record) => judge(checked(record, organization_id, scope, key, None)?, request_hash),
             };
-            self.remember(organization_id, scope, key, request_hash.as_str(), &outcome);
-            record_outcome("read", scope, &outcome);
+            if let ReadOutcome::Completed { response, resource, response_ref } = &outcome {
+                let stored = Stored {
+                    response: response.clone(),
+                    resource: resource.clone(),
+                    response_ref: response_ref.clone(),
+                };
+                self.remember(organization_id, scope, key, request_hash.as_str(), &stored);
+            }
+            record_outcome("read", scope, outcome.kind());
             Ok(outcome)
         }
         .instrument(span)
@@ -188,8 +197,12 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             scope::validate_scope(scope)?;
             validate::key(key)?;
             validate::lease(lease)?;
-            if let Some(outcome) = self.cached(organization_id, scope, key, request_hash) {
-                record_outcome("claim", scope, &outcome);
+            if let Some(cached) = self.cached(organization_id, scope, key, request_hash) {
+                let outcome = match cached {
+                    Cached::Answer(stored) => stored.into(),
+                    Cached::Conflict => ClaimOutcome::Conflict,
+                };
+                record_outcome("claim", scope, outcome.kind());
                 return Ok(outcome);
             }
             let call = ClaimCall {
@@ -202,13 +215,23 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             };
             let row = self.repo.claim(&call).await?;
             let outcome = decided(row, &call)?;
-            if let ClaimOutcome::Claimed(claim) = &outcome {
-                let span = tracing::Span::current();
-                span.record("reclaimed", claim.reclaimed());
-                span.record("claim_id", field::display(claim.id()));
+            match &outcome {
+                ClaimOutcome::Claimed(claim) => {
+                    let span = tracing::Span::current();
+                    span.record("reclaimed", claim.reclaimed());
+                    span.record("claim_id", field::display(claim.id()));
+                }
+                ClaimOutcome::Completed { response, resource, response_ref } => {
+                    let stored = Stored {
+                        response: response.clone(),
+                        resource: resource.clone(),
+                        response_ref: response_ref.clone(),
+                    };
+                    self.remember(organization_id, scope, key, request_hash.as_str(), &stored);
+                }
+                ClaimOutcome::Processing { .. } | ClaimOutcome::Conflict => {}
             }
-            self.remember(organization_id, scope, key, request_hash.as_str(), &outcome);
-            record_outcome("claim", scope, &outcome);
+            record_outcome("claim", scope, outcome.kind());
             Ok(outcome)
         }
         .instrument(span)
@@ -253,9 +276,8 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                         )));
                     }
                     let hash = record.request_hash.clone();
-                    if let Judged::Final(outcome) = judge_row(record) {
-                        self.remember(claim.organization_id, &claim.scope, &claim.key, &hash, &outcome);
-                    }
+                    let stored = Stored::of(record.response, record.resource_type, record.resource_id);
+                    self.remember(claim.organization_id, &claim.scope, &claim.key, &hash, &stored);
                     Ending::Recorded
                 }
                 None => Ending::LeaseMovedOn,
@@ -428,7 +450,7 @@ fn decided(row: ClaimRow, call: &ClaimCall<'_>) -> Result<ClaimOutcome, Error> {
             }))
         }
         ClaimDecision::Completed if ours && row.status == ClaimStatus::Completed => {
-            Ok(completed(row.response, row.resource_type, row.resource_id))
+            Ok(Stored::of(row.response, row.resource_type, row.resource_id).into())
         }
         ClaimDecision::Completed => inconsistent("as completed, but not completed under this call's hash"),
         ClaimDecision::Processing if ours => Ok(ClaimOutcome::Processing { lease_expires_at: row.lease_expires_at }),
@@ -438,61 +460,84 @@ fn decided(row: ClaimRow, call: &ClaimCall<'_>) -> Result<ClaimOutcome, Error> {
     }
 }
 
-/// A completed claim's ending: its answer, a [`ResponseRef`] read back as one.
-fn completed(
+/// The answer a completed claim stores.
+struct Stored {
     response: Option<serde_json::Value>,
-    resource_type: Option<String>,
-    resource_id: Option<String>,
-) -> ClaimOutcome {
-    let response_ref = response.as_ref().and_then(ResponseRef::from_stored);
-    ClaimOutcome::Completed {
-        response: if response_ref.is_some() { None } else { response },
-        resource: match (resource_type, resource_id) {
-            (Some(resource_type), Some(resource_id)) => Some(ResourceRef { resource_type, resource_id }),
-            _ => None,
-        },
-        response_ref,
-    }
+    resource: Option<ResourceRef>,
+    response_ref: Option<ResponseRef>,
 }
 
-enum Judged {
-    Final(ClaimOutcome),
-    /// Processing, same hash, lease passed: its worker is gone.
-    Reclaimable,
-}
-
-/// The duplicate semantics, in order: the hash first, whatever the lease
-/// says; then completed; then a live lease; else the row is reclaimable.
-fn judge(record: IdempotencyRecord, hash: &RequestHash) -> Judged {
-    if record.request_hash != hash.as_str() {
-        return Judged::Final(ClaimOutcome::Conflict);
-    }
-    judge_row(record)
-}
-
-/// The ending a row stands for, its hash already compared.
-fn judge_row(record: IdempotencyRecord) -> Judged {
-    match record.status {
-        ClaimStatus::Completed => Judged::Final(completed(record.response, record.resource_type, record.resource_id)),
-        ClaimStatus::Processing if record.lease_live => {
-            Judged::Final(ClaimOutcome::Processing { lease_expires_at: record.lease_expires_at })
+impl Stored {
+    /// The stored columns as an answer: a [`ResponseRef`] is read back as one.
+    fn of(response: Option<serde_json::Value>, resource_type: Option<String>, resource_id: Option<String>) -> Self {
+        let response_ref = response.as_ref().and_then(ResponseRef::from_stored);
+        Stored {
+            response: if response_ref.is_some() { None } else { response },
+            resource: match (resource_type, resource_id) {
+                (Some(resource_type), Some(resource_id)) => Some(ResourceRef { resource_type, resource_id }),
+                _ => None,
+            },
+            response_ref,
         }
-        ClaimStatus::Processing => Judged::Reclaimable,
+    }
+}
+
+impl From<Stored> for ReadOutcome {
+    fn from(stored: Stored) -> Self {
+        ReadOutcome::Completed {
+            response: stored.response,
+            resource: stored.resource,
+            response_ref: stored.response_ref,
+        }
+    }
+}
+
+impl From<Stored> for ClaimOutcome {
+    fn from(stored: Stored) -> Self {
+        ClaimOutcome::Completed {
+            response: stored.response,
+            resource: stored.resource,
+            response_ref: stored.response_ref,
+        }
+    }
+}
+
+/// What the replay cache answers for a completed claim.
+enum Cached {
+    /// The stored answer, for the same request.
+    Answer(Stored),
+    /// The key answers for another request.
+    Conflict,
+}
+
+/// The duplicate semantics of a read, in order: the hash first, whatever the
+/// lease says; then completed; then a live lease; else the row's worker is
+/// gone, and the journal holds no answer (`claim` reclaims it).
+fn judge(record: IdempotencyRecord, hash: &RequestHash) -> ReadOutcome {
+    if record.request_hash != hash.as_str() {
+        return ReadOutcome::Conflict;
+    }
+    match record.status {
+        ClaimStatus::Completed => Stored::of(record.response, record.resource_type, record.resource_id).into(),
+        ClaimStatus::Processing if record.lease_live => {
+            ReadOutcome::Processing { lease_expires_at: record.lease_expires_at }
+        }
+        ClaimStatus::Processing => ReadOutcome::Absent,
     }
 }
 
 /// Records an outcome on the current span and in the
 /// `idempotency_outcomes_total{operation, scope, outcome}` counter.
-fn record_outcome(operation: &'static str, scope: &str, outcome: &ClaimOutcome) {
+fn record_outcome(operation: &'static str, scope: &str, outcome: &'static str) {
     let span = tracing::Span::current();
-    span.record("outcome", outcome.kind());
-    span.record("replayed", matches!(outcome, ClaimOutcome::Completed { .. }));
-    tracing::debug!(outcome = outcome.kind(), "idempotency outcome");
+    span.record("outcome", outcome);
+    span.record("replayed", outcome == "completed");
+    tracing::debug!(outcome, "idempotency outcome");
     metrics::counter!(
         "idempotency_outcomes_total",
         "operation" => operation,
         "scope" => scope.to_owned(),
-        "outcome" => outcome.kind()
+        "outcome" => outcome
     )
     .increment(1);
 }

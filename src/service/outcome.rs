@@ -1,4 +1,4 @@
-//! What the service answers: one of the five endings of a read or a claim.
+//! What the service answers: what a read finds, how a claim ended, and what a completion stores.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -69,15 +69,55 @@ impl ResponseRef {
     }
 }
 
-/// The ending of [`read`](super::IdempotencyService::read) or
-/// [`claim`](super::IdempotencyService::claim).
+/// What [`read`](super::IdempotencyService::read) finds in the journal,
+/// without writing anything.
+#[derive(Debug, Clone, PartialEq)]
+#[must_use = "a live lease must not be treated as a value, and a conflict is not an answer"]
+pub enum ReadOutcome {
+    /// The journal holds no answer: no row, or a processing row whose worker
+    /// is gone (lease passed). The caller's `claim` will take (or reclaim) it.
+    Absent,
+    /// The effect already happened: return the stored answer and mark the
+    /// span replayed.
+    Completed {
+        /// The stored response, if one was stored inline.
+        response: Option<serde_json::Value>,
+        /// The stored resource, if one was stored.
+        resource: Option<ResourceRef>,
+        /// Set instead of `response` when the response was above the store
+        /// limit: the resource that holds it, with its size and digest.
+        response_ref: Option<ResponseRef>,
+    },
+    /// Another worker holds a live lease: the effect may be in flight. Not a
+    /// value: an orchestrated caller raises, an HTTP boundary drops.
+    Processing {
+        /// When that lease passes, by the database clock.
+        lease_expires_at: DateTime<Utc>,
+    },
+    /// The key was used for a request with different content.
+    Conflict,
+}
+
+impl ReadOutcome {
+    /// A short name for logs and metrics: `absent`, `completed`,
+    /// `processing`, `conflict`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ReadOutcome::Absent => "absent",
+            ReadOutcome::Completed { .. } => "completed",
+            ReadOutcome::Processing { .. } => "processing",
+            ReadOutcome::Conflict => "conflict",
+        }
+    }
+}
+
+/// How [`claim`](super::IdempotencyService::claim) ended: the key is ours,
+/// or why not.
 #[derive(Debug, Clone, PartialEq)]
 #[must_use = "a claim must end in complete() or release(), and a live lease must not be treated as a value"]
 pub enum ClaimOutcome {
-    /// The journal holds no answer: no row, or a processing row whose worker
-    /// is gone (lease passed). Only `read` answers it; `claim` reclaims.
-    Absent,
-    /// We own the key: run the effect, then `complete` or `release`.
+    /// We own the key (a free one, or one whose worker is gone): run the
+    /// effect, then `complete` or `release`.
     Claimed(Claim),
     /// The effect already happened: return the stored answer and mark the
     /// span replayed.
@@ -101,11 +141,10 @@ pub enum ClaimOutcome {
 }
 
 impl ClaimOutcome {
-    /// A short name for logs and metrics: `absent`, `claimed`, `completed`,
+    /// A short name for logs and metrics: `claimed`, `completed`,
     /// `processing`, `conflict`.
     pub fn kind(&self) -> &'static str {
         match self {
-            ClaimOutcome::Absent => "absent",
             ClaimOutcome::Claimed(_) => "claimed",
             ClaimOutcome::Completed { .. } => "completed",
             ClaimOutcome::Processing { .. } => "processing",

@@ -19,7 +19,7 @@ use idempotency_plane::repo::{ClaimRequest, CompletionArgs, IdempotencyRepositor
 use idempotency_plane::service::Unstorable;
 use idempotency_plane::sweeper::Sweeper;
 use idempotency_plane::{
-    ClaimOutcome, Completion, Ending, Error, IdempotencyService, InvalidInput, PostgrestRepository, RequestHash,
+    Completion, Ending, Error, IdempotencyService, InvalidInput, PostgrestRepository, ReadOutcome, RequestHash,
     ResourceRef,
 };
 use proptest::prelude::*;
@@ -515,8 +515,8 @@ fn sent(service: &IdempotencyService<PostgrestRepository>) -> u64 {
 /// Asserts one call's result against the input errors that apply to it (any
 /// of them may be reported): none means the call went out and met the
 /// closed port; some means no request at all.
-fn check_validation(
-    result: Result<ClaimOutcome, Error>,
+fn check_validation<T: std::fmt::Debug>(
+    result: Result<T, Error>,
     applicable: &[Error],
     requests: u64,
 ) -> Result<(), TestCaseError> {
@@ -732,7 +732,7 @@ async fn store_and_read(service: &crate::harness::Service, key: &str) -> Uuid {
     assert_eq!(claim.key(), key);
     let completion = Completion::response(json!({ "key": key })).with_resource("hostile.echo", key);
     assert_eq!(service.complete(&claim, completion).await.expect("complete"), Ending::Recorded, "{key:?}");
-    let expected = ClaimOutcome::Completed {
+    let expected = ReadOutcome::Completed {
         response: Some(json!({ "key": key })),
         resource: Some(ResourceRef { resource_type: "hostile.echo".into(), resource_id: key.to_owned() }),
         response_ref: None,
@@ -780,9 +780,9 @@ async fn lookups_match_keys_exactly_with_no_wildcards_case_folding_trimming_or_n
     // Act / Assert: none of these is either stored key.
     for near in ["%", "_", "a%", "a_c", "_bc", "ABC", "Abc", "abc ", " abc", "ab", "abcd", "abc\u{200B}", "cafe\u{301}"]
     {
-        assert_eq!(service.read(org, SCOPE, near, &hash).await.expect("read"), ClaimOutcome::Absent, "{near:?}");
+        assert_eq!(service.read(org, SCOPE, near, &hash).await.expect("read"), ReadOutcome::Absent, "{near:?}");
     }
-    assert!(matches!(service.read(org, SCOPE, "caf\u{e9}", &hash).await, Ok(ClaimOutcome::Completed { .. })));
+    assert!(matches!(service.read(org, SCOPE, "caf\u{e9}", &hash).await, Ok(ReadOutcome::Completed { .. })));
     assert_eq!(crate::harness::count_rows(&stack).await, 2);
     stack.stop().await.unwrap();
 }
@@ -1095,13 +1095,13 @@ async fn a_claim_and_a_read_answered_with_garbage_are_store_decode_errors_of_the
         let server = answering(function, ResponseTemplate::new(200).set_body_json(&body), 1).await;
         let service = IdempotencyService::new(repository_for(&server.uri(), fast_retry()));
         // Act
-        let result = if function == "idempotency_get" {
-            service.read(Uuid::new_v4(), SCOPE, "run-1", &hash).await
-        } else {
-            service.claim(Uuid::new_v4(), SCOPE, "run-1", &hash, Duration::from_secs(60)).await
-        };
         // Assert
-        assert_decode(result, function, &body.to_string());
+        if function == "idempotency_get" {
+            assert_decode(service.read(Uuid::new_v4(), SCOPE, "run-1", &hash).await, function, &body.to_string());
+        } else {
+            let claimed = service.claim(Uuid::new_v4(), SCOPE, "run-1", &hash, Duration::from_secs(60)).await;
+            assert_decode(claimed, function, &body.to_string());
+        }
         server.verify().await;
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_plane::repo::IdempotencyRepository;
-use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, InvalidInput, RequestHash};
+use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, InvalidInput, ReadOutcome, RequestHash};
 use serde_json::json;
 
 use crate::harness::*;
@@ -45,17 +45,18 @@ async fn completed_duplicate_returns_stored_resource_and_result() {
     let completion = Completion::response(json!({"message_id": "m-1"})).with_resource("nylas.message", "m-1");
     assert_eq!(service.complete(&claim, completion).await.unwrap(), Ending::Recorded);
 
-    for replay in [
-        service.claim(org, "tool.email.send", "run-1:step-1", &h, LEASE).await.unwrap(),
-        service.read(org, "tool.email.send", "run-1:step-1", &h).await.unwrap(),
-    ] {
-        let ClaimOutcome::Completed { response, resource, response_ref: None } = replay else {
-            panic!("expected the stored answer, got {replay:?}");
-        };
-        assert_eq!(response, Some(json!({"message_id": "m-1"})));
-        let resource = resource.expect("resource stored");
-        assert_eq!((resource.resource_type.as_str(), resource.resource_id.as_str()), ("nylas.message", "m-1"));
-    }
+    let claimed_again = service.claim(org, "tool.email.send", "run-1:step-1", &h, LEASE).await.unwrap();
+    let ClaimOutcome::Completed { response, resource, response_ref: None } = claimed_again else {
+        panic!("expected the stored answer, got {claimed_again:?}");
+    };
+    let read = service.read(org, "tool.email.send", "run-1:step-1", &h).await.unwrap();
+    assert_eq!(
+        read,
+        ReadOutcome::Completed { response: response.clone(), resource: resource.clone(), response_ref: None }
+    );
+    assert_eq!(response, Some(json!({"message_id": "m-1"})));
+    let resource = resource.expect("resource stored");
+    assert_eq!((resource.resource_type.as_str(), resource.resource_id.as_str()), ("nylas.message", "m-1"));
     assert_eq!(count_rows(&stack).await, 1);
     stack.stop().await.unwrap();
 }
@@ -72,10 +73,7 @@ async fn same_key_with_a_different_hash_is_a_conflict_also_after_the_lease_passe
         service.claim(org, "webhook.nylas", "delivery-9", &hash("body B"), LEASE).await.unwrap(),
         ClaimOutcome::Conflict
     );
-    assert_eq!(
-        service.read(org, "webhook.nylas", "delivery-9", &hash("body B")).await.unwrap(),
-        ClaimOutcome::Conflict
-    );
+    assert_eq!(service.read(org, "webhook.nylas", "delivery-9", &hash("body B")).await.unwrap(), ReadOutcome::Conflict);
 
     // Lease passed: still a conflict, never a reclaim for different content.
     pass_lease(&stack, claim.id()).await;
@@ -83,10 +81,7 @@ async fn same_key_with_a_different_hash_is_a_conflict_also_after_the_lease_passe
         service.claim(org, "webhook.nylas", "delivery-9", &hash("body B"), LEASE).await.unwrap(),
         ClaimOutcome::Conflict
     );
-    assert_eq!(
-        service.read(org, "webhook.nylas", "delivery-9", &hash("body B")).await.unwrap(),
-        ClaimOutcome::Conflict
-    );
+    assert_eq!(service.read(org, "webhook.nylas", "delivery-9", &hash("body B")).await.unwrap(), ReadOutcome::Conflict);
     let token: uuid::Uuid = sqlx::query_scalar("select lease_token from agent.idempotency_keys where id = $1")
         .bind(claim.id())
         .fetch_one(stack.db())
@@ -111,13 +106,13 @@ async fn read_writes_no_row_and_answers_absent_for_a_passed_lease() {
     let org = org();
     let h = hash("approve me");
 
-    assert_eq!(service.read(org, "tool.crm.company.create", "run-3:step-1", &h).await.unwrap(), ClaimOutcome::Absent);
+    assert_eq!(service.read(org, "tool.crm.company.create", "run-3:step-1", &h).await.unwrap(), ReadOutcome::Absent);
     assert_eq!(count_rows(&stack).await, 0, "read() never writes");
 
     let claim = claimed(service.claim(org, "tool.crm.company.create", "run-3:step-1", &h, LEASE).await);
     assert!(matches!(
         service.read(org, "tool.crm.company.create", "run-3:step-1", &h).await.unwrap(),
-        ClaimOutcome::Processing { .. }
+        ReadOutcome::Processing { .. }
     ));
 
     pass_lease(&stack, claim.id()).await;
@@ -127,7 +122,7 @@ async fn read_writes_no_row_and_answers_absent_for_a_passed_lease() {
             .fetch_one(stack.db())
             .await
             .unwrap();
-    assert_eq!(service.read(org, "tool.crm.company.create", "run-3:step-1", &h).await.unwrap(), ClaimOutcome::Absent);
+    assert_eq!(service.read(org, "tool.crm.company.create", "run-3:step-1", &h).await.unwrap(), ReadOutcome::Absent);
     let after: (uuid::Uuid, chrono::DateTime<chrono::Utc>) =
         sqlx::query_as("select lease_token, lease_expires_at from agent.idempotency_keys where id = $1")
             .bind(claim.id())
@@ -157,7 +152,7 @@ async fn a_crashed_workers_claim_is_reclaimed_by_the_next_caller_and_the_run_con
     pass_lease(&stack, crashed.id()).await;
 
     // The next caller reads absent, claims, and owns it with a new token.
-    assert_eq!(service.read(org, "tool.payments.charge", "run-5:step-4", &h).await.unwrap(), ClaimOutcome::Absent);
+    assert_eq!(service.read(org, "tool.payments.charge", "run-5:step-4", &h).await.unwrap(), ReadOutcome::Absent);
     let next = claimed(service.claim(org, "tool.payments.charge", "run-5:step-4", &h, LEASE).await);
     assert!(next.reclaimed());
     assert_eq!(next.id(), crashed.id());
@@ -283,7 +278,6 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
         (service.claim(org, &format!("tool.{}", "x".repeat(124)), "k", &h, LEASE).await, "long scope"),
         (service.claim(org, "tool.email.send", "a\0b", &h, LEASE).await, "NUL in key"),
         (service.claim(org, "tool.email.send", "k", &h, Duration::from_secs(86_401)).await, "long lease"),
-        (service.read(org, "webhooks.typo", "k", &h).await, "unknown scope on read"),
     ];
     for (result, case) in cases {
         match result {
@@ -291,6 +285,8 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
             other => panic!("{case}: expected a typed input error, got {other:?}"),
         }
     }
+    let read = service.read(org, "webhooks.typo", "k", &h).await;
+    assert!(matches!(read, Err(Error::UnknownScope { .. })), "unknown scope on read: {read:?}");
     assert!(matches!("ABC".parse::<RequestHash>(), Err(InvalidInput::MalformedHash { .. })));
     assert_eq!(count_rows(&stack).await, 0);
     stack.stop().await.unwrap();

@@ -293,13 +293,14 @@ async fn a_statement_timeout_surfaces_as_a_typed_error() {
         .db()
         .execute(sqlx::AssertSqlSafe(format!(
             "create function agent.slow_probe() returns integer language sql volatile set search_path = ''
-               as $$ select 1 from pg_catalog.pg_sleep(2) $$;
+               as $$ select 1 from pg_catalog.pg_sleep(5) $$;
              grant execute on function agent.slow_probe() to service_role;
-             alter database \"{database}\" set statement_timeout = '200ms';"
+             alter database \"{database}\" set statement_timeout = '1500ms';"
         )))
         .await
         .unwrap();
-    // New connections (and the new schema cache) see both.
+    // New connections (and the new schema cache) see both. The timeout
+    // leaves the server's schema-cache load room on a loaded machine.
     stack.restart_server().await.unwrap();
     let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
     let timed_out = client.rpc::<serde_json::Value>("slow_probe", &json!({}), Repeat::Safe).await;

@@ -85,7 +85,6 @@ async fn attempt(
                 tokio::time::sleep(backoff).await;
                 continue;
             }
-            ClaimOutcome::Absent => unreachable!("claim never answers absent"),
         };
         if claim.reclaimed() {
             add(&figures.reclaims);

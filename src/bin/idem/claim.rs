@@ -60,7 +60,7 @@ pub(crate) async fn run(args: ClaimArgs) -> Result<ExitCode, BoxError> {
             line["response_ref"] = json!(response_ref);
         }
         ClaimOutcome::Processing { lease_expires_at } => line["lease_expires_at"] = json!(lease_expires_at),
-        ClaimOutcome::Conflict | ClaimOutcome::Absent => {}
+        ClaimOutcome::Conflict => {}
     }
     println!("{line}");
     Ok(ExitCode::SUCCESS)

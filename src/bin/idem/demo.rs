@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use idempotency_plane::{ClaimOutcome, RequestHash};
+use idempotency_plane::{ReadOutcome, RequestHash};
 use rand::Rng;
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
@@ -195,7 +195,7 @@ async fn read_back(
             let key = worker::effect_key(index);
             let hash = RequestHash::of_json(&worker::effect_payload(index));
             let outcome = service.read(organization_id, SCOPE, &key, &hash).await?;
-            if let ClaimOutcome::Completed { resource: Some(resource), .. } = outcome {
+            if let ReadOutcome::Completed { resource: Some(resource), .. } = outcome {
                 if resource.resource_type == RESOURCE_TYPE
                     && ledger.message_for(&key).as_deref() == Some(resource.resource_id.as_str())
                 {

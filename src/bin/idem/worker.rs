@@ -134,7 +134,6 @@ pub(crate) async fn tool_call(shared: &Shared, index: usize) -> Result<(), BoxEr
                 Tally::bump(&tally.conflicts);
                 return Ok(());
             }
-            ClaimOutcome::Absent => return Err("claim() answered absent".into()),
         }
     }
 }
