@@ -57,7 +57,7 @@ pub mod local;
 
 pub use error::{Error, InvalidInput};
 pub use postgrest::{ClientConfig, ClientError, PostgrestClient, RetryConfig};
-pub use repo::{IdempotencyRecord, IdempotencyRepository, PostgrestRepository};
+pub use repo::{IdempotencyRecord, IdempotencyRepository, MemoryRepository, PostgrestRepository};
 pub use service::{
     canonical_json, Claim, ClaimOutcome, Completion, Ending, IdempotencyService, ReadOutcome, RequestHash, ResourceRef,
     ResponseRef,

@@ -7,8 +7,11 @@
 //! [`IdempotencyRepository`] (claims), [`RunRepository`] (Run admission),
 //! [`ProviderJobRepository`] (provider callbacks' tenants) and
 //! [`ExpiredClaims`] (the sweeper's bounded reads and deletes).
-//! [`PostgrestRepository`] implements all four over PostgREST.
+//! [`PostgrestRepository`] implements all four over PostgREST;
+//! [`MemoryRepository`] implements them in one process, for tests that need
+//! no database (one conformance suite runs against both).
 
+mod memory;
 mod postgrest;
 mod record;
 mod surface;
@@ -21,6 +24,7 @@ use uuid::Uuid;
 use crate::Error;
 
 pub use self::postgrest::PostgrestRepository;
+pub use memory::MemoryRepository;
 pub use record::{AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, IdempotencyRecord, ProviderJob};
 pub use surface::{SqlFunction, SQL_SURFACE};
 

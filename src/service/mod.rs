@@ -8,7 +8,7 @@
 //! request hash is compared before anything else, whatever the lease says.
 
 mod hash;
-mod journal;
+pub(crate) mod journal;
 mod outcome;
 mod replay_cache;
 mod scope;

@@ -11,6 +11,7 @@
 
 #[cfg(feature = "local")]
 mod cli;
+mod conformance;
 #[cfg(feature = "local")]
 mod harness;
 #[cfg(feature = "local")]

@@ -1,0 +1,484 @@
+//! An in-memory repository: the plane's SQL semantics in one process.
+//!
+//! For unit tests of services and callers that need no database, and for
+//! trying the crate out. The same conformance suite runs against it and
+//! against PostgreSQL behind a PostgREST server, so it cannot quietly
+//! disagree with the real plane. Time is the process's clock plus an offset
+//! a test can [`advance`](MemoryRepository::advance); one mutex makes every
+//! call atomic, as one SQL statement is.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use uuid::Uuid;
+
+use super::{
+    AdmittedRun, ClaimCall, ClaimDecision, ClaimRequest, ClaimRow, ClaimStatus, CompletionArgs, ExpiredClaim,
+    ExpiredClaims, IdempotencyRecord, IdempotencyRepository, ProviderJob, ProviderJobRepository, RunRepository,
+};
+use crate::postgrest::{codes, ClientError, PostgrestError};
+use crate::service::journal;
+use crate::Error;
+
+/// Every repository trait, in memory. Cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub struct MemoryRepository {
+    state: Mutex<State>,
+    max_bound: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    offset: TimeDelta,
+    policies: Vec<Policy>,
+    claims: HashMap<(Uuid, String, String), Row>,
+    runs: HashMap<(Uuid, String), (AdmittedRun, Uuid)>,
+    jobs: HashMap<(String, String), ProviderJob>,
+}
+
+/// A row of the scope policy table: an exact scope or a family (`tool.*`).
+#[derive(Debug, Clone)]
+struct Policy {
+    scope: String,
+    retain: TimeDelta,
+    max_response_bytes: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Row {
+    record: IdempotencyRecord,
+    reclaims: u32,
+}
+
+impl Default for MemoryRepository {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryRepository {
+    /// An empty plane with the seeded policies (`tool.*` 30 days,
+    /// `webhook.*` 24 hours, `surface.saved_search.start` 24 hours, 64 KiB
+    /// each) and a row cap of 1000 for bounded reads.
+    pub fn new() -> Self {
+        let policy = |scope: &str, days| Policy {
+            scope: scope.to_owned(),
+            retain: TimeDelta::days(days),
+            max_response_bytes: 65_536,
+        };
+        let policies = vec![policy("tool.*", 30), policy("webhook.*", 1), policy("surface.saved_search.start", 1)];
+        MemoryRepository { state: Mutex::new(State { policies, ..State::default() }), max_bound: 1000 }
+    }
+
+    /// Adds (or replaces) a scope's policy, as a migration would. Refuses a
+    /// tool scope under 30 days, as the table's check does.
+    pub fn with_policy(self, scope: &str, retain: Duration, max_response_bytes: u64) -> Result<Self, Error> {
+        let retain = TimeDelta::from_std(retain).map_err(|_| refused("idempotency_scopes", codes::CHECK_VIOLATION))?;
+        if scope.starts_with("tool.") && retain < TimeDelta::days(30) {
+            return Err(refused("idempotency_scopes", codes::CHECK_VIOLATION));
+        }
+        {
+            let mut state = self.lock();
+            state.policies.retain(|p| p.scope != scope);
+            state.policies.push(Policy { scope: scope.to_owned(), retain, max_response_bytes });
+        }
+        Ok(self)
+    }
+
+    /// Sets the row cap bounded reads may not exceed (PostgREST's `db-max-rows`).
+    pub fn with_max_bound(mut self, max_bound: u64) -> Self {
+        self.max_bound = max_bound;
+        self
+    }
+
+    /// Moves this plane's clock forward, as waiting would.
+    pub fn advance(&self, by: Duration) {
+        let mut state = self.lock();
+        state.offset += TimeDelta::from_std(by).unwrap_or(TimeDelta::MAX);
+    }
+
+    /// Moves a claim's lease into the past, as if it had passed (the
+    /// in-memory twin of rewriting its timestamps in SQL).
+    pub fn pass_lease(&self, claim_id: Uuid) {
+        let mut state = self.lock();
+        let now = state.now();
+        if let Some(row) = state.claims.values_mut().find(|row| row.record.id == claim_id) {
+            let moved = row.record.lease_expires_at - now + TimeDelta::seconds(1);
+            row.record.lease_expires_at -= moved;
+            row.record.claimed_at -= moved;
+        }
+    }
+
+    /// Claims held now, completed or not.
+    pub fn len(&self) -> usize {
+        self.lock().claims.len()
+    }
+
+    /// True when no claim is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves whole rows (every change is
+        // one assignment), so the state is still consistent.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// The error PostgREST answers when the database refuses a call with `code`.
+fn refused(function: &'static str, code: &str) -> Error {
+    let status = if code == codes::UNIQUE_VIOLATION { 409 } else { 400 };
+    Error::Store(ClientError::Api {
+        function,
+        status,
+        error: Box::new(PostgrestError {
+            code: code.to_owned(),
+            message: format!("refused by the in-memory plane ({code})"),
+            details: None,
+            hint: None,
+        }),
+        retry_after: None,
+    })
+}
+
+impl State {
+    fn now(&self) -> DateTime<Utc> {
+        Utc::now() + self.offset
+    }
+
+    /// The scope's policy: its exact row, else the longest family it extends.
+    fn policy(&self, scope: &str) -> Option<&Policy> {
+        self.policies
+            .iter()
+            .filter(|p| {
+                p.scope == scope
+                    || p.scope
+                        .strip_suffix('*')
+                        .is_some_and(|prefix| scope.len() > prefix.len() && scope.starts_with(prefix))
+            })
+            .max_by_key(|p| (p.scope == scope, p.scope.len()))
+    }
+
+    /// `agent.idempotency_decide`, the in-memory twin.
+    fn decide(
+        &mut self,
+        function: &'static str,
+        call: &ClaimCall<'_>,
+        retain: Option<Duration>,
+        may_insert: bool,
+        may_take_over: bool,
+    ) -> Result<Option<ClaimRow>, Error> {
+        let lease_ms = call.lease.as_millis();
+        let retain_ms = retain.map(|r| r.as_millis());
+        if !(1000..=86_400_000).contains(&lease_ms) || retain_ms.is_some_and(|r| !(1..=31_622_400_000).contains(&r)) {
+            return Err(refused(function, codes::INVALID_PARAMETER_VALUE));
+        }
+        let policy = self.policy(call.scope).ok_or_else(|| Error::UnknownScope { scope: call.scope.to_owned() })?;
+        let checks = (1..=512).contains(&call.key.chars().count())
+            && (1..=128).contains(&call.scope.chars().count())
+            && call.request_hash.len() == 64
+            && call.request_hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        if !checks {
+            return Err(refused(function, codes::CHECK_VIOLATION));
+        }
+        if call.key.contains('\0') || call.scope.contains('\0') {
+            return Err(refused(function, "22021"));
+        }
+        let lease = TimeDelta::from_std(call.lease).unwrap_or(TimeDelta::MAX);
+        let asked = retain.and_then(|r| TimeDelta::from_std(r).ok()).unwrap_or(TimeDelta::zero());
+        let retain = policy.retain.max(asked).max(lease);
+        let now = self.now();
+        let slot = (call.organization_id, call.scope.to_owned(), call.key.to_owned());
+        let (outcome, row) = match self.claims.get_mut(&slot) {
+            None if !may_insert => return Ok(None),
+            None => {
+                let record = IdempotencyRecord {
+                    id: Uuid::new_v4(),
+                    organization_id: call.organization_id,
+                    scope: call.scope.to_owned(),
+                    key: call.key.to_owned(),
+                    request_hash: call.request_hash.to_owned(),
+                    status: ClaimStatus::Processing,
+                    lease_token: call.lease_token,
+                    resource_type: None,
+                    resource_id: None,
+                    response: None,
+                    claimed_at: now,
+                    lease_expires_at: now + lease,
+                    retain_until: now + lease + retain,
+                    lease_live: true,
+                };
+                let row = Row { record, reclaims: 0 };
+                self.claims.insert(slot, row.clone());
+                (ClaimDecision::Claimed, row)
+            }
+            Some(row) if row.record.request_hash != call.request_hash => (ClaimDecision::Conflict, row.clone()),
+            Some(row) if row.record.status == ClaimStatus::Completed => (ClaimDecision::Completed, row.clone()),
+            Some(row) if row.record.lease_expires_at > now => {
+                let outcome = match (row.record.lease_token == call.lease_token, row.reclaims > 0) {
+                    (false, _) => ClaimDecision::Processing,
+                    (true, true) => ClaimDecision::Reclaimed,
+                    (true, false) => ClaimDecision::Claimed,
+                };
+                (outcome, row.clone())
+            }
+            // A passed lease the caller may not take over: nothing to answer.
+            Some(_) if !may_take_over => return Ok(None),
+            Some(row) => {
+                row.record.lease_token = call.lease_token;
+                row.record.claimed_at = now;
+                row.record.lease_expires_at = now + lease;
+                row.record.retain_until = row.record.retain_until.max(now + lease + retain);
+                row.reclaims += 1;
+                (ClaimDecision::Reclaimed, row.clone())
+            }
+        };
+        Ok(Some(shown(outcome, row.record, now)))
+    }
+}
+
+/// The row as the one-call claim shows it under `outcome`.
+fn shown(outcome: ClaimDecision, record: IdempotencyRecord, now: DateTime<Utc>) -> ClaimRow {
+    let owned = matches!(outcome, ClaimDecision::Claimed | ClaimDecision::Reclaimed);
+    let completed = outcome == ClaimDecision::Completed;
+    ClaimRow {
+        outcome,
+        id: record.id,
+        organization_id: record.organization_id,
+        scope: record.scope,
+        key: record.key,
+        request_hash: (outcome != ClaimDecision::Conflict).then_some(record.request_hash),
+        status: record.status,
+        lease_token: owned.then_some(record.lease_token),
+        resource_type: record.resource_type.filter(|_| completed),
+        resource_id: record.resource_id.filter(|_| completed),
+        response: record.response.filter(|_| completed),
+        claimed_at: record.claimed_at,
+        lease_expires_at: record.lease_expires_at,
+        retain_until: record.retain_until,
+        lease_live: record.status == ClaimStatus::Processing && record.lease_expires_at > now,
+    }
+}
+
+/// The claim row of a v1 function: claimed or reclaimed only, token shown.
+fn owned_record(row: ClaimRow) -> Option<IdempotencyRecord> {
+    if !matches!(row.outcome, ClaimDecision::Claimed | ClaimDecision::Reclaimed) {
+        return None;
+    }
+    Some(IdempotencyRecord {
+        id: row.id,
+        organization_id: row.organization_id,
+        scope: row.scope,
+        key: row.key,
+        request_hash: row.request_hash?,
+        status: row.status,
+        lease_token: row.lease_token?,
+        resource_type: row.resource_type,
+        resource_id: row.resource_id,
+        response: row.response,
+        claimed_at: row.claimed_at,
+        lease_expires_at: row.lease_expires_at,
+        retain_until: row.retain_until,
+        lease_live: row.lease_live,
+    })
+}
+
+fn with_live(mut record: IdempotencyRecord, now: DateTime<Utc>) -> IdempotencyRecord {
+    record.lease_live = record.status == ClaimStatus::Processing && record.lease_expires_at > now;
+    record
+}
+
+impl IdempotencyRepository for MemoryRepository {
+    async fn claim(&self, call: &ClaimCall<'_>) -> Result<ClaimRow, Error> {
+        let row = self.lock().decide("idempotency_claim", call, None, true, true)?;
+        row.ok_or_else(|| Error::Inconsistent("the in-memory claim decided nothing".into()))
+    }
+
+    async fn try_claim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
+        let call = v1_call(request);
+        Ok(self
+            .lock()
+            .decide("idempotency_try_claim", &call, Some(request.retain), true, false)?
+            .and_then(owned_record))
+    }
+
+    async fn reclaim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
+        let call = v1_call(request);
+        Ok(self.lock().decide("idempotency_reclaim", &call, Some(request.retain), false, true)?.and_then(owned_record))
+    }
+
+    async fn get(&self, organization_id: Uuid, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, Error> {
+        let state = self.lock();
+        if state.policy(scope).is_none() {
+            return Err(Error::UnknownScope { scope: scope.to_owned() });
+        }
+        let now = state.now();
+        let row = state.claims.get(&(organization_id, scope.to_owned(), key.to_owned()));
+        Ok(row.map(|row| with_live(row.record.clone(), now)))
+    }
+
+    async fn complete(
+        &self,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        completion: CompletionArgs<'_>,
+    ) -> Result<Option<IdempotencyRecord>, Error> {
+        const FUNCTION: &str = "idempotency_complete";
+        let resource_type = completion.resource_type.filter(|t| !t.is_empty());
+        let resource_id = completion.resource_id.filter(|i| !i.is_empty());
+        let response = completion.response.filter(|r| !r.is_null());
+        if (response.is_none() && resource_id.is_none()) || (resource_id.is_some() && resource_type.is_none()) {
+            return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
+        }
+        if response.is_some_and(|r| journal::unstorable(r, 0, u64::MAX) == Some(crate::service::Unstorable::Nul))
+            || [resource_type, resource_id].iter().flatten().any(|text| text.contains('\0'))
+        {
+            return Err(refused(FUNCTION, "22P05"));
+        }
+        let mut state = self.lock();
+        let now = state.now();
+        let limit = |state: &State, scope: &str| state.policy(scope).map(|p| p.max_response_bytes);
+        let Some(slot) = state.claims.iter().find(|(_, row)| row.record.id == claim_id).map(|(slot, _)| slot.clone())
+        else {
+            return Ok(None);
+        };
+        let max_bytes = limit(&state, &slot.1);
+        let Some(row) = state.claims.get_mut(&slot) else { return Ok(None) };
+        let record = &mut row.record;
+        if record.lease_token != lease_token {
+            return Ok(None);
+        }
+        let same_answer = record.resource_type.as_deref() == resource_type
+            && record.resource_id.as_deref() == resource_id
+            && record.response.as_ref() == response;
+        match record.status {
+            ClaimStatus::Completed if same_answer => return Ok(Some(with_live(record.clone(), now))),
+            ClaimStatus::Completed => return Ok(None),
+            ClaimStatus::Processing => {}
+        }
+        if let Some(response) = response {
+            match max_bytes {
+                None => return Err(Error::UnknownScope { scope: record.scope.clone() }),
+                Some(max) if journal::json_size(response) > max => {
+                    return Err(refused(FUNCTION, codes::RESPONSE_TOO_LARGE))
+                }
+                Some(_) => {}
+            }
+        }
+        let window = record.retain_until - record.lease_expires_at;
+        record.status = ClaimStatus::Completed;
+        record.resource_type = resource_type.map(str::to_owned);
+        record.resource_id = resource_id.map(str::to_owned);
+        record.response = response.cloned();
+        record.retain_until = record.retain_until.max(now + window);
+        Ok(Some(with_live(record.clone(), now)))
+    }
+
+    async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
+        let mut state = self.lock();
+        let before = state.claims.len();
+        state.claims.retain(|_, row| {
+            !(row.record.id == claim_id
+                && row.record.lease_token == lease_token
+                && row.record.status == ClaimStatus::Processing)
+        });
+        Ok(state.claims.len() < before)
+    }
+}
+
+fn v1_call<'a>(request: &ClaimRequest<'a>) -> ClaimCall<'a> {
+    ClaimCall {
+        organization_id: request.organization_id,
+        scope: request.scope,
+        key: request.key,
+        request_hash: request.request_hash,
+        lease_token: request.lease_token,
+        lease: request.lease,
+    }
+}
+
+impl RunRepository for MemoryRepository {
+    async fn admit(
+        &self,
+        organization_id: Uuid,
+        start_key: &str,
+        input: &serde_json::Value,
+        admission_token: Uuid,
+    ) -> Result<AdmittedRun, Error> {
+        if start_key.is_empty() || input.is_null() {
+            return Err(refused("run_admit", codes::INVALID_PARAMETER_VALUE));
+        }
+        let mut state = self.lock();
+        let now = state.now();
+        let slot = (organization_id, start_key.to_owned());
+        if let Some((run, token)) = state.runs.get(&slot) {
+            return Ok(AdmittedRun { admitted: *token == admission_token, ..run.clone() });
+        }
+        let run = AdmittedRun {
+            id: Uuid::new_v4(),
+            organization_id,
+            start_key: start_key.to_owned(),
+            input: input.clone(),
+            status: "admitted".to_owned(),
+            admitted_at: now,
+            retain_until: now + TimeDelta::days(396),
+            admitted: true,
+        };
+        state.runs.insert(slot, (run.clone(), admission_token));
+        Ok(run)
+    }
+}
+
+impl ProviderJobRepository for MemoryRepository {
+    async fn register(&self, organization_id: Uuid, provider: &str, job_id: &str) -> Result<ProviderJob, Error> {
+        let mut state = self.lock();
+        let job = state.jobs.entry((provider.to_owned(), job_id.to_owned())).or_insert_with(|| ProviderJob {
+            id: Uuid::new_v4(),
+            organization_id,
+            provider: provider.to_owned(),
+            job_id: job_id.to_owned(),
+        });
+        if job.organization_id != organization_id {
+            return Err(refused("provider_job_register", codes::UNIQUE_VIOLATION));
+        }
+        Ok(job.clone())
+    }
+
+    async fn lookup(&self, provider: &str, job_id: &str) -> Result<Option<ProviderJob>, Error> {
+        Ok(self.lock().jobs.get(&(provider.to_owned(), job_id.to_owned())).cloned())
+    }
+}
+
+impl ExpiredClaims for MemoryRepository {
+    fn max_bound(&self) -> u64 {
+        self.max_bound
+    }
+
+    async fn expired(&self, bound: u64) -> Result<Vec<ExpiredClaim>, Error> {
+        if bound > self.max_bound {
+            return Err(ClientError::BoundAboveCap { bound, cap: self.max_bound }.into());
+        }
+        let state = self.lock();
+        let now = state.now();
+        let mut expired: Vec<ExpiredClaim> = state
+            .claims
+            .values()
+            .filter(|row| row.record.retain_until < now)
+            .map(|row| ExpiredClaim { id: row.record.id, retain_until: row.record.retain_until })
+            .collect();
+        expired.sort_by_key(|claim| (claim.retain_until, claim.id));
+        expired.truncate(usize::try_from(bound).unwrap_or(usize::MAX));
+        Ok(expired)
+    }
+
+    async fn delete_expired(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        let mut state = self.lock();
+        let now = state.now();
+        let before = state.claims.len();
+        state.claims.retain(|_, row| !(ids.contains(&row.record.id) && row.record.retain_until < now));
+        Ok((before - state.claims.len()) as u64)
+    }
+}
