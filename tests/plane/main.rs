@@ -17,6 +17,7 @@ mod harness;
 #[cfg(feature = "local")]
 mod hostile;
 mod migrations_drift;
+mod on_memory;
 mod readme_surface;
 mod request_hash;
 #[cfg(feature = "local")]
