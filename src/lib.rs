@@ -7,15 +7,23 @@
 //!
 //! - [`postgrest`]: an HTTP client for the plane's SQL functions, with typed
 //!   errors, safe retries, and `Content-Range` checks on bounded reads.
-//! - [`repo`]: the five atomic operations (`try_claim`, `reclaim`, `get`,
-//!   `complete`, `release`); every decision is one SQL statement.
-//! - [`service`]: the duplicate semantics: five endings of a claim, scope
-//!   retention, request hashes, input validation.
-//! - [`callers`]: the tool guard, the webhook gate (with provider callbacks),
-//!   saved-search start and Run admission.
+//! - [`repo`]: the one road to the database. Four traits, one per table the
+//!   plane owns (claims with the one-call claim, Runs, provider jobs, the
+//!   sweeper's expired claims); [`PostgrestRepository`] implements them over
+//!   PostgREST and [`MemoryRepository`] in one process. Only this layer
+//!   knows the SQL functions' names ([`repo::SQL_SURFACE`]).
+//! - [`service`]: the duplicate semantics over any repository: what a read
+//!   finds ([`ReadOutcome`]), how a claim ended ([`ClaimOutcome`]), request
+//!   hashes (RFC 8785), what the journal can hold, input validation.
+//! - [`callers`] and [`sweeper`]: the tool guard, the webhook gate (with
+//!   provider callbacks), saved-search start, Run admission, and the
+//!   retention sweeper, each over the service or a repository trait.
 //!
-//! The database owns every clock: callers pass lease and retention
-//! durations, and the functions compute instants from the database's `now()`.
+//! Every atomic decision is one SQL function in the database, whatever
+//! client calls it; the crate decides nothing with its own clock.
+//!
+//! The database owns every clock: callers pass lease durations, and the
+//! functions compute instants from the database's clock.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), idempotency_plane::Error> {
