@@ -90,7 +90,7 @@ pub trait IdempotencyRepository: Send + Sync {
     /// transaction: always exactly one [`ClaimRow`]. The hash is compared
     /// first, whatever the lease says; of concurrent callers on a passed
     /// lease exactly one reclaims. A scope with no policy is
-    /// [`Error::UnknownScope`](crate::Error::UnknownScope).
+    /// [`Error::UnknownScope`].
     fn claim(&self, call: &ClaimCall<'_>) -> impl Future<Output = Result<ClaimRow, Error>> + Send;
 
     /// Inserts a new processing claim. `None` when the key is already claimed.
