@@ -387,13 +387,13 @@ begin
         end if;
         if v_size > v_limit then
           v_size := agent.idempotency_json_size(v_response);
+          if v_size > v_limit then
+            raise exception 'the response is % bytes as compact JSON, above the % bytes scope % keeps',
+                            v_size, v_limit, r.scope
+              using errcode = 'IDEM2',
+                    hint = 'store the response elsewhere and complete with its resource (and a reference to it)';
+          end if;
         end if;
-      end if;
-      if v_size > v_limit then
-        raise exception 'the response is % bytes as compact JSON, above the % bytes scope % keeps',
-                        v_size, v_limit, r.scope
-          using errcode = 'IDEM2',
-                hint = 'store the response elsewhere and complete with its resource (and a reference to it)';
       end if;
     end if;
   else
