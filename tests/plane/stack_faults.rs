@@ -289,13 +289,17 @@ async fn a_server_torn_down_and_rebuilt_mid_run_loses_no_completion_and_repeats_
 async fn a_statement_timeout_surfaces_as_a_typed_error() {
     let mut stack = stack().await;
     let database = stack.database_name().to_owned();
+    // The timeout holds for every statement of the database, the server's
+    // schema cache load included: 2 s, so that load does not time out on a
+    // machine busy with the other tests (200 ms did), and a probe that
+    // sleeps five times as long.
     stack
         .db()
         .execute(sqlx::AssertSqlSafe(format!(
             "create function agent.slow_probe() returns integer language sql volatile set search_path = ''
-               as $$ select 1 from pg_catalog.pg_sleep(2) $$;
+               as $$ select 1 from pg_catalog.pg_sleep(10) $$;
              grant execute on function agent.slow_probe() to service_role;
-             alter database \"{database}\" set statement_timeout = '200ms';"
+             alter database \"{database}\" set statement_timeout = '2s';"
         )))
         .await
         .unwrap();
