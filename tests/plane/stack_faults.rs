@@ -1,7 +1,6 @@
 //! Faults between the client and the server: lost responses after a commit,
 //! refused connections, a server torn down and rebuilt, a statement timeout.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,92 +9,16 @@ use idempotency_plane::repo::{ClaimRequest, IdempotencyRepository};
 use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, IdempotencyService, PostgrestRepository};
 use serde_json::json;
 use sqlx::Executor;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 use crate::harness::*;
-
-/// A TCP proxy in front of the server that can lose the response of one
-/// chosen request after the server answered it (so after it committed).
-/// Every request uses its own connection (the client keeps none idle), so
-/// "the n-th connection" is "the n-th request".
-struct LossyProxy {
-    url: String,
-    connections: Arc<AtomicUsize>,
-    lose: Arc<AtomicUsize>,
-}
-
-impl LossyProxy {
-    async fn start(upstream: &str) -> LossyProxy {
-        let upstream = upstream.trim_start_matches("http://").to_owned();
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
-        let url = format!("http://{}", listener.local_addr().expect("proxy address"));
-        let connections = Arc::new(AtomicUsize::new(0));
-        let lose = Arc::new(AtomicUsize::new(usize::MAX));
-        let (count, target) = (connections.clone(), lose.clone());
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let n = count.fetch_add(1, Ordering::SeqCst) + 1;
-                let drop_answer = target.load(Ordering::SeqCst) == n;
-                let upstream = upstream.clone();
-                tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(&upstream).await else { return };
-                    relay(client, server, drop_answer).await;
-                });
-            }
-        });
-        LossyProxy { url, connections, lose }
-    }
-
-    /// Loses the answer of the `n`-th request from now (1 = the next one).
-    fn lose_answer(&self, n: usize) {
-        self.lose.store(self.connections.load(Ordering::SeqCst) + n, Ordering::SeqCst);
-    }
-
-    fn client(&self, key: &str, retry: RetryConfig) -> PostgrestClient {
-        let config =
-            ClientConfig::new(&self.url, key.to_owned()).unwrap().with_pool_max_idle_per_host(0).with_retry(retry);
-        PostgrestClient::new(config).unwrap()
-    }
-}
-
-/// Copies the request up and the answer down; with `drop_answer`, waits for
-/// the answer to start and then closes the client's connection instead.
-async fn relay(client: TcpStream, server: TcpStream, drop_answer: bool) {
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let up = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-    });
-    let mut buffer = vec![0u8; 16 * 1024];
-    loop {
-        match server_read.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
-            Ok(_) if drop_answer => break,
-            Ok(n) => {
-                if client_write.write_all(&buffer[..n]).await.is_err() {
-                    break;
-                }
-            }
-        }
-    }
-    up.abort();
-}
-
-fn fast_retry() -> RetryConfig {
-    RetryConfig {
-        max_retries: 3,
-        initial_backoff: Duration::from_millis(5),
-        max_backoff: Duration::from_millis(20),
-        max_elapsed: Duration::from_secs(10),
-    }
-}
+use crate::support::{proxy_retry, FaultServer};
 
 #[tokio::test]
 async fn a_claim_whose_answer_was_lost_after_its_insert_committed_is_recognized_as_ours() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let client = proxy.client(stack.service_key(), fast_retry());
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let client = proxy.client(stack.service_key(), proxy_retry());
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
 
     proxy.lose_answer(1);
@@ -109,8 +32,8 @@ async fn a_claim_whose_answer_was_lost_after_its_insert_committed_is_recognized_
 #[tokio::test]
 async fn a_completion_whose_answer_was_lost_is_recorded_not_a_lost_fence() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let service = IdempotencyService::new(PostgrestRepository::new(proxy.client(stack.service_key(), fast_retry())));
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let service = IdempotencyService::new(PostgrestRepository::new(proxy.client(stack.service_key(), proxy_retry())));
     let claim = claimed(service.claim(org(), "tool.email.send", "lost-complete", &hash("x"), LEASE).await);
 
     proxy.lose_answer(1);
@@ -125,8 +48,8 @@ async fn a_completion_whose_answer_was_lost_is_recorded_not_a_lost_fence() {
 #[tokio::test]
 async fn a_release_whose_answer_was_lost_is_harmless() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let client = proxy.client(stack.service_key(), fast_retry());
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let client = proxy.client(stack.service_key(), proxy_retry());
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
     let org = org();
     let claim = claimed(service.claim(org, "tool.email.send", "lost-release", &hash("x"), LEASE).await);
@@ -152,8 +75,8 @@ async fn a_release_whose_answer_was_lost_is_harmless() {
 #[tokio::test]
 async fn a_reclaim_whose_answer_was_lost_is_recognized_as_ours() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let client = proxy.client(stack.service_key(), fast_retry());
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let client = proxy.client(stack.service_key(), proxy_retry());
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
     let org = org();
     let crashed = claimed(service.claim(org, "tool.email.send", "lost-reclaim", &hash("x"), LEASE).await);
@@ -208,18 +131,11 @@ async fn a_refused_connection_is_retried_until_the_server_is_back() {
     .unwrap();
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
     // The server comes up on that port after a few refusals.
-    let upstream = stack.url().trim_start_matches("http://").to_owned();
+    let upstream = stack.url().to_owned();
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let listener = TcpListener::bind(address).await.expect("rebind the port");
-        while let Ok((client, _)) = listener.accept().await {
-            let upstream = upstream.clone();
-            tokio::spawn(async move {
-                if let Ok(server) = TcpStream::connect(&upstream).await {
-                    relay(client, server, false).await;
-                }
-            });
-        }
+        FaultServer::lossy_proxy_on(listener, &upstream);
     });
     let outcome = service.claim(org(), "tool.email.send", "refused-then-up", &hash("x"), LEASE).await.unwrap();
     assert!(matches!(outcome, ClaimOutcome::Claimed(_)), "{outcome:?}");
@@ -320,8 +236,8 @@ async fn a_statement_timeout_surfaces_as_a_typed_error() {
 #[tokio::test]
 async fn a_run_admission_whose_answer_was_lost_is_still_admitted_for_its_caller_and_for_nobody_else() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let client = proxy.client(stack.service_key(), fast_retry());
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let client = proxy.client(stack.service_key(), proxy_retry());
     let (org, input) = (org(), json!({"capability": "summarize", "request": "req-1"}));
 
     proxy.lose_answer(1);
