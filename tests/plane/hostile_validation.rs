@@ -2,7 +2,6 @@
 //! and leases outside one second to one day are refused by claim and read
 //! before any request; valid ones reach the transport.
 
-use std::net::TcpListener as StdListener;
 use std::time::Duration;
 
 use idempotency_plane::postgrest::{ClientConfig, ClientError, PostgrestClient, RetryConfig, TransportKind};
@@ -13,20 +12,19 @@ use serde_json::json;
 use uuid::Uuid;
 
 use crate::hostile::{proptest_config, SCOPE};
-use crate::support::KEY;
+use crate::support::{RefusedPort, KEY};
 
-/// A service whose client points at a port nobody listens on, without
-/// retries: any request it sends fails with a connect error at once.
-fn unreachable_service() -> IdempotencyService<PostgrestRepository> {
-    let port = {
-        let listener = StdListener::bind("127.0.0.1:0").expect("bind a free port");
-        listener.local_addr().expect("address").port()
-    };
-    let config = ClientConfig::new(&format!("http://127.0.0.1:{port}"), KEY)
+/// A service whose client points at a port that refuses connections, without
+/// retries: any request it sends fails with a connect error at once. The
+/// port refuses for as long as the `RefusedPort` lives (see there why a
+/// freed port would not do), so keep it for the whole test.
+fn unreachable_service() -> (IdempotencyService<PostgrestRepository>, RefusedPort) {
+    let port = RefusedPort::new();
+    let config = ClientConfig::new(&port.url(), KEY)
         .expect("config")
         .with_retry(RetryConfig::disabled())
         .with_connect_timeout(Duration::from_millis(500));
-    IdempotencyService::new(PostgrestRepository::new(PostgrestClient::new(config).expect("client")))
+    (IdempotencyService::new(PostgrestRepository::new(PostgrestClient::new(config).expect("client"))), port)
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -39,7 +37,7 @@ fn sent(service: &IdempotencyService<PostgrestRepository>) -> u64 {
 
 /// Asserts one call's result against the input errors that apply to it (any
 /// of them may be reported): none means the call went out and met the
-/// closed port; some means no request at all.
+/// refused port; some means no request at all.
 fn check_validation(
     result: Result<ClaimOutcome, Error>,
     applicable: &[Error],
@@ -100,7 +98,7 @@ fn key_errors(key: &str) -> Vec<Error> {
 #[test]
 fn invalid_keys_are_refused_by_claim_and_read_before_any_request_and_valid_ones_reach_the_transport() {
     let runtime = runtime();
-    let service = unreachable_service();
+    let (service, _refused) = unreachable_service();
     let hash = RequestHash::of_json(&json!({"to": "a@example.com"}));
     let mut runner = TestRunner::new(proptest_config());
     runner
@@ -151,7 +149,7 @@ fn scope_errors(scope: &str) -> Vec<Error> {
 #[test]
 fn malformed_scopes_are_refused_by_claim_and_read_before_any_request_and_well_formed_ones_reach_the_transport() {
     let runtime = runtime();
-    let service = unreachable_service();
+    let (service, _refused) = unreachable_service();
     let hash = RequestHash::of_json(&json!({"to": "a@example.com"}));
     let mut runner = TestRunner::new(proptest_config());
     runner
@@ -173,7 +171,7 @@ fn malformed_scopes_are_refused_by_claim_and_read_before_any_request_and_well_fo
 #[test]
 fn leases_outside_one_second_to_one_day_are_refused_before_any_request() {
     let runtime = runtime();
-    let service = unreachable_service();
+    let (service, _refused) = unreachable_service();
     let hash = RequestHash::of_json(&json!({"to": "a@example.com"}));
     let day = Duration::from_secs(24 * 60 * 60);
     let lease = prop_oneof![

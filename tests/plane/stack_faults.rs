@@ -9,10 +9,9 @@ use idempotency_plane::repo::{ClaimRequest, IdempotencyRepository};
 use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, IdempotencyService, PostgrestRepository};
 use serde_json::json;
 use sqlx::Executor;
-use tokio::net::TcpListener;
 
 use crate::harness::*;
-use crate::support::{proxy_retry, FaultServer};
+use crate::support::{proxy_retry, FaultServer, RefusedPort};
 
 #[tokio::test]
 async fn a_claim_whose_answer_was_lost_after_its_insert_committed_is_recognized_as_ours() {
@@ -115,27 +114,25 @@ async fn a_reclaim_whose_answer_was_lost_is_recognized_as_ours() {
 #[tokio::test]
 async fn a_refused_connection_is_retried_until_the_server_is_back() {
     let stack = stack().await;
-    // A port with nothing behind it yet.
-    let parked = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = parked.local_addr().unwrap();
-    drop(parked);
+    // A port that refuses connections until the server comes up on it. It
+    // stays bound throughout (see `RefusedPort`), so it is refused for sure
+    // and nobody else can take it before the server does.
+    let port = RefusedPort::new();
     let retry = RetryConfig {
         max_retries: 20,
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_millis(100),
         max_elapsed: Duration::from_secs(10),
     };
-    let client = PostgrestClient::new(
-        ClientConfig::new(&format!("http://{address}"), stack.service_key().to_owned()).unwrap().with_retry(retry),
-    )
-    .unwrap();
+    let client =
+        PostgrestClient::new(ClientConfig::new(&port.url(), stack.service_key().to_owned()).unwrap().with_retry(retry))
+            .unwrap();
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
     // The server comes up on that port after a few refusals.
     let upstream = stack.url().to_owned();
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let listener = TcpListener::bind(address).await.expect("rebind the port");
-        FaultServer::lossy_proxy_on(listener, &upstream);
+        FaultServer::lossy_proxy_on(port.listen(), &upstream);
     });
     let outcome = service.claim(org(), "tool.email.send", "refused-then-up", &hash("x"), LEASE).await.unwrap();
     assert!(matches!(outcome, ClaimOutcome::Claimed(_)), "{outcome:?}");

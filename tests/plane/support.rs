@@ -2,11 +2,12 @@
 //! of each: retry policies that finish in milliseconds, a claim row as the
 //! claim functions answer it, a raw TCP server for the faults wiremock
 //! cannot inject (canned bytes, a hang-up, an answer lost after the server
-//! committed).
+//! committed), and a port whose connections are refused for sure.
 
 // Some of these serve only modules that need feature `local`.
 #![cfg_attr(not(feature = "local"), allow(dead_code))]
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +16,7 @@ use idempotency_plane::postgrest::{ClientConfig, PostgrestClient, RetryConfig};
 use idempotency_plane::RequestHash;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use uuid::Uuid;
 
 /// The service key every test client sends.
@@ -73,6 +74,44 @@ pub fn claim_row(id: Uuid, lease_token: Uuid, scope: &str, request_hash: &Reques
         "retain_until": "2026-01-31T00:00:00Z",
         "lease_live": status == "processing",
     })
+}
+
+// ---------------------------------------------------------------------------
+// A port that refuses connections
+// ---------------------------------------------------------------------------
+
+/// A loopback port whose connections are refused for as long as this lives.
+///
+/// It holds a TCP socket bound to the port but not listening. While it is
+/// bound nobody else can bind the port, nor is it handed out as the local
+/// port of an outgoing connection, and the kernel answers every connection
+/// attempt to it with a reset: refused, at once, every time. The usual
+/// alternatives are not sure: a port bound, read and freed can be taken by
+/// anyone (another test's server) before the client connects; and a
+/// listening socket that never accepts is not refusing, its backlog
+/// completes the handshake and the client hangs instead.
+pub struct RefusedPort {
+    socket: TcpSocket,
+    address: SocketAddr,
+}
+
+impl RefusedPort {
+    pub fn new() -> RefusedPort {
+        let socket = TcpSocket::new_v4().expect("a TCP socket");
+        socket.bind("127.0.0.1:0".parse().expect("an address")).expect("bind a loopback port");
+        let address = socket.local_addr().expect("the bound address");
+        RefusedPort { socket, address }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    /// Starts accepting on the same port: it never was free in between.
+    /// Needs a tokio runtime.
+    pub fn listen(self) -> TcpListener {
+        self.socket.listen(1024).expect("listen on the held port")
+    }
 }
 
 // ---------------------------------------------------------------------------

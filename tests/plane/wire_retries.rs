@@ -5,7 +5,6 @@
 //! connection, a timeout) only for a call safe to repeat; what repeats
 //! deterministically (a 400, a statement timeout) never.
 
-use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use idempotency_plane::postgrest::{ClientConfig, ClientError, Repeat, RetryConfig, TransportKind};
@@ -13,7 +12,7 @@ use serde_json::{json, Value};
 use wiremock::matchers::{method, path};
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
-use crate::support::{fast_retry, FaultServer, KEY};
+use crate::support::{fast_retry, FaultServer, RefusedPort, KEY};
 use crate::wire::{client, config, error_body, requests, RETRY_WITHIN};
 
 // ---------------------------------------------------------------------------
@@ -165,13 +164,10 @@ async fn a_statement_timeout_500_is_not_retried() {
 async fn a_refused_connection_is_a_connect_transport_error_after_retries() {
     // §4 "Transient conditions": a request that never reached the server never ran;
     // retried for any call, then reported as a connect failure.
-    // Arrange
-    let port = {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-        listener.local_addr().unwrap().port()
-    };
-    let config =
-        ClientConfig::new(&format!("http://127.0.0.1:{port}"), KEY).unwrap().with_retry(fast_retry(RETRY_WITHIN));
+    // Arrange: a port that refuses for as long as `refused` lives (a port
+    // bound and freed could be taken by another test's server meanwhile).
+    let refused = RefusedPort::new();
+    let config = ClientConfig::new(&refused.url(), KEY).unwrap().with_retry(fast_retry(RETRY_WITHIN));
     let client = client(config);
     // Act
     let err = client.rpc::<bool>("idempotency_release", &json!({}), Repeat::Unsafe).await.unwrap_err();
