@@ -150,7 +150,7 @@ async fn a_server_torn_down_and_rebuilt_mid_run_loses_no_completion_and_repeats_
         max_elapsed: Duration::from_secs(20),
     };
     let client = PostgrestClient::new(stack.client_config().unwrap().with_retry(retry)).unwrap();
-    let service = Arc::new(IdempotencyService::new(PostgrestRepository::new(client)));
+    let service = Arc::new(IdempotencyService::new(PostgrestRepository::new(client.clone())));
     let org = org();
     let effects = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<String, usize>::new()));
     let keys = 120;
@@ -181,11 +181,27 @@ async fn a_server_torn_down_and_rebuilt_mid_run_loses_no_completion_and_repeats_
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Restart once a quarter of the effects ran: the workload is under way
+    // and most of it is still ahead, whatever this machine's speed.
+    let under_way = tokio::time::timeout(Duration::from_secs(30), async {
+        while effects.lock().unwrap().len() < keys / 4 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    under_way.await.expect("a quarter of the effects ran within 30 s");
+    let sent_before = client.requests_sent();
     stack.restart_server().await.unwrap();
+    let sent_by_restart = client.requests_sent();
     for worker in workers {
         worker.await.unwrap();
     }
+    let sent_after = client.requests_sent() - sent_by_restart;
+
+    // The workload overlapped the restart: requests went out before it and
+    // after it, so the teardown met work in flight and the rebuilt server
+    // finished it.
+    assert!(sent_before > 0, "no request before the restart");
+    assert!(sent_after > 0, "no request after the restart: the workload was over before it");
 
     let effects = effects.lock().unwrap().clone();
     assert_eq!(effects.len(), keys, "every effect ran");
