@@ -1,13 +1,16 @@
 //! Contract tests of the idempotency plane.
 //!
 //! `stack_*` modules run against a real PostgreSQL behind the in-process
-//! PostgREST-compatible server (one fresh database per test); `wire` replays
-//! PostgREST's exact responses with wiremock.
+//! PostgREST-compatible server (one fresh database per test); `wire_*`
+//! replay PostgREST's exact responses with wiremock; `hostile_*` feed hostile
+//! input to the pure parts, the stack and the client; `support` holds the
+//! helpers several of them share.
 
-//! The `stack_*` modules need the embedded stack (feature `local`): the
-//! README's test command, `cargo test --features local`, turns it on. Without
-//! it only `wire` and `migrations_drift` compile, so `cargo clippy
-//! --all-targets` works on the library's default features too.
+//! The `stack_*`, `hostile*` and `cli` modules need the embedded stack
+//! (feature `local`): the README's test command, `cargo test --features
+//! local`, turns it on. Without it only `wire*`, `support`, `request_hash`
+//! and `migrations_drift` compile, so `cargo clippy --all-targets` works on
+//! the library's default features too.
 
 #[cfg(feature = "local")]
 mod cli;
@@ -16,6 +19,18 @@ mod conformance;
 mod harness;
 #[cfg(feature = "local")]
 mod hostile;
+#[cfg(feature = "local")]
+mod hostile_answers;
+#[cfg(feature = "local")]
+mod hostile_content_range;
+#[cfg(feature = "local")]
+mod hostile_hashes;
+#[cfg(feature = "local")]
+mod hostile_keys;
+#[cfg(feature = "local")]
+mod hostile_servers;
+#[cfg(feature = "local")]
+mod hostile_validation;
 mod migrations_drift;
 mod on_memory;
 mod readme_surface;
@@ -42,4 +57,9 @@ mod stack_sweeper;
 mod stack_tool;
 #[cfg(feature = "local")]
 mod stack_webhook;
+mod support;
 mod wire;
+mod wire_claims;
+mod wire_errors;
+mod wire_ranges;
+mod wire_retries;

@@ -1,7 +1,6 @@
 //! Faults between the client and the server: lost responses after a commit,
 //! refused connections, a server torn down and rebuilt, a statement timeout.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,92 +9,15 @@ use idempotency_plane::repo::{ClaimRequest, IdempotencyRepository};
 use idempotency_plane::{ClaimOutcome, Completion, Ending, Error, IdempotencyService, PostgrestRepository};
 use serde_json::json;
 use sqlx::Executor;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 
 use crate::harness::*;
-
-/// A TCP proxy in front of the server that can lose the response of one
-/// chosen request after the server answered it (so after it committed).
-/// Every request uses its own connection (the client keeps none idle), so
-/// "the n-th connection" is "the n-th request".
-struct LossyProxy {
-    url: String,
-    connections: Arc<AtomicUsize>,
-    lose: Arc<AtomicUsize>,
-}
-
-impl LossyProxy {
-    async fn start(upstream: &str) -> LossyProxy {
-        let upstream = upstream.trim_start_matches("http://").to_owned();
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
-        let url = format!("http://{}", listener.local_addr().expect("proxy address"));
-        let connections = Arc::new(AtomicUsize::new(0));
-        let lose = Arc::new(AtomicUsize::new(usize::MAX));
-        let (count, target) = (connections.clone(), lose.clone());
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let n = count.fetch_add(1, Ordering::SeqCst) + 1;
-                let drop_answer = target.load(Ordering::SeqCst) == n;
-                let upstream = upstream.clone();
-                tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(&upstream).await else { return };
-                    relay(client, server, drop_answer).await;
-                });
-            }
-        });
-        LossyProxy { url, connections, lose }
-    }
-
-    /// Loses the answer of the `n`-th request from now (1 = the next one).
-    fn lose_answer(&self, n: usize) {
-        self.lose.store(self.connections.load(Ordering::SeqCst) + n, Ordering::SeqCst);
-    }
-
-    fn client(&self, key: &str, retry: RetryConfig) -> PostgrestClient {
-        let config =
-            ClientConfig::new(&self.url, key.to_owned()).unwrap().with_pool_max_idle_per_host(0).with_retry(retry);
-        PostgrestClient::new(config).unwrap()
-    }
-}
-
-/// Copies the request up and the answer down; with `drop_answer`, waits for
-/// the answer to start and then closes the client's connection instead.
-async fn relay(client: TcpStream, server: TcpStream, drop_answer: bool) {
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let up = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-    });
-    let mut buffer = vec![0u8; 16 * 1024];
-    loop {
-        match server_read.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
-            Ok(_) if drop_answer => break,
-            Ok(n) => {
-                if client_write.write_all(&buffer[..n]).await.is_err() {
-                    break;
-                }
-            }
-        }
-    }
-    up.abort();
-}
-
-fn fast_retry() -> RetryConfig {
-    RetryConfig {
-        max_retries: 3,
-        initial_backoff: Duration::from_millis(5),
-        max_backoff: Duration::from_millis(20),
-        max_elapsed: Duration::from_secs(10),
-    }
-}
+use crate::support::{proxy_retry, FaultServer, RefusedPort};
 
 #[tokio::test]
 async fn a_claim_whose_answer_was_lost_after_its_insert_committed_is_recognized_as_ours() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let client = proxy.client(stack.service_key(), fast_retry());
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let client = proxy.client(stack.service_key(), proxy_retry());
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
 
     proxy.lose_answer(1);
@@ -109,8 +31,8 @@ async fn a_claim_whose_answer_was_lost_after_its_insert_committed_is_recognized_
 #[tokio::test]
 async fn a_completion_whose_answer_was_lost_is_recorded_not_a_lost_fence() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let service = IdempotencyService::new(PostgrestRepository::new(proxy.client(stack.service_key(), fast_retry())));
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let service = IdempotencyService::new(PostgrestRepository::new(proxy.client(stack.service_key(), proxy_retry())));
     let claim = claimed(service.claim(org(), "tool.email.send", "lost-complete", &hash("x"), LEASE).await);
 
     proxy.lose_answer(1);
@@ -125,8 +47,8 @@ async fn a_completion_whose_answer_was_lost_is_recorded_not_a_lost_fence() {
 #[tokio::test]
 async fn a_release_whose_answer_was_lost_is_harmless() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let client = proxy.client(stack.service_key(), fast_retry());
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let client = proxy.client(stack.service_key(), proxy_retry());
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
     let org = org();
     let claim = claimed(service.claim(org, "tool.email.send", "lost-release", &hash("x"), LEASE).await);
@@ -152,8 +74,8 @@ async fn a_release_whose_answer_was_lost_is_harmless() {
 #[tokio::test]
 async fn a_reclaim_whose_answer_was_lost_is_recognized_as_ours() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let client = proxy.client(stack.service_key(), fast_retry());
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let client = proxy.client(stack.service_key(), proxy_retry());
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
     let org = org();
     let crashed = claimed(service.claim(org, "tool.email.send", "lost-reclaim", &hash("x"), LEASE).await);
@@ -192,34 +114,25 @@ async fn a_reclaim_whose_answer_was_lost_is_recognized_as_ours() {
 #[tokio::test]
 async fn a_refused_connection_is_retried_until_the_server_is_back() {
     let stack = stack().await;
-    // A port with nothing behind it yet.
-    let parked = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = parked.local_addr().unwrap();
-    drop(parked);
+    // A port that refuses connections until the server comes up on it. It
+    // stays bound throughout (see `RefusedPort`), so it is refused for sure
+    // and nobody else can take it before the server does.
+    let port = RefusedPort::new();
     let retry = RetryConfig {
         max_retries: 20,
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_millis(100),
         max_elapsed: Duration::from_secs(10),
     };
-    let client = PostgrestClient::new(
-        ClientConfig::new(&format!("http://{address}"), stack.service_key().to_owned()).unwrap().with_retry(retry),
-    )
-    .unwrap();
+    let client =
+        PostgrestClient::new(ClientConfig::new(&port.url(), stack.service_key().to_owned()).unwrap().with_retry(retry))
+            .unwrap();
     let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
     // The server comes up on that port after a few refusals.
-    let upstream = stack.url().trim_start_matches("http://").to_owned();
+    let upstream = stack.url().to_owned();
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let listener = TcpListener::bind(address).await.expect("rebind the port");
-        while let Ok((client, _)) = listener.accept().await {
-            let upstream = upstream.clone();
-            tokio::spawn(async move {
-                if let Ok(server) = TcpStream::connect(&upstream).await {
-                    relay(client, server, false).await;
-                }
-            });
-        }
+        FaultServer::lossy_proxy_on(port.listen(), &upstream);
     });
     let outcome = service.claim(org(), "tool.email.send", "refused-then-up", &hash("x"), LEASE).await.unwrap();
     assert!(matches!(outcome, ClaimOutcome::Claimed(_)), "{outcome:?}");
@@ -237,7 +150,7 @@ async fn a_server_torn_down_and_rebuilt_mid_run_loses_no_completion_and_repeats_
         max_elapsed: Duration::from_secs(20),
     };
     let client = PostgrestClient::new(stack.client_config().unwrap().with_retry(retry)).unwrap();
-    let service = Arc::new(IdempotencyService::new(PostgrestRepository::new(client)));
+    let service = Arc::new(IdempotencyService::new(PostgrestRepository::new(client.clone())));
     let org = org();
     let effects = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<String, usize>::new()));
     let keys = 120;
@@ -268,11 +181,27 @@ async fn a_server_torn_down_and_rebuilt_mid_run_loses_no_completion_and_repeats_
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Restart once a quarter of the effects ran: the workload is under way
+    // and most of it is still ahead, whatever this machine's speed.
+    let under_way = tokio::time::timeout(Duration::from_secs(30), async {
+        while effects.lock().unwrap().len() < keys / 4 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    under_way.await.expect("a quarter of the effects ran within 30 s");
+    let sent_before = client.requests_sent();
     stack.restart_server().await.unwrap();
+    let sent_by_restart = client.requests_sent();
     for worker in workers {
         worker.await.unwrap();
     }
+    let sent_after = client.requests_sent() - sent_by_restart;
+
+    // The workload overlapped the restart: requests went out before it and
+    // after it, so the teardown met work in flight and the rebuilt server
+    // finished it.
+    assert!(sent_before > 0, "no request before the restart");
+    assert!(sent_after > 0, "no request after the restart: the workload was over before it");
 
     let effects = effects.lock().unwrap().clone();
     assert_eq!(effects.len(), keys, "every effect ran");
@@ -289,18 +218,21 @@ async fn a_server_torn_down_and_rebuilt_mid_run_loses_no_completion_and_repeats_
 async fn a_statement_timeout_surfaces_as_a_typed_error() {
     let mut stack = stack().await;
     let database = stack.database_name().to_owned();
+    // The timeout holds for every statement of the database, the server's
+    // schema cache load included: 2 s, so that load does not time out on a
+    // machine busy with the other tests (200 ms did), and a probe that
+    // sleeps five times as long.
     stack
         .db()
         .execute(sqlx::AssertSqlSafe(format!(
             "create function agent.slow_probe() returns integer language sql volatile set search_path = ''
-               as $$ select 1 from pg_catalog.pg_sleep(5) $$;
+               as $$ select 1 from pg_catalog.pg_sleep(10) $$;
              grant execute on function agent.slow_probe() to service_role;
-             alter database \"{database}\" set statement_timeout = '1500ms';"
+             alter database \"{database}\" set statement_timeout = '2s';"
         )))
         .await
         .unwrap();
-    // New connections (and the new schema cache) see both. The timeout
-    // leaves the server's schema-cache load room on a loaded machine.
+    // New connections (and the new schema cache) see both.
     stack.restart_server().await.unwrap();
     let client = PostgrestClient::new(stack.client_config().unwrap()).unwrap();
     let timed_out = client.rpc::<serde_json::Value>("slow_probe", &json!({}), Repeat::Safe).await;
@@ -317,8 +249,8 @@ async fn a_statement_timeout_surfaces_as_a_typed_error() {
 #[tokio::test]
 async fn a_run_admission_whose_answer_was_lost_is_still_admitted_for_its_caller_and_for_nobody_else() {
     let stack = stack().await;
-    let proxy = LossyProxy::start(stack.url()).await;
-    let client = proxy.client(stack.service_key(), fast_retry());
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let client = proxy.client(stack.service_key(), proxy_retry());
     let (org, input) = (org(), json!({"capability": "summarize", "request": "req-1"}));
 
     proxy.lose_answer(1);
