@@ -1,4 +1,4 @@
-//! Hostile input (issue 6), in `hostile_*`: property tests of the pure parts
+//! Hostile input, in `hostile_*`: property tests of the pure parts
 //! (Content-Range in `hostile_content_range`, request hashes in
 //! `hostile_hashes`, key/scope/lease validation in `hostile_validation`),
 //! hostile keys on the real stack (`hostile_keys`), and servers that answer
@@ -6,9 +6,10 @@
 //! wiremock cannot send in `hostile_servers`). This module holds what they
 //! share.
 //!
-//! Needs feature `local` (the stack tests use the harness; and the hash
-//! round-trip property relies on the `arbitrary_precision` number handling
-//! that feature brings in, see `a_request_hash_survives_a_json_text_round_trip`).
+//! All but `hostile_keys` (the real stack) run under every feature set, so
+//! the request-hash properties hold for serde_json's default number handling
+//! (with `float_roundtrip`) as well as for the embedded server's
+//! `arbitrary_precision`.
 
 use std::time::Duration;
 

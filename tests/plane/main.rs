@@ -6,30 +6,26 @@
 //! input to the pure parts, the stack and the client; `support` holds the
 //! helpers several of them share.
 
-//! The `stack_*`, `hostile*` and `cli` modules need the embedded stack
-//! (feature `local`): the README's test command, `cargo test --features
-//! local`, turns it on. Without it only `wire*`, `support`, `request_hash`
-//! and `migrations_drift` compile, so `cargo clippy --all-targets` works on
-//! the library's default features too.
+//! The `stack_*`, `hostile_keys`, `cli` and `harness` modules need the
+//! embedded stack (feature `local`): the README's test command, `cargo test
+//! --features local`, turns it on. Everything else — wiremock, property,
+//! conformance on the in-memory repository, callers on it, the drift and
+//! README checks — also runs with the library's default features (`cargo
+//! test`), which is what a library user compiles: serde_json without the
+//! embedded server's `arbitrary_precision`.
 
 #[cfg(feature = "local")]
 mod cli;
 mod conformance;
 #[cfg(feature = "local")]
 mod harness;
-#[cfg(feature = "local")]
 mod hostile;
-#[cfg(feature = "local")]
 mod hostile_answers;
-#[cfg(feature = "local")]
 mod hostile_content_range;
-#[cfg(feature = "local")]
 mod hostile_hashes;
 #[cfg(feature = "local")]
 mod hostile_keys;
-#[cfg(feature = "local")]
 mod hostile_servers;
-#[cfg(feature = "local")]
 mod hostile_validation;
 mod migrations_drift;
 mod on_memory;
