@@ -1,4 +1,4 @@
-//! Servers that answer garbage, replayed with wiremock (issue 6): bodies that
+//! Servers that answer garbage, replayed with wiremock: bodies that
 //! are not JSON or not of the right shape are decode errors sent once, two
 //! rows for one key are an inconsistent store, error answers that are not
 //! PostgREST's are HTTP errors with a bounded excerpt, absurd Content-Range

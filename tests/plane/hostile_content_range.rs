@@ -1,4 +1,4 @@
-//! Content-Range (issue 6): parsing never panics, anything it accepts is
+//! Content-Range: parsing never panics, anything it accepts is
 //! consistent and round-trips, every value PostgREST can write is accepted,
 //! and ranges that end below their start or past their total are refused.
 

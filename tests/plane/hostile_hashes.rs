@@ -1,4 +1,4 @@
-//! Request hashes (issue 6): the hash ignores key order, whitespace and
+//! Request hashes: the hash ignores key order, whitespace and
 //! string escapes at every depth, is SHA-256 of the independently written
 //! JCS form, survives a JSON text round trip, changes with any leaf or key,
 //! and parses back only from 64 lowercase hex digits.

@@ -1,4 +1,4 @@
-//! Hostile keys on the real stack (issue 6): keys with SQL metacharacters
+//! Hostile keys on the real stack: keys with SQL metacharacters
 //! and unicode are stored and found verbatim, lookups match exactly, and bad
 //! keys, hashes, leases and responses are refused (by the service before any
 //! request, by the database from any other client) and store nothing.

@@ -1,4 +1,4 @@
-//! Key, scope and lease validation (issue 6): invalid keys, malformed scopes
+//! Key, scope and lease validation: invalid keys, malformed scopes
 //! and leases outside one second to one day are refused by claim and read
 //! before any request; valid ones reach the transport.
 
