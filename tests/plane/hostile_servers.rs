@@ -1,5 +1,5 @@
-//! Servers that answer what wiremock cannot send, from a raw TCP server
-//!: a body cut short of its Content-Length is an interrupted
+//! Servers that answer what wiremock cannot send, from a raw TCP server:
+//! a body cut short of its Content-Length is an interrupted
 //! transport error (a claim is sent again, a release is not), garbage status
 //! lines and heads are transport errors and never panics, an unknown status
 //! is an HTTP error, and an endless chunked body stops at the response limit.
