@@ -2,7 +2,9 @@
 //! replayed with wiremock. The `§` marks name the subject in PostgREST's own
 //! documentation (https://docs.postgrest.org: §1 functions as RPC, §2 their
 //! response shapes, §3 pagination, `db-max-rows` and `Content-Range`, §4
-//! errors, §5 transactions, §6 authentication) that pins the answer.
+//! errors, §5 transactions, §6 authentication, §7 reading bounded batches
+//! through a function: §7.2 truncation is silent but for `Content-Range`,
+//! §7.3 a batch loop must not stop on a short page) that pins the answer.
 //!
 //! The `wire_*` modules hold the tests, by subject; this one what they share.
 
