@@ -194,6 +194,27 @@ async fn a_completion_is_refused_without_an_answer_or_above_the_limit(repo: &imp
     assert_eq!(stored.status, ClaimStatus::Processing, "the refused completions wrote nothing");
 }
 
+/// The response limit counts compact JSON, whatever form the store keeps:
+/// PostgreSQL writes a jsonb with a space after every `,` and `:`.
+async fn the_response_limit_counts_compact_json(repo: &impl Backend, _: &impl TimeTravel) {
+    let org = Uuid::new_v4();
+    for (elements, fits) in [(32_000, true), (33_000, false)] {
+        // `[1,1,…]` is 2n+1 bytes compact (64,001 and 66,001) and 3n in
+        // PostgreSQL's text form (96,000 and 99,000), against 65,536.
+        let token = Uuid::new_v4();
+        let key = format!("array-{elements}");
+        let row = repo.claim(&call(org, "tool.email.send", &key, &hash(&key), token)).await.unwrap();
+        let response = json!(vec![1; elements]);
+        let args = CompletionArgs { response: Some(&response), ..CompletionArgs::default() };
+        let completed = repo.complete(row.id, token, args).await;
+        if fits {
+            assert_eq!(completed.unwrap().map(|r| r.status), Some(ClaimStatus::Completed), "{elements}");
+        } else {
+            assert_eq!(code(completed), "IDEM2", "{elements}");
+        }
+    }
+}
+
 /// The sweeper's reads and deletes.
 async fn expired_claims_are_read_oldest_first_within_the_bound_and_deleted(
     repo: &impl Backend,
@@ -264,6 +285,7 @@ conformance!(
     the_v1_protocol_claims_reclaims_completes_and_releases_under_its_fence,
     retention_is_the_scopes_policy_and_an_unknown_scope_is_refused,
     a_completion_is_refused_without_an_answer_or_above_the_limit,
+    the_response_limit_counts_compact_json,
     expired_claims_are_read_oldest_first_within_the_bound_and_deleted,
     runs_are_admitted_once_and_provider_jobs_belong_to_one_organization,
 );

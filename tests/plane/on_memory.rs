@@ -150,3 +150,16 @@ async fn a_provider_callback_for_a_job_nobody_started_is_dropped_before_any_clai
     let ack = gate.handle_provider_callback(callback, |_| async { panic!("must not process") }).await;
     assert_eq!(ack, Ack::Dropped(DropReason::UnknownJob));
 }
+
+#[tokio::test]
+async fn the_in_memory_policy_table_refuses_a_short_tool_retention_and_takes_new_scopes() {
+    let short = MemoryRepository::new().with_policy("tool.crm.*", Duration::from_secs(86_400), 65_536);
+    assert!(matches!(short, Err(Error::Store(_))), "a tool scope keeps 30 days: {short:?}");
+    let repo = MemoryRepository::new().with_policy("payments.charge", Duration::from_secs(7 * 86_400), 4096).unwrap();
+    let service = IdempotencyService::new(repo);
+    let org = Uuid::new_v4();
+    let claim = claimed(service.claim(org, "payments.charge", "p-1", &hash("x"), LEASE).await);
+    assert_eq!(claim.retain_until() - claim.lease_expires_at(), chrono::TimeDelta::days(7));
+    let unknown = service.claim(org, "payments.refund", "p-1", &hash("x"), LEASE).await;
+    assert!(matches!(unknown, Err(Error::UnknownScope { .. })), "{unknown:?}");
+}
