@@ -5,11 +5,22 @@
 //! Used by the tests, `idem demo` and `idem up`. Needs a PostgreSQL it can
 //! create databases on: `DATABASE_URL`, else `postgres://postgres@127.0.0.1:5432/postgres`.
 //! The database is dropped by [`LocalStack::stop`], or on drop.
+//!
+//! The migrations are applied once per migration set, into a template
+//! database named after a digest of every embedded migration
+//! (`idem_tpl_<16 hex>`), and each stack's database is a copy of it
+//! (`CREATE DATABASE ... TEMPLATE`): a changed migration names a new template,
+//! never a stale one. The template is built under the cluster-wide advisory
+//! lock the migrations always took, under a temporary name that is renamed
+//! only once every migration applied, and nobody may connect to it
+//! (`ALLOW_CONNECTIONS false`), so a copy never waits on a stray session.
 
 mod jwt;
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
+use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -29,6 +40,43 @@ const DB_PREFIX: &str = "idem_local_";
 
 /// Databases of this prefix older than this are left over from a killed run.
 const STALE_AFTER: chrono::TimeDelta = chrono::TimeDelta::hours(6);
+
+/// Names of the template databases, one per migration set, start with this.
+const TEMPLATE_PREFIX: &str = "idem_tpl_";
+
+/// A template carries this suffix while its migrations apply.
+const BUILDING_SUFFIX: &str = "_building";
+
+/// A finished template's comment: this, then when it was built (RFC 3339).
+const TEMPLATE_COMMENT: &str = "idempotency-plane local template, built ";
+
+/// Templates of other migration sets built longer ago than this are dropped
+/// when a new template is built. A run still using one builds it again.
+const STALE_TEMPLATE_AFTER: chrono::TimeDelta = chrono::TimeDelta::hours(24);
+
+/// The cluster-wide advisory lock every migration run and template build
+/// takes, in the maintenance database (advisory locks are per database).
+const MIGRATION_LOCK: &str = "idempotency-plane local migrations";
+
+/// Migrations whose effects are cluster-wide (roles), which a template does
+/// not carry: applied again on every copy, as they were on every fresh
+/// database before templates. They are written to race safely.
+const CLUSTER_WIDE_MIGRATIONS: &[&str] = &["0001_roles.sql"];
+
+/// Tries of a `CREATE DATABASE ... TEMPLATE` or a template rename that
+/// PostgreSQL refuses because the template is in use (each try already waits
+/// up to 5 s for other sessions to leave).
+const IN_USE_TRIES: u32 = 5;
+
+/// Rounds of trying to build the server (each with both logins) before
+/// [`LocalStack::start`] or [`LocalStack::restart_server`] gives up.
+const SERVER_BUILD_ROUNDS: u32 = 4;
+
+/// SQLSTATE object_in_use: "source database ... is being accessed by other users".
+const OBJECT_IN_USE: &str = "55006";
+
+/// SQLSTATE invalid_catalog_name: the template was dropped meanwhile.
+const NO_SUCH_DATABASE: &str = "3D000";
 
 /// Why the local stack could not start or stop.
 #[derive(Debug, thiserror::Error)]
@@ -68,7 +116,8 @@ pub enum LocalError {
 pub struct LocalStackConfig {
     /// A superuser URL of the cluster's maintenance database; the stack
     /// creates its own database beside it. Default: `DATABASE_URL`, else
-    /// [`DEFAULT_DATABASE_URL`].
+    /// [`DEFAULT_DATABASE_URL`]. On a loopback host the stack connects
+    /// without TLS unless the URL (`sslmode=`) or `PGSSLMODE` asks for a mode.
     pub database_url: String,
     /// The server's `db-max-rows`. Default 1000, Supabase's default.
     pub max_rows: u32,
@@ -118,6 +167,9 @@ pub struct LocalStack {
     db_url: Url,
     admin_url: Url,
     db: PgPool,
+    /// The port was picked by the system (config port 0): it is bound
+    /// shareable, so a restart can hold it while no server listens on it.
+    picked_port: bool,
     shutdown: Option<oneshot::Sender<()>>,
     server: Option<JoinHandle<()>>,
     dropped: bool,
@@ -151,10 +203,12 @@ fn serve(listener: tokio::net::TcpListener, router: axum::Router) -> (oneshot::S
 }
 
 impl LocalStack {
-    /// Creates a database, applies the migrations and serves it.
+    /// Creates a database (a copy of the migration set's template, built
+    /// first when missing) and serves it.
     pub async fn start(config: LocalStackConfig) -> Result<LocalStack, LocalError> {
         let admin_url = Url::parse(&config.database_url)
             .map_err(|e| LocalError::Config(format!("DATABASE_URL is not a URL: {e}")))?;
+        let admin_url = without_loopback_tls(admin_url);
         let db_name = format!(
             "{DB_PREFIX}{}_{}_{:08x}",
             chrono::Utc::now().format("%Y%m%d%H%M%S"),
@@ -165,18 +219,19 @@ impl LocalStack {
 
         let mut admin = PgConnection::connect(admin_url.as_str()).await.map_err(database_error)?;
         drop_stale_databases(&mut admin).await;
-        // The name is ours (ASCII letters, digits, '_'), so quoting it is safe.
-        admin.execute(AssertSqlSafe(format!("create database \"{db_name}\""))).await.map_err(database_error)?;
+        create_from_template(&mut admin, &admin_url, MigrationSet::embedded(), &db_name).await?;
 
         let mut db_url = admin_url.clone();
         db_url.set_path(&format!("/{db_name}"));
+        let picked_port = config.port == 0;
         let stack_result = async {
-            apply_migrations(&mut admin, &db_url).await?;
             let db = PgPool::connect(db_url.as_str())
                 .await
                 .map_err(|source| LocalError::Database { url: redacted(&db_url), source })?;
+            apply_cluster_wide_migrations(&db).await?;
             let jwt_secret = hex::encode(rand::random::<[u8; 32]>());
-            let (listener, router) = build_server(&config, &db_url, &jwt_secret).await?;
+            let router = build_router(&config, &db_url, &jwt_secret).await?;
+            let listener = bind_listener(config.port, picked_port)?;
             Ok::<_, LocalError>((db, jwt_secret, listener, router))
         }
         .await;
@@ -203,6 +258,7 @@ impl LocalStack {
             db_url,
             admin_url,
             db,
+            picked_port,
             shutdown: Some(shutdown),
             server: Some(server),
             dropped: false,
@@ -232,9 +288,14 @@ impl LocalStack {
     /// Tears the server down and builds a new one on the same port and
     /// database, with a fresh connection pool and schema cache: a server
     /// restart as a deployment sees it. Requests in the gap are refused.
+    /// A port the system picked stays reserved to this stack through the gap
+    /// (bound, not listening), so no other socket can take it meanwhile.
     pub async fn restart_server(&mut self) -> Result<(), LocalError> {
+        let reservation = if self.picked_port { reserve_port(self.config.port)? } else { None };
         self.stop_server().await;
-        let (listener, router) = build_server(&self.config, &self.db_url, &self.jwt_secret).await?;
+        let router = build_router(&self.config, &self.db_url, &self.jwt_secret).await?;
+        let listener = bind_listener(self.config.port, self.picked_port)?;
+        drop(reservation);
         let (shutdown, server) = serve(listener, router);
         self.shutdown = Some(shutdown);
         self.server = Some(server);
@@ -317,66 +378,343 @@ impl Drop for LocalStack {
     }
 }
 
-async fn apply_migrations(admin: &mut PgConnection, db_url: &Url) -> Result<(), LocalError> {
+/// `url` with `sslmode=disable` added when it names a loopback host and
+/// asks for no TLS mode itself (nor does `PGSSLMODE`): TLS on loopback
+/// protects nothing, and its handshakes and record encryption were most of
+/// the CPU a stack's connections cost in a debug build. A mode the URL or the
+/// environment asks for is kept.
+fn without_loopback_tls(mut url: Url) -> Url {
+    let loopback = match url.host() {
+        // A `postgres:` URL's host is opaque to `url`: an IPv4 address is a name.
+        Some(url::Host::Domain(name)) => {
+            name.eq_ignore_ascii_case("localhost")
+                || name.parse::<std::net::IpAddr>().is_ok_and(|address| address.is_loopback())
+        }
+        Some(url::Host::Ipv4(address)) => address.is_loopback(),
+        Some(url::Host::Ipv6(address)) => address.is_loopback(),
+        None => false,
+    };
+    let asked = url.query_pairs().any(|(name, _)| name == "sslmode" || name == "ssl-mode")
+        || std::env::var_os("PGSSLMODE").is_some();
+    if loopback && !asked {
+        url.query_pairs_mut().append_pair("sslmode", "disable");
+    }
+    url
+}
+
+/// Migrations as `(file name, contents)`, in the order they apply.
+type Migrations = &'static [(&'static str, &'static str)];
+
+/// A migration set and the name of its template database.
+struct MigrationSet {
+    migrations: Migrations,
+    template: String,
+}
+
+impl MigrationSet {
+    /// The set under its template: `idem_tpl_` and the first 16 hex digits
+    /// of a SHA-256 over every migration's name and contents, in order.
+    fn new(migrations: Migrations) -> Self {
+        let mut digest = Sha256::new();
+        for (file, sql) in migrations {
+            // Length-prefixed, so no two migration sets hash alike by shifting bytes.
+            for part in [file.as_bytes(), sql.as_bytes()] {
+                digest.update((part.len() as u64).to_le_bytes());
+                digest.update(part);
+            }
+        }
+        let hex = hex::encode(digest.finalize());
+        MigrationSet { migrations, template: format!("{TEMPLATE_PREFIX}{}", &hex[..16]) }
+    }
+
+    /// The migrations this crate embeds.
+    fn embedded() -> &'static MigrationSet {
+        static EMBEDDED: OnceLock<MigrationSet> = OnceLock::new();
+        EMBEDDED.get_or_init(|| MigrationSet::new(MIGRATIONS))
+    }
+}
+
+/// The SQLSTATE of a database error.
+fn sqlstate(error: &sqlx::Error) -> Option<String> {
+    error.as_database_error().and_then(|e| e.code()).map(|code| code.into_owned())
+}
+
+/// Creates database `db_name` as a copy of the template of `set`, building
+/// the template first when it is missing.
+async fn create_from_template(
+    admin: &mut PgConnection,
+    admin_url: &Url,
+    set: &MigrationSet,
+    db_name: &str,
+) -> Result<(), LocalError> {
+    let (mut in_use, mut rebuilt) = (0, 0);
+    loop {
+        let template = ensure_template(admin, admin_url, set).await?;
+        // Both names are ours (ASCII letters, digits, '_'), so quoting them is safe.
+        let create = format!("create database \"{db_name}\" template \"{template}\"");
+        let Err(source) = admin.execute(AssertSqlSafe(create)).await else {
+            return Ok(());
+        };
+        match sqlstate(&source).as_deref() {
+            // A session on the template (one that outlived its build, or an
+            // operator's): PostgreSQL waited 5 s for it; wait a little more.
+            Some(OBJECT_IN_USE) if in_use + 1 < IN_USE_TRIES => {
+                in_use += 1;
+                tokio::time::sleep(Duration::from_millis(100 << in_use)).await;
+            }
+            // Dropped as stale by another run between the check and the copy.
+            Some(NO_SUCH_DATABASE) if rebuilt < 2 => rebuilt += 1,
+            _ => return Err(LocalError::Database { url: redacted(admin_url), source }),
+        }
+    }
+}
+
+/// Returns the template of `set`, building it when it is missing.
+async fn ensure_template<'s>(
+    admin: &mut PgConnection,
+    admin_url: &Url,
+    set: &'s MigrationSet,
+) -> Result<&'s str, LocalError> {
+    let name = set.template.as_str();
+    let database_error = |source| LocalError::Database { url: redacted(admin_url), source };
+    // A template under its final name is complete: the name is given last.
+    if database_exists(admin, name).await.map_err(database_error)? {
+        return Ok(name);
+    }
+    // Roles are cluster-wide: serialize the builds of concurrent stacks
+    // (tests run in parallel processes) on a lock the whole cluster shares.
+    let lock = AssertSqlSafe(format!("select pg_advisory_lock(hashtext('{MIGRATION_LOCK}'))"));
+    admin.execute(lock).await.map_err(|source| LocalError::Migration { file: "(advisory lock)", source })?;
+    let built = async {
+        if database_exists(admin, name).await.map_err(database_error)? {
+            return Ok(());
+        }
+        build_template(admin, admin_url, set).await?;
+        drop_old_templates(admin, name).await;
+        Ok(())
+    }
+    .await;
+    let unlock = AssertSqlSafe(format!("select pg_advisory_unlock(hashtext('{MIGRATION_LOCK}'))"));
+    let _ = admin.execute(unlock).await;
+    built.map(|()| name)
+}
+
+async fn database_exists(admin: &mut PgConnection, name: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("select exists (select 1 from pg_catalog.pg_database where datname = $1)")
+        .bind(name)
+        .fetch_one(&mut *admin)
+        .await
+}
+
+/// Builds the template of `set` under a temporary name, applies every
+/// migration to it, closes it to connections, and gives it its name. The
+/// caller holds the migration lock, so any database of the temporary name is
+/// a build a killed run left behind.
+async fn build_template(admin: &mut PgConnection, admin_url: &Url, set: &MigrationSet) -> Result<(), LocalError> {
+    let name = set.template.as_str();
+    let building = format!("{name}{BUILDING_SUFFIX}");
+    let database_error = |source| LocalError::Database { url: redacted(admin_url), source };
+    drop_template(admin, &building).await.map_err(database_error)?;
+    admin.execute(AssertSqlSafe(format!("create database \"{building}\""))).await.map_err(database_error)?;
+    let finished = async {
+        let mut building_url = admin_url.clone();
+        building_url.set_path(&format!("/{building}"));
+        apply_migrations(&building_url, set.migrations).await?;
+        let built = format!("{TEMPLATE_COMMENT}{}", chrono::Utc::now().to_rfc3339());
+        let close = format!(
+            "alter database \"{building}\" with allow_connections false is_template true;
+             comment on database \"{building}\" is '{built}'"
+        );
+        sqlx::raw_sql(AssertSqlSafe(close)).execute(&mut *admin).await.map_err(database_error)?;
+        // The migrations' session may still be leaving: PostgreSQL waits 5 s
+        // for it on each try.
+        let rename = format!("alter database \"{building}\" rename to \"{name}\"");
+        let mut tries = 0;
+        loop {
+            match admin.execute(AssertSqlSafe(rename.as_str())).await {
+                Ok(_) => return Ok(()),
+                Err(source) if sqlstate(&source).as_deref() == Some(OBJECT_IN_USE) && tries + 1 < IN_USE_TRIES => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(100 << tries)).await;
+                }
+                Err(source) => return Err(database_error(source)),
+            }
+        }
+    }
+    .await;
+    if finished.is_err() {
+        let _ = drop_template(admin, &building).await;
+    }
+    finished
+}
+
+/// Applies `migrations`, in order, to the database at `db_url`.
+async fn apply_migrations(db_url: &Url, migrations: Migrations) -> Result<(), LocalError> {
     let mut conn = PgConnection::connect(db_url.as_str())
         .await
         .map_err(|source| LocalError::Database { url: redacted(db_url), source })?;
-    // Roles are cluster-wide: serialize the migrations of concurrent stacks
-    // (tests run in parallel processes) on a lock the whole cluster shares.
-    // Advisory locks are per database, so take it in the maintenance one.
-    let lock = "select pg_advisory_lock(hashtext('idempotency-plane local migrations'))";
-    admin.execute(lock).await.map_err(|source| LocalError::Migration { file: "(advisory lock)", source })?;
     let mut result = Ok(());
-    for (file, sql) in MIGRATIONS {
+    for (file, sql) in migrations {
         if let Err(source) = sqlx::raw_sql(*sql).execute(&mut conn).await {
             result = Err(LocalError::Migration { file, source });
             break;
         }
     }
-    let unlock = "select pg_advisory_unlock(hashtext('idempotency-plane local migrations'))";
-    let _ = admin.execute(unlock).await;
     let _ = conn.close().await;
     result
 }
 
-/// Builds the server and binds its port. Connects as `authenticator` (the
-/// role PostgREST logs in as) when the cluster lets it log in without a
-/// password, else with the admin credentials, which may also switch roles.
-async fn build_server(
-    config: &LocalStackConfig,
-    db_url: &Url,
-    jwt_secret: &str,
-) -> Result<(tokio::net::TcpListener, axum::Router), LocalError> {
+/// Applies the cluster-wide migrations again on a stack's database.
+async fn apply_cluster_wide_migrations(db: &PgPool) -> Result<(), LocalError> {
+    for (file, sql) in MIGRATIONS.iter().filter(|(file, _)| CLUSTER_WIDE_MIGRATIONS.contains(file)) {
+        sqlx::raw_sql(*sql).execute(db).await.map_err(|source| LocalError::Migration { file, source })?;
+    }
+    Ok(())
+}
+
+/// Drops a template database (or one being built), if it exists.
+async fn drop_template(admin: &mut PgConnection, name: &str) -> Result<(), sqlx::Error> {
+    if !database_exists(admin, name).await? {
+        return Ok(());
+    }
+    // `name` is one of ours, read back from pg_database or generated above.
+    admin.execute(AssertSqlSafe(format!("alter database \"{name}\" is_template false"))).await?;
+    drop_database(admin, name).await
+}
+
+/// Drops what earlier template builds left: unfinished builds (the caller
+/// holds the migration lock, so nobody is building one), and templates of
+/// other migration sets built more than [`STALE_TEMPLATE_AFTER`] ago. A copy
+/// being made from one finishes first (a drop waits for it), and a run still
+/// using that set builds its template again. Best effort.
+async fn drop_old_templates(admin: &mut PgConnection, current: &str) {
+    let templates: Vec<(String, Option<String>)> = match sqlx::query_as(
+        "select datname::text, pg_catalog.shobj_description(oid, 'pg_database')
+           from pg_catalog.pg_database
+          where starts_with(datname, $1) and datname <> $2",
+    )
+    .bind(TEMPLATE_PREFIX)
+    .bind(current)
+    .fetch_all(&mut *admin)
+    .await
+    {
+        Ok(templates) => templates,
+        Err(_) => return,
+    };
+    let now = chrono::Utc::now();
+    for (name, comment) in templates {
+        if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+            continue;
+        }
+        let built = comment
+            .as_deref()
+            .and_then(|c| c.strip_prefix(TEMPLATE_COMMENT))
+            .and_then(|at| chrono::DateTime::parse_from_rfc3339(at).ok());
+        let stale = match built {
+            Some(built) => now.signed_duration_since(built) > STALE_TEMPLATE_AFTER,
+            None => name.ends_with(BUILDING_SUFFIX),
+        };
+        if stale {
+            let _ = drop_template(admin, &name).await;
+        }
+    }
+}
+
+/// Builds the server's router. Connects as `authenticator` (the role
+/// PostgREST logs in as) when the cluster lets it log in without a password,
+/// else with the admin credentials, which may also switch roles. A build
+/// that fails with both (its schema cache load cut off by a
+/// `statement_timeout` on a busy machine, say) is tried again a few times, as
+/// PostgREST retries loading its schema cache.
+async fn build_router(config: &LocalStackConfig, db_url: &Url, jwt_secret: &str) -> Result<axum::Router, LocalError> {
     let mut authenticator_url = db_url.clone();
     let _ = authenticator_url.set_username("authenticator");
     let _ = authenticator_url.set_password(None);
 
     let mut last_error = String::new();
-    for uri in [&authenticator_url, db_url] {
-        let mut server_config = postrust_core::AppConfig::default();
-        server_config.db_uri = uri.to_string();
-        server_config.db_schemas = vec!["agent".into()];
-        server_config.db_anon_role = Some("anon".into());
-        server_config.db_pool_size = config.pool_size;
-        server_config.db_max_rows = Some(i64::from(config.max_rows));
-        server_config.jwt_secret = Some(jwt_secret.to_owned());
-        server_config.compat_mode = true;
-        server_config.server_host = "127.0.0.1".into();
-        server_config.server_port = config.port;
-        match postrust_server::build(server_config, postrust_server::Host::SERVER).await {
-            Ok(app) => {
-                let listener = tokio::net::TcpListener::bind(("127.0.0.1", config.port))
-                    .await
-                    .map_err(|e| LocalError::Server(format!("binding 127.0.0.1:{}: {e}", config.port)))?;
-                return Ok((listener, app.router));
-            }
-            Err(error) => {
-                tracing::debug!(uri = %redacted(uri), %error, "local server could not start with this login");
-                last_error = format!("{error:#}");
+    for round in 0..SERVER_BUILD_ROUNDS {
+        if round > 0 {
+            tokio::time::sleep(Duration::from_millis(100 << round)).await;
+        }
+        for uri in [&authenticator_url, db_url] {
+            let mut server_config = postrust_core::AppConfig::default();
+            server_config.db_uri = uri.to_string();
+            server_config.db_schemas = vec!["agent".into()];
+            server_config.db_anon_role = Some("anon".into());
+            server_config.db_pool_size = config.pool_size;
+            server_config.db_max_rows = Some(i64::from(config.max_rows));
+            server_config.jwt_secret = Some(jwt_secret.to_owned());
+            server_config.compat_mode = true;
+            server_config.server_host = "127.0.0.1".into();
+            server_config.server_port = config.port;
+            match postrust_server::build(server_config, postrust_server::Host::SERVER).await {
+                Ok(app) => return Ok(app.router),
+                Err(error) => {
+                    tracing::debug!(uri = %redacted(uri), %error, round, "local server could not start with this login");
+                    last_error = format!("{error:#}");
+                }
             }
         }
     }
     Err(LocalError::Server(last_error))
+}
+
+/// Binds `port` (0 picks one) of 127.0.0.1 and listens. `shareable` sets
+/// SO_REUSEPORT, so [`reserve_port`] can hold the port across a restart.
+fn bind_listener(port: u16, shareable: bool) -> Result<tokio::net::TcpListener, LocalError> {
+    let bound = (|| {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        // As TcpListener::bind does: connections of an earlier server in
+        // TIME_WAIT do not keep the port.
+        socket.set_reuseaddr(true)?;
+        if shareable {
+            set_reuseport(&socket)?;
+        }
+        socket.bind((std::net::Ipv4Addr::LOCALHOST, port).into())?;
+        socket.listen(1024)
+    })();
+    bound.map_err(|e| LocalError::Server(format!("binding 127.0.0.1:{port}: {e}")))
+}
+
+/// Binds `port` of 127.0.0.1 without listening, beside the server's own
+/// shareable socket: while it lives no other socket can take the port, and
+/// connections to it are refused once the server's socket closes. `None`
+/// where SO_REUSEPORT is missing.
+fn reserve_port(port: u16) -> Result<Option<tokio::net::TcpSocket>, LocalError> {
+    if !REUSEPORT {
+        return Ok(None);
+    }
+    let reserved = (|| {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        // Without SO_REUSEADDR: with it, any socket that sets it too (as
+        // std's and tokio's listeners do) could bind beside a socket that
+        // does not listen.
+        set_reuseport(&socket)?;
+        socket.bind((std::net::Ipv4Addr::LOCALHOST, port).into())?;
+        Ok::<_, std::io::Error>(socket)
+    })();
+    reserved.map(Some).map_err(|e| LocalError::Server(format!("reserving 127.0.0.1:{port}: {e}")))
+}
+
+#[cfg(all(unix, not(any(target_os = "solaris", target_os = "illumos", target_os = "cygwin", target_os = "nuttx"))))]
+const REUSEPORT: bool = true;
+#[cfg(not(all(
+    unix,
+    not(any(target_os = "solaris", target_os = "illumos", target_os = "cygwin", target_os = "nuttx"))
+)))]
+const REUSEPORT: bool = false;
+
+#[cfg(all(unix, not(any(target_os = "solaris", target_os = "illumos", target_os = "cygwin", target_os = "nuttx"))))]
+fn set_reuseport(socket: &tokio::net::TcpSocket) -> std::io::Result<()> {
+    socket.set_reuseport(true)
+}
+
+#[cfg(not(all(
+    unix,
+    not(any(target_os = "solaris", target_os = "illumos", target_os = "cygwin", target_os = "nuttx"))
+)))]
+fn set_reuseport(_: &tokio::net::TcpSocket) -> std::io::Result<()> {
+    Ok(())
 }
 
 async fn drop_database(admin: &mut PgConnection, name: &str) -> Result<(), sqlx::Error> {
@@ -414,4 +752,144 @@ fn redacted(url: &Url) -> String {
         let _ = url.set_password(Some("_"));
     }
     url.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_template_is_named_after_every_migrations_name_and_contents() {
+        static BASE: Migrations = &[("0001_a.sql", "select 1;"), ("0002_b.sql", "select 2;")];
+        static CHANGED: Migrations = &[("0001_a.sql", "select 1;"), ("0002_b.sql", "select 3;")];
+        static RENAMED: Migrations = &[("0001_a.sql", "select 1;"), ("0002_c.sql", "select 2;")];
+        static SHIFTED: Migrations = &[("0001_a.sql", "select 1;0002_b.sql"), ("", "select 2;")];
+        static ADDED: Migrations = &[("0001_a.sql", "select 1;"), ("0002_b.sql", "select 2;"), ("0003_c.sql", "")];
+        let names: Vec<String> =
+            [BASE, CHANGED, RENAMED, SHIFTED, ADDED, &BASE[..1]].map(|m| MigrationSet::new(m).template).into();
+        let distinct: std::collections::HashSet<&String> = names.iter().collect();
+        assert_eq!(distinct.len(), names.len(), "{names:?}");
+        assert_eq!(MigrationSet::new(BASE).template, names[0], "the same set, the same template");
+        for name in names.iter().chain([&MigrationSet::embedded().template]) {
+            let digest = name.strip_prefix(TEMPLATE_PREFIX).expect("the prefix");
+            assert!(digest.len() == 16 && digest.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
+            assert!(!name.starts_with(DB_PREFIX), "never taken for a stack's database");
+        }
+    }
+
+    #[test]
+    fn every_cluster_wide_migration_is_an_embedded_one() {
+        for file in CLUSTER_WIDE_MIGRATIONS {
+            assert!(MIGRATIONS.iter().any(|(name, _)| name == file), "{file} is not embedded");
+        }
+    }
+
+    #[test]
+    fn a_loopback_url_drops_tls_unless_it_or_the_environment_asks_for_a_mode() {
+        let from_env = std::env::var_os("PGSSLMODE").is_some();
+        for url in [
+            "postgres://postgres@127.0.0.1:5432/postgres",
+            "postgres://u:p@localhost/db?application_name=x",
+            "postgres://u@[::1]:5432/db",
+            "postgres://u@127.0.0.2/db",
+        ] {
+            let local = without_loopback_tls(Url::parse(url).expect("a URL"));
+            let modes: Vec<String> =
+                local.query_pairs().filter(|(k, _)| k == "sslmode").map(|(_, v)| v.into()).collect();
+            let expected: &[&str] = if from_env { &[] } else { &["disable"] };
+            assert_eq!(modes, expected, "{url}");
+        }
+        for url in [
+            "postgres://u@db.example.com/db",
+            "postgres://u@10.0.0.5/db",
+            "postgres://u@127.0.0.1/db?sslmode=require",
+            "postgres://u@localhost/db?ssl-mode=verify-full",
+        ] {
+            let given = Url::parse(url).expect("a URL");
+            assert_eq!(without_loopback_tls(given.clone()), given, "{url}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reserved_port_refuses_connections_and_other_binds_until_the_next_listener_takes_it() {
+        if !REUSEPORT {
+            return;
+        }
+        let first = bind_listener(0, true).expect("a picked port");
+        let port = first.local_addr().expect("the address").port();
+        let reserved = reserve_port(port).expect("reserved beside the listener").expect("a reservation");
+        drop(first);
+        // Nothing listens, and nobody else can bind it.
+        let refused = tokio::net::TcpStream::connect(("127.0.0.1", port)).await;
+        assert_eq!(refused.err().map(|e| e.kind()), Some(std::io::ErrorKind::ConnectionRefused));
+        let taken = std::net::TcpListener::bind(("127.0.0.1", port));
+        assert_eq!(taken.err().map(|e| e.kind()), Some(std::io::ErrorKind::AddrInUse));
+        // The next server's listener binds it while the reservation holds.
+        let next = bind_listener(port, true).expect("the same port again");
+        drop(reserved);
+        let accepted = tokio::join!(next.accept(), tokio::net::TcpStream::connect(("127.0.0.1", port)));
+        assert!(accepted.0.is_ok() && accepted.1.is_ok(), "{accepted:?}");
+    }
+
+    /// Connects to the maintenance database the stack would use.
+    async fn admin() -> (PgConnection, Url) {
+        let url = without_loopback_tls(Url::parse(&LocalStackConfig::default().database_url).expect("DATABASE_URL"));
+        (PgConnection::connect(url.as_str()).await.expect("connect to PostgreSQL"), url)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_copies_of_a_missing_template_build_it_once_and_all_get_every_migration() {
+        // A migration set of this run's own (the shared template stays
+        // untouched), and the unfinished build of a killed run in the way.
+        let nonce = format!("{:016x}", rand::random::<u64>());
+        let first: &'static str = Box::leak(format!("create table probe (id int primary key); -- {nonce}").into());
+        let migrations: Migrations =
+            Box::leak(vec![("0001_probe.sql", first), ("0002_row.sql", "insert into probe values (7)")].into());
+        let set: &'static MigrationSet = Box::leak(Box::new(MigrationSet::new(migrations)));
+        let (mut admin, url) = admin().await;
+        let leftover = format!("{}{BUILDING_SUFFIX}", set.template);
+        admin.execute(AssertSqlSafe(format!("create database \"{leftover}\""))).await.expect("a leftover build");
+
+        let copies: Vec<String> = (0..4)
+            .map(|i| {
+                format!("{DB_PREFIX}{}_{}_{:08x}", chrono::Utc::now().format("%Y%m%d%H%M%S"), std::process::id(), i)
+            })
+            .collect();
+        let made = futures_util::future::join_all(copies.iter().cloned().map(|copy| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let mut admin = PgConnection::connect(url.as_str()).await.expect("connect");
+                create_from_template(&mut admin, &url, set, &copy).await
+            })
+        }))
+        .await;
+
+        let state: Vec<(String, bool, bool)> = sqlx::query_as(
+            "select datname::text, datistemplate, datallowconn from pg_database where starts_with(datname, $1)",
+        )
+        .bind(&set.template)
+        .fetch_all(&mut admin)
+        .await
+        .expect("the templates");
+        let mut rows = Vec::new();
+        for copy in &copies {
+            let mut copy_url = url.clone();
+            copy_url.set_path(&format!("/{copy}"));
+            if let Ok(mut conn) = PgConnection::connect(copy_url.as_str()).await {
+                rows.push(sqlx::query_scalar::<_, i32>("select id from probe").fetch_all(&mut conn).await.ok());
+                let _ = conn.close().await;
+            }
+        }
+        for copy in &copies {
+            let _ = drop_database(&mut admin, copy).await;
+        }
+        let _ = drop_template(&mut admin, &set.template).await;
+        let _ = drop_template(&mut admin, &leftover).await;
+
+        for result in made {
+            result.expect("task").expect("a copy of the template");
+        }
+        assert_eq!(state, [(set.template.clone(), true, false)], "one finished template, closed to connections");
+        assert_eq!(rows, vec![Some(vec![7]); copies.len()], "every copy holds every migration");
+    }
 }
