@@ -305,7 +305,7 @@ async fn pairs_direct_sql(db: &PgPool, workers: usize, duration: Duration) -> Re
         let (pool, hash) = (pool.clone(), hash.clone());
         async move {
             let token = Uuid::new_v4();
-            let row = sqlx::query("select id from agent.idempotency_claim($1, 'tool.bench', $2, $3, $4, 60000)")
+            let row = sqlx::query("select * from agent.idempotency_claim($1, 'tool.bench', $2, $3, $4, 60000)")
                 .bind(org)
                 .bind(format!("sql-{worker}-{i}"))
                 .bind(&hash)
@@ -313,7 +313,7 @@ async fn pairs_direct_sql(db: &PgPool, workers: usize, duration: Duration) -> Re
                 .fetch_one(&pool)
                 .await?;
             let id: Uuid = row.try_get("id")?;
-            sqlx::query("select id from agent.idempotency_complete($1, $2, null, null, '{\"ok\":true}'::jsonb)")
+            sqlx::query("select * from agent.idempotency_complete($1, $2, null, null, '{\"ok\":true}'::jsonb)")
                 .bind(id)
                 .bind(token)
                 .fetch_one(&pool)
@@ -327,8 +327,9 @@ async fn pairs_direct_sql(db: &PgPool, workers: usize, duration: Duration) -> Re
 
 /// The floor: claim → complete with the leanest plain statements that keep
 /// the contract (the scope's policy, lease stamped from the clock,
-/// retention from the lease's end, the fence, the response limit), over
-/// direct connections. What the plane's functions cost is measured against it.
+/// retention from the lease's end, the fence, the response limit, and the
+/// same answer rows: every claim column and `lease_live`), over direct
+/// connections. What the plane's functions cost is measured against it.
 async fn pairs_floor(db: &PgPool, workers: usize, duration: Duration) -> Result<Figure, BoxError> {
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(20)
@@ -355,7 +356,10 @@ async fn pairs_floor(db: &PgPool, workers: usize, duration: Duration) -> Result<
                         c.at, c.at + interval '60 seconds', c.at + interval '60 seconds' + p.retain
                    from p, c
                  on conflict (organization_id, scope, key) do nothing
-                 returning k.id",
+                 returning 'claimed' as outcome, k.id, k.organization_id, k.scope, k.key, k.request_hash,
+                           k.status, k.lease_token, k.resource_type, k.resource_id, k.response,
+                           k.claimed_at, k.lease_expires_at, k.retain_until,
+                           k.lease_expires_at > clock_timestamp() as lease_live",
             )
             .bind(org)
             .bind(format!("floor-{worker}-{i}"))
@@ -376,7 +380,9 @@ async fn pairs_floor(db: &PgPool, workers: usize, duration: Duration) -> Result<
                                   and char_length(k.scope) > char_length(s.scope) - 1
                                   and left(k.scope, char_length(s.scope) - 1) = left(s.scope, -1))
                            order by s.scope = k.scope desc, char_length(s.scope) desc limit 1)
-                 returning k.id",
+                 returning k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
+                           k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
+                           k.lease_expires_at, k.retain_until, false as lease_live",
             )
             .bind(id)
             .bind(token)
