@@ -33,6 +33,31 @@ pub fn hash(content: &str) -> RequestHash {
 
 pub const LEASE: Duration = Duration::from_secs(60);
 
+/// How long a test waits for something another task or the server does:
+/// long enough for a machine busy with the rest of the suite, short enough
+/// that a hang fails the test instead of the run.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// Polls `done` until it holds; panics naming `what` after [`WAIT`].
+pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let polled = tokio::time::timeout(WAIT, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    if polled.await.is_err() {
+        panic!("{what}: did not happen within {WAIT:?}");
+    }
+}
+
+/// Awaits `future`; panics naming `what` after `limit`.
+pub async fn within<T>(limit: Duration, what: &str, future: impl std::future::Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, future).await {
+        Ok(value) => value,
+        Err(_) => panic!("{what}: not done within {limit:?}"),
+    }
+}
+
 /// Rows of the claim table, by a superuser connection.
 pub async fn count_rows(stack: &LocalStack) -> i64 {
     sqlx::query_scalar("select count(*) from agent.idempotency_keys").fetch_one(stack.db()).await.expect("count rows")

@@ -5,7 +5,7 @@
 //! headers fail a sweep pass and delete nothing, and absurd headers neither
 //! matter to a plain read nor stretch the backoff.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use idempotency_plane::postgrest::ClientError;
 use idempotency_plane::repo::IdempotencyRepository;
@@ -312,9 +312,13 @@ async fn an_absurd_retry_after_is_read_or_ignored_and_never_stretches_the_backof
             3,
         )
         .await;
-        let started = Instant::now();
-        // Act
-        let result = repository_for(&server.uri(), fast_retry(RETRY_WITHIN)).get(Uuid::new_v4(), SCOPE, "k").await;
+        // Act: a backoff stretched by the header would outlast the bound.
+        let result = tokio::time::timeout(
+            Duration::from_secs(30),
+            repository_for(&server.uri(), fast_retry(RETRY_WITHIN)).get(Uuid::new_v4(), SCOPE, "k"),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("Retry-After {:?} stretched the backoff", String::from_utf8_lossy(retry_after)));
         // Assert
         match result {
             Err(Error::Store(error @ ClientError::Api { status: 503, .. })) => {
@@ -322,7 +326,6 @@ async fn an_absurd_retry_after_is_read_or_ignored_and_never_stretches_the_backof
             }
             other => panic!("expected Store(Api 503), got {other:?}"),
         }
-        assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
         server.verify().await;
     }
 }

@@ -399,31 +399,56 @@ async fn hold_row_lock(
 #[tokio::test]
 async fn a_claim_that_waited_on_a_lock_clock_starts_its_lease_when_it_wins_the_row() {
     // Arrange: a dead worker's claim whose lease passed, its row locked by
-    // another transaction for 3 s.
+    // another transaction.
     let stack = stack().await;
     let service = service(&stack);
     let org = org();
     let dead = claimed(service.claim(org, "tool.email.send", "k", &hash("x"), LEASE).await);
     pass_lease(&stack, dead.id()).await;
     let release = hold_row_lock(&stack, dead.id()).await;
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        let _ = release.send(());
-    });
-    // Act: reclaim with a 2 s lease behind that lock.
-    let claim = claimed(service.claim(org, "tool.email.send", "k", &hash("x"), Duration::from_secs(2)).await);
-    // Assert: right after the answer, more than 1 s of the lease is left by
-    // the database clock, and another worker's reclaim gets nothing.
-    let left_ms: f64 = sqlx::query_scalar(
-        "select extract(epoch from lease_expires_at - clock_timestamp())::float8 * 1000
+    // Act: reclaim behind that lock; let the lock go a while after the
+    // database shows the reclaim waiting on it, noting its clock just before.
+    let claiming = {
+        let service = service.clone();
+        tokio::spawn(async move { service.claim(org, "tool.email.send", "k", &hash("x"), LEASE).await })
+    };
+    within(WAIT, "the reclaim waits on the row lock", async {
+        while sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_catalog.pg_stat_activity
+              where datname = pg_catalog.current_database() and wait_event_type = 'Lock'",
+        )
+        .fetch_one(stack.db())
+        .await
+        .unwrap()
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    // Waits under 10 ms are not worth a second stamp (the functions take
+    // them out of the lease); this one is longer.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released_at: f64 = sqlx::query_scalar("select extract(epoch from clock_timestamp())::float8")
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    release.send(()).expect("release the lock");
+    let claim = claimed(within(WAIT, "the reclaim", claiming).await.expect("task"));
+    // Assert: the new lease starts after the lock was let go, by the
+    // database clock, and runs its whole length from there.
+    assert!(claim.reclaimed());
+    let (claimed_at, lease_ms): (f64, f64) = sqlx::query_as(
+        "select extract(epoch from claimed_at)::float8,
+                extract(epoch from lease_expires_at - claimed_at)::float8 * 1000
            from agent.idempotency_keys where id = $1",
     )
     .bind(claim.id())
     .fetch_one(stack.db())
     .await
     .unwrap();
-    assert!(left_ms > 1000.0, "the lease had only {left_ms} ms left");
-    assert!(claim.reclaimed());
+    assert!(claimed_at >= released_at, "the lease started {} s before the lock was let go", released_at - claimed_at);
+    assert_eq!(lease_ms, LEASE.as_millis() as f64);
     let same = hash("x");
     let request = idempotency_plane::repo::ClaimRequest {
         organization_id: org,
@@ -431,7 +456,7 @@ async fn a_claim_that_waited_on_a_lock_clock_starts_its_lease_when_it_wins_the_r
         key: "k",
         request_hash: same.as_str(),
         lease_token: uuid::Uuid::new_v4(),
-        lease: Duration::from_secs(2),
+        lease: LEASE,
         retain: LEASE,
     };
     assert_eq!(service.repository().reclaim(&request).await.unwrap(), None, "the new lease is live");

@@ -183,18 +183,16 @@ async fn a_server_torn_down_and_rebuilt_mid_run_loses_no_completion_and_repeats_
         .collect();
     // Restart once a quarter of the effects ran: the workload is under way
     // and most of it is still ahead, whatever this machine's speed.
-    let under_way = tokio::time::timeout(Duration::from_secs(30), async {
-        while effects.lock().unwrap().len() < keys / 4 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    });
-    under_way.await.expect("a quarter of the effects ran within 30 s");
+    eventually("a quarter of the effects ran", || effects.lock().unwrap().len() >= keys / 4).await;
     let sent_before = client.requests_sent();
     stack.restart_server().await.unwrap();
     let sent_by_restart = client.requests_sent();
-    for worker in workers {
-        worker.await.unwrap();
-    }
+    within(Duration::from_secs(120), "the workload settles after the restart", async {
+        for worker in workers {
+            worker.await.unwrap();
+        }
+    })
+    .await;
     let sent_after = client.requests_sent() - sent_by_restart;
 
     // The workload overlapped the restart: requests went out before it and

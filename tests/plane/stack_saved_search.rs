@@ -116,9 +116,7 @@ async fn a_live_preparation_is_retryable_in_progress_and_one_caller_reclaims_it_
         let starter = starter(&stack, source.clone());
         tokio::spawn(async move { starter.start(org, "search-2", "tick-1").await })
     };
-    while source.freezes() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the crashing worker starts freezing", || source.freezes() > 0).await;
     crashed.abort();
     let _ = crashed.await;
 
@@ -154,9 +152,7 @@ async fn a_preparation_whose_fence_was_lost_before_completion_starts_no_run() {
         let starter = starter(&stack, slow.clone());
         tokio::spawn(async move { starter.start(org, "search-3", "tick-1").await })
     };
-    while slow.freezes() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("worker A starts freezing", || slow.freezes() > 0).await;
     // Its lease passes; worker B reclaims, freezes, completes and admits.
     let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
     pass_lease(&stack, id).await;
@@ -261,13 +257,8 @@ async fn a_saved_search_preparation_carries_the_specs_30_second_lease() {
         tokio::spawn(async move { starter.start(org, "search-lease", "tick-1").await })
     };
     // Read the lease while the freeze is held open, before the completion.
-    for _ in 0..500 {
-        if source.freezes() > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(source.freezes(), 1, "the preparation reached its freeze");
+    eventually("the preparation reaches its freeze", || source.freezes() > 0).await;
+    assert_eq!(source.freezes(), 1, "one preparation froze");
     assert_eq!(stored_lease_ms(&stack).await, 30_000.0, "surface.saved_search.start: lease 30 s");
     gate.add_permits(1);
     assert!(preparing.await.expect("task").is_ok());

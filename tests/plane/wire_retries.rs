@@ -5,7 +5,7 @@
 //! connection, a timeout) only for a call safe to repeat; what repeats
 //! deterministically (a 400, a statement timeout) never.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use idempotency_plane::postgrest::{ClientConfig, ClientError, Repeat, RetryConfig, TransportKind};
 use serde_json::{json, Value};
@@ -190,11 +190,9 @@ async fn an_answer_slower_than_the_request_timeout_is_a_timeout_transport_error(
         .await;
     let config = config(&server).with_request_timeout(Duration::from_millis(200)).with_retry(RetryConfig::disabled());
     let client = client(config);
-    let started = Instant::now();
     // Act
     let err = client.rpc::<bool>("idempotency_release", &json!({}), Repeat::Safe).await.unwrap_err();
-    // Assert
-    assert!(started.elapsed() < Duration::from_secs(4), "the timeout fired");
+    // Assert: a timeout, not the answer that comes after 5 s.
     assert!(matches!(err, ClientError::Transport { kind: TransportKind::Timeout, .. }), "{err:?}");
     assert!(!err.is_retryable(false));
     assert!(err.is_retryable(true));
