@@ -1,7 +1,8 @@
-//! Load with stalls: 64 workers, 2,000 keys, 5 attempts per key, some
-//! attempts stalling past their lease after the effect, some failing
-//! retryably, a few carrying a changed payload. Exactly one effect per key at
-//! the vendor, nothing left processing, no completion lost.
+//! Load with stalls: 64 workers, 1,000 keys (`IDEM_LOAD_KEYS` for more),
+//! 5 attempts per key, some attempts stalling past their lease after the
+//! effect, some failing retryably, a few carrying a changed payload. Exactly
+//! one effect per key at the vendor, nothing left processing, no completion
+//! lost.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,7 +17,9 @@ use uuid::Uuid;
 use crate::harness::*;
 
 const WORKERS: usize = 64;
-const KEYS: usize = 2_000;
+/// Keys of the default run: every worker meets races, stalls and
+/// reclaims, in a few seconds; `IDEM_LOAD_KEYS=20000` soaks longer.
+const DEFAULT_KEYS: usize = 1_000;
 const ATTEMPTS_PER_KEY: usize = 5;
 const LEASE: Duration = Duration::from_secs(1);
 const STALL: Duration = Duration::from_millis(1_500);
@@ -127,8 +130,9 @@ async fn under_load_with_stalls_and_failures_every_key_has_exactly_one_effect() 
     let (vendor, figures) = (Arc::new(Vendor::default()), Arc::new(Figures::default()));
     let org = org();
 
+    let keys = std::env::var("IDEM_LOAD_KEYS").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_KEYS);
     // Every (key, attempt), shuffled so a key's attempts race each other.
-    let mut queue: Vec<usize> = (0..KEYS).flat_map(|k| std::iter::repeat_n(k, ATTEMPTS_PER_KEY)).collect();
+    let mut queue: Vec<usize> = (0..keys).flat_map(|k| std::iter::repeat_n(k, ATTEMPTS_PER_KEY)).collect();
     {
         use rand::seq::SliceRandom;
         queue.shuffle(&mut rand::rng());
@@ -151,7 +155,7 @@ async fn under_load_with_stalls_and_failures_every_key_has_exactly_one_effect() 
         worker.await.expect("worker");
     }
     // Then a changed payload under every 50th used key: refused, never run.
-    for k in (0..KEYS).step_by(50) {
+    for k in (0..keys).step_by(50) {
         attempt(&service, &vendor, &figures, org, &format!("load-{k}"), true).await;
     }
     let elapsed = started.elapsed();
@@ -169,7 +173,7 @@ async fn under_load_with_stalls_and_failures_every_key_has_exactly_one_effect() 
     let distinct: HashSet<&u64> = messages.values().collect();
     let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
     println!(
-        "load: {WORKERS} workers, {KEYS} keys x {ATTEMPTS_PER_KEY} attempts in {:.1} s: attempts {}, claim calls {}, \
+        "load: {WORKERS} workers, {keys} keys x {ATTEMPTS_PER_KEY} attempts in {:.1} s: attempts {}, claim calls {}, \
          executions {}, vendor sends {}, vendor effects {}, replays {}, in-flight answers {}, reclaims {}, \
          releases {}, conflicts {}, stalls {}, fenced-off endings {}, completed {completed}, processing {processing}",
         elapsed.as_secs_f64(),
@@ -186,11 +190,11 @@ async fn under_load_with_stalls_and_failures_every_key_has_exactly_one_effect() 
         get(&figures.stalls),
         get(&figures.fenced),
     );
-    assert_eq!(messages.len(), KEYS, "every key had its effect");
-    assert_eq!(distinct.len(), KEYS, "exactly one effect per key at the vendor");
-    assert_eq!(completed, KEYS as i64, "no completion lost");
+    assert_eq!(messages.len(), keys, "every key had its effect");
+    assert_eq!(distinct.len(), keys, "exactly one effect per key at the vendor");
+    assert_eq!(completed, keys as i64, "no completion lost");
     assert_eq!(processing, 0, "nothing stuck in processing");
-    assert_eq!(get(&figures.conflicts), (KEYS / 50) as u64, "every changed payload was refused");
+    assert_eq!(get(&figures.conflicts), (keys / 50) as u64, "every changed payload was refused");
     assert!(get(&figures.stalls) > 0 && get(&figures.reclaims) > 0 && get(&figures.releases) > 0);
     stack.stop().await.unwrap();
 }
