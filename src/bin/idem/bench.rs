@@ -104,7 +104,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, BoxError> {
     print(&results);
     std::fs::write(&args.out, serde_json::to_vec_pretty(&results)?)?;
     println!("\nraw figures: {}", args.out.display());
-    Ok(ExitCode::SUCCESS)
+    Ok(crate::exit::ok())
 }
 
 async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError> {
@@ -119,10 +119,10 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
     figures.push(pairs_through_crate(service.clone(), args.workers, duration).await?);
     eprintln!("the same two calls from a bare HTTP client…");
     figures.push(pairs_bare_http(stack, args.workers, duration).await?);
-    eprintln!("the same SQL functions over direct connections…");
-    figures.push(pairs_direct_sql(stack.db(), args.workers, duration).await?);
-    eprintln!("the floor: the leanest plain statements that keep the contract, over direct connections…");
-    figures.push(pairs_floor(stack.db(), args.workers, duration).await?);
+    eprintln!("the same SQL functions over direct connections, alternating with the floor…");
+    let (direct, floor) = functions_against_floor(stack.db(), args.workers, duration).await?;
+    figures.push(direct);
+    figures.push(floor);
     eprintln!("replays and conflicts…");
     let (replay, conflict, cached, trips) =
         replays_and_conflicts(stack, &client, service.clone(), args.workers, duration).await?;
@@ -294,20 +294,56 @@ async fn pairs_bare_http(stack: &LocalStack, workers: usize, duration: Duration)
     Ok(Figure::from("pairs via bare HTTP", latencies, elapsed))
 }
 
-async fn pairs_direct_sql(db: &PgPool, workers: usize, duration: Duration) -> Result<Figure, BoxError> {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(20)
-        .connect_with(db.connect_options().as_ref().clone())
-        .await?;
+/// Segments each of the functions and the floor runs, alternating (ABBA), so
+/// that a machine whose speed drifts during the run weighs on both alike.
+const FLOOR_SEGMENTS: u32 = 4;
+
+/// The SQL functions over direct connections and the floor, measured in
+/// alternating segments of one pool each: figures for both.
+async fn functions_against_floor(
+    db: &PgPool,
+    workers: usize,
+    duration: Duration,
+) -> Result<(Figure, Figure), BoxError> {
+    let connect =
+        || sqlx::postgres::PgPoolOptions::new().max_connections(20).connect_with(db.connect_options().as_ref().clone());
+    let (functions_pool, floor_pool) = (connect().await?, connect().await?);
+    let segment = duration / FLOOR_SEGMENTS;
+    let (mut functions, mut floor) = ((Vec::new(), Duration::ZERO), (Vec::new(), Duration::ZERO));
+    for round in 0..FLOOR_SEGMENTS {
+        for first in [round % 2 == 0, round % 2 == 1] {
+            let (latencies, elapsed) = if first {
+                pairs_direct_sql(&functions_pool, workers, segment, round).await?
+            } else {
+                pairs_floor(&floor_pool, workers, segment, round).await?
+            };
+            let total = if first { &mut functions } else { &mut floor };
+            total.0.extend(latencies);
+            total.1 += elapsed;
+        }
+    }
+    Ok((
+        Figure::from("pairs via direct SQL", functions.0, functions.1),
+        Figure::from("pairs via floor SQL", floor.0, floor.1),
+    ))
+}
+
+async fn pairs_direct_sql(
+    pool: &PgPool,
+    workers: usize,
+    duration: Duration,
+    round: u32,
+) -> Result<(Vec<Duration>, Duration), BoxError> {
+    let pool = pool.clone();
     let org = Uuid::new_v4();
     let hash = RequestHash::of_json(&json!({"bench": true})).as_str().to_owned();
-    let (latencies, elapsed) = drive(workers, duration, move |worker, i| {
+    drive(workers, duration, move |worker, i| {
         let (pool, hash) = (pool.clone(), hash.clone());
         async move {
             let token = Uuid::new_v4();
             let row = sqlx::query("select * from agent.idempotency_claim($1, 'tool.bench', $2, $3, $4, 60000)")
                 .bind(org)
-                .bind(format!("sql-{worker}-{i}"))
+                .bind(format!("sql-{round}-{worker}-{i}"))
                 .bind(&hash)
                 .bind(token)
                 .fetch_one(&pool)
@@ -321,8 +357,7 @@ async fn pairs_direct_sql(db: &PgPool, workers: usize, duration: Duration) -> Re
             Ok(())
         }
     })
-    .await?;
-    Ok(Figure::from("pairs via direct SQL", latencies, elapsed))
+    .await
 }
 
 /// The floor: claim → complete with the leanest plain statements that keep
@@ -330,14 +365,16 @@ async fn pairs_direct_sql(db: &PgPool, workers: usize, duration: Duration) -> Re
 /// retention from the lease's end, the fence, the response limit, and the
 /// same answer rows: every claim column and `lease_live`), over direct
 /// connections. What the plane's functions cost is measured against it.
-async fn pairs_floor(db: &PgPool, workers: usize, duration: Duration) -> Result<Figure, BoxError> {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(20)
-        .connect_with(db.connect_options().as_ref().clone())
-        .await?;
+async fn pairs_floor(
+    pool: &PgPool,
+    workers: usize,
+    duration: Duration,
+    round: u32,
+) -> Result<(Vec<Duration>, Duration), BoxError> {
+    let pool = pool.clone();
     let org = Uuid::new_v4();
     let hash = RequestHash::of_json(&json!({"bench": true})).as_str().to_owned();
-    let (latencies, elapsed) = drive(workers, duration, move |worker, i| {
+    drive(workers, duration, move |worker, i| {
         let (pool, hash) = (pool.clone(), hash.clone());
         async move {
             let token = Uuid::new_v4();
@@ -362,7 +399,7 @@ async fn pairs_floor(db: &PgPool, workers: usize, duration: Duration) -> Result<
                            k.lease_expires_at > clock_timestamp() as lease_live",
             )
             .bind(org)
-            .bind(format!("floor-{worker}-{i}"))
+            .bind(format!("floor-{round}-{worker}-{i}"))
             .bind(&hash)
             .bind(token)
             .fetch_one(&pool)
@@ -392,8 +429,7 @@ async fn pairs_floor(db: &PgPool, workers: usize, duration: Duration) -> Result<
             Ok(())
         }
     })
-    .await?;
-    Ok(Figure::from("pairs via floor SQL", latencies, elapsed))
+    .await
 }
 
 /// A TCP proxy that holds every byte `delay` in each direction, as a long
