@@ -55,6 +55,7 @@ pub mod postgrest;
 pub mod repo;
 pub mod service;
 pub mod sweeper;
+pub mod telemetry;
 
 /// SQL migrations, in order, as `(file name, contents)`. The same files are
 /// under `sql/` and `supabase/migrations/`.

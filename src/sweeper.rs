@@ -93,10 +93,10 @@ impl<R: ExpiredClaims> Sweeper<R> {
         let report =
             SweepReport { read: ids.len() as u64, deleted, bound: self.bound, filled: ids.len() as u64 >= self.bound };
         span.record("read", report.read).record("deleted", report.deleted).record("filled", report.filled);
-        metrics::counter!("idempotency_sweep_read_total").increment(report.read);
-        metrics::counter!("idempotency_sweep_deleted_total").increment(report.deleted);
+        metrics::counter!(crate::telemetry::SWEEP_READ_TOTAL).increment(report.read);
+        metrics::counter!(crate::telemetry::SWEEP_DELETED_TOTAL).increment(report.deleted);
         if report.filled {
-            metrics::counter!("idempotency_sweep_filled_total").increment(1);
+            metrics::counter!(crate::telemetry::SWEEP_FILLED_TOTAL).increment(1);
         }
         span.in_scope(|| {
             if report.filled {

@@ -398,7 +398,7 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
     /// logs it with its reason, and ACKs.
     fn drop_delivery(&self, reason: DropReason) -> Ack {
         self.drops.add(reason);
-        metrics::counter!("idempotency_webhook_drops_total", "reason" => reason.as_str()).increment(1);
+        metrics::counter!(crate::telemetry::WEBHOOK_DROPS_TOTAL, "reason" => reason.as_str()).increment(1);
         tracing::Span::current().record("drop_reason", reason.as_str());
         tracing::info!(drop_reason = reason.as_str(), "delivery dropped and acknowledged");
         Ack::Dropped(reason)

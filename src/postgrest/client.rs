@@ -12,6 +12,7 @@ use serde::Serialize;
 use super::config::ClientConfig;
 use super::error::{codes, ClientError, PostgrestError, TransportKind};
 use super::range::{ContentRange, ContentRangeError};
+use crate::telemetry;
 
 /// Whether a call may be sent again after its response was lost.
 ///
@@ -109,8 +110,11 @@ impl PostgrestClient {
         args: &impl Serialize,
         repeat: Repeat,
     ) -> Result<T, ClientError> {
-        let answer = self.call(function, args, &[], false, repeat).await?;
-        decode(function, &answer.body)
+        observed(function, async {
+            let answer = self.call(function, args, &[], false, repeat).await?;
+            decode(function, &answer.body)
+        })
+        .await
     }
 
     /// A counted read with no bound, answering the server's `Content-Range`
@@ -124,9 +128,12 @@ impl PostgrestClient {
         select: Option<&str>,
     ) -> Result<(ContentRange, Vec<T>), ClientError> {
         let query: Vec<(&str, &str)> = select.map(|s| ("select", s)).into_iter().collect();
-        let answer = self.call(function, args, &query, true, Repeat::Safe).await?;
-        let range = answer.counted_range(function)?;
-        Ok((range, decode(function, &answer.body)?))
+        observed(function, async {
+            let answer = self.call(function, args, &query, true, Repeat::Safe).await?;
+            let range = answer.counted_range(function)?;
+            Ok((range, decode(function, &answer.body)?))
+        })
+        .await
     }
 
     /// A read of at most `bound` rows from a function that returns a set of
@@ -154,37 +161,40 @@ impl PostgrestClient {
             return Ok(Vec::new());
         }
         let query: Vec<(&str, &str)> = select.map(|s| ("select", s)).into_iter().collect();
-        let answer = self.call(function, args, &query, true, repeat).await?;
-        let range = answer.counted_range(function)?;
-        let rows: Vec<T> = decode(function, &answer.body)?;
-        let received = rows.len() as u64;
-        let Some(total) = range.total() else {
-            return Err(ClientError::ContentRange {
-                function,
-                source: ContentRangeError {
-                    value: range.to_string(),
-                    reason: "the server did not count the rows, so truncation cannot be ruled out",
-                },
-            });
-        };
-        if range.rows() != received {
-            return Err(ClientError::Decode {
-                function,
-                reason: format!("Content-Range {range} announces {} rows, the body holds {received}", range.rows()),
-            });
-        }
-        if received > bound {
-            // The function ignored its bound: refuse rather than act on more
-            // rows than the caller allowed.
-            return Err(ClientError::Decode {
-                function,
-                reason: format!("answered {received} rows for a bound of {bound}"),
-            });
-        }
-        if received < total || answer.status == StatusCode::PARTIAL_CONTENT {
-            return Err(ClientError::Truncated { function, received, total });
-        }
-        Ok(rows)
+        observed(function, async {
+            let answer = self.call(function, args, &query, true, repeat).await?;
+            let range = answer.counted_range(function)?;
+            let rows: Vec<T> = decode(function, &answer.body)?;
+            let received = rows.len() as u64;
+            let Some(total) = range.total() else {
+                return Err(ClientError::ContentRange {
+                    function,
+                    source: ContentRangeError {
+                        value: range.to_string(),
+                        reason: "the server did not count the rows, so truncation cannot be ruled out",
+                    },
+                });
+            };
+            if range.rows() != received {
+                return Err(ClientError::Decode {
+                    function,
+                    reason: format!("Content-Range {range} announces {} rows, the body holds {received}", range.rows()),
+                });
+            }
+            if received > bound {
+                // The function ignored its bound: refuse rather than act on more
+                // rows than the caller allowed.
+                return Err(ClientError::Decode {
+                    function,
+                    reason: format!("answered {received} rows for a bound of {bound}"),
+                });
+            }
+            if received < total || answer.status == StatusCode::PARTIAL_CONTENT {
+                return Err(ClientError::Truncated { function, received, total });
+            }
+            Ok(rows)
+        })
+        .await
     }
 
     /// Sends the call, retrying what [`ClientError::is_retryable`] allows.
@@ -285,6 +295,23 @@ impl PostgrestClient {
             },
         })
     }
+}
+
+/// Runs one public call, recording its latency (retries included) in
+/// `idempotency_rpc_duration_seconds{function}` and a failure in
+/// `idempotency_rpc_errors_total{function, kind}`.
+async fn observed<T>(
+    function: &'static str,
+    call: impl std::future::Future<Output = Result<T, ClientError>>,
+) -> Result<T, ClientError> {
+    let started = Instant::now();
+    let result = call.await;
+    metrics::histogram!(telemetry::RPC_DURATION_SECONDS, "function" => function)
+        .record(started.elapsed().as_secs_f64());
+    if let Err(error) = &result {
+        metrics::counter!(telemetry::RPC_ERRORS_TOTAL, "function" => function, "kind" => error.kind()).increment(1);
+    }
+    result
 }
 
 /// Reads the body, refusing one longer than `limit` bytes without reading

@@ -208,6 +208,25 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// A stable snake_case name of the variant, for metrics labels and
+    /// structured logs: a small fixed set, whatever the message says.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ClientError::Config(_) => "config",
+            ClientError::Api { .. } => "api",
+            ClientError::Http { .. } => "http",
+            ClientError::Transport { kind: TransportKind::Timeout, .. } => "timeout",
+            ClientError::Transport { kind: TransportKind::Connect, .. } => "connect",
+            ClientError::Transport { .. } => "transport",
+            ClientError::Decode { .. } => "decode",
+            ClientError::LockTimeout { .. } => "lock_timeout",
+            ClientError::ResponseTooLarge { .. } => "response_too_large",
+            ClientError::ContentRange { .. } => "content_range",
+            ClientError::Truncated { .. } => "truncated",
+            ClientError::BoundAboveCap { .. } => "bound_above_cap",
+        }
+    }
+
     /// The PostgREST or SQLSTATE code, when the server sent one.
     pub fn code(&self) -> Option<&str> {
         match self {

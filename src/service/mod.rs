@@ -534,7 +534,7 @@ fn record_outcome(operation: &'static str, scope: &str, outcome: &'static str) {
     span.record("replayed", outcome == "completed");
     tracing::debug!(outcome, "idempotency outcome");
     metrics::counter!(
-        "idempotency_outcomes_total",
+        crate::telemetry::OUTCOMES_TOTAL,
         "operation" => operation,
         "scope" => scope.to_owned(),
         "outcome" => outcome
@@ -551,7 +551,7 @@ fn record_ending(operation: &'static str, scope: &str, ending: Ending) {
     };
     tracing::Span::current().record("ending", name);
     metrics::counter!(
-        "idempotency_endings_total",
+        crate::telemetry::ENDINGS_TOTAL,
         "operation" => operation,
         "scope" => scope.to_owned(),
         "ending" => name
