@@ -1,6 +1,7 @@
 //! The `idem` binary, run as a user runs it.
 
 use std::process::Command;
+use std::time::Duration;
 
 #[test]
 fn idem_demo_runs_every_effect_exactly_once_and_exits_zero() {
@@ -19,16 +20,20 @@ fn idem_demo_runs_every_effect_exactly_once_and_exits_zero() {
 }
 
 /// Runs `idem <args>` against the plane at `url` with `key`, told the row cap
-/// `max_rows` when given. Off the runtime's thread: the stack's server runs
-/// on it and must keep answering.
+/// `max_rows` when given; killed if it runs past two minutes.
 async fn idem(url: &str, key: &str, max_rows: Option<u32>, args: &[&str]) -> std::process::Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
-    command.args(args).env_remove("SUPABASE_URL").env("IDEM_POSTGREST_URL", url).env("IDEM_SERVICE_KEY", key);
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+    command
+        .args(args)
+        .env_remove("SUPABASE_URL")
+        .env("IDEM_POSTGREST_URL", url)
+        .env("IDEM_SERVICE_KEY", key)
+        .kill_on_drop(true);
     match max_rows {
         Some(rows) => command.env("IDEM_MAX_ROWS", rows.to_string()),
         None => command.env_remove("IDEM_MAX_ROWS"),
     };
-    tokio::task::spawn_blocking(move || command.output().expect("run idem")).await.expect("idem finished")
+    crate::harness::within(Duration::from_secs(120), "idem", command.output()).await.expect("run idem")
 }
 
 fn stdout(output: &std::process::Output) -> String {
@@ -108,8 +113,129 @@ async fn idem_get_explains_a_claim_by_the_database_clock() {
     let out = stdout(&output);
     assert!(output.status.success(), "{out}");
     assert!(out.contains("the lease passed: its worker is gone"), "{out}");
-    assert!(out.contains(&claim.lease_token().to_string()), "{out}");
+    let token = claim.lease_token().to_string();
+    assert!(!out.contains(&token), "the whole lease token is the worker's secret: {out}");
+    assert!(out.contains(&format!("lease token  {}…", &token[..8])), "{out}");
     assert!(out.contains("lease        passed (by the database clock)"), "{out}");
+
+    // The same as JSON, for a script; and an absent claim.
+    let json_args = [&args[..], &["--json"]].concat();
+    let output = idem(stack.url(), stack.service_key(), None, &json_args).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(!out.contains(&token), "{out}");
+    let got: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(got["state"], "lease_passed");
+    assert_eq!(got["id"], claim.id().to_string());
+    assert_eq!(got["lease_live"], false);
+    assert_eq!(got["lease_token_prefix"], token[..8]);
+    let absent = ["get", "--org", &org.to_string(), "--scope", "tool.email.send", "--key", "never", "--json"];
+    let output = idem(stack.url(), stack.service_key(), None, &absent).await;
+    assert_eq!(stdout(&output).trim(), r#"{"state":"absent"}"#);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn exit_codes_are_distinct_zero_ok_one_failure_two_usage_three_backlog() {
+    let stack =
+        crate::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(10)).await;
+    let (url, key) = (stack.url(), stack.service_key());
+    let code = |output: std::process::Output| output.status.code();
+
+    assert_eq!(code(idem(url, key, Some(10), &["sweep"]).await), Some(0), "ok: nothing waiting");
+    crate::harness::expired_rows(&stack, 12).await;
+    assert_eq!(code(idem(url, key, Some(10), &["sweep"]).await), Some(3), "backlog: the read filled its bound");
+    // Usage errors: nothing is attempted.
+    for args in [&["sweep", "--bound", "ten"][..], &["sweep", "--every", "1w"], &["get", "--org", "x"], &["frobnicate"]]
+    {
+        assert_eq!(code(idem(url, key, Some(10), args).await), Some(2), "{args:?}");
+    }
+    assert_eq!(code(idem(url, key, Some(10), &["sweep", "--help"]).await), Some(0), "--help is no error");
+    assert_eq!(crate::harness::count_rows(&stack).await, 2, "usage errors deleted nothing");
+    // Failures: a plane that does not answer, a failed doctor check.
+    let gone = crate::support::RefusedPort::new();
+    assert_eq!(code(idem(&gone.url(), key, Some(10), &["sweep"]).await), Some(1), "unreachable");
+    assert_eq!(code(idem(url, key, Some(80), &["doctor"]).await), Some(1), "a failed check");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_doctor_json_lists_every_check() {
+    let stack =
+        crate::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(50)).await;
+    let output = idem(stack.url(), stack.service_key(), Some(50), &["doctor", "--json"]).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}");
+    let report: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object, nothing else");
+    assert_eq!(report["ok"], true);
+    let checks = report["checks"].as_array().expect("checks");
+    let names: Vec<&str> = checks.iter().filter_map(|c| c["check"].as_str()).collect();
+    assert!(names.contains(&"reachable") && names.contains(&"row cap"), "{names:?}");
+    assert!(names.contains(&"idempotency_claim"), "{names:?}");
+    assert!(checks.iter().all(|c| c["ok"] == true && c["detail"].is_string()), "{checks:?}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_sweep_serves_prometheus_metrics_while_it_sweeps() {
+    let stack =
+        crate::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(10)).await;
+    crate::harness::expired_rows(&stack, 25).await;
+    let http = reqwest::Client::new();
+    // An ephemeral port the sweeper binds itself; if another process takes
+    // it in between, the sweeper exits at once and the next port is tried.
+    let mut attempts = 0;
+    let (mut sweeper, metrics_url) = loop {
+        attempts += 1;
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["sweep", "--every", "1s", "--json", "--metrics-addr", &addr])
+            .env_remove("SUPABASE_URL")
+            .env("IDEM_POSTGREST_URL", stack.url())
+            .env("IDEM_SERVICE_KEY", stack.service_key())
+            .env("IDEM_MAX_ROWS", "10")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start idem sweep");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        match child.try_wait().expect("poll idem sweep") {
+            None => break (child, format!("http://{addr}/metrics")),
+            Some(status) if attempts < 5 => eprintln!("idem sweep exited ({status}) on {addr}; another port"),
+            Some(status) => panic!("idem sweep could not start its metrics endpoint: {status}"),
+        }
+    };
+    // Scrape until the passes have drained the backlog.
+    let mut body = String::new();
+    crate::harness::within(crate::harness::WAIT, "three passes drain the backlog", async {
+        loop {
+            if let Ok(answer) = http.get(&metrics_url).send().await {
+                assert!(answer.status().is_success());
+                body = answer.text().await.unwrap();
+                if body.contains("idempotency_sweep_deleted_total 25") {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    sweeper.kill().await.expect("stop idem sweep");
+    for expected in [
+        "# TYPE idempotency_sweep_deleted_total counter",
+        "# HELP idempotency_sweep_deleted_total Expired claims deleted by the sweeper.",
+        "idempotency_sweep_read_total 25",
+        "idempotency_sweep_filled_total 2",
+        "# TYPE idempotency_rpc_duration_seconds histogram",
+        "# HELP idempotency_rpc_duration_seconds SQL function calls over PostgREST",
+        "idempotency_rpc_duration_seconds_bucket{function=\"idempotency_expired\",le=\"0.005\"}",
+        "idempotency_rpc_duration_seconds_count{function=\"idempotency_delete_expired\"}",
+    ] {
+        assert!(body.contains(expected), "missing {expected:?} in:\n{body}");
+    }
+    assert_eq!(crate::harness::count_rows(&stack).await, 0);
     stack.stop().await.unwrap();
 }
 

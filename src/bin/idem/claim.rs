@@ -63,5 +63,5 @@ pub(crate) async fn run(args: ClaimArgs) -> Result<ExitCode, BoxError> {
         ClaimOutcome::Conflict => {}
     }
     println!("{line}");
-    Ok(ExitCode::SUCCESS)
+    Ok(crate::exit::ok())
 }

@@ -75,10 +75,10 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, BoxError> {
     report.print();
     stopped?;
     Ok(if report.passed() {
-        ExitCode::SUCCESS
+        crate::exit::ok()
     } else {
         eprintln!("idem demo: a check failed");
-        ExitCode::from(2)
+        crate::exit::failure()
     })
 }
 

@@ -10,7 +10,7 @@ use idempotency_plane::postgrest::{codes, ClientError, PostgrestClient, Repeat};
 use idempotency_plane::repo::{SqlFunction, SQL_SURFACE};
 use serde_json::{json, Value};
 
-use crate::{remote, BoxError};
+use crate::{exit, remote, BoxError};
 
 /// One function as `agent.idempotency_surface()` reports it.
 #[derive(Debug, serde::Deserialize)]
@@ -20,23 +20,64 @@ struct Held {
     executable: bool,
 }
 
+/// Options of `idem doctor`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct DoctorArgs {
+    /// Print the result as one JSON object: `{"ok", "url", "checks": [{"check", "ok", "detail"}]}`.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One check's result.
+#[derive(Debug, serde::Serialize)]
+struct Check {
+    check: String,
+    ok: bool,
+    detail: String,
+}
+
+/// The checks so far; printed as they come, or as one JSON object at the end.
 struct Report {
-    failures: usize,
+    json: bool,
+    checks: Vec<Check>,
 }
 
 impl Report {
     fn line(&mut self, ok: bool, check: &str, detail: impl std::fmt::Display) {
-        if !ok {
-            self.failures += 1;
+        let detail = detail.to_string();
+        if !self.json {
+            println!("{}  {check}: {detail}", if ok { "ok  " } else { "FAIL" });
         }
-        println!("{}  {check}: {detail}", if ok { "ok  " } else { "FAIL" });
+        self.checks.push(Check { check: check.to_owned(), ok, detail });
+    }
+
+    fn note(&self, text: &str) {
+        if !self.json {
+            println!("{text}");
+        }
+    }
+
+    /// Prints the summary (or the JSON object) and answers the exit code:
+    /// 0 when every check passed, else 1.
+    fn finish(self, url: &str) -> Result<ExitCode, BoxError> {
+        let failures = self.checks.iter().filter(|c| !c.ok).count();
+        if self.json {
+            let answer = json!({"ok": failures == 0, "url": url, "checks": self.checks});
+            println!("{}", serde_json::to_string(&answer)?);
+        } else if failures == 0 {
+            println!("all checks passed");
+        } else {
+            println!("{failures} check(s) failed");
+        }
+        Ok(if failures == 0 { exit::ok() } else { exit::failure() })
     }
 }
 
-pub(crate) async fn run() -> Result<ExitCode, BoxError> {
+pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
     let client = remote::client()?;
-    let mut report = Report { failures: 0 };
-    println!("idem doctor: {}", client.config().base_url());
+    let url = client.config().base_url().to_string();
+    let mut report = Report { json: args.json, checks: Vec::new() };
+    report.note(&format!("idem doctor: {url}"));
 
     // Reachability, the key's role, the schema: one harmless read answers all three.
     let started = Instant::now();
@@ -47,21 +88,14 @@ pub(crate) async fn run() -> Result<ExitCode, BoxError> {
         Ok(_) => report.line(true, "reachable", format!("answered in {} ms", started.elapsed().as_millis())),
         Err(error) => {
             report.line(false, "reachable", diagnose(&error));
-            println!("      (the remaining checks need a reachable server with the right key; skipped)");
-            return Ok(ExitCode::FAILURE);
+            report.note("      (the remaining checks need a reachable server with the right key; skipped)");
+            return report.finish(&url);
         }
     }
 
     check_surface(&client, &mut report).await;
     check_row_cap(&client, &mut report).await;
-
-    if report.failures == 0 {
-        println!("all checks passed");
-        Ok(ExitCode::SUCCESS)
-    } else {
-        println!("{} check(s) failed", report.failures);
-        Ok(ExitCode::FAILURE)
-    }
+    report.finish(&url)
 }
 
 /// Compares the functions the database holds with the contract, read-only:

@@ -3,10 +3,11 @@
 use std::process::ExitCode;
 
 use idempotency_plane::repo::ClaimStatus;
-use idempotency_plane::{IdempotencyRepository, PostgrestRepository};
+use idempotency_plane::{IdempotencyRecord, IdempotencyRepository, PostgrestRepository};
+use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::{remote, BoxError};
+use crate::{exit, remote, BoxError};
 
 /// Longest response shown; the rest is cut with a note.
 const SHOWN_RESPONSE_CHARS: usize = 400;
@@ -23,16 +24,30 @@ pub(crate) struct GetArgs {
     /// The idempotency key.
     #[arg(long)]
     key: String,
+    /// Print the claim as one JSON object (`{"state": "absent"}` when there
+    /// is none).
+    #[arg(long)]
+    json: bool,
 }
+
+/// Characters of a lease token shown: enough to tell two workers' tokens
+/// apart in a log, too few to complete or release the claim with. The token
+/// is the worker's secret; whoever holds it can record an ending.
+const SHOWN_TOKEN_CHARS: usize = 8;
 
 pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
     let repo = PostgrestRepository::new(remote::client()?);
-    let Some(record) = repo.get(args.org, &args.scope, &args.key).await? else {
+    let record = repo.get(args.org, &args.scope, &args.key).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&as_json(record.as_ref()))?);
+        return Ok(exit::ok());
+    }
+    let Some(record) = record else {
         println!(
             "absent: no claim for {}/{} in {} (never claimed, released, or swept)",
             args.scope, args.key, args.org
         );
-        return Ok(ExitCode::SUCCESS);
+        return Ok(exit::ok());
     };
     let status = match record.status {
         ClaimStatus::Processing if record.lease_live => {
@@ -50,7 +65,7 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
             println!("lease        {lease} (by the database clock), until {}", record.lease_expires_at);
         }
     }
-    println!("lease token  {}", record.lease_token);
+    println!("lease token  {}… (the rest is the worker's secret)", token_prefix(&record));
     println!("claimed at   {}", record.claimed_at);
     println!("retained to  {}", record.retain_until);
     println!("request hash {}", record.request_hash);
@@ -71,7 +86,39 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
         }
         None => println!("response     —"),
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(exit::ok())
+}
+
+/// The start of the claim's lease token, never the whole of it.
+fn token_prefix(record: &IdempotencyRecord) -> String {
+    record.lease_token.to_string().chars().take(SHOWN_TOKEN_CHARS).collect()
+}
+
+/// The claim for `--json`: every field a script needs, the lease token cut
+/// as on the terminal; the response whole (it is JSON already).
+fn as_json(record: Option<&IdempotencyRecord>) -> Value {
+    let Some(record) = record else { return json!({"state": "absent"}) };
+    let state = match record.status {
+        ClaimStatus::Processing if record.lease_live => "processing",
+        ClaimStatus::Processing => "lease_passed",
+        ClaimStatus::Completed => "completed",
+    };
+    json!({
+        "state": state,
+        "id": record.id,
+        "organization_id": record.organization_id,
+        "scope": record.scope,
+        "key": record.key,
+        "lease_live": record.lease_live,
+        "lease_token_prefix": token_prefix(record),
+        "claimed_at": record.claimed_at,
+        "lease_expires_at": record.lease_expires_at,
+        "retain_until": record.retain_until,
+        "request_hash": record.request_hash,
+        "resource_type": record.resource_type,
+        "resource_id": record.resource_id,
+        "response": record.response,
+    })
 }
 
 /// `text` without control characters, so a stored value cannot drive the

@@ -1,30 +1,46 @@
 //! `idem`: the idempotency plane's command-line tool.
 //!
-//! - `idem demo` runs a concurrent scenario against the embedded local stack
-//!   (or the server `IDEM_POSTGREST_URL` / `SUPABASE_URL` names) and prints
-//!   what the plane prevented.
-//! - `idem up` serves the embedded local stack until Ctrl-C.
-//! - `idem bench` measures the plane side by side on the embedded stack.
-//! - `idem sweep`, `idem get`, `idem claim`, `idem doctor` act on the deployment
-//!   `IDEM_POSTGREST_URL` / `SUPABASE_URL` names.
+//! Against a deployed plane (`IDEM_POSTGREST_URL` / `SUPABASE_URL` and a
+//! service key), with default features:
+//! - `idem sweep` deletes expired claims: one bounded pass, or passes on a
+//!   schedule with a Prometheus endpoint;
+//! - `idem get` shows one claim as the database sees it;
+//! - `idem claim` claims a key the way a worker does;
+//! - `idem doctor` checks that a deployment can serve the plane.
 //!
-//! Exit codes: 0 success; 1 an error (printed with its causes), or a failed
-//! `doctor` check; 2 a usage error (clap), or a demo check that failed;
-//! 3 `sweep`'s read filled its bound (a backlog).
+//! With `--features local`, on the embedded local stack:
+//! - `idem demo` runs a concurrent scenario and prints what the plane prevented;
+//! - `idem up` serves the local stack until Ctrl-C;
+//! - `idem bench` measures the plane side by side.
+//!
+//! Exit codes: 0 success; 1 a failure (an error, printed with its causes, a
+//! failed `doctor` check, a failed `demo` check); 2 a usage error; 3 `sweep`
+//! left a backlog (its read filled the bound).
 
-mod bench;
 mod claim;
-mod demo;
 mod doctor;
+mod exit;
 mod get;
-mod plane;
+mod metrics_endpoint;
 mod remote;
-mod report;
 mod signal;
 mod sweep;
+
+#[cfg(feature = "local")]
+mod bench;
+#[cfg(feature = "local")]
+mod demo;
+#[cfg(feature = "local")]
+mod plane;
+#[cfg(feature = "local")]
+mod report;
+#[cfg(feature = "local")]
 mod tally;
+#[cfg(feature = "local")]
 mod up;
+#[cfg(feature = "local")]
 mod vendor;
+#[cfg(feature = "local")]
 mod worker;
 
 use std::error::Error as StdError;
@@ -38,7 +54,13 @@ pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 
 /// The idempotency plane: claims, leases with fencing tokens, a replay journal.
 #[derive(Debug, Parser)]
-#[command(name = "idem", version, about)]
+#[command(
+    name = "idem",
+    version,
+    about,
+    after_help = "Exit codes: 0 success, 1 failure, 2 usage error, 3 sweep backlog.\n\
+                  demo, up and bench need the embedded local stack: cargo install --path . --features local"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -53,12 +75,15 @@ enum Command {
     /// DATABASE_URL, default postgres://postgres@127.0.0.1:5432/postgres),
     /// or the server IDEM_POSTGREST_URL / SUPABASE_URL names with its
     /// service key (IDEM_SERVICE_KEY / SUPABASE_SERVICE_ROLE_KEY).
+    #[cfg(feature = "local")]
     Demo(demo::DemoArgs),
     /// Measure the plane on the embedded local stack, side by side: the crate,
     /// a bare HTTP client, direct SQL, replays, conflicts, a concurrent
     /// sweep, a large table. Prints ratios; writes the raw figures as JSON.
+    #[cfg(feature = "local")]
     Bench(bench::BenchArgs),
     /// Serve the embedded local stack until Ctrl-C, and print how to reach it.
+    #[cfg(feature = "local")]
     Up(up::UpArgs),
     /// Delete claims past their retention: one bounded pass, or passes on a
     /// schedule (--every). Exit 0 ok, 3 backlog (the read filled the bound),
@@ -72,31 +97,43 @@ enum Command {
     Claim(claim::ClaimArgs),
     /// Check that a deployment can serve the plane: reachability, the key's
     /// role, the exposed schema, every function, the real row cap.
-    Doctor,
+    Doctor(doctor::DoctorArgs),
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            // --help and --version print and succeed; anything else is a
+            // usage error, exit 2.
+            let _ = error.print();
+            return if error.use_stderr() { exit::usage() } else { exit::ok() };
+        }
+    };
     init_logging(match cli.command {
         // The benchmark's sweep fills its bound on purpose.
+        #[cfg(feature = "local")]
         Command::Bench(_) => "warn,postrust_server::build=error,idempotency_plane::sweeper=error,sqlx=error",
         _ => DEFAULT_LOG_FILTER,
     });
     let result = match cli.command {
+        #[cfg(feature = "local")]
         Command::Demo(args) => demo::run(args).await,
+        #[cfg(feature = "local")]
         Command::Bench(args) => bench::run(args).await,
+        #[cfg(feature = "local")]
         Command::Up(args) => up::run(args).await,
         Command::Sweep(args) => sweep::run(args).await,
         Command::Get(args) => get::run(args).await,
         Command::Claim(args) => claim::run(args).await,
-        Command::Doctor => doctor::run().await,
+        Command::Doctor(args) => doctor::run(args).await,
     };
     match result {
         Ok(code) => code,
         Err(error) => {
             print_error(error.as_ref());
-            ExitCode::FAILURE
+            exit::failure()
         }
     }
 }

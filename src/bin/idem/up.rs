@@ -57,7 +57,7 @@ pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
     stack.stop().await?;
     signal?;
     println!("stopped; database {database} dropped");
-    Ok(ExitCode::SUCCESS)
+    Ok(crate::exit::ok())
 }
 
 /// Writes the stack's connection details to `path` atomically: a reader that

@@ -1,0 +1,24 @@
+//! The exit codes, one place: scripts and schedulers branch on them.
+
+use std::process::ExitCode;
+
+/// The command did what it was asked, and nothing is waiting.
+pub(crate) fn ok() -> ExitCode {
+    ExitCode::SUCCESS
+}
+
+/// An error (printed with its causes), a failed `doctor` check, a failed
+/// `demo` check.
+pub(crate) fn failure() -> ExitCode {
+    ExitCode::from(1)
+}
+
+/// The command line was wrong: nothing was attempted.
+pub(crate) fn usage() -> ExitCode {
+    ExitCode::from(2)
+}
+
+/// `sweep`'s last read filled its bound: expired claims are waiting.
+pub(crate) fn backlog() -> ExitCode {
+    ExitCode::from(3)
+}
