@@ -9,4 +9,5 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0007_clocks_locks_admission.sql", include_str!("../sql/0007_clocks_locks_admission.sql")),
     ("0008_surface_v2.sql", include_str!("../sql/0008_surface_v2.sql")),
     ("0009_lean_hot_path.sql", include_str!("../sql/0009_lean_hot_path.sql")),
+    ("0010_http_scopes.sql", include_str!("../sql/0010_http_scopes.sql")),
 ];

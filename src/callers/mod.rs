@@ -6,6 +6,8 @@
 //!   and provider callbacks that resolve their tenant first.
 //! - [`saved_search`]: the one surface claim before Run admission.
 //! - [`runs`]: Run admission through `agent.runs`, never the claim table.
+//! - `idempotency_key` (feature `axum`): `Idempotency-Key` for any HTTP API,
+//!   as a tower layer.
 
 pub mod runs;
 pub mod saved_search;
@@ -14,3 +16,5 @@ pub mod webhook;
 
 #[cfg(feature = "axum")]
 pub mod http;
+#[cfg(feature = "axum")]
+pub mod idempotency_key;

@@ -60,15 +60,20 @@ impl Default for MemoryRepository {
 
 impl MemoryRepository {
     /// An empty plane with the seeded policies (`tool.*` 30 days,
-    /// `webhook.*` 24 hours, `surface.saved_search.start` 24 hours, 64 KiB
-    /// each) and a row cap of 1000 for bounded reads.
+    /// `webhook.*`, `surface.saved_search.start` and `http.*` 24 hours,
+    /// 64 KiB each) and a row cap of 1000 for bounded reads.
     pub fn new() -> Self {
         let policy = |scope: &str, days| Policy {
             scope: scope.to_owned(),
             retain: TimeDelta::days(days),
             max_response_bytes: 65_536,
         };
-        let policies = vec![policy("tool.*", 30), policy("webhook.*", 1), policy("surface.saved_search.start", 1)];
+        let policies = vec![
+            policy("tool.*", 30),
+            policy("webhook.*", 1),
+            policy("surface.saved_search.start", 1),
+            policy("http.*", 1),
+        ];
         MemoryRepository { state: Mutex::new(State { policies, ..State::default() }), max_bound: 1000 }
     }
 

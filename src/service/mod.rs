@@ -11,7 +11,7 @@ mod hash;
 pub(crate) mod journal;
 mod outcome;
 mod replay_cache;
-mod scope;
+pub(crate) mod scope;
 mod validate;
 
 use std::time::Duration;

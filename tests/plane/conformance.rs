@@ -156,7 +156,12 @@ async fn the_v1_protocol_claims_reclaims_completes_and_releases_under_its_fence(
 /// Scopes and their retention come from the policy; arguments only lengthen it.
 async fn retention_is_the_scopes_policy_and_an_unknown_scope_is_refused(repo: &impl Backend, _: &impl TimeTravel) {
     let (org, h) = (Uuid::new_v4(), hash("policy"));
-    for (scope, days) in [("tool.crm.company.create", 30), ("webhook.nylas", 1), ("surface.saved_search.start", 1)] {
+    for (scope, days) in [
+        ("tool.crm.company.create", 30),
+        ("webhook.nylas", 1),
+        ("surface.saved_search.start", 1),
+        ("http.post.orders", 1),
+    ] {
         let row = repo.claim(&call(org, scope, "k", &h, Uuid::new_v4())).await.unwrap();
         assert_eq!(row.retain_until - row.lease_expires_at, chrono::TimeDelta::days(days), "{scope}");
     }

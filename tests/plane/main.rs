@@ -38,6 +38,8 @@ mod stack_faults;
 #[cfg(feature = "local")]
 mod stack_fences;
 #[cfg(feature = "local")]
+mod stack_idempotency_key;
+#[cfg(feature = "local")]
 mod stack_indexes;
 #[cfg(feature = "local")]
 mod stack_load;

@@ -1,0 +1,598 @@
+//! `Idempotency-Key` for any HTTP API: a tower layer over the plane
+//! (feature `axum`), after the IETF draft "The Idempotency-Key HTTP Header
+//! Field" and the way Stripe's API behaves.
+//!
+//! For the configured methods (POST and PATCH by default) a request carrying
+//! `Idempotency-Key` is claimed in the plane under the scope
+//! `http.<method>.<route>` and the caller's tenant, with a fingerprint of its
+//! method, route, body (by value when it is JSON) and configured headers:
+//!
+//! | request | answer |
+//! |---|---|
+//! | first with this key | the handler runs; its answer is journaled and returned |
+//! | the handler answered 5xx or 429, panicked or timed out | the claim is released: a retry runs the handler again |
+//! | repeat after completion | the journaled status, headers and body, `Idempotent-Replayed: true` |
+//! | repeat while the first is in flight | 409, `Retry-After` |
+//! | same key, different fingerprint | 422 |
+//! | no key where one is required | 400 (or passed through, [`optional`](IdempotencyKeyLayer::optional)) |
+//! | empty, malformed, repeated or longer than 255 characters | 400 |
+//! | body above the limit | 413 |
+//! | the plane unreachable | 503, `Retry-After` (or run unprotected, [`fail_open`](IdempotencyKeyLayer::fail_open)) |
+//!
+//! Every answer of the layer's own is RFC 9457 problem details
+//! (`application/problem+json`). Apply it with `Router::route_layer`, so the
+//! scope names the matched route (`/orders/{id}`), not each path.
+
+mod fingerprint;
+mod problem;
+mod stored;
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::MatchedPath;
+use axum::http::request::Parts;
+use axum::http::{HeaderName, Method, Request, Response, StatusCode};
+use futures_util::FutureExt;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower_layer::Layer;
+use tower_service::Service;
+use tracing::{field, Instrument};
+use uuid::Uuid;
+
+pub use problem::Problem;
+use stored::StoredResponse;
+
+use crate::error::Error;
+use crate::repo::IdempotencyRepository;
+use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService};
+
+/// The request header the key is read from.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// Longest key accepted, in characters (Stripe's limit).
+pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
+
+/// What a handler's answer above the journal's limit becomes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OversizeResponse {
+    /// The first caller gets the whole answer; the journal keeps its status
+    /// and headers, and a repeat gets them with an empty body and
+    /// `Idempotent-Body-Omitted: <bytes>`.
+    #[default]
+    OmitBody,
+    /// The first caller gets a 500 problem instead, and so does every repeat:
+    /// for an API whose clients cannot act on an answer without its body.
+    Refuse,
+}
+
+/// Resolves the tenant (the plane's organization) of a request, for example
+/// from its verified auth token. `None` answers 401.
+pub type TenantOf = dyn Fn(&Parts) -> Option<Uuid> + Send + Sync;
+
+/// The layer; see the [module documentation](self) for what it answers.
+pub struct IdempotencyKeyLayer<R> {
+    config: Config<R>,
+}
+
+impl<R> std::fmt::Debug for IdempotencyKeyLayer<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.config.fmt(f)
+    }
+}
+
+impl<R> std::fmt::Debug for Config<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyKeyLayer")
+            .field("methods", &self.methods)
+            .field("required", &self.required)
+            .field("body_limit", &self.body_limit)
+            .field("response_body_limit", &self.response_body_limit)
+            .field("handler_timeout", &self.handler_timeout)
+            .field("lease_margin", &self.lease_margin)
+            .field("counted_headers", &self.counted_headers)
+            .field("kept_headers", &self.kept_headers)
+            .field("oversize", &self.oversize)
+            .field("fail_open", &self.fail_open)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R> Clone for IdempotencyKeyLayer<R> {
+    fn clone(&self) -> Self {
+        IdempotencyKeyLayer { config: self.config.clone() }
+    }
+}
+
+struct Config<R> {
+    service: Arc<IdempotencyService<R>>,
+    tenant: Arc<TenantOf>,
+    methods: Vec<Method>,
+    required: bool,
+    body_limit: usize,
+    response_body_limit: usize,
+    handler_timeout: Duration,
+    lease_margin: Duration,
+    counted_headers: Vec<HeaderName>,
+    kept_headers: Vec<HeaderName>,
+    oversize: OversizeResponse,
+    fail_open: bool,
+    in_flight_retry_after: u64,
+    unavailable_retry_after: u64,
+}
+
+impl<R> Clone for Config<R> {
+    fn clone(&self) -> Self {
+        Config {
+            service: self.service.clone(),
+            tenant: self.tenant.clone(),
+            methods: self.methods.clone(),
+            required: self.required,
+            body_limit: self.body_limit,
+            response_body_limit: self.response_body_limit,
+            handler_timeout: self.handler_timeout,
+            lease_margin: self.lease_margin,
+            counted_headers: self.counted_headers.clone(),
+            kept_headers: self.kept_headers.clone(),
+            oversize: self.oversize,
+            fail_open: self.fail_open,
+            in_flight_retry_after: self.in_flight_retry_after,
+            unavailable_retry_after: self.unavailable_retry_after,
+        }
+    }
+}
+
+impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
+    /// A layer over `service`, with `tenant` naming each request's
+    /// organization. Defaults: POST and PATCH, key required, request bodies
+    /// up to 1 MiB, answers buffered up to 8 MiB, handler timeout 30 s
+    /// (lease: timeout + 5 s), `Content-Type` and `Location` kept with the
+    /// journaled answer, fail closed.
+    pub fn new(
+        service: IdempotencyService<R>,
+        tenant: impl Fn(&Parts) -> Option<Uuid> + Send + Sync + 'static,
+    ) -> Self {
+        IdempotencyKeyLayer {
+            config: Config {
+                service: Arc::new(service),
+                tenant: Arc::new(tenant),
+                methods: vec![Method::POST, Method::PATCH],
+                required: true,
+                body_limit: 1024 * 1024,
+                response_body_limit: 8 * 1024 * 1024,
+                handler_timeout: Duration::from_secs(30),
+                lease_margin: Duration::from_secs(5),
+                counted_headers: Vec::new(),
+                kept_headers: vec![HeaderName::from_static("content-type"), HeaderName::from_static("location")],
+                oversize: OversizeResponse::OmitBody,
+                fail_open: false,
+                in_flight_retry_after: 1,
+                unavailable_retry_after: 5,
+            },
+        }
+    }
+
+    fn edit(mut self, change: impl FnOnce(&mut Config<R>)) -> Self {
+        change(&mut self.config);
+        self
+    }
+
+    /// The methods that take a key (others pass straight through).
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.edit(|c| c.methods = methods)
+    }
+
+    /// Requests without a key pass straight through, unprotected, instead
+    /// of being answered 400.
+    pub fn optional(self) -> Self {
+        self.edit(|c| c.required = false)
+    }
+
+    /// The largest request body buffered, in bytes; a larger one is 413.
+    pub fn body_limit(self, bytes: usize) -> Self {
+        self.edit(|c| c.body_limit = bytes)
+    }
+
+    /// The largest handler answer buffered for the journal, in bytes. A
+    /// larger one cannot be returned whole either (it was read to the
+    /// limit): the caller gets 502 and the journal keeps its status and
+    /// headers.
+    pub fn response_body_limit(self, bytes: usize) -> Self {
+        self.edit(|c| c.response_body_limit = bytes)
+    }
+
+    /// How long the handler may run before it is cancelled and its claim
+    /// released (504). The lease is this plus `margin` (at least 1 s), so a
+    /// live handler's claim is never taken over.
+    pub fn handler_timeout(self, timeout: Duration, margin: Duration) -> Self {
+        self.edit(|c| {
+            c.handler_timeout = timeout;
+            c.lease_margin = margin;
+        })
+    }
+
+    /// A header that is part of the fingerprint (a currency, an API version).
+    pub fn count_header(self, name: HeaderName) -> Self {
+        self.edit(|c| c.counted_headers.push(name))
+    }
+
+    /// A header of the handler's answer that is journaled and replayed
+    /// (besides `Content-Type` and `Location`). Never a `Set-Cookie`.
+    pub fn keep_header(self, name: HeaderName) -> Self {
+        self.edit(|c| c.kept_headers.push(name))
+    }
+
+    /// What an answer above the journal's response limit becomes.
+    pub fn on_oversize(self, oversize: OversizeResponse) -> Self {
+        self.edit(|c| c.oversize = oversize)
+    }
+
+    /// When the plane is unreachable, run the handler unprotected (logged
+    /// at error level for every request) instead of answering 503.
+    pub fn fail_open(self) -> Self {
+        self.edit(|c| c.fail_open = true)
+    }
+}
+
+impl<S, R> Layer<S> for IdempotencyKeyLayer<R> {
+    type Service = IdempotencyKey<S, R>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyKey { inner, config: Arc::new(self.config.clone()) }
+    }
+}
+
+/// The service [`IdempotencyKeyLayer`] wraps a handler in.
+pub struct IdempotencyKey<S, R> {
+    inner: S,
+    config: Arc<Config<R>>,
+}
+
+impl<S, R> std::fmt::Debug for IdempotencyKey<S, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyKey").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl<S: Clone, R> Clone for IdempotencyKey<S, R> {
+    fn clone(&self) -> Self {
+        IdempotencyKey { inner: self.inner.clone(), config: self.config.clone() }
+    }
+}
+
+impl<S, R> Service<Request<Body>> for IdempotencyKey<S, R>
+where
+    S: Service<Request<Body>, Response = Response<Body>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    R: IdempotencyRepository + 'static,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // The clone that was made ready serves this request.
+        let fresh = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, fresh);
+        let config = self.config.clone();
+        Box::pin(handle(config, ready, request))
+    }
+}
+
+async fn handle<S, R>(config: Arc<Config<R>>, mut inner: S, request: Request<Body>) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<Body>> + Send,
+    S::Future: Send,
+    R: IdempotencyRepository + 'static,
+{
+    if !config.methods.contains(request.method()) {
+        return inner.call(request).await;
+    }
+    let key = match idempotency_key(request.headers()) {
+        Ok(Some(key)) => key,
+        Ok(None) if !config.required => return inner.call(request).await,
+        Ok(None) => {
+            return Ok(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "missing-key",
+                "Idempotency-Key is required",
+                format!("{} requests to this API carry an Idempotency-Key header", request.method()),
+            )
+            .into_response())
+        }
+        Err(problem) => return Ok(problem.into_response()),
+    };
+    let (parts, body) = request.into_parts();
+    let Some(organization_id) = (config.tenant)(&parts) else {
+        return Ok(Problem::new(
+            StatusCode::UNAUTHORIZED,
+            "no-tenant",
+            "No tenant for this request",
+            "the request does not name the tenant its key belongs to",
+        )
+        .into_response());
+    };
+    let body = match buffer(body, config.body_limit).await {
+        Ok(body) => body,
+        Err(problem) => return Ok(problem.into_response()),
+    };
+    let route =
+        parts.extensions.get::<MatchedPath>().map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
+    let scope = fingerprint::scope(&parts.method, &route);
+    let hash = fingerprint::fingerprint(&parts.method, &route, &parts.headers, &body, &config.counted_headers);
+    let span = tracing::info_span!(
+        "http.idempotency_key",
+        %organization_id, scope, key, outcome = field::Empty, replayed = field::Empty, ending = field::Empty
+    );
+    async move {
+        let lease = config.handler_timeout + config.lease_margin;
+        let claimed = config.service.claim(organization_id, &scope, &key, &hash, lease).await;
+        let claim = match claimed {
+            Ok(ClaimOutcome::Claimed(claim)) => claim,
+            Ok(ClaimOutcome::Completed { response, .. }) => {
+                tracing::Span::current().record("outcome", "replayed").record("replayed", true);
+                let replay = response.and_then(|v| serde_json::from_value::<StoredResponse>(v).ok()).and_then(|s| s.replay());
+                return Ok(replay.unwrap_or_else(|| {
+                    tracing::error!("the journaled answer is not one this layer wrote");
+                    Problem::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "unreadable-answer",
+                        "The first answer cannot be replayed",
+                        "this key completed, but its journaled answer is not an HTTP answer",
+                    )
+                    .into_response()
+                }));
+            }
+            Ok(ClaimOutcome::Processing { .. }) => {
+                tracing::Span::current().record("outcome", "in_flight");
+                return Ok(Problem::new(
+                    StatusCode::CONFLICT,
+                    "in-flight",
+                    "A request with this key is in flight",
+                    "the first request with this Idempotency-Key has not finished; retry later",
+                )
+                .retry_after(config.in_flight_retry_after)
+                .into_response());
+            }
+            Ok(ClaimOutcome::Conflict) => {
+                tracing::Span::current().record("outcome", "key_reused");
+                return Ok(Problem::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "key-reused",
+                    "Idempotency-Key reused for a different request",
+                    "this key was used for a request with another method, route, body or headers",
+                )
+                .into_response());
+            }
+            Err(error) => return unavailable(&config, error, &mut inner, Request::from_parts(parts, Body::from(body))).await,
+        };
+        tracing::Span::current().record("outcome", "claimed");
+
+        let ran = AssertUnwindSafe(inner.call(Request::from_parts(parts, Body::from(body)))).catch_unwind();
+        let response = match tokio::time::timeout(config.handler_timeout, ran).await {
+            Ok(Ok(Ok(response))) => response,
+            Ok(Ok(Err(error))) => {
+                config.service.release_or_log(&claim).await;
+                return Err(error);
+            }
+            Ok(Err(_panic)) => {
+                tracing::error!("the handler panicked; its claim is released");
+                config.service.release_or_log(&claim).await;
+                return Ok(Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "handler-failed",
+                    "The request failed",
+                    "the request failed before it finished; retry with the same key",
+                )
+                .into_response());
+            }
+            Err(_elapsed) => {
+                tracing::warn!(timeout_ms = config.handler_timeout.as_millis() as u64, "the handler timed out; its claim is released");
+                config.service.release_or_log(&claim).await;
+                return Ok(Problem::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "handler-timeout",
+                    "The request took too long",
+                    "the request was cut off before it finished; retry with the same key",
+                )
+                .into_response());
+            }
+        };
+        let status = response.status();
+        if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
+            // Retryable: not the answer to this key, so the next try runs again.
+            config.service.release_or_log(&claim).await;
+            tracing::Span::current().record("ending", "released");
+            return Ok(response);
+        }
+        let (parts, body) = response.into_parts();
+        let (answer, stored) = match buffer(body, config.response_body_limit).await {
+            Ok(bytes) => {
+                let stored = StoredResponse::of(status, &parts.headers, &config.kept_headers, &bytes);
+                let stored = fit(&config, stored, bytes.len() as u64);
+                let answer = match stored.refused() {
+                    Some(refusal) => refusal,
+                    None => Response::from_parts(parts, Body::from(bytes)),
+                };
+                (answer, stored)
+            }
+            Err(_) => {
+                let stored = StoredResponse::of(status, &parts.headers, &config.kept_headers, &Bytes::new())
+                    .without_body(config.response_body_limit as u64);
+                let problem = Problem::new(
+                    StatusCode::BAD_GATEWAY,
+                    "answer-too-large",
+                    "The answer is too large",
+                    "the request ran, but its answer is larger than this API returns",
+                );
+                (problem.into_response(), stored)
+            }
+        };
+        let ending = match serde_json::to_value(&stored) {
+            Ok(value) => config.service.complete(&claim, Completion::response(value)).await,
+            Err(error) => Err(Error::Inconsistent(format!("the answer does not serialize: {error}"))),
+        };
+        match ending {
+            Ok(Ending::Recorded) => {
+                tracing::Span::current().record("ending", "recorded");
+            }
+            Ok(Ending::LeaseMovedOn) => {
+                tracing::Span::current().record("ending", "lease_moved_on");
+                tracing::warn!("the lease passed before the handler finished; another request took the key over");
+            }
+            Err(error) => {
+                tracing::error!(%error, "the answer could not be journaled; the claim frees itself when its lease passes");
+            }
+        }
+        Ok(answer)
+    }
+    .instrument(span)
+    .await
+}
+
+/// The key, if the request has one: a bare value (as Stripe takes it) or an
+/// RFC 8941 string (`"…"`, as the IETF draft writes it).
+fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Option<String>, Problem> {
+    let malformed =
+        |detail: &str| Problem::new(StatusCode::BAD_REQUEST, "malformed-key", "Idempotency-Key is malformed", detail);
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else { return Ok(None) };
+    if values.next().is_some() {
+        return Err(malformed("the request carries more than one Idempotency-Key"));
+    }
+    let text = value.to_str().map_err(|_| malformed("the key holds characters other than visible ASCII"))?.trim();
+    let key = match text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) {
+        Some(inner) if inner.contains(['"', '\\']) => {
+            return Err(malformed("a quoted key holds a quote or a backslash"))
+        }
+        Some(inner) => inner,
+        None => text,
+    };
+    if key.is_empty() {
+        return Err(malformed("the key is empty"));
+    }
+    if !key.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err(malformed("the key holds characters other than visible ASCII"));
+    }
+    let chars = key.len();
+    if chars > MAX_IDEMPOTENCY_KEY_CHARS {
+        return Err(malformed(&format!("the key is {chars} characters; at most {MAX_IDEMPOTENCY_KEY_CHARS}")));
+    }
+    Ok(Some(key.to_owned()))
+}
+
+/// Reads a body up to `limit` bytes: 413 above it, 400 when it breaks off.
+async fn buffer(body: Body, limit: usize) -> Result<Bytes, Problem> {
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => Err(Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body-too-large",
+            "The request body is too large",
+            format!("request bodies are buffered up to {limit} bytes"),
+        )),
+        Err(error) => Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "body-unreadable",
+            "The request body could not be read",
+            format!("the body broke off: {error}"),
+        )),
+    }
+}
+
+/// Applies the oversize policy to an answer whose body is `body_bytes`
+/// long, when it is above the scope's response limit: the journal keeps its
+/// status and headers only, or a refusal that the caller gets as well.
+fn fit<R: IdempotencyRepository>(config: &Config<R>, stored: StoredResponse, body_bytes: u64) -> StoredResponse {
+    let size = serde_json::to_vec(&stored).map_or(u64::MAX, |v| v.len() as u64);
+    if size <= config.service.response_limit() {
+        return stored;
+    }
+    match config.oversize {
+        OversizeResponse::OmitBody => stored.without_body(body_bytes),
+        OversizeResponse::Refuse => StoredResponse::refusal(&Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "answer-not-kept",
+            "The answer is too large to keep",
+            "the request ran, but its answer is larger than this API keeps for repeats",
+        )),
+    }
+}
+
+/// The plane could not be asked: 503, or with `fail_open` the handler runs
+/// unprotected. A misconfiguration (no policy for the scope) is 500 either way.
+async fn unavailable<S, R>(
+    config: &Config<R>,
+    error: Error,
+    inner: &mut S,
+    request: Request<Body>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<Body>>,
+{
+    if let Error::UnknownScope { .. } | Error::Invalid(_) = error {
+        tracing::error!(%error, "the idempotency scope is not usable; add a policy row for it (http.* covers every route)");
+        return Ok(Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "not-configured",
+            "Idempotency is not configured for this route",
+            "the server has no idempotency policy for this route",
+        )
+        .into_response());
+    }
+    if config.fail_open {
+        tracing::error!(%error, "the idempotency plane is unreachable; FAIL-OPEN: running the request without protection");
+        return inner.call(request).await;
+    }
+    tracing::warn!(%error, "the idempotency plane is unreachable; answering 503");
+    Ok(Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable",
+        "Idempotency is unavailable",
+        "the request was not run, because its key cannot be checked now; retry with the same key",
+    )
+    .retry_after(config.unavailable_retry_after)
+    .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::{HeaderMap, HeaderValue};
+
+    fn with_key(value: &'static [u8]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_bytes(value).unwrap());
+        headers
+    }
+
+    #[test]
+    fn keys_bare_or_quoted_are_read_and_bad_ones_refused() {
+        assert_eq!(idempotency_key(&HeaderMap::new()), Ok(None));
+        assert_eq!(idempotency_key(&with_key(b"abc-1")), Ok(Some("abc-1".into())));
+        assert_eq!(idempotency_key(&with_key(b"\"8e03978e-40d5\"")), Ok(Some("8e03978e-40d5".into())));
+        for bad in [&b""[..], b"\"\"", b"   ", b"\"a\"b\"", b"caf\xc3\xa9"] {
+            let refused = idempotency_key(&with_key(bad)).unwrap_err();
+            assert_eq!((refused.status, refused.slug), (StatusCode::BAD_REQUEST, "malformed-key"), "{bad:?}");
+        }
+        let long = "k".repeat(MAX_IDEMPOTENCY_KEY_CHARS + 1);
+        let mut headers = HeaderMap::new();
+        headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_str(&long).unwrap());
+        assert!(idempotency_key(&headers).is_err());
+        headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_str(&long[1..]).unwrap());
+        assert!(idempotency_key(&headers).is_ok());
+        headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("two"));
+        assert!(idempotency_key(&headers).is_err(), "two keys");
+    }
+}

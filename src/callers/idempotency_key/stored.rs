@@ -1,0 +1,142 @@
+//! The answer a first request got, as the journal keeps it: status,
+//! selected headers and the body (text when it is UTF-8, base64 otherwise),
+//! so a repeat is answered byte for byte.
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use base64::Engine;
+use serde::{Deserialize, Serialize};
+
+use super::problem::Problem;
+
+/// A stored HTTP answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct StoredResponse {
+    pub(super) status: u16,
+    /// Kept headers, lowercase names, in the order they were sent.
+    pub(super) headers: Vec<(String, String)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) body_text: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) body_base64: Option<String>,
+    /// Set instead of a body when the body was above the store's limit:
+    /// its size in bytes. A replay answers the status and headers with an
+    /// empty body and `Idempotent-Body-Omitted: <size>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) body_omitted: Option<u64>,
+    /// The layer answered a problem in place of the handler's answer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) refused: bool,
+}
+
+impl StoredResponse {
+    /// What to keep of an answer: its status, the `keep` headers it carries
+    /// (values that are not visible ASCII are dropped), and its body.
+    pub(super) fn of(status: StatusCode, headers: &HeaderMap, keep: &[HeaderName], body: &Bytes) -> Self {
+        let headers = keep
+            .iter()
+            .flat_map(|name| {
+                headers.get_all(name).iter().filter_map(move |value| {
+                    value.to_str().ok().map(|value| (name.as_str().to_owned(), value.to_owned()))
+                })
+            })
+            .collect();
+        // Text unless it is not UTF-8 or holds U+0000, which jsonb cannot.
+        let (body_text, body_base64) = match std::str::from_utf8(body) {
+            Ok(text) if !text.contains('\0') => (Some(text.to_owned()), None),
+            _ => (None, Some(base64::engine::general_purpose::STANDARD.encode(body))),
+        };
+        StoredResponse { status: status.as_u16(), headers, body_text, body_base64, body_omitted: None, refused: false }
+    }
+
+    /// A problem the layer answers in place of the handler's answer, kept so
+    /// that every repeat gets it too.
+    pub(super) fn refusal(problem: &Problem) -> Self {
+        StoredResponse {
+            status: problem.status.as_u16(),
+            headers: vec![("content-type".into(), "application/problem+json".into())],
+            body_text: Some(problem.body()),
+            body_base64: None,
+            body_omitted: None,
+            refused: true,
+        }
+    }
+
+    /// The answer the first caller gets instead of the handler's, when the
+    /// journal keeps a refusal.
+    pub(super) fn refused(&self) -> Option<Response<Body>> {
+        if !self.refused {
+            return None;
+        }
+        let mut response = self.replay()?;
+        response.headers_mut().remove("idempotent-replayed");
+        Some(response)
+    }
+
+    /// The same answer without its body, for a body the store cannot keep.
+    pub(super) fn without_body(mut self, size: u64) -> Self {
+        self.body_text = None;
+        self.body_base64 = None;
+        self.body_omitted = Some(size);
+        self
+    }
+
+    /// The replay: the stored status, headers and body, and
+    /// `Idempotent-Replayed: true`. `None` when what was stored is not a
+    /// well-formed answer (a status out of range, a header or base64 that
+    /// does not decode).
+    pub(super) fn replay(&self) -> Option<Response<Body>> {
+        let body = match (&self.body_text, &self.body_base64) {
+            (Some(text), None) => Bytes::from(text.clone()),
+            (None, Some(encoded)) => Bytes::from(base64::engine::general_purpose::STANDARD.decode(encoded).ok()?),
+            (None, None) => Bytes::new(),
+            (Some(_), Some(_)) => return None,
+        };
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = StatusCode::from_u16(self.status).ok()?;
+        let headers = response.headers_mut();
+        for (name, value) in &self.headers {
+            headers.append(HeaderName::try_from(name.as_str()).ok()?, HeaderValue::try_from(value.as_str()).ok()?);
+        }
+        if let Some(size) = self.body_omitted {
+            headers.insert("idempotent-body-omitted", HeaderValue::from(size));
+        }
+        headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
+        Some(response)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_and_binary_bodies_replay_byte_for_byte_with_the_kept_headers_only() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.insert("location", HeaderValue::from_static("/orders/1"));
+        headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
+        let keep = [HeaderName::from_static("content-type"), HeaderName::from_static("location")];
+        for body in [Bytes::from_static(b"{\"id\":1}"), Bytes::from_static(&[0xff, 0x00, 0xfe]), Bytes::new()] {
+            let stored = StoredResponse::of(StatusCode::CREATED, &headers, &keep, &body);
+            let json = serde_json::to_value(&stored).unwrap();
+            let back: StoredResponse = serde_json::from_value(json).unwrap();
+            let replay = back.replay().expect("a well-formed answer");
+            assert_eq!(replay.status(), StatusCode::CREATED);
+            assert_eq!(replay.headers()["location"], "/orders/1");
+            assert_eq!(replay.headers()["idempotent-replayed"], "true");
+            assert!(replay.headers().get("set-cookie").is_none(), "only the kept headers");
+            let replayed = futures_util::FutureExt::now_or_never(axum::body::to_bytes(replay.into_body(), 1024))
+                .expect("ready")
+                .unwrap();
+            assert_eq!(replayed, body);
+        }
+    }
+
+    #[test]
+    fn an_answer_stored_malformed_is_not_replayed() {
+        let mut stored = StoredResponse::of(StatusCode::OK, &HeaderMap::new(), &[], &Bytes::from_static(b"x"));
+        stored.status = 1000;
+        assert!(stored.replay().is_none());
+    }
+}

@@ -1,0 +1,367 @@
+//! The `Idempotency-Key` layer on the real stack, through real HTTP: an axum
+//! API bound on loopback, called with reqwest.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use idempotency_plane::callers::idempotency_key::{IdempotencyKeyLayer, OversizeResponse};
+use idempotency_plane::local::LocalStack;
+use idempotency_plane::{IdempotencyService, PostgrestRepository, RetryConfig};
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+use uuid::Uuid;
+
+use crate::harness::*;
+
+/// The API under test: `POST /orders` creates an order with a fresh id.
+/// Query flags make the handler slow (`delay_ms`), wait for a permit
+/// (`hold`), panic, or answer a given status; they are not part of the
+/// request's identity.
+#[derive(Clone)]
+struct Orders {
+    runs: Arc<AtomicUsize>,
+    gate: Arc<Semaphore>,
+}
+
+impl Default for Orders {
+    fn default() -> Self {
+        Orders { runs: Arc::default(), gate: Arc::new(Semaphore::new(0)) }
+    }
+}
+
+#[derive(serde::Deserialize, Default)]
+struct Flags {
+    delay_ms: Option<u64>,
+    hold: Option<bool>,
+    panic: Option<bool>,
+    status: Option<u16>,
+}
+
+async fn create_order(State(orders): State<Orders>, Query(flags): Query<Flags>, body: String) -> impl IntoResponse {
+    orders.runs.fetch_add(1, Ordering::SeqCst);
+    if let Some(ms) = flags.delay_ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if flags.hold == Some(true) {
+        orders.gate.acquire().await.expect("gate").forget();
+    }
+    if flags.panic == Some(true) {
+        panic!("the handler failed half-way");
+    }
+    let status = StatusCode::from_u16(flags.status.unwrap_or(201)).expect("status");
+    let id = Uuid::new_v4();
+    let mut headers = HeaderMap::new();
+    headers.insert("location", format!("/orders/{id}").parse().expect("header"));
+    headers.insert("x-not-kept", "1".parse().expect("header"));
+    (status, headers, Json(json!({"id": id, "received": body})))
+}
+
+struct Api {
+    url: String,
+    orders: Orders,
+    http: reqwest::Client,
+}
+
+impl Api {
+    fn post(&self, key: Option<&str>, query: &str, body: &str) -> reqwest::RequestBuilder {
+        self.post_as(TENANT, key, query, body)
+    }
+
+    fn post_as(&self, tenant: &str, key: Option<&str>, query: &str, body: &str) -> reqwest::RequestBuilder {
+        let mut request = self
+            .http
+            .post(format!("{}/orders{query}", self.url))
+            .header("content-type", "application/json")
+            .header("x-tenant", tenant)
+            .body(body.to_owned());
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request
+    }
+
+    fn runs(&self) -> usize {
+        self.orders.runs.load(Ordering::SeqCst)
+    }
+}
+
+const TENANT: &str = "6f1c1e5e-0000-4000-8000-000000000001";
+
+fn tenant(parts: &axum::http::request::Parts) -> Option<Uuid> {
+    parts.headers.get("x-tenant")?.to_str().ok()?.parse().ok()
+}
+
+/// Serves the orders API behind `layer` on an ephemeral loopback port.
+async fn serve(layer: IdempotencyKeyLayer<PostgrestRepository>) -> Api {
+    let orders = Orders::default();
+    let app = Router::new()
+        .route("/orders", post(create_order))
+        .route_layer(layer)
+        .route("/health", get(|| async { "ok" }))
+        .with_state(orders.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Api { url, orders, http: reqwest::Client::new() }
+}
+
+async fn api(stack: &LocalStack) -> Api {
+    serve(IdempotencyKeyLayer::new(service(stack), tenant)).await
+}
+
+async fn body(response: reqwest::Response) -> (StatusCode, HeaderMap, Value) {
+    let status = StatusCode::from_u16(response.status().as_u16()).expect("status");
+    let headers = response.headers().clone();
+    let text = response.text().await.expect("body");
+    (status, headers, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+/// A problem answer: its status, `type` slug and the RFC 9457 members.
+fn assert_problem(status: StatusCode, headers: &HeaderMap, body: &Value, expected: StatusCode, slug: &str) {
+    assert_eq!(status, expected, "{body}");
+    assert_eq!(headers["content-type"], "application/problem+json");
+    assert!(body["type"].as_str().is_some_and(|t| t.ends_with(slug)), "{body}");
+    assert!(body["title"].is_string() && body["detail"].is_string(), "{body}");
+    assert_eq!(body["status"], expected.as_u16());
+}
+
+#[tokio::test]
+async fn a_repeat_after_completion_replays_status_headers_and_body_and_the_handler_runs_once() {
+    let stack = stack().await;
+    let api = api(&stack).await;
+    let (status, headers, first) =
+        body(api.post(Some("order-1"), "", r#"{"sku":"A","qty":2}"#).send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(headers.get("idempotent-replayed").is_none());
+    // The same JSON with its keys in another order and other spacing.
+    let (status, headers, again) =
+        body(api.post(Some("order-1"), "", r#"{ "qty": 2, "sku": "A" }"#).send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(headers["location"], format!("/orders/{}", first["id"].as_str().unwrap()));
+    assert_eq!(headers["content-type"], "application/json");
+    assert!(headers.get("x-not-kept").is_none(), "only the kept headers are replayed");
+    assert_eq!(again, first, "the body, byte for byte");
+    assert_eq!(api.runs(), 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn keys_are_required_well_formed_and_bounded_and_other_methods_pass() {
+    let stack = stack().await;
+    let api = api(&stack).await;
+    let (status, headers, problem) = body(api.post(None, "", "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::BAD_REQUEST, "missing-key");
+    let long = "k".repeat(256);
+    for bad in ["", "   ", "\"\"", long.as_str()] {
+        let (status, headers, problem) = body(api.post(Some(bad), "", "{}").send().await.unwrap()).await;
+        assert_problem(status, &headers, &problem, StatusCode::BAD_REQUEST, "malformed-key");
+    }
+    assert_eq!(api.runs(), 0, "no refused request ran");
+    assert_eq!(count_rows(&stack).await, 0, "and nothing was written");
+    // A GET is not this layer's: it is not even routed through it.
+    assert_eq!(api.http.get(format!("{}/health", api.url)).send().await.unwrap().status(), 200);
+    // A quoted key, as the IETF draft writes it, is the same key bare.
+    let quoted = api.post(Some("\"order-q\""), "", "{}").send().await.unwrap();
+    assert_eq!(quoted.status(), 201);
+    let bare = api.post(Some("order-q"), "", "{}").send().await.unwrap();
+    assert_eq!(bare.headers()["idempotent-replayed"], "true");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn optional_mode_passes_keyless_requests_through() {
+    let stack = stack().await;
+    let api = serve(IdempotencyKeyLayer::new(service(&stack), tenant).optional()).await;
+    assert_eq!(api.post(None, "", "{}").send().await.unwrap().status(), 201);
+    assert_eq!(api.post(None, "", "{}").send().await.unwrap().status(), 201);
+    assert_eq!(api.runs(), 2, "unprotected, as configured");
+    assert_eq!(count_rows(&stack).await, 0);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_request_is_422_and_an_empty_body_is_a_request_of_its_own() {
+    let stack = stack().await;
+    let api = api(&stack).await;
+    assert_eq!(api.post(Some("k-empty"), "", "").send().await.unwrap().status(), 201);
+    assert_eq!(api.post(Some("k-empty"), "", "").send().await.unwrap().headers()["idempotent-replayed"], "true");
+    let (status, headers, problem) = body(api.post(Some("k-empty"), "", "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+    assert_eq!(api.runs(), 1);
+    // Another tenant's key of the same name is another key.
+    let other = api.post_as(&Uuid::new_v4().to_string(), Some("k-empty"), "", "{}").send().await.unwrap();
+    assert_eq!(other.status(), 201);
+    assert_eq!(api.runs(), 2);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn twenty_concurrent_requests_with_one_key_run_the_handler_once() {
+    let stack = stack().await;
+    let api = Arc::new(api(&stack).await);
+    let requests: Vec<_> = (0..20)
+        .map(|_| {
+            let api = api.clone();
+            tokio::spawn(async move {
+                body(api.post(Some("burst"), "?delay_ms=300", r#"{"sku":"B"}"#).send().await.unwrap()).await
+            })
+        })
+        .collect();
+    let mut ids = HashSet::new();
+    let mut in_flight = 0;
+    for request in requests {
+        let (status, headers, answer) = request.await.unwrap();
+        match status {
+            StatusCode::CREATED => {
+                ids.insert(answer["id"].as_str().unwrap().to_owned());
+            }
+            StatusCode::CONFLICT => {
+                assert_problem(status, &headers, &answer, StatusCode::CONFLICT, "in-flight");
+                assert_eq!(headers["retry-after"], "1");
+                in_flight += 1;
+            }
+            other => panic!("unexpected {other}: {answer}"),
+        }
+    }
+    assert_eq!(api.runs(), 1, "the handler ran once");
+    assert_eq!(ids.len(), 1, "every 201 is the one order");
+    assert!(in_flight > 0, "some arrived while it ran");
+    // Once done, every repeat is the replay.
+    let (status, headers, answer) = body(api.post(Some("burst"), "", r#"{"sku":"B"}"#).send().await.unwrap()).await;
+    assert_eq!((status, &headers["idempotent-replayed"]), (StatusCode::CREATED, &"true".parse().unwrap()));
+    assert!(ids.contains(answer["id"].as_str().unwrap()));
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn retryable_answers_panics_and_timeouts_release_and_other_answers_are_final() {
+    let stack = stack().await;
+    let layer = IdempotencyKeyLayer::new(service(&stack), tenant)
+        .handler_timeout(Duration::from_millis(500), Duration::from_secs(5));
+    let api = serve(layer).await;
+    // 503 and 429 are not answers: released, and the retry runs.
+    for status in [503, 429] {
+        let key = format!("retryable-{status}");
+        assert_eq!(api.post(Some(&key), &format!("?status={status}"), "{}").send().await.unwrap().status(), status);
+        assert_eq!(api.post(Some(&key), "", "{}").send().await.unwrap().status(), 201, "retried");
+    }
+    // A panic: 500 problem, released, and the retry runs.
+    let (status, headers, problem) = body(api.post(Some("panics"), "?panic=true", "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "handler-failed");
+    assert_eq!(api.post(Some("panics"), "", "{}").send().await.unwrap().status(), 201);
+    // Past the handler timeout: 504 problem, released, and the retry runs.
+    let (status, headers, problem) = body(api.post(Some("slow"), "?delay_ms=3000", "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::GATEWAY_TIMEOUT, "handler-timeout");
+    assert_eq!(api.post(Some("slow"), "", "{}").send().await.unwrap().status(), 201);
+    // A 400 is the answer: kept and replayed, the handler not run again.
+    let runs = api.runs();
+    assert_eq!(api.post(Some("bad"), "?status=400", "{}").send().await.unwrap().status(), 400);
+    let again = api.post(Some("bad"), "", "{}").send().await.unwrap();
+    assert_eq!((again.status().as_u16(), &again.headers()["idempotent-replayed"]), (400, &"true".parse().unwrap()));
+    assert_eq!(api.runs(), runs + 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lease_that_passes_mid_handler_is_reclaimed_and_the_late_completion_is_fenced_off() {
+    let stack = stack().await;
+    let api = Arc::new(api(&stack).await);
+    // A: claims and holds in its handler.
+    let first = {
+        let api = api.clone();
+        tokio::spawn(async move { body(api.post(Some("stalls"), "?hold=true", "{}").send().await.unwrap()).await })
+    };
+    eventually("A's handler runs", || api.runs() == 1).await;
+    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    pass_lease(&stack, id).await;
+    // B: the lease passed, so it reclaims and runs to completion.
+    let (status, _, b) = body(api.post(Some("stalls"), "", "{}").send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(api.runs(), 2);
+    // A finishes late: its completion is fenced off; it still answers its own order.
+    api.orders.gate.add_permits(1);
+    let (status, _, a) = within(WAIT, "A finishes", first).await.unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_ne!(a["id"], b["id"]);
+    // What the key answers from now on is B's.
+    let (_, headers, replay) = body(api.post(Some("stalls"), "", "{}").send().await.unwrap()).await;
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(replay["id"], b["id"], "the late completion did not overwrite B's");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn bodies_above_the_limit_are_413_and_answers_above_the_journal_limit_are_kept_without_their_body() {
+    let stack = stack().await;
+    let small_journal = service(&stack).with_response_limit(1024);
+    let api = serve(IdempotencyKeyLayer::new(small_journal, tenant).body_limit(4096)).await;
+    let (status, headers, problem) =
+        body(api.post(Some("huge"), "", &format!("\"{}\"", "x".repeat(5000))).send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::PAYLOAD_TOO_LARGE, "body-too-large");
+    assert_eq!(api.runs(), 0);
+    // A 2 KiB request echoed back: the first caller gets it all, a repeat
+    // the status and headers, and how much body was left out.
+    let big = format!("\"{}\"", "y".repeat(2048));
+    let (status, _, first) = body(api.post(Some("echo"), "", &big).send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(first["received"].as_str().unwrap().len() > 2048);
+    let again = api.post(Some("echo"), "", &big).send().await.unwrap();
+    assert_eq!(again.status(), 201);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert!(again.headers()["idempotent-body-omitted"].to_str().unwrap().parse::<u64>().unwrap() > 2048);
+    assert_eq!(again.headers()["location"], format!("/orders/{}", first["id"].as_str().unwrap()));
+    assert!(again.text().await.unwrap().is_empty());
+    assert_eq!(api.runs(), 1);
+
+    // Refusing instead: the first caller and every repeat get the same 500 problem.
+    let refusing = serve(
+        IdempotencyKeyLayer::new(service(&stack).with_response_limit(1024), tenant)
+            .on_oversize(OversizeResponse::Refuse),
+    )
+    .await;
+    let (status, headers, problem) = body(refusing.post(Some("echo-r"), "", &big).send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "answer-not-kept");
+    let (status, headers, again) = body(refusing.post(Some("echo-r"), "", &big).send().await.unwrap()).await;
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!((status, again), (StatusCode::INTERNAL_SERVER_ERROR, problem));
+    assert_eq!(refusing.runs(), 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unreachable_plane_is_503_with_retry_after_unless_told_to_fail_open() {
+    let gone = crate::support::RefusedPort::new();
+    let config = idempotency_plane::ClientConfig::new(&gone.url(), "key").unwrap().with_retry(RetryConfig::disabled());
+    let unreachable = || {
+        IdempotencyService::new(PostgrestRepository::new(
+            idempotency_plane::PostgrestClient::new(config.clone()).unwrap(),
+        ))
+    };
+    let closed = serve(IdempotencyKeyLayer::new(unreachable(), tenant)).await;
+    let (status, headers, problem) = body(closed.post(Some("k"), "", "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
+    assert_eq!(headers["retry-after"], "5");
+    assert_eq!(closed.runs(), 0, "fail closed: not run");
+    let open = serve(IdempotencyKeyLayer::new(unreachable(), tenant).fail_open()).await;
+    assert_eq!(open.post(Some("k"), "", "{}").send().await.unwrap().status(), 201);
+    assert_eq!(open.runs(), 1, "fail open: run, unprotected");
+}
+
+#[tokio::test]
+async fn a_request_without_a_tenant_is_401_and_writes_nothing() {
+    let stack = stack().await;
+    let api = api(&stack).await;
+    let request = api.http.post(format!("{}/orders", api.url)).header("idempotency-key", "k").body("{}");
+    let (status, headers, problem) = body(request.send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::UNAUTHORIZED, "no-tenant");
+    assert_eq!((api.runs(), count_rows(&stack).await), (0, 0));
+    stack.stop().await.unwrap();
+}
