@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Supabase's own checks of the migrations, with the real Supabase CLI (pinned in
-# .ci/supabase/package.json and its lock; made with `npm i -E supabase@3.1.0`)
-# against a scratch database on the local PostgreSQL:
+# Supabase's own checks of the migrations, with the real Supabase CLI (pinned:
+# `npm i -E supabase@3.1.0` in .ci/supabase) against a scratch database on the
+# local PostgreSQL:
 #
 #   supabase db push --remote=<url> --yes     every migration in supabase/migrations applies
 #   supabase db advisors --remote=<url> ...   Supabase's security and performance linter: no warning
 #   supabase db lint --remote=<url> ...       plpgsql_check over every function: no error
 #
-# Installs the CLI (npm ci; reused when the pinned version is already there)
-# and Debian's plpgsql_check for the server's major version when it is missing.
+# Installs the CLI (reused when the pinned version is already there) and
+# Debian's plpgsql_check for the server's major version when it is missing.
 # The scratch database is dropped on every exit. Exits non-zero when any check
 # fails. Run by .ci/run; by hand: bash .ci/supabase-checks.sh
 set -euo pipefail
@@ -41,8 +41,11 @@ psql_admin() { psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -X -v ON_ERROR_STO
 if [ -x "$supabase" ] && [ "$("$supabase" --version 2>/dev/null)" = "$SUPABASE_CLI_VERSION" ]; then
   say "Supabase CLI $SUPABASE_CLI_VERSION already installed"
 else
-  say "installing Supabase CLI $SUPABASE_CLI_VERSION (npm ci in .ci/supabase)"
-  (cd "$cli_dir" && npm ci --no-audit --no-fund --loglevel=error)
+  # npm install, not npm ci: the lock holds the platform package of the machine
+  # that wrote it only (the CLI ships one optional package per platform), and
+  # npm ci refuses a lock without the others.
+  say "installing Supabase CLI $SUPABASE_CLI_VERSION (npm in .ci/supabase)"
+  (cd "$cli_dir" && npm i -E --no-audit --no-fund --loglevel=error "supabase@$SUPABASE_CLI_VERSION")
   installed="$("$supabase" --version)"
   [ "$installed" = "$SUPABASE_CLI_VERSION" ] || fail "installed Supabase CLI $installed, expected $SUPABASE_CLI_VERSION"
 fi
