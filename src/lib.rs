@@ -16,8 +16,14 @@
 //!   finds ([`ReadOutcome`]), how a claim ended ([`ClaimOutcome`]), request
 //!   hashes (RFC 8785), what the journal can hold, input validation.
 //! - [`callers`] and [`sweeper`]: the tool guard, the webhook gate (with
-//!   provider callbacks), saved-search start, Run admission, and the
+//!   provider callbacks), saved-search start, Run admission, the
+//!   `Idempotency-Key` layer for any HTTP API (feature `axum`), and the
 //!   retention sweeper, each over the service or a repository trait.
+//!
+//! [`telemetry`] names every metric these emit. Features: `cli` (default)
+//! builds the `idem` operator tool; `axum` the HTTP integrations; `local`
+//! the embedded stack. `default-features = false` keeps a library user's
+//! tree to the client, the service and the callers.
 //!
 //! Every atomic decision is one SQL function in the database, whatever
 //! client calls it; the crate decides nothing with its own clock.
