@@ -135,12 +135,15 @@ begin
     raise exception 'the key %/% kept changing hands; try again', p_scope, p_key using errcode = '40001';
   end if;
 
+  -- A win that waited: the lease starts now, and the retention, counted
+  -- from the lease's end, moves with it (the first claim's INSERT applied
+  -- the scope's policy, which v_retain does not hold on that path).
   if v_won and pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' then
     v_at := pg_catalog.clock_timestamp();
     update agent.idempotency_keys as k
        set claimed_at = v_at,
            lease_expires_at = v_at + v_lease,
-           retain_until = greatest(k.retain_until, v_at + v_lease + v_retain)
+           retain_until = greatest(k.retain_until, v_at + v_lease + (k.retain_until - k.lease_expires_at))
      where k.id = r.id
     returning k.* into r;
   end if;

@@ -462,6 +462,70 @@ async fn a_claim_that_waited_on_a_lock_clock_starts_its_lease_when_it_wins_the_r
 }
 
 #[tokio::test]
+async fn a_first_claim_that_waited_on_another_insert_starts_its_lease_when_it_wins_and_keeps_the_whole_retention() {
+    // Arrange: another transaction has inserted the same key and not committed.
+    let stack = stack().await;
+    let service = service(&stack);
+    let org = org();
+    let mut other = stack.db().begin().await.expect("begin");
+    sqlx::query(
+        "insert into agent.idempotency_keys
+           (organization_id, scope, key, request_hash, status, lease_token, claimed_at, lease_expires_at, retain_until)
+         values ($1, 'tool.email.send', 'k', repeat('0', 64), 'processing', gen_random_uuid(), now(), now(), now())",
+    )
+    .bind(org)
+    .execute(&mut *other)
+    .await
+    .expect("the other insert");
+    // Act: claim behind it; the other transaction rolls back a while after
+    // the database shows the claim waiting.
+    let claiming = {
+        let service = service.clone();
+        tokio::spawn(async move { service.claim(org, "tool.email.send", "k", &hash("x"), LEASE).await })
+    };
+    within(WAIT, "the claim waits on the other insert", async {
+        while sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_catalog.pg_stat_activity
+              where datname = pg_catalog.current_database() and wait_event_type = 'Lock'",
+        )
+        .fetch_one(stack.db())
+        .await
+        .unwrap()
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let rolled_back_at: f64 =
+        sqlx::query_scalar("select extract(epoch from clock_timestamp())::float8").fetch_one(stack.db()).await.unwrap();
+    other.rollback().await.expect("roll back");
+    let claim = claimed(within(WAIT, "the claim", claiming).await.expect("task"));
+    // Assert: a first claim, its lease from when it won, and the scope's
+    // whole retention counted from the lease's end.
+    assert!(!claim.reclaimed());
+    let (claimed_at, lease_ms, retain_ms): (f64, f64, f64) = sqlx::query_as(
+        "select extract(epoch from claimed_at)::float8,
+                extract(epoch from lease_expires_at - claimed_at)::float8 * 1000,
+                extract(epoch from retain_until - lease_expires_at)::float8 * 1000
+           from agent.idempotency_keys where id = $1",
+    )
+    .bind(claim.id())
+    .fetch_one(stack.db())
+    .await
+    .unwrap();
+    assert!(
+        claimed_at >= rolled_back_at,
+        "the lease started {} s before the key was free",
+        rolled_back_at - claimed_at
+    );
+    assert_eq!(lease_ms, LEASE.as_millis() as f64);
+    assert_eq!(retain_ms, 30.0 * 86_400_000.0, "tool.*: 30 days from the lease's end");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_call_behind_a_stuck_lock_gives_up_at_the_lock_timeout_with_a_typed_error_and_writes_nothing() {
     // Arrange: a claim whose row another transaction locks and keeps locked.
     let stack = stack().await;
