@@ -429,10 +429,8 @@ async fn a_claim_that_waited_on_a_lock_clock_starts_its_lease_when_it_wins_the_r
     // Waits under 10 ms are not worth a second stamp (the functions take
     // them out of the lease); this one is longer.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let released_at: f64 = sqlx::query_scalar("select extract(epoch from clock_timestamp())::float8")
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
+    let released_at: f64 =
+        sqlx::query_scalar("select extract(epoch from clock_timestamp())::float8").fetch_one(stack.db()).await.unwrap();
     release.send(()).expect("release the lock");
     let claim = claimed(within(WAIT, "the reclaim", claiming).await.expect("task"));
     // Assert: the new lease starts after the lock was let go, by the
