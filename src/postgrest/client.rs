@@ -63,11 +63,15 @@ impl Answer {
 
 impl PostgrestClient {
     /// Builds the client and its connection pool. Fails on a service key or
-    /// schema a header cannot carry.
+    /// schema a header cannot carry, and on an `apikey` Supabase's gateway
+    /// would refuse next to the service key ([`KeyError::ApikeyDiffers`]).
+    ///
+    /// [`KeyError::ApikeyDiffers`]: super::KeyError::ApikeyDiffers
     pub fn new(config: ClientConfig) -> Result<Self, ClientError> {
+        let auth = config.auth_headers()?;
         let mut headers = HeaderMap::new();
-        headers.insert(AUTHORIZATION, sensitive(&format!("Bearer {}", config.service_key), "service key")?);
-        if let Some(apikey) = &config.apikey {
+        headers.insert(AUTHORIZATION, sensitive(&auth.authorization, "service key")?);
+        if let Some(apikey) = &auth.apikey {
             headers.insert(HeaderName::from_static("apikey"), sensitive(apikey, "apikey")?);
         }
         let profile = HeaderValue::from_str(&config.schema)

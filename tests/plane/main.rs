@@ -57,5 +57,6 @@ mod support;
 mod wire;
 mod wire_claims;
 mod wire_errors;
+mod wire_keys;
 mod wire_ranges;
 mod wire_retries;
