@@ -21,6 +21,12 @@ pub const MAX_MAX_ROWS: u32 = 100_000;
 /// bounded read (100,000 rows of `id,retain_until`) is about 7.5 MB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 8 * 1024 * 1024;
 
+/// How long one operation may take unless told otherwise: every attempt,
+/// backoff and retry of one call together. 25 s, below API Gateway's 29 s
+/// integration timeout, so a caller behind one hears the client's own typed
+/// error rather than the gateway's 504.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(25);
+
 /// The variables [`ClientConfig::from_env`] reads a service key from, in
 /// order of precedence: the first one set wins.
 ///
@@ -163,6 +169,7 @@ pub struct ClientConfig {
     pub(crate) connect_timeout: Duration,
     pub(crate) pool_max_idle_per_host: usize,
     pub(crate) retry: RetryConfig,
+    pub(crate) deadline: Duration,
     pub(crate) max_response_bytes: usize,
 }
 
@@ -172,8 +179,8 @@ impl ClientConfig {
     /// `base_url` is PostgREST's root: `http://host:3000` for plain
     /// PostgREST, `https://<ref>.supabase.co/rest/v1` for Supabase. Defaults:
     /// schema `agent`, `max_rows` 1000, 15 s request and 5 s connect timeouts,
-    /// [`RetryConfig::default`], the [`Gateway`] the URL shows, bodies up to
-    /// [`DEFAULT_MAX_RESPONSE_BYTES`].
+    /// [`RetryConfig::default`], a [`DEFAULT_DEADLINE`] per operation, the
+    /// [`Gateway`] the URL shows, bodies up to [`DEFAULT_MAX_RESPONSE_BYTES`].
     ///
     /// A publishable key (`sb_publishable_…`) is refused
     /// ([`KeyError::Publishable`]): it reaches only the `anon` role, which
@@ -217,6 +224,7 @@ impl ClientConfig {
             connect_timeout: Duration::from_secs(5),
             pool_max_idle_per_host: 64,
             retry: RetryConfig::default(),
+            deadline: DEFAULT_DEADLINE,
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
         })
     }
@@ -310,6 +318,24 @@ impl ClientConfig {
         self
     }
 
+    /// The longest one operation may take, all attempts, backoffs and
+    /// retries included. No retry starts that could not finish before it
+    /// (the failed attempt's duration is the estimate of the next one), a
+    /// request still in flight at the deadline is cut, and the call fails
+    /// with [`ClientError::DeadlineExceeded`]. Default [`DEFAULT_DEADLINE`];
+    /// must be above zero.
+    ///
+    /// It bounds each call, not a whole service operation made of several
+    /// (a webhook delivery's claim and completion): give those their own
+    /// bound, as the webhook gate does.
+    pub fn with_deadline(mut self, deadline: Duration) -> Result<Self, ClientError> {
+        if deadline.is_zero() {
+            return Err(ClientError::Config("the deadline must be above zero".into()));
+        }
+        self.deadline = deadline;
+        Ok(self)
+    }
+
     /// The schema sent as `Content-Profile`/`Accept-Profile`. Default `agent`.
     pub fn with_schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
@@ -372,6 +398,11 @@ impl ClientConfig {
         self.max_rows
     }
 
+    /// The deadline of one operation.
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
     /// The kind of the service key, by its shape.
     pub fn key_kind(&self) -> KeyKind {
         self.key_kind
@@ -423,6 +454,7 @@ impl fmt::Debug for ClientConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("pool_max_idle_per_host", &self.pool_max_idle_per_host)
             .field("retry", &self.retry)
+            .field("deadline", &self.deadline)
             .field("max_response_bytes", &self.max_response_bytes)
             .finish()
     }
@@ -618,6 +650,15 @@ mod tests {
         assert_eq!(headers(&same), (format!("Bearer {SECRET}"), Some(SECRET.to_owned())));
         let built = ClientConfig::new("http://x", SECRET).unwrap().with_apikey("other");
         assert!(matches!(built.auth_headers(), Err(ClientError::Key(KeyError::ApikeyDiffers))));
+    }
+
+    #[test]
+    fn the_deadline_defaults_below_api_gateways_and_must_be_above_zero() {
+        let config = ClientConfig::new("http://x", "k").unwrap();
+        assert_eq!(config.deadline(), DEFAULT_DEADLINE);
+        assert!(DEFAULT_DEADLINE < Duration::from_secs(29));
+        assert!(matches!(config.clone().with_deadline(Duration::ZERO), Err(ClientError::Config(_))));
+        assert_eq!(config.with_deadline(Duration::from_millis(2500)).unwrap().deadline(), Duration::from_millis(2500));
     }
 
     #[test]

@@ -143,6 +143,32 @@ pub enum ClientError {
     #[error("invalid service key: {0}")]
     Key(#[from] KeyError),
 
+    /// The operation's deadline ([`ClientConfig::with_deadline`]) came
+    /// before an answer: a request still in flight was cut, or a retry
+    /// that could not have finished in time was not started. An unknown
+    /// outcome when a request was cut in flight, as with a timeout.
+    ///
+    /// [`ClientConfig::with_deadline`]: super::ClientConfig::with_deadline
+    #[error(
+        "{function}: no answer within the {deadline:?} deadline ({attempts} attempt(s) in {elapsed:?}{})",
+        if *in_flight { "; the last was cut in flight, its outcome is unknown" } else { "; no retry could finish in time" }
+    )]
+    DeadlineExceeded {
+        /// The function called.
+        function: &'static str,
+        /// The configured deadline.
+        deadline: Duration,
+        /// How long the call took.
+        elapsed: Duration,
+        /// Requests sent, the cut one included.
+        attempts: u32,
+        /// True when a request was cut in flight: it may have run.
+        in_flight: bool,
+        /// The failure of the last attempt that completed, if any.
+        #[source]
+        last_error: Option<Box<ClientError>>,
+    },
+
     /// PostgREST answered with its error body.
     #[error("{function}: PostgREST answered {status} {}: {}", error.code, error.message)]
     Api {
@@ -297,9 +323,18 @@ impl ClientError {
     /// | timeout, connection reset after sending | no | yes |
     /// | 500 `55P03`, a lock timeout ([`ClientError::LockTimeout`]) | no | no |
     /// | 503/504 without a PostgREST body (a gateway) | no | yes |
+    /// | the deadline cut a request in flight ([`ClientError::DeadlineExceeded`]) | no | yes |
+    /// | the deadline left no time for a retry | as its last failure | as its last failure |
     /// | anything else | no | no |
+    ///
+    /// (The client never retries past a deadline; the rows for it say what
+    /// a caller with more time may do.)
     pub fn is_retryable(&self, repeat_safe: bool) -> bool {
         match self {
+            ClientError::DeadlineExceeded { in_flight: true, .. } => repeat_safe,
+            ClientError::DeadlineExceeded { last_error, .. } => {
+                last_error.as_ref().is_some_and(|last| last.is_retryable(repeat_safe))
+            }
             ClientError::Transport { kind, .. } => match kind {
                 TransportKind::Connect => true,
                 TransportKind::Timeout | TransportKind::Interrupted => repeat_safe,
@@ -413,6 +448,35 @@ mod tests {
         assert!(gateway.is_retryable(true));
         let refused = ClientError::BoundAboveCap { bound: 2, cap: 1 };
         assert!(!refused.is_retryable(true));
+    }
+
+    fn deadline(in_flight: bool, last_error: Option<ClientError>) -> ClientError {
+        ClientError::DeadlineExceeded {
+            function: "f",
+            deadline: Duration::from_secs(1),
+            elapsed: Duration::from_secs(1),
+            attempts: 2,
+            in_flight,
+            last_error: last_error.map(Box::new),
+        }
+    }
+
+    #[test]
+    fn a_deadline_is_an_unknown_outcome_when_it_cut_a_request_else_its_last_failure() {
+        // Cut in flight: like a timeout, it may have run.
+        let cut = deadline(true, Some(api(503, codes::PGRST002)));
+        assert!(!cut.is_retryable(false));
+        assert!(cut.is_retryable(true));
+        assert!(cut.is_transient());
+        // Not retried for lack of time: as the failure that would have been retried.
+        let never_ran = deadline(false, Some(api(503, codes::PGRST002)));
+        assert!(never_ran.is_retryable(false));
+        let may_have_run = deadline(false, Some(api(503, codes::PGRST001)));
+        assert!(!may_have_run.is_retryable(false));
+        assert!(may_have_run.is_retryable(true) && may_have_run.is_transient());
+        assert!(cut.to_string().contains("outcome is unknown"), "{cut}");
+        let source = std::error::Error::source(&never_ran).map(ToString::to_string);
+        assert!(source.is_some_and(|s| s.contains("PGRST002")), "the last failure is the source");
     }
 
     fn gateway(body: serde_json::Value) -> ClientError {

@@ -12,7 +12,8 @@ mod retry;
 
 pub use client::{PostgrestClient, Repeat};
 pub use config::{
-    ClientConfig, Gateway, KeyKind, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS, SERVICE_KEY_VARIABLES,
+    ClientConfig, Gateway, KeyKind, DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS,
+    SERVICE_KEY_VARIABLES,
 };
 pub use error::{codes, ClientError, KeyError, PostgrestError, TransportKind};
 pub use range::{ContentRange, ContentRangeError};
