@@ -9,6 +9,15 @@
 //! reached. Processing that panics or overruns its timeout is released and
 //! not ACKed either: at this boundary a redelivery is better than a loss, so
 //! processing must tolerate running again after one of those.
+//!
+//! The whole gate call answers within its deadline (default
+//! [`DEFAULT_GATE_DEADLINE`], 2.5 s, inside Slack's 3 s ACK window): the
+//! claim and the processing must be done by the deadline less an
+//! [ending reserve](WebhookGate::with_deadline), and the completion or
+//! release gets what is left. A claim cut by the deadline answers 503 (the
+//! plane could not decide); processing cut by it is released and answers
+//! 503, like an overrun; a completion cut by it still ACKs, since the
+//! processing happened.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -18,6 +27,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use serde_json::{json, Value};
+use tokio::time::Instant;
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -28,12 +38,20 @@ use crate::repo::{IdempotencyRepository, PostgrestRepository, ProviderJobReposit
 pub use crate::repo::ProviderJob;
 use crate::service::{ClaimOutcome, Ending, IdempotencyService, RequestHash};
 
-/// How long processing one delivery may take unless set otherwise.
+/// How long processing one delivery may take unless set otherwise; the
+/// gate's deadline ([`DEFAULT_GATE_DEADLINE`]) cuts it sooner unless that is
+/// raised or removed. It sets the lease either way.
 pub const DEFAULT_PROCESSING_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Added to the processing timeout to make the lease: the claim outlives the
 /// processing it guards.
 pub const LEASE_MARGIN: Duration = Duration::from_secs(10);
+
+/// How long one gate call (lookup, claim, processing, completion) may take
+/// unless set otherwise: 2.5 s, so the answer fits Slack's 3 s ACK window
+/// with room for the network. A vendor with a longer window (most give 10
+/// to 30 s) can be given more with [`WebhookGate::with_deadline`].
+pub const DEFAULT_GATE_DEADLINE: Duration = Duration::from_millis(2500);
 
 /// Why a delivery was acknowledged without being processed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -216,14 +234,80 @@ pub struct WebhookGate<R, J = PostgrestRepository> {
     service: IdempotencyService<R>,
     jobs: ProviderJobs<J>,
     timeout: Duration,
+    deadline: Option<Duration>,
     drops: Arc<DropCounters>,
+}
+
+/// When each phase of one gate call must be done by.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    /// The lookup, the claim and the processing.
+    work: Option<Instant>,
+    /// The call as a whole: the completion or release gets until then.
+    call: Option<Instant>,
+}
+
+impl Budget {
+    fn starting_now(deadline: Option<Duration>) -> Budget {
+        let now = Instant::now();
+        Budget {
+            work: deadline.map(|deadline| now + deadline - ending_reserve(deadline)),
+            call: deadline.map(|deadline| now + deadline),
+        }
+    }
+}
+
+/// The part of the gate deadline kept for the call that ends a claim: a
+/// fifth (500 ms of the default 2.5 s).
+fn ending_reserve(deadline: Duration) -> Duration {
+    deadline / 5
+}
+
+/// Runs `future` until `deadline`, if there is one; `None` when cut.
+async fn within<T>(deadline: Option<Instant>, future: impl Future<Output = T>) -> Option<T> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, future).await.ok(),
+        None => Some(future.await),
+    }
 }
 
 impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
     /// A gate over `service`, resolving provider callbacks through `jobs`,
-    /// with [`DEFAULT_PROCESSING_TIMEOUT`].
+    /// with [`DEFAULT_PROCESSING_TIMEOUT`] and [`DEFAULT_GATE_DEADLINE`].
     pub fn new(service: IdempotencyService<R>, jobs: ProviderJobs<J>) -> Self {
-        WebhookGate { service, jobs, timeout: DEFAULT_PROCESSING_TIMEOUT, drops: Arc::new(DropCounters::default()) }
+        WebhookGate {
+            service,
+            jobs,
+            timeout: DEFAULT_PROCESSING_TIMEOUT,
+            deadline: Some(DEFAULT_GATE_DEADLINE),
+            drops: Arc::new(DropCounters::default()),
+        }
+    }
+
+    /// Sets how long one gate call may take, from entry to answer: set it
+    /// below the vendor's ACK window. Default [`DEFAULT_GATE_DEADLINE`].
+    ///
+    /// The lookup, claim and processing must be done a fifth of it before
+    /// the end (the ending reserve, 500 ms of the default); the completion
+    /// or release gets the rest. Processing is cut at whichever comes first
+    /// of this and the processing timeout. The lease is not shortened: it
+    /// stays the processing timeout plus [`LEASE_MARGIN`].
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// No deadline for the whole call: processing is bounded by its
+    /// timeout, and each plane call by the client's own deadline
+    /// ([`ClientConfig::with_deadline`](crate::ClientConfig::with_deadline)).
+    pub fn without_deadline(mut self) -> Self {
+        self.deadline = None;
+        self
+    }
+
+    /// The deadline of one gate call, if any.
+    pub fn deadline(&self) -> Option<Duration> {
+        self.deadline
     }
 
     /// Sets how long processing one delivery may take; the lease is that
@@ -257,13 +341,21 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Value, ProcessingError>>,
     {
+        self.handle_within(Budget::starting_now(self.deadline), delivery, process).await
+    }
+
+    async fn handle_within<F, Fut>(&self, budget: Budget, delivery: Delivery<'_>, process: F) -> Ack
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Value, ProcessingError>>,
+    {
         let span = tracing::info_span!(
             "webhook.delivery",
             organization_id = %delivery.organization_id, scope = delivery.scope,
             delivery_id = delivery.delivery_id, ack = tracing::field::Empty,
             drop_reason = tracing::field::Empty, replayed = tracing::field::Empty
         );
-        let ack = self.handle_inner(delivery, process).instrument(span.clone()).await;
+        let ack = self.handle_inner(budget, delivery, process).instrument(span.clone()).await;
         span.record(
             "ack",
             match &ack {
@@ -275,7 +367,7 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
         ack
     }
 
-    async fn handle_inner<F, Fut>(&self, delivery: Delivery<'_>, process: F) -> Ack
+    async fn handle_inner<F, Fut>(&self, budget: Budget, delivery: Delivery<'_>, process: F) -> Ack
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Value, ProcessingError>>,
@@ -283,11 +375,17 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
         let hash = RequestHash::of_bytes(delivery.body);
         // The lease starts when the claim's transaction does: count the
         // processing timeout from before the claim, retries included.
-        let deadline = tokio::time::Instant::now() + self.timeout;
-        let claimed = self
-            .service
-            .claim(delivery.organization_id, delivery.scope, delivery.delivery_id, &hash, self.lease())
-            .await;
+        let timeout_at = Instant::now() + self.timeout;
+        let processing_deadline = budget.work.map_or(timeout_at, |work| work.min(timeout_at));
+        let claiming =
+            self.service.claim(delivery.organization_id, delivery.scope, delivery.delivery_id, &hash, self.lease());
+        let Some(claimed) = within(budget.work, claiming).await else {
+            // The claim may have been made, with a token we never heard:
+            // a redelivery within its lease is dropped as a duplicate, one
+            // after it reclaims it.
+            tracing::error!("the claim did not answer within the gate's deadline; not acknowledged");
+            return Ack::Retry(RetryReason::PlaneUnavailable);
+        };
         let claim = match claimed {
             Ok(ClaimOutcome::Claimed(claim)) => claim,
             Ok(ClaimOutcome::Completed { .. }) => {
@@ -307,20 +405,26 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
             }
             Err(error) => return self.unavailable(&error),
         };
-        let processed = tokio::time::timeout_at(deadline, AssertUnwindSafe(process()).catch_unwind()).await;
+        let processed = tokio::time::timeout_at(processing_deadline, AssertUnwindSafe(process()).catch_unwind()).await;
+        let release = |claim| async move {
+            if within(budget.call, self.service.release_or_log(claim)).await.is_none() {
+                tracing::error!("the release did not answer within the gate's deadline; the claim waits for its lease");
+            }
+        };
         let processed = match processed {
             Ok(Ok(processed)) => processed,
             Ok(Err(_panic)) => {
                 tracing::error!("processing panicked; released so the vendor's redelivery is processed");
-                self.service.release_or_log(&claim).await;
+                release(&claim).await;
                 return Ack::Retry(RetryReason::ProcessingAborted);
             }
             Err(_elapsed) => {
                 tracing::error!(
                     timeout_ms = self.timeout.as_millis() as u64,
-                    "processing overran its timeout; released for redelivery"
+                    gate_deadline_ms = self.deadline.map(|d| d.as_millis() as u64),
+                    "processing overran its timeout or the gate's deadline; released for redelivery"
                 );
-                self.service.release_or_log(&claim).await;
+                release(&claim).await;
                 return Ack::Retry(RetryReason::ProcessingAborted);
             }
         };
@@ -328,7 +432,7 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
             Ok(output) => (output, true),
             Err(failure) if failure.retryable => {
                 tracing::warn!(error = %failure.message, "processing failed without an effect; released for redelivery");
-                self.service.release_or_log(&claim).await;
+                release(&claim).await;
                 return Ack::Retry(RetryReason::ProcessingFailed);
             }
             Err(failure) => {
@@ -346,7 +450,12 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
                 json!({"ok": false, "error": payload})
             }
         };
-        let completed = self.service.complete_after_effect(&claim, payload, None, envelope).await;
+        let completing = self.service.complete_after_effect(&claim, payload, None, envelope);
+        let Some(completed) = within(budget.call, completing).await else {
+            // The processing happened; the vendor must not redeliver it.
+            tracing::error!("processed, but the completion did not answer within the gate's deadline");
+            return Ack::Processed;
+        };
         match completed {
             Ok(Ending::Recorded) => {}
             Ok(Ending::LeaseMovedOn) => {
@@ -376,10 +485,18 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
             delivery_id = callback.delivery_id,
             drop_reason = tracing::field::Empty
         );
-        let job = match self.jobs.lookup(callback.provider, callback.path_job_id).instrument(span.clone()).await {
-            Ok(Some(job)) => job,
-            Ok(None) => return span.in_scope(|| self.drop_delivery(DropReason::UnknownJob)),
-            Err(error) => return span.in_scope(|| self.unavailable(&error)),
+        let budget = Budget::starting_now(self.deadline);
+        let lookup = self.jobs.lookup(callback.provider, callback.path_job_id).instrument(span.clone());
+        let job = match within(budget.work, lookup).await {
+            Some(Ok(Some(job))) => job,
+            Some(Ok(None)) => return span.in_scope(|| self.drop_delivery(DropReason::UnknownJob)),
+            Some(Err(error)) => return span.in_scope(|| self.unavailable(&error)),
+            None => {
+                return span.in_scope(|| {
+                    tracing::error!("the job lookup did not answer within the gate's deadline; not acknowledged");
+                    Ack::Retry(RetryReason::PlaneUnavailable)
+                })
+            }
         };
         if callback.body_job_id.is_some_and(|named| named != callback.path_job_id) {
             return span.in_scope(|| self.drop_delivery(DropReason::JobMismatch));
@@ -391,7 +508,7 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
             delivery_id: callback.delivery_id,
             body: callback.body,
         };
-        self.handle(delivery, || process(job)).instrument(span).await
+        self.handle_within(budget, delivery, || process(job)).instrument(span).await
     }
 
     /// Counts the drop (here, and in `idempotency_webhook_drops_total{reason}`),

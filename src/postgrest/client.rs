@@ -2,12 +2,13 @@
 //! a value or a typed error.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use reqwest::StatusCode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tokio::time::Instant;
 
 use super::config::ClientConfig;
 use super::error::{codes, ClientError, PostgrestError, TransportKind};
@@ -64,11 +65,15 @@ impl Answer {
 
 impl PostgrestClient {
     /// Builds the client and its connection pool. Fails on a service key or
-    /// schema a header cannot carry.
+    /// schema a header cannot carry, and on an `apikey` Supabase's gateway
+    /// would refuse next to the service key ([`KeyError::ApikeyDiffers`]).
+    ///
+    /// [`KeyError::ApikeyDiffers`]: super::KeyError::ApikeyDiffers
     pub fn new(config: ClientConfig) -> Result<Self, ClientError> {
+        let auth = config.auth_headers()?;
         let mut headers = HeaderMap::new();
-        headers.insert(AUTHORIZATION, sensitive(&format!("Bearer {}", config.service_key), "service key")?);
-        if let Some(apikey) = &config.apikey {
+        headers.insert(AUTHORIZATION, sensitive(&auth.authorization, "service key")?);
+        if let Some(apikey) = &auth.apikey {
             headers.insert(HeaderName::from_static("apikey"), sensitive(apikey, "apikey")?);
         }
         let profile = HeaderValue::from_str(&config.schema)
@@ -197,7 +202,10 @@ impl PostgrestClient {
         .await
     }
 
-    /// Sends the call, retrying what [`ClientError::is_retryable`] allows.
+    /// Sends the call, retrying what [`ClientError::is_retryable`] allows,
+    /// within the configured deadline: an attempt still in flight at the
+    /// deadline is cut, and no retry starts that could not finish before it
+    /// (the failed attempt's duration, plus the backoff, is the estimate).
     async fn call(
         &self,
         function: &'static str,
@@ -217,13 +225,27 @@ impl PostgrestClient {
             .join(&format!("rpc/{function}"))
             .map_err(|e| ClientError::Config(format!("function name {function:?}: {e}")))?;
         let retry = &self.inner.config.retry;
+        let deadline = self.inner.config.deadline;
         let started = Instant::now();
+        let deadline_at = started + deadline;
         let mut retries = 0u32;
+        let mut last_error: Option<ClientError> = None;
         loop {
-            let outcome = self.attempt(function, &url, query, body.clone(), count).await;
-            let error = match outcome {
-                Ok(answer) => return Ok(answer),
-                Err(error) => error,
+            let attempt_started = Instant::now();
+            let attempt = self.attempt(function, &url, query, body.clone(), count);
+            let error = match tokio::time::timeout_at(deadline_at, attempt).await {
+                Ok(Ok(answer)) => return Ok(answer),
+                Ok(Err(error)) => error,
+                Err(_cut) => {
+                    return Err(ClientError::DeadlineExceeded {
+                        function,
+                        deadline,
+                        elapsed: started.elapsed(),
+                        attempts: retries + 1,
+                        in_flight: true,
+                        last_error: last_error.map(Box::new),
+                    })
+                }
             };
             let may_retry = error.is_retryable(repeat == Repeat::Safe)
                 && retries < retry.max_retries
@@ -231,8 +253,26 @@ impl PostgrestClient {
             if !may_retry {
                 return Err(error);
             }
+            let wait = retry.backoff(retries + 1, error.retry_after());
+            let estimate = attempt_started.elapsed();
+            if Instant::now() + wait + estimate >= deadline_at {
+                tracing::info!(
+                    function,
+                    attempts = retries + 1,
+                    deadline_ms = deadline.as_millis() as u64,
+                    error = %error,
+                    "not retrying PostgREST call: a retry could not finish before the deadline"
+                );
+                return Err(ClientError::DeadlineExceeded {
+                    function,
+                    deadline,
+                    elapsed: started.elapsed(),
+                    attempts: retries + 1,
+                    in_flight: false,
+                    last_error: Some(Box::new(error)),
+                });
+            }
             retries += 1;
-            let wait = retry.backoff(retries, error.retry_after());
             tracing::info!(
                 function,
                 retry = retries,
@@ -241,6 +281,7 @@ impl PostgrestClient {
                 error = %error,
                 "retrying PostgREST call"
             );
+            last_error = Some(error);
             tokio::time::sleep(wait).await;
         }
     }

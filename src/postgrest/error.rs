@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::config::KeyKind;
 use super::range::ContentRangeError;
 
 /// The error body PostgREST sends: `{code, message, details, hint}`.
@@ -89,6 +90,46 @@ pub enum TransportKind {
     Other,
 }
 
+/// Why a service key was refused before any request. Never carries the key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// A URL is set but none of the service key variables is.
+    #[error("a PostgREST URL is set but no service key: set one of {variables}")]
+    Missing {
+        /// The variables looked at, in order of precedence.
+        variables: String,
+    },
+    /// A publishable key where a service key is needed: it reaches only
+    /// the `anon` role, which may not execute the plane's functions.
+    #[error(
+        "{variable} holds a publishable key (sb_publishable_…), which reaches only the anon role; \
+         the plane needs a secret key (sb_secret_…, in SUPABASE_SECRET_KEY) or the legacy service_role key"
+    )]
+    Publishable {
+        /// Where the key came from: a variable's name, or `the service key`.
+        variable: &'static str,
+    },
+    /// A variable holding a key of another kind than its name promises.
+    #[error("{variable} should hold a {}, but holds a {}", expected.describe(), found.describe())]
+    WrongKind {
+        /// The variable.
+        variable: &'static str,
+        /// The kind it should hold.
+        expected: KeyKind,
+        /// The kind it holds.
+        found: KeyKind,
+    },
+    /// An `sb_` service key with a different `apikey`: Supabase's gateway
+    /// accepts an `sb_` key in `Authorization` only when it equals the
+    /// `apikey`, so every request would be refused.
+    #[error(
+        "the apikey (IDEM_APIKEY) differs from the sb_ service key sent as Authorization: Bearer; \
+         Supabase's gateway refuses that: leave IDEM_APIKEY unset, or set it to the same key"
+    )]
+    ApikeyDiffers,
+}
+
 /// Everything the PostgREST client can fail with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -96,6 +137,37 @@ pub enum ClientError {
     /// The configuration cannot work (bad URL, key with characters a header cannot hold).
     #[error("invalid client configuration: {0}")]
     Config(String),
+
+    /// The service key cannot work where it would be sent (a publishable
+    /// key, a key of the wrong kind for its variable, a missing key).
+    #[error("invalid service key: {0}")]
+    Key(#[from] KeyError),
+
+    /// The operation's deadline ([`ClientConfig::with_deadline`]) came
+    /// before an answer: a request still in flight was cut, or a retry
+    /// that could not have finished in time was not started. An unknown
+    /// outcome when a request was cut in flight, as with a timeout.
+    ///
+    /// [`ClientConfig::with_deadline`]: super::ClientConfig::with_deadline
+    #[error(
+        "{function}: no answer within the {deadline:?} deadline ({attempts} attempt(s) in {elapsed:?}{})",
+        if *in_flight { "; the last was cut in flight, its outcome is unknown" } else { "; no retry could finish in time" }
+    )]
+    DeadlineExceeded {
+        /// The function called.
+        function: &'static str,
+        /// The configured deadline.
+        deadline: Duration,
+        /// How long the call took.
+        elapsed: Duration,
+        /// Requests sent, the cut one included.
+        attempts: u32,
+        /// True when a request was cut in flight: it may have run.
+        in_flight: bool,
+        /// The failure of the last attempt that completed, if any.
+        #[source]
+        last_error: Option<Box<ClientError>>,
+    },
 
     /// PostgREST answered with its error body.
     #[error("{function}: PostgREST answered {status} {}: {}", error.code, error.message)]
@@ -270,9 +342,18 @@ impl ClientError {
     /// | timeout, connection reset after sending | no | yes |
     /// | 500 `55P03`, a lock timeout ([`ClientError::LockTimeout`]) | no | no |
     /// | 503/504 without a PostgREST body (a gateway) | no | yes |
+    /// | the deadline cut a request in flight ([`ClientError::DeadlineExceeded`]) | no | yes |
+    /// | the deadline left no time for a retry | as its last failure | as its last failure |
     /// | anything else | no | no |
+    ///
+    /// (The client never retries past a deadline; the rows for it say what
+    /// a caller with more time may do.)
     pub fn is_retryable(&self, repeat_safe: bool) -> bool {
         match self {
+            ClientError::DeadlineExceeded { in_flight: true, .. } => repeat_safe,
+            ClientError::DeadlineExceeded { last_error, .. } => {
+                last_error.as_ref().is_some_and(|last| last.is_retryable(repeat_safe))
+            }
             ClientError::Transport { kind, .. } => match kind {
                 TransportKind::Connect => true,
                 TransportKind::Timeout | TransportKind::Interrupted => repeat_safe,
@@ -289,6 +370,60 @@ impl ClientError {
             }
             ClientError::Http { status, .. } => repeat_safe && matches!(status, 502..=504),
             _ => false,
+        }
+    }
+
+    /// One line saying why a key was refused, for a 401 (or a 403 for the
+    /// key's role) from Supabase's API gateway or from PostgREST; `None`
+    /// for any other failure. For an operator's tool such as `idem doctor`.
+    ///
+    /// Supabase's gateway answers with its own body, `{"message", "hint"}`
+    /// and no `code` ([`ClientError::Http`]): "No API key found in request"
+    /// (no `apikey` header), "Invalid API key" (a key this project does not
+    /// know), "Legacy API keys are disabled", "Forbidden use of secret API
+    /// key in browser". PostgREST answers with its own
+    /// ([`ClientError::Api`]): `42501` when the key's role may not execute
+    /// the function, `PGRST301` for a token that is not a valid JWT (an
+    /// `sb_` key no gateway exchanged), `PGRST303` for expired claims.
+    pub fn auth_hint(&self) -> Option<&'static str> {
+        match self {
+            ClientError::Http { status: 401, body_excerpt, .. } => {
+                let body = body_excerpt.to_ascii_lowercase();
+                if body.contains("no api key found") {
+                    Some(
+                        "no apikey sent: Supabase's gateway needs one; use SUPABASE_URL, or IDEM_POSTGREST_URL \
+                         at https://<ref>.supabase.co/rest/v1, or set IDEM_APIKEY",
+                    )
+                } else if body.contains("legacy api keys are disabled") {
+                    Some(
+                        "the project has disabled its legacy JWT keys (anon, service_role): \
+                         use a secret key, SUPABASE_SECRET_KEY=sb_secret_…",
+                    )
+                } else if body.contains("secret api key in browser") {
+                    Some("Supabase's gateway took the request for a browser's and refused the secret key in it")
+                } else if body.contains("invalid api key") {
+                    Some(
+                        "Supabase's gateway does not know this apikey: another project's key, \
+                         a deleted secret key, a disabled legacy key, or a mistyped one",
+                    )
+                } else {
+                    None
+                }
+            }
+            ClientError::Api { status: 401 | 403, error, .. } => match error.code.as_str() {
+                codes::INSUFFICIENT_PRIVILEGE => Some(
+                    "the key's role may not execute the plane's functions: a publishable or anon key \
+                     (or a user's token) where a secret key (sb_secret_…) or the service_role key is needed",
+                ),
+                codes::PGRST301 if error.message.to_ascii_lowercase().contains("parts") => Some(
+                    "PostgREST got a key that is not a JWT (an sb_ key no gateway exchanged): send it through \
+                     Supabase's gateway, with its apikey, or give plain PostgREST a JWT",
+                ),
+                codes::PGRST301 => Some("PostgREST refused the JWT: signed with another secret, or malformed"),
+                codes::PGRST303 => Some("PostgREST refused the JWT's claims: expired, or for another audience"),
+                _ => None,
+            },
+            _ => None,
         }
     }
 }
@@ -332,5 +467,78 @@ mod tests {
         assert!(gateway.is_retryable(true));
         let refused = ClientError::BoundAboveCap { bound: 2, cap: 1 };
         assert!(!refused.is_retryable(true));
+    }
+
+    fn deadline(in_flight: bool, last_error: Option<ClientError>) -> ClientError {
+        ClientError::DeadlineExceeded {
+            function: "f",
+            deadline: Duration::from_secs(1),
+            elapsed: Duration::from_secs(1),
+            attempts: 2,
+            in_flight,
+            last_error: last_error.map(Box::new),
+        }
+    }
+
+    #[test]
+    fn a_deadline_is_an_unknown_outcome_when_it_cut_a_request_else_its_last_failure() {
+        // Cut in flight: like a timeout, it may have run.
+        let cut = deadline(true, Some(api(503, codes::PGRST002)));
+        assert!(!cut.is_retryable(false));
+        assert!(cut.is_retryable(true));
+        assert!(cut.is_transient());
+        // Not retried for lack of time: as the failure that would have been retried.
+        let never_ran = deadline(false, Some(api(503, codes::PGRST002)));
+        assert!(never_ran.is_retryable(false));
+        let may_have_run = deadline(false, Some(api(503, codes::PGRST001)));
+        assert!(!may_have_run.is_retryable(false));
+        assert!(may_have_run.is_retryable(true) && may_have_run.is_transient());
+        assert!(cut.to_string().contains("outcome is unknown"), "{cut}");
+        let source = std::error::Error::source(&never_ran).map(ToString::to_string);
+        assert!(source.is_some_and(|s| s.contains("PGRST002")), "the last failure is the source");
+    }
+
+    fn gateway(body: serde_json::Value) -> ClientError {
+        ClientError::Http { function: "f", status: 401, body_excerpt: body.to_string(), retry_after: None }
+    }
+
+    #[test]
+    fn a_401_from_supabases_gateway_or_postgrest_is_explained_in_one_line() {
+        let hint = |error: ClientError| error.auth_hint().unwrap_or("");
+        let missing = gateway(serde_json::json!({
+            "message": "No API key found in request",
+            "hint": "No `apikey` request header or url param was found."
+        }));
+        assert!(hint(missing).starts_with("no apikey sent"));
+        let invalid = gateway(serde_json::json!({
+            "message": "Invalid API key",
+            "hint": "Double check your Supabase `anon` or `service_role` API key."
+        }));
+        assert!(hint(invalid).contains("does not know this apikey"));
+        let legacy = gateway(serde_json::json!({"message": "Legacy API keys are disabled"}));
+        assert!(hint(legacy).contains("SUPABASE_SECRET_KEY"));
+        let browser = gateway(serde_json::json!({"message": "Forbidden use of secret API key in browser"}));
+        assert!(hint(browser).contains("browser"));
+        assert!(hint(api(401, codes::INSUFFICIENT_PRIVILEGE)).contains("publishable or anon key"));
+        assert!(hint(api(403, codes::INSUFFICIENT_PRIVILEGE)).contains("secret key"));
+        let not_a_jwt = ClientError::Api {
+            function: "f",
+            status: 401,
+            error: Box::new(PostgrestError {
+                code: codes::PGRST301.into(),
+                message: "Expected 3 parts in JWT; got 1".into(),
+                details: None,
+                hint: None,
+            }),
+            retry_after: None,
+        };
+        assert!(hint(not_a_jwt).contains("not a JWT"));
+        assert!(hint(api(401, codes::PGRST303)).contains("expired"));
+        // Nothing to say about anything else.
+        assert_eq!(gateway(serde_json::json!({"message": "Something else"})).auth_hint(), None);
+        assert_eq!(api(503, codes::PGRST002).auth_hint(), None);
+        assert_eq!(api(400, codes::INVALID_PARAMETER_VALUE).auth_hint(), None);
+        let html = ClientError::Http { function: "f", status: 502, body_excerpt: "<html>".into(), retry_after: None };
+        assert_eq!(html.auth_hint(), None);
     }
 }

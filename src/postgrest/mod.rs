@@ -11,7 +11,10 @@ mod range;
 mod retry;
 
 pub use client::{PostgrestClient, Repeat};
-pub use config::{ClientConfig, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS};
-pub use error::{codes, ClientError, PostgrestError, TransportKind};
+pub use config::{
+    ClientConfig, Gateway, KeyKind, DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS,
+    SERVICE_KEY_VARIABLES,
+};
+pub use error::{codes, ClientError, KeyError, PostgrestError, TransportKind};
 pub use range::{ContentRange, ContentRangeError};
 pub use retry::RetryConfig;

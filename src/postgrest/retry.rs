@@ -4,6 +4,10 @@ use std::time::Duration;
 
 /// How the client retries a failure [`ClientError::is_retryable`] allows.
 ///
+/// Within the operation's deadline
+/// ([`ClientConfig::with_deadline`](super::ClientConfig::with_deadline)),
+/// which bounds every attempt and backoff together.
+///
 /// [`ClientError::is_retryable`]: super::ClientError::is_retryable
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryConfig {

@@ -19,6 +19,38 @@ fn idem_demo_runs_every_effect_exactly_once_and_exits_zero() {
     assert!(!stdout.lines().any(|l| l.trim_start().starts_with("FAIL")), "{stdout}");
 }
 
+#[test]
+fn idem_demo_stays_on_the_local_stack_when_a_deployment_is_exported() {
+    // A deployment named in the environment (here one nobody answers at) is
+    // not reason enough to write into it: only --remote is.
+    let unreachable = crate::support::RefusedPort::new();
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["demo", "--workers", "4", "--keys", "4", "--calls-per-key", "2"])
+        .env("SUPABASE_URL", unreachable.url())
+        .env("IDEM_POSTGREST_URL", format!("{}/rest/v1", unreachable.url()))
+        .env("SUPABASE_SECRET_KEY", "sb_secret_never_sent")
+        .output()
+        .expect("run idem demo");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "idem demo failed ({:?}):\n{stdout}\n{stderr}", output.status.code());
+    assert!(stdout.contains("idem demo on the embedded local stack"), "{stdout}");
+    assert!(stdout.contains("every effect happened exactly once"), "{stdout}");
+}
+
+#[test]
+fn idem_demo_remote_without_a_deployment_names_what_to_set() {
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["demo", "--remote"])
+        .env_remove("IDEM_POSTGREST_URL")
+        .env_remove("SUPABASE_URL")
+        .output()
+        .expect("run idem demo --remote");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("IDEM_POSTGREST_URL") && stderr.contains("SUPABASE_SECRET_KEY"), "{stderr}");
+}
+
 /// Runs `idem <args>` against the plane at `url` with `key`, told the row cap
 /// `max_rows` when given; killed if it runs past two minutes.
 async fn idem(url: &str, key: &str, max_rows: Option<u32>, args: &[&str]) -> std::process::Output {

@@ -17,6 +17,7 @@
 #[cfg(feature = "local")]
 mod cli;
 mod conformance;
+mod gate_deadlines;
 #[cfg(feature = "local")]
 mod harness;
 mod hostile;
@@ -58,6 +59,8 @@ mod stack_webhook;
 mod support;
 mod wire;
 mod wire_claims;
+mod wire_deadlines;
 mod wire_errors;
+mod wire_keys;
 mod wire_ranges;
 mod wire_retries;

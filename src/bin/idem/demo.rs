@@ -5,12 +5,17 @@
 //! of them reclaims the stalled key); the stalled worker wakes into the
 //! fence; changed payloads are proposed under used keys; finally every key is
 //! read back and compared with what the vendor made.
+//!
+//! It runs on the embedded local stack unless given `--remote`: an exported
+//! `SUPABASE_URL` or `IDEM_POSTGREST_URL` is never reason enough to write
+//! into a deployment.
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use idempotency_plane::local::{LocalStack, LocalStackConfig};
 use idempotency_plane::{ReadOutcome, RequestHash};
 use rand::Rng;
 use tokio::sync::{oneshot, Notify};
@@ -22,7 +27,7 @@ use crate::report::{KeyFindings, Report, Totals};
 use crate::tally::Tally;
 use crate::vendor::{Ledger, Vendor};
 use crate::worker::{self, Shared, RESOURCE_TYPE, SCOPE};
-use crate::{signal, BoxError};
+use crate::{remote, signal, BoxError};
 
 /// The effect whose first worker stalls past its lease.
 const STALLED_KEY: usize = 0;
@@ -32,7 +37,16 @@ const CHANGED_PAYLOADS: usize = 3;
 
 /// Options of `idem demo`.
 #[derive(Debug, clap::Args)]
+#[command(after_long_help = "Runs on the embedded local stack, whatever SUPABASE_URL or IDEM_POSTGREST_URL say; \
+    only --remote acts on the deployment they name, writing the demo's claims (scope tool.email.send, \
+    a fresh organization id) into its agent schema.")]
 pub(crate) struct DemoArgs {
+    /// Run against the deployment IDEM_POSTGREST_URL / SUPABASE_URL and its
+    /// service key name (IDEM_SERVICE_KEY, SUPABASE_SECRET_KEY or
+    /// SUPABASE_SERVICE_ROLE_KEY) instead of the embedded local stack. Writes
+    /// the demo's claims into that deployment.
+    #[arg(long)]
+    remote: bool,
     /// Concurrent workers.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=512))]
     workers: u16,
@@ -61,7 +75,14 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, BoxError> {
         )
         .into());
     }
-    let plane = Plane::connect().await?;
+    let plane = if args.remote {
+        // Refuses, naming what to set, when the environment names no
+        // deployment (`Plane::connect` would start a local stack instead).
+        remote::config()?;
+        Plane::connect().await?
+    } else {
+        Plane::Local(LocalStack::start(LocalStackConfig::default()).await?)
+    };
     println!("idem demo on the {}", plane.describe());
     let outcome = tokio::select! {
         report = scenario(&plane, &args) => report,
