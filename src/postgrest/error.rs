@@ -296,6 +296,8 @@ impl ClientError {
             ClientError::ContentRange { .. } => "content_range",
             ClientError::Truncated { .. } => "truncated",
             ClientError::BoundAboveCap { .. } => "bound_above_cap",
+            ClientError::Key(_) => "key",
+            ClientError::DeadlineExceeded { .. } => "deadline_exceeded",
         }
     }
 

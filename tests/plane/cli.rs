@@ -95,7 +95,7 @@ async fn idem_doctor_passes_on_a_healthy_plane_and_names_what_is_wrong_otherwise
     let wrong_role = idem(url, &stack.token_for("anon"), None, &["doctor"]).await;
     let out = stdout(&wrong_role);
     assert!(!wrong_role.status.success(), "{out}");
-    assert!(out.contains("FAIL  reachable: the key's role cannot execute it"), "{out}");
+    assert!(out.contains("FAIL  reachable: the key's role may not execute the plane's functions"), "{out}");
     stack.stop().await.unwrap();
 }
 
@@ -297,4 +297,25 @@ async fn idem_doctor_writes_nothing_and_names_a_missing_function_and_a_higher_ca
     let rows: i64 = sqlx::query_scalar(tables).fetch_one(stack.db()).await.unwrap();
     assert_eq!(rows, 0, "doctor wrote nothing");
     stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_doctor_explains_a_gateway_401_in_one_line() {
+    use wiremock::matchers::method;
+    use wiremock::{Mock, MockServer, ResponseTemplate};
+    // Supabase's gateway, refusing a request that carries no apikey.
+    let gateway = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(401).set_body_json(serde_json::json!({
+            "message": "No API key found in request",
+            "hint": "No `apikey` request header or url param was found."
+        })))
+        .mount(&gateway)
+        .await;
+    let output = idem(&gateway.uri(), "a-jwt-the-gateway-never-sees", None, &["doctor"]).await;
+    let out = stdout(&output);
+    assert_eq!(output.status.code(), Some(1), "{out}");
+    let line = out.lines().find(|l| l.starts_with("FAIL  reachable:")).expect("the reachability line");
+    assert!(line.contains("no apikey sent"), "{line}");
+    assert!(!out.contains("a-jwt-the-gateway-never-sees"), "the key is never printed");
 }

@@ -76,10 +76,8 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, BoxError> {
         .into());
     }
     let plane = if args.remote {
-        // Refuses, naming what to set, when the environment names no
-        // deployment (`Plane::connect` would start a local stack instead).
-        remote::config()?;
-        Plane::connect().await?
+        // Refuses, naming what to set, when the environment names no deployment.
+        Plane::Remote(remote::config()?)
     } else {
         Plane::Local(LocalStack::start(LocalStackConfig::default()).await?)
     };

@@ -159,6 +159,9 @@ async fn check_row_cap(client: &PostgrestClient, report: &mut Report) {
 
 /// What an error means for an operator.
 fn diagnose(error: &ClientError) -> String {
+    if let Some(hint) = error.auth_hint() {
+        return hint.to_owned();
+    }
     match error {
         ClientError::Transport { .. } => format!("cannot reach the server ({error})"),
         ClientError::Api { error: body, .. } => match body.code.as_str() {

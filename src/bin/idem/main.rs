@@ -72,9 +72,10 @@ enum Command {
     /// vendor, and check that every effect happened exactly once.
     ///
     /// Uses the embedded local stack (a fresh database on the PostgreSQL at
-    /// DATABASE_URL, default postgres://postgres@127.0.0.1:5432/postgres),
-    /// or the server IDEM_POSTGREST_URL / SUPABASE_URL names with its
-    /// service key (IDEM_SERVICE_KEY / SUPABASE_SERVICE_ROLE_KEY).
+    /// DATABASE_URL, default postgres://postgres@127.0.0.1:5432/postgres);
+    /// with --remote, the deployment IDEM_POSTGREST_URL / SUPABASE_URL and
+    /// a service key name. An exported SUPABASE_URL alone never makes it
+    /// write into a hosted project.
     #[cfg(feature = "local")]
     Demo(demo::DemoArgs),
     /// Measure the plane on the embedded local stack, side by side: the crate,

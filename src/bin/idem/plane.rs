@@ -1,6 +1,7 @@
-//! Which plane the demo talks to: a configured server, or the embedded stack.
+//! Which plane the demo talks to: the embedded stack, or (with `--remote`)
+//! the deployment the environment names.
 
-use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::local::LocalStack;
 use idempotency_plane::{ClientConfig, IdempotencyService, PostgrestClient, PostgrestRepository};
 
 use crate::BoxError;
@@ -13,19 +14,11 @@ pub(crate) type Service = IdempotencyService<PostgrestRepository>;
 pub(crate) enum Plane {
     /// The embedded stack: a fresh database behind an in-process server.
     Local(LocalStack),
-    /// A server named by the environment (`ClientConfig::from_env`).
+    /// A deployment, named by the environment (`idem demo --remote`).
     Remote(ClientConfig),
 }
 
 impl Plane {
-    /// The server the environment names, else a freshly started local stack.
-    pub(crate) async fn connect() -> Result<Plane, BoxError> {
-        match ClientConfig::from_env()? {
-            Some(config) => Ok(Plane::Remote(config)),
-            None => Ok(Plane::Local(LocalStack::start(LocalStackConfig::default()).await?)),
-        }
-    }
-
     /// A service over this plane, with its own connection pool.
     pub(crate) fn service(&self) -> Result<Service, BoxError> {
         match self {
