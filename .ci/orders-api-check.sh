@@ -25,10 +25,15 @@ again=$(curl -s -D - "$url/orders" -H 'idempotency-key: ci-1' -H 'content-type: 
 grep -qi '^idempotent-replayed: true' <<<"$again" || { echo "orders_api: the repeat was not a replay" >&2; exit 1; }
 grep -qF "$first" <<<"$again" || { echo "orders_api: the replay is not the first answer" >&2; exit 1; }
 expect "changed body" "$(post '' '{"sku":"B"}' -H 'idempotency-key: ci-1')" 422
-post '?delay_ms=2000' '{}' -H 'idempotency-key: ci-2' >/dev/null &
+slow_status=$(mktemp)
+post '?delay_ms=5000' '{}' -H 'idempotency-key: ci-2' >"$slow_status" &
 slow=$!
-sleep 0.7
-expect "in flight" "$(post '' '{}' -H 'idempotency-key: ci-2')" 409
+# The same request while the first runs: 409. The first gets a second's head
+# start (its claim takes milliseconds) and holds the key for five.
+sleep 1
+expect "in flight" "$(post '?delay_ms=5000' '{}' -H 'idempotency-key: ci-2')" 409
 wait $slow
+expect "the slow first request" "$(cat "$slow_status")" 201
+rm -f "$slow_status"
 expect "no key" "$(post '' '{}')" 400
 echo "orders_api: created, replayed, 422, 409, 400 as described"

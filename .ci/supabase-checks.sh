@@ -45,7 +45,8 @@ else
   # that wrote it only (the CLI ships one optional package per platform), and
   # npm ci refuses a lock without the others.
   say "installing Supabase CLI $SUPABASE_CLI_VERSION (npm in .ci/supabase)"
-  (cd "$cli_dir" && npm i -E --no-audit --no-fund --loglevel=error "supabase@$SUPABASE_CLI_VERSION")
+  # --no-save: the committed package.json and lock stay as they are.
+  (cd "$cli_dir" && npm i -E --no-save --no-audit --no-fund --loglevel=error "supabase@$SUPABASE_CLI_VERSION")
   installed="$("$supabase" --version)"
   [ "$installed" = "$SUPABASE_CLI_VERSION" ] || fail "installed Supabase CLI $installed, expected $SUPABASE_CLI_VERSION"
 fi
@@ -58,7 +59,8 @@ package="postgresql-$pg_major-plpgsql-check"
 if [ "$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null)" != "install ok installed" ]; then
   say "installing $package"
   sudo=()
-  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  # Without stdin a password prompt would hang or fail obscurely: -n fails at once.
+  [ "$(id -u)" -eq 0 ] || sudo=(sudo -n)
   export DEBIAN_FRONTEND=noninteractive
   "${sudo[@]}" apt-get update -q
   "${sudo[@]}" apt-get install -y -q --no-install-recommends "$package"

@@ -36,7 +36,7 @@ use crate::postgrest::PostgrestClient;
 use crate::repo::{IdempotencyRepository, PostgrestRepository, ProviderJobRepository};
 
 pub use crate::repo::ProviderJob;
-use crate::service::{ClaimOutcome, Ending, IdempotencyService, RequestHash};
+use crate::service::{Claim, ClaimOutcome, Ending, IdempotencyService, RequestHash};
 
 /// How long processing one delivery may take unless set otherwise; the
 /// gate's deadline ([`DEFAULT_GATE_DEADLINE`]) cuts it sooner unless that is
@@ -231,7 +231,7 @@ pub struct ProviderCallback<'a> {
 /// The gate. Cheap to clone; clones share their counters.
 #[derive(Debug, Clone)]
 pub struct WebhookGate<R, J = PostgrestRepository> {
-    service: IdempotencyService<R>,
+    service: Arc<IdempotencyService<R>>,
     jobs: ProviderJobs<J>,
     timeout: Duration,
     deadline: Option<Duration>,
@@ -271,12 +271,12 @@ async fn within<T>(deadline: Option<Instant>, future: impl Future<Output = T>) -
     }
 }
 
-impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
+impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R, J> {
     /// A gate over `service`, resolving provider callbacks through `jobs`,
     /// with [`DEFAULT_PROCESSING_TIMEOUT`] and [`DEFAULT_GATE_DEADLINE`].
     pub fn new(service: IdempotencyService<R>, jobs: ProviderJobs<J>) -> Self {
         WebhookGate {
-            service,
+            service: Arc::new(service),
             jobs,
             timeout: DEFAULT_PROCESSING_TIMEOUT,
             deadline: Some(DEFAULT_GATE_DEADLINE),
@@ -377,14 +377,40 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
         // processing timeout from before the claim, retries included.
         let timeout_at = Instant::now() + self.timeout;
         let processing_deadline = budget.work.map_or(timeout_at, |work| work.min(timeout_at));
-        let claiming =
-            self.service.claim(delivery.organization_id, delivery.scope, delivery.delivery_id, &hash, self.lease());
-        let Some(claimed) = within(budget.work, claiming).await else {
-            // The claim may have been made, with a token we never heard:
-            // a redelivery within its lease is dropped as a duplicate, one
-            // after it reclaims it.
-            tracing::error!("the claim did not answer within the gate's deadline; not acknowledged");
-            return Ack::Retry(RetryReason::PlaneUnavailable);
+        // The claim runs as a task of its own, so that a deadline that cuts
+        // the wait for it does not cut the call: a claim the database made
+        // after we stopped waiting is released once it answers, and the
+        // vendor's redelivery is processed, never dropped as a duplicate of
+        // a delivery nobody processes.
+        let mut claiming = {
+            let service = self.service.clone();
+            let (organization_id, scope, key) =
+                (delivery.organization_id, delivery.scope.to_owned(), delivery.delivery_id.to_owned());
+            let (hash, lease) = (hash.clone(), self.lease());
+            tokio::spawn(
+                async move { service.claim(organization_id, &scope, &key, &hash, lease).await }.in_current_span(),
+            )
+        };
+        let claimed = match within(budget.work, &mut claiming).await {
+            Some(Ok(claimed)) => claimed,
+            Some(Err(failed)) => {
+                tracing::error!(%failed, "the claim's task failed; not acknowledged");
+                return Ack::Retry(RetryReason::PlaneUnavailable);
+            }
+            None => {
+                tracing::error!("the claim did not answer within the gate's deadline; not acknowledged");
+                let service = self.service.clone();
+                tokio::spawn(
+                    async move {
+                        if let Ok(Ok(ClaimOutcome::Claimed(claim))) = claiming.await {
+                            tracing::warn!("the claim the deadline cut was made; releasing it for the redelivery");
+                            service.release_or_log(&claim).await;
+                        }
+                    }
+                    .in_current_span(),
+                );
+                return Ack::Retry(RetryReason::PlaneUnavailable);
+            }
         };
         let claim = match claimed {
             Ok(ClaimOutcome::Claimed(claim)) => claim,
@@ -406,9 +432,15 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
             Err(error) => return self.unavailable(&error),
         };
         let processed = tokio::time::timeout_at(processing_deadline, AssertUnwindSafe(process()).catch_unwind()).await;
-        let release = |claim| async move {
-            if within(budget.call, self.service.release_or_log(claim)).await.is_none() {
-                tracing::error!("the release did not answer within the gate's deadline; the claim waits for its lease");
+        // Endings run as tasks of their own too: one the deadline cuts still
+        // lands after the gate has answered.
+        let release = |claim: &Claim| {
+            let (service, claim) = (self.service.clone(), claim.clone());
+            let releasing = tokio::spawn(async move { service.release_or_log(&claim).await }.in_current_span());
+            async move {
+                if within(budget.call, releasing).await.is_none() {
+                    tracing::warn!("the release did not answer within the gate's deadline; it lands after the answer");
+                }
             }
         };
         let processed = match processed {
@@ -450,11 +482,21 @@ impl<R: IdempotencyRepository, J: ProviderJobRepository> WebhookGate<R, J> {
                 json!({"ok": false, "error": payload})
             }
         };
-        let completing = self.service.complete_after_effect(&claim, payload, None, envelope);
-        let Some(completed) = within(budget.call, completing).await else {
-            // The processing happened; the vendor must not redeliver it.
-            tracing::error!("processed, but the completion did not answer within the gate's deadline");
-            return Ack::Processed;
+        let completing = {
+            let service = self.service.clone();
+            tokio::spawn(
+                async move { service.complete_after_effect(&claim, payload, None, envelope).await }.in_current_span(),
+            )
+        };
+        let completed = match within(budget.call, completing).await {
+            Some(Ok(completed)) => completed,
+            Some(Err(failed)) => Err(Error::Inconsistent(format!("the completion's task failed: {failed}"))),
+            None => {
+                // The processing happened; the vendor must not redeliver it,
+                // and the completion lands after the answer.
+                tracing::warn!("processed; the completion did not answer within the gate's deadline and lands after");
+                return Ack::Processed;
+            }
         };
         match completed {
             Ok(Ending::Recorded) => {}

@@ -12,7 +12,7 @@ pub(crate) mod journal;
 mod outcome;
 mod replay_cache;
 pub(crate) mod scope;
-mod validate;
+pub(crate) mod validate;
 
 use std::time::Duration;
 

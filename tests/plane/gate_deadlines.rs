@@ -87,6 +87,45 @@ async fn a_claim_that_does_not_answer_in_time_is_a_503_and_nothing_is_processed(
 }
 
 #[tokio::test]
+async fn a_claim_the_deadline_cut_is_released_once_it_answers_so_the_redelivery_is_processed() {
+    // Arrange: the claim answers after the deadline, and it was made.
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/rpc/idempotency_claim"))
+        .respond_with(|request: &Request| {
+            ResponseTemplate::new(200)
+                .set_body_json(json!([claimed_row(request, "processing")]))
+                .set_delay(DEADLINE * 2)
+        })
+        .expect(1)
+        .mount(&server)
+        .await;
+    Mock::given(method("POST"))
+        .and(path("/rpc/idempotency_release"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!(true)))
+        .expect(1)
+        .mount(&server)
+        .await;
+    let gate = wire_gate(&server).with_deadline(DEADLINE);
+    // Act
+    let ack = gate.handle(delivery(Uuid::new_v4(), "d-cut-claim"), || async { panic!("never processed") }).await;
+    // Assert: 503 now; the claim that landed late is released, so nothing
+    // holds the delivery id against the vendor's redelivery.
+    assert_eq!(ack, Ack::Retry(RetryReason::PlaneUnavailable));
+    let released = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if requests(&server).await.iter().any(|r| r.url.path() == "/rpc/idempotency_release") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(released.is_ok(), "the late claim was never released");
+    server.verify().await;
+}
+
+#[tokio::test]
 async fn processing_that_overruns_the_deadline_is_released_and_the_redelivery_processed() {
     // Arrange
     let gate = memory_gate().with_deadline(DEADLINE);

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
@@ -21,9 +21,9 @@ use uuid::Uuid;
 use crate::harness::*;
 
 /// The API under test: `POST /orders` creates an order with a fresh id.
-/// Query flags make the handler slow (`delay_ms`), wait for a permit
-/// (`hold`), panic, or answer a given status; they are not part of the
-/// request's identity.
+/// Headers make the handler slow (`x-delay-ms`), wait for a permit
+/// (`x-hold`), panic (`x-panic`), or answer a given status (`x-status`);
+/// headers are not part of a request's identity unless counted.
 #[derive(Clone)]
 struct Orders {
     runs: Arc<AtomicUsize>,
@@ -36,26 +36,22 @@ impl Default for Orders {
     }
 }
 
-#[derive(serde::Deserialize, Default)]
-struct Flags {
-    delay_ms: Option<u64>,
-    hold: Option<bool>,
-    panic: Option<bool>,
-    status: Option<u16>,
+fn flag(headers: &HeaderMap, name: &str) -> Option<u64> {
+    headers.get(name)?.to_str().ok()?.parse().ok()
 }
 
-async fn create_order(State(orders): State<Orders>, Query(flags): Query<Flags>, body: String) -> impl IntoResponse {
+async fn create_order(State(orders): State<Orders>, flags: HeaderMap, body: String) -> impl IntoResponse {
     orders.runs.fetch_add(1, Ordering::SeqCst);
-    if let Some(ms) = flags.delay_ms {
+    if let Some(ms) = flag(&flags, "x-delay-ms") {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    if flags.hold == Some(true) {
+    if flag(&flags, "x-hold").is_some() {
         orders.gate.acquire().await.expect("gate").forget();
     }
-    if flags.panic == Some(true) {
+    if flag(&flags, "x-panic").is_some() {
         panic!("the handler failed half-way");
     }
-    let status = StatusCode::from_u16(flags.status.unwrap_or(201)).expect("status");
+    let status = StatusCode::from_u16(flag(&flags, "x-status").map_or(201, |s| s as u16)).expect("status");
     let id = Uuid::new_v4();
     let mut headers = HeaderMap::new();
     headers.insert("location", format!("/orders/{id}").parse().expect("header"));
@@ -70,19 +66,22 @@ struct Api {
 }
 
 impl Api {
-    fn post(&self, key: Option<&str>, query: &str, body: &str) -> reqwest::RequestBuilder {
-        self.post_as(TENANT, key, query, body)
+    fn post(&self, key: Option<&str>, flags: &[(&str, &str)], body: &str) -> reqwest::RequestBuilder {
+        self.post_as(TENANT, key, flags, body)
     }
 
-    fn post_as(&self, tenant: &str, key: Option<&str>, query: &str, body: &str) -> reqwest::RequestBuilder {
+    fn post_as(&self, tenant: &str, key: Option<&str>, flags: &[(&str, &str)], body: &str) -> reqwest::RequestBuilder {
         let mut request = self
             .http
-            .post(format!("{}/orders{query}", self.url))
+            .post(format!("{}/orders", self.url))
             .header("content-type", "application/json")
             .header("x-tenant", tenant)
             .body(body.to_owned());
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
+        }
+        for (name, value) in flags {
+            request = request.header(*name, *value);
         }
         request
     }
@@ -136,20 +135,73 @@ fn assert_problem(status: StatusCode, headers: &HeaderMap, body: &Value, expecte
 async fn a_repeat_after_completion_replays_status_headers_and_body_and_the_handler_runs_once() {
     let stack = stack().await;
     let api = api(&stack).await;
-    let (status, headers, first) =
-        body(api.post(Some("order-1"), "", r#"{"sku":"A","qty":2}"#).send().await.unwrap()).await;
-    assert_eq!(status, StatusCode::CREATED);
-    assert!(headers.get("idempotent-replayed").is_none());
+    let first = api.post(Some("order-1"), &[], r#"{"sku":"A","qty":2}"#).send().await.unwrap();
+    assert_eq!(first.status(), 201);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let location = first.headers()["location"].clone();
+    let first = first.text().await.unwrap();
     // The same JSON with its keys in another order and other spacing.
-    let (status, headers, again) =
-        body(api.post(Some("order-1"), "", r#"{ "qty": 2, "sku": "A" }"#).send().await.unwrap()).await;
-    assert_eq!(status, StatusCode::CREATED);
+    let again = api.post(Some("order-1"), &[], r#"{ "qty": 2, "sku": "A" }"#).send().await.unwrap();
+    assert_eq!(again.status(), 201);
+    let headers = again.headers().clone();
     assert_eq!(headers["idempotent-replayed"], "true");
-    assert_eq!(headers["location"], format!("/orders/{}", first["id"].as_str().unwrap()));
+    assert_eq!(headers["location"], location);
     assert_eq!(headers["content-type"], "application/json");
     assert!(headers.get("x-not-kept").is_none(), "only the kept headers are replayed");
-    assert_eq!(again, first, "the body, byte for byte");
+    assert_eq!(again.text().await.unwrap(), first, "the body, byte for byte");
     assert_eq!(api.runs(), 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn two_resources_of_one_route_under_one_key_are_two_requests() {
+    let stack = stack().await;
+    let orders = Orders::default();
+    let app = Router::new()
+        .route("/accounts/{id}/transfers", post(create_order))
+        .route_layer(IdempotencyKeyLayer::new(service(&stack), tenant))
+        .with_state(orders.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let http = reqwest::Client::new();
+    let transfer = |account: u32| {
+        http.post(format!("{url}/accounts/{account}/transfers"))
+            .header("idempotency-key", "t-1")
+            .header("x-tenant", TENANT)
+            .header("content-type", "application/json")
+            .body(r#"{"amount":10}"#)
+    };
+    assert_eq!(transfer(1).send().await.unwrap().status(), 201);
+    // Account 2 under the same key is not account 1's transfer replayed.
+    let (status, headers, problem) = body(transfer(2).send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+    assert_eq!(orders.runs.load(Ordering::SeqCst), 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_layer_that_cannot_see_the_matched_route_refuses_rather_than_scope_every_path() {
+    let stack = stack().await;
+    let orders = Orders::default();
+    // Around the whole router, the layer runs before routing: no matched
+    // route to scope by.
+    use tower_layer::Layer;
+    let router = Router::new().route("/orders", post(create_order)).with_state(orders.clone());
+    let app = IdempotencyKeyLayer::new(service(&stack), tenant).layer(router);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(async move {
+        axum::serve(listener, axum::ServiceExt::<axum::extract::Request>::into_make_service(app)).await
+    });
+    let request = reqwest::Client::new()
+        .post(format!("{url}/orders"))
+        .header("idempotency-key", "k")
+        .header("x-tenant", TENANT)
+        .body("{}");
+    let (status, headers, problem) = body(request.send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "not-configured");
+    assert_eq!((orders.runs.load(Ordering::SeqCst), count_rows(&stack).await), (0, 0));
     stack.stop().await.unwrap();
 }
 
@@ -157,11 +209,11 @@ async fn a_repeat_after_completion_replays_status_headers_and_body_and_the_handl
 async fn keys_are_required_well_formed_and_bounded_and_other_methods_pass() {
     let stack = stack().await;
     let api = api(&stack).await;
-    let (status, headers, problem) = body(api.post(None, "", "{}").send().await.unwrap()).await;
+    let (status, headers, problem) = body(api.post(None, &[], "{}").send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::BAD_REQUEST, "missing-key");
     let long = "k".repeat(256);
     for bad in ["", "   ", "\"\"", long.as_str()] {
-        let (status, headers, problem) = body(api.post(Some(bad), "", "{}").send().await.unwrap()).await;
+        let (status, headers, problem) = body(api.post(Some(bad), &[], "{}").send().await.unwrap()).await;
         assert_problem(status, &headers, &problem, StatusCode::BAD_REQUEST, "malformed-key");
     }
     assert_eq!(api.runs(), 0, "no refused request ran");
@@ -169,9 +221,9 @@ async fn keys_are_required_well_formed_and_bounded_and_other_methods_pass() {
     // A GET is not this layer's: it is not even routed through it.
     assert_eq!(api.http.get(format!("{}/health", api.url)).send().await.unwrap().status(), 200);
     // A quoted key, as the IETF draft writes it, is the same key bare.
-    let quoted = api.post(Some("\"order-q\""), "", "{}").send().await.unwrap();
+    let quoted = api.post(Some("\"order-q\""), &[], "{}").send().await.unwrap();
     assert_eq!(quoted.status(), 201);
-    let bare = api.post(Some("order-q"), "", "{}").send().await.unwrap();
+    let bare = api.post(Some("order-q"), &[], "{}").send().await.unwrap();
     assert_eq!(bare.headers()["idempotent-replayed"], "true");
     stack.stop().await.unwrap();
 }
@@ -180,8 +232,8 @@ async fn keys_are_required_well_formed_and_bounded_and_other_methods_pass() {
 async fn optional_mode_passes_keyless_requests_through() {
     let stack = stack().await;
     let api = serve(IdempotencyKeyLayer::new(service(&stack), tenant).optional()).await;
-    assert_eq!(api.post(None, "", "{}").send().await.unwrap().status(), 201);
-    assert_eq!(api.post(None, "", "{}").send().await.unwrap().status(), 201);
+    assert_eq!(api.post(None, &[], "{}").send().await.unwrap().status(), 201);
+    assert_eq!(api.post(None, &[], "{}").send().await.unwrap().status(), 201);
     assert_eq!(api.runs(), 2, "unprotected, as configured");
     assert_eq!(count_rows(&stack).await, 0);
     stack.stop().await.unwrap();
@@ -191,13 +243,13 @@ async fn optional_mode_passes_keyless_requests_through() {
 async fn the_same_key_with_another_request_is_422_and_an_empty_body_is_a_request_of_its_own() {
     let stack = stack().await;
     let api = api(&stack).await;
-    assert_eq!(api.post(Some("k-empty"), "", "").send().await.unwrap().status(), 201);
-    assert_eq!(api.post(Some("k-empty"), "", "").send().await.unwrap().headers()["idempotent-replayed"], "true");
-    let (status, headers, problem) = body(api.post(Some("k-empty"), "", "{}").send().await.unwrap()).await;
+    assert_eq!(api.post(Some("k-empty"), &[], "").send().await.unwrap().status(), 201);
+    assert_eq!(api.post(Some("k-empty"), &[], "").send().await.unwrap().headers()["idempotent-replayed"], "true");
+    let (status, headers, problem) = body(api.post(Some("k-empty"), &[], "{}").send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
     assert_eq!(api.runs(), 1);
     // Another tenant's key of the same name is another key.
-    let other = api.post_as(&Uuid::new_v4().to_string(), Some("k-empty"), "", "{}").send().await.unwrap();
+    let other = api.post_as(&Uuid::new_v4().to_string(), Some("k-empty"), &[], "{}").send().await.unwrap();
     assert_eq!(other.status(), 201);
     assert_eq!(api.runs(), 2);
     stack.stop().await.unwrap();
@@ -211,7 +263,7 @@ async fn twenty_concurrent_requests_with_one_key_run_the_handler_once() {
         .map(|_| {
             let api = api.clone();
             tokio::spawn(async move {
-                body(api.post(Some("burst"), "?delay_ms=300", r#"{"sku":"B"}"#).send().await.unwrap()).await
+                body(api.post(Some("burst"), &[("x-delay-ms", "300")], r#"{"sku":"B"}"#).send().await.unwrap()).await
             })
         })
         .collect();
@@ -235,7 +287,7 @@ async fn twenty_concurrent_requests_with_one_key_run_the_handler_once() {
     assert_eq!(ids.len(), 1, "every 201 is the one order");
     assert!(in_flight > 0, "some arrived while it ran");
     // Once done, every repeat is the replay.
-    let (status, headers, answer) = body(api.post(Some("burst"), "", r#"{"sku":"B"}"#).send().await.unwrap()).await;
+    let (status, headers, answer) = body(api.post(Some("burst"), &[], r#"{"sku":"B"}"#).send().await.unwrap()).await;
     assert_eq!((status, &headers["idempotent-replayed"]), (StatusCode::CREATED, &"true".parse().unwrap()));
     assert!(ids.contains(answer["id"].as_str().unwrap()));
     stack.stop().await.unwrap();
@@ -245,26 +297,33 @@ async fn twenty_concurrent_requests_with_one_key_run_the_handler_once() {
 async fn retryable_answers_panics_and_timeouts_release_and_other_answers_are_final() {
     let stack = stack().await;
     let layer = IdempotencyKeyLayer::new(service(&stack), tenant)
-        .handler_timeout(Duration::from_millis(500), Duration::from_secs(5));
+        .handler_timeout(Duration::from_millis(500), Duration::from_secs(5))
+        .expect("a lease the plane accepts");
     let api = serve(layer).await;
     // 503 and 429 are not answers: released, and the retry runs.
     for status in [503, 429] {
         let key = format!("retryable-{status}");
-        assert_eq!(api.post(Some(&key), &format!("?status={status}"), "{}").send().await.unwrap().status(), status);
-        assert_eq!(api.post(Some(&key), "", "{}").send().await.unwrap().status(), 201, "retried");
+        let status_text = status.to_string();
+        assert_eq!(
+            api.post(Some(&key), &[("x-status", status_text.as_str())], "{}").send().await.unwrap().status(),
+            status
+        );
+        assert_eq!(api.post(Some(&key), &[], "{}").send().await.unwrap().status(), 201, "retried");
     }
     // A panic: 500 problem, released, and the retry runs.
-    let (status, headers, problem) = body(api.post(Some("panics"), "?panic=true", "{}").send().await.unwrap()).await;
+    let (status, headers, problem) =
+        body(api.post(Some("panics"), &[("x-panic", "1")], "{}").send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "handler-failed");
-    assert_eq!(api.post(Some("panics"), "", "{}").send().await.unwrap().status(), 201);
+    assert_eq!(api.post(Some("panics"), &[], "{}").send().await.unwrap().status(), 201);
     // Past the handler timeout: 504 problem, released, and the retry runs.
-    let (status, headers, problem) = body(api.post(Some("slow"), "?delay_ms=3000", "{}").send().await.unwrap()).await;
+    let (status, headers, problem) =
+        body(api.post(Some("slow"), &[("x-delay-ms", "3000")], "{}").send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::GATEWAY_TIMEOUT, "handler-timeout");
-    assert_eq!(api.post(Some("slow"), "", "{}").send().await.unwrap().status(), 201);
+    assert_eq!(api.post(Some("slow"), &[], "{}").send().await.unwrap().status(), 201);
     // A 400 is the answer: kept and replayed, the handler not run again.
     let runs = api.runs();
-    assert_eq!(api.post(Some("bad"), "?status=400", "{}").send().await.unwrap().status(), 400);
-    let again = api.post(Some("bad"), "", "{}").send().await.unwrap();
+    assert_eq!(api.post(Some("bad"), &[("x-status", "400")], "{}").send().await.unwrap().status(), 400);
+    let again = api.post(Some("bad"), &[], "{}").send().await.unwrap();
     assert_eq!((again.status().as_u16(), &again.headers()["idempotent-replayed"]), (400, &"true".parse().unwrap()));
     assert_eq!(api.runs(), runs + 1);
     stack.stop().await.unwrap();
@@ -277,13 +336,15 @@ async fn a_lease_that_passes_mid_handler_is_reclaimed_and_the_late_completion_is
     // A: claims and holds in its handler.
     let first = {
         let api = api.clone();
-        tokio::spawn(async move { body(api.post(Some("stalls"), "?hold=true", "{}").send().await.unwrap()).await })
+        tokio::spawn(
+            async move { body(api.post(Some("stalls"), &[("x-hold", "1")], "{}").send().await.unwrap()).await },
+        )
     };
     eventually("A's handler runs", || api.runs() == 1).await;
     let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
     pass_lease(&stack, id).await;
     // B: the lease passed, so it reclaims and runs to completion.
-    let (status, _, b) = body(api.post(Some("stalls"), "", "{}").send().await.unwrap()).await;
+    let (status, _, b) = body(api.post(Some("stalls"), &[], "{}").send().await.unwrap()).await;
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(api.runs(), 2);
     // A finishes late: its completion is fenced off; it still answers its own order.
@@ -292,7 +353,7 @@ async fn a_lease_that_passes_mid_handler_is_reclaimed_and_the_late_completion_is
     assert_eq!(status, StatusCode::CREATED);
     assert_ne!(a["id"], b["id"]);
     // What the key answers from now on is B's.
-    let (_, headers, replay) = body(api.post(Some("stalls"), "", "{}").send().await.unwrap()).await;
+    let (_, headers, replay) = body(api.post(Some("stalls"), &[], "{}").send().await.unwrap()).await;
     assert_eq!(headers["idempotent-replayed"], "true");
     assert_eq!(replay["id"], b["id"], "the late completion did not overwrite B's");
     stack.stop().await.unwrap();
@@ -304,16 +365,16 @@ async fn bodies_above_the_limit_are_413_and_answers_above_the_journal_limit_are_
     let small_journal = service(&stack).with_response_limit(1024);
     let api = serve(IdempotencyKeyLayer::new(small_journal, tenant).body_limit(4096)).await;
     let (status, headers, problem) =
-        body(api.post(Some("huge"), "", &format!("\"{}\"", "x".repeat(5000))).send().await.unwrap()).await;
+        body(api.post(Some("huge"), &[], &format!("\"{}\"", "x".repeat(5000))).send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::PAYLOAD_TOO_LARGE, "body-too-large");
     assert_eq!(api.runs(), 0);
     // A 2 KiB request echoed back: the first caller gets it all, a repeat
     // the status and headers, and how much body was left out.
     let big = format!("\"{}\"", "y".repeat(2048));
-    let (status, _, first) = body(api.post(Some("echo"), "", &big).send().await.unwrap()).await;
+    let (status, _, first) = body(api.post(Some("echo"), &[], &big).send().await.unwrap()).await;
     assert_eq!(status, StatusCode::CREATED);
     assert!(first["received"].as_str().unwrap().len() > 2048);
-    let again = api.post(Some("echo"), "", &big).send().await.unwrap();
+    let again = api.post(Some("echo"), &[], &big).send().await.unwrap();
     assert_eq!(again.status(), 201);
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert!(again.headers()["idempotent-body-omitted"].to_str().unwrap().parse::<u64>().unwrap() > 2048);
@@ -327,9 +388,9 @@ async fn bodies_above_the_limit_are_413_and_answers_above_the_journal_limit_are_
             .on_oversize(OversizeResponse::Refuse),
     )
     .await;
-    let (status, headers, problem) = body(refusing.post(Some("echo-r"), "", &big).send().await.unwrap()).await;
+    let (status, headers, problem) = body(refusing.post(Some("echo-r"), &[], &big).send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "answer-not-kept");
-    let (status, headers, again) = body(refusing.post(Some("echo-r"), "", &big).send().await.unwrap()).await;
+    let (status, headers, again) = body(refusing.post(Some("echo-r"), &[], &big).send().await.unwrap()).await;
     assert_eq!(headers["idempotent-replayed"], "true");
     assert_eq!((status, again), (StatusCode::INTERNAL_SERVER_ERROR, problem));
     assert_eq!(refusing.runs(), 1);
@@ -346,12 +407,12 @@ async fn an_unreachable_plane_is_503_with_retry_after_unless_told_to_fail_open()
         ))
     };
     let closed = serve(IdempotencyKeyLayer::new(unreachable(), tenant)).await;
-    let (status, headers, problem) = body(closed.post(Some("k"), "", "{}").send().await.unwrap()).await;
+    let (status, headers, problem) = body(closed.post(Some("k"), &[], "{}").send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
     assert_eq!(headers["retry-after"], "5");
     assert_eq!(closed.runs(), 0, "fail closed: not run");
     let open = serve(IdempotencyKeyLayer::new(unreachable(), tenant).fail_open()).await;
-    assert_eq!(open.post(Some("k"), "", "{}").send().await.unwrap().status(), 201);
+    assert_eq!(open.post(Some("k"), &[], "{}").send().await.unwrap().status(), 201);
     assert_eq!(open.runs(), 1, "fail open: run, unprotected");
 }
 

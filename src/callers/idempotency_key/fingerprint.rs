@@ -33,18 +33,22 @@ pub(crate) fn scope(method: &Method, route: &str) -> String {
     format!("http.{}.{route}", method.as_str().to_ascii_lowercase())
 }
 
-/// The request's fingerprint. A JSON body (`application/json` or `+json`)
-/// counts by its value, so key order and whitespace do not matter; any
-/// other body, an empty one included, by its bytes. The configured headers
+/// The request's fingerprint: its method, its target (path and query), its
+/// body and the configured headers. A JSON body (`application/json` or
+/// `+json`) counts by its value, so key order and whitespace do not matter,
+/// unless it holds an integer beyond 2^53, which RFC 8785's numbers (IEEE
+/// doubles) cannot tell from its neighbours; that body, like any other
+/// body, an empty one included, counts by its bytes. The configured headers
 /// count by name and every value (absent is not empty).
 pub(crate) fn fingerprint(
     method: &Method,
-    route: &str,
+    target: &str,
     headers: &HeaderMap,
     body: &Bytes,
     counted: &[HeaderName],
 ) -> RequestHash {
-    let body = match is_json(headers).then(|| serde_json::from_slice::<Value>(body).ok()).flatten() {
+    let parsed = is_json(headers).then(|| serde_json::from_slice::<Value>(body).ok()).flatten();
+    let body = match parsed.filter(exact_as_doubles) {
         Some(value) => json!({ "json": value }),
         None => json!({ "sha256": hex::encode(Sha256::digest(body)) }),
     };
@@ -61,10 +65,24 @@ pub(crate) fn fingerprint(
         .collect();
     RequestHash::of_json(&json!({
         "method": method.as_str(),
-        "route": route,
+        "target": target,
         "body": body,
         "headers": counted,
     }))
+}
+
+/// Whether every number of `value` is one RFC 8785 canonicalizes without
+/// loss: integers within ±2^53 and floats (which were read as doubles).
+fn exact_as_doubles(value: &Value) -> bool {
+    const EXACT: u64 = 1 << 53;
+    match value {
+        Value::Number(n) => {
+            n.as_u64().is_none_or(|u| u <= EXACT) && n.as_i64().is_none_or(|i| i.unsigned_abs() <= EXACT)
+        }
+        Value::Array(items) => items.iter().all(exact_as_doubles),
+        Value::Object(members) => members.values().all(exact_as_doubles),
+        _ => true,
+    }
 }
 
 fn is_json(headers: &HeaderMap) -> bool {
@@ -134,6 +152,24 @@ mod tests {
             fingerprint(&Method::POST, "/o", &plain, &Bytes::from_static(br#"{"a":1}"#), &[]),
             fingerprint(&Method::POST, "/o", &plain, &Bytes::from_static(br#"{ "a": 1 }"#), &[])
         );
+    }
+
+    #[test]
+    fn integers_a_double_cannot_tell_apart_count_by_their_bytes() {
+        let h = json_headers();
+        let a = fingerprint(&Method::POST, "/o", &h, &Bytes::from_static(br#"{"amount":9007199254740993}"#), &[]);
+        let b = fingerprint(&Method::POST, "/o", &h, &Bytes::from_static(br#"{"amount":9007199254740992}"#), &[]);
+        assert_ne!(a, b, "2^53 + 1 and 2^53 are one double, two amounts");
+        let small = fingerprint(&Method::POST, "/o", &h, &Bytes::from_static(br#"{"amount":12}"#), &[]);
+        assert_eq!(small, fingerprint(&Method::POST, "/o", &h, &Bytes::from_static(br#"{ "amount": 12 }"#), &[]));
+    }
+
+    #[test]
+    fn the_path_and_query_are_part_of_the_request() {
+        let (h, body) = (json_headers(), Bytes::from_static(b"{}"));
+        let one = fingerprint(&Method::POST, "/accounts/1/transfers", &h, &body, &[]);
+        assert_ne!(one, fingerprint(&Method::POST, "/accounts/2/transfers", &h, &body, &[]));
+        assert_ne!(one, fingerprint(&Method::POST, "/accounts/1/transfers?currency=EUR", &h, &body, &[]));
     }
 
     #[test]

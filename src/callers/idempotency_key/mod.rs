@@ -20,8 +20,10 @@
 //! | the plane unreachable | 503, `Retry-After` (or run unprotected, [`fail_open`](IdempotencyKeyLayer::fail_open)) |
 //!
 //! Every answer of the layer's own is RFC 9457 problem details
-//! (`application/problem+json`). Apply it with `Router::route_layer`, so the
-//! scope names the matched route (`/orders/{id}`), not each path.
+//! (`application/problem+json`). Apply it to a router's routes
+//! (`Router::route_layer`, or `Router::layer`, which axum runs after
+//! routing), so the scope names the matched route (`/orders/{id}`); wrapped
+//! around a whole router it sees no route and answers 500.
 
 mod fingerprint;
 mod problem;
@@ -48,7 +50,8 @@ use uuid::Uuid;
 pub use problem::Problem;
 use stored::StoredResponse;
 
-use crate::error::Error;
+use crate::error::{Error, InvalidInput};
+use crate::postgrest::ClientError;
 use crate::repo::IdempotencyRepository;
 use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService};
 
@@ -207,14 +210,20 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
         self.edit(|c| c.response_body_limit = bytes)
     }
 
-    /// How long the handler may run before it is cancelled and its claim
-    /// released (504). The lease is this plus `margin` (at least 1 s), so a
-    /// live handler's claim is never taken over.
-    pub fn handler_timeout(self, timeout: Duration, margin: Duration) -> Self {
-        self.edit(|c| {
+    /// How long the handler may run, counted from before its claim, before
+    /// it is cancelled and its claim released (504). The lease is this plus
+    /// `margin`, so a live handler's claim is never taken over. Refused when
+    /// the timeout is zero or the lease is outside what the plane accepts
+    /// (1 s to 24 h).
+    pub fn handler_timeout(self, timeout: Duration, margin: Duration) -> Result<Self, InvalidInput> {
+        crate::service::validate::lease(timeout.saturating_add(margin))?;
+        if timeout.is_zero() {
+            return Err(InvalidInput::LeaseTooShort { lease: timeout, min: crate::service::MIN_LEASE });
+        }
+        Ok(self.edit(|c| {
             c.handler_timeout = timeout;
             c.lease_margin = margin;
-        })
+        }))
     }
 
     /// A header that is part of the fingerprint (a currency, an API version).
@@ -286,7 +295,25 @@ where
         let fresh = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, fresh);
         let config = self.config.clone();
-        Box::pin(handle(config, ready, request))
+        // A task of its own: a client that hangs up must not cancel a claim
+        // half-way (an effect made and never journaled would run again once
+        // the lease passed).
+        let lifecycle = tokio::spawn(handle(config, ready, request).in_current_span());
+        Box::pin(async move {
+            match lifecycle.await {
+                Ok(answer) => answer,
+                Err(failed) => {
+                    tracing::error!(%failed, "the Idempotency-Key task failed");
+                    Ok(Problem::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "handler-failed",
+                        "The request failed",
+                        "the request failed before it finished; retry with the same key",
+                    )
+                    .into_response())
+                }
+            }
+        })
     }
 }
 
@@ -327,15 +354,34 @@ where
         Ok(body) => body,
         Err(problem) => return Ok(problem.into_response()),
     };
-    let route =
-        parts.extensions.get::<MatchedPath>().map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
+    // The scope names the matched route (`/orders/{id}`), never each path:
+    // scopes, and the metrics labelled by them, stay a bounded set.
+    let Some(route) = parts.extensions.get::<MatchedPath>().map(|path| path.as_str().to_owned()) else {
+        tracing::error!(
+            "the Idempotency-Key layer sees no matched route: apply it with Router::route_layer or Router::layer"
+        );
+        return Ok(Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "not-configured",
+            "Idempotency is not configured for this route",
+            "the server applies its idempotency layer where it cannot see the route",
+        )
+        .into_response());
+    };
     let scope = fingerprint::scope(&parts.method, &route);
-    let hash = fingerprint::fingerprint(&parts.method, &route, &parts.headers, &body, &config.counted_headers);
+    // The fingerprint takes the request's own path and query: two resources
+    // of one route are two requests.
+    let target = parts.uri.path_and_query().map_or_else(|| parts.uri.path(), |target| target.as_str());
+    let hash = fingerprint::fingerprint(&parts.method, target, &parts.headers, &body, &config.counted_headers);
     let span = tracing::info_span!(
         "http.idempotency_key",
         %organization_id, scope, key, outcome = field::Empty, replayed = field::Empty, ending = field::Empty
     );
     async move {
+        // The handler's time counts from before the claim, whose lease starts
+        // when the database stamps it: the handler is cut before its lease
+        // can pass, however long the claim took.
+        let cut_at = tokio::time::Instant::now() + config.handler_timeout;
         let lease = config.handler_timeout + config.lease_margin;
         let claimed = config.service.claim(organization_id, &scope, &key, &hash, lease).await;
         let claim = match claimed {
@@ -380,7 +426,7 @@ where
         tracing::Span::current().record("outcome", "claimed");
 
         let ran = AssertUnwindSafe(inner.call(Request::from_parts(parts, Body::from(body)))).catch_unwind();
-        let response = match tokio::time::timeout(config.handler_timeout, ran).await {
+        let response = match tokio::time::timeout_at(cut_at, ran).await {
             Ok(Ok(Ok(response))) => response,
             Ok(Ok(Err(error))) => {
                 config.service.release_or_log(&claim).await;
@@ -417,32 +463,33 @@ where
             return Ok(response);
         }
         let (parts, body) = response.into_parts();
-        let (answer, stored) = match buffer(body, config.response_body_limit).await {
-            Ok(bytes) => {
+        let buffered = tokio::time::timeout_at(cut_at, buffer(body, config.response_body_limit)).await;
+        let (answer, stored, body_bytes) = match buffered {
+            Ok(Ok(bytes)) => {
                 let stored = StoredResponse::of(status, &parts.headers, &config.kept_headers, &bytes);
                 let stored = fit(&config, stored, bytes.len() as u64);
+                let body_bytes = bytes.len() as u64;
                 let answer = match stored.refused() {
                     Some(refusal) => refusal,
                     None => Response::from_parts(parts, Body::from(bytes)),
                 };
-                (answer, stored)
+                (answer, stored, body_bytes)
             }
-            Err(_) => {
+            Ok(Err(_)) | Err(_) => {
+                // The handler ran (its effect is made) but its answer could
+                // not be read whole, in size or in time: keep what is known.
                 let stored = StoredResponse::of(status, &parts.headers, &config.kept_headers, &Bytes::new())
                     .without_body(config.response_body_limit as u64);
                 let problem = Problem::new(
                     StatusCode::BAD_GATEWAY,
-                    "answer-too-large",
-                    "The answer is too large",
-                    "the request ran, but its answer is larger than this API returns",
+                    "answer-incomplete",
+                    "The answer could not be read whole",
+                    "the request ran, but its answer was too large or too slow to return",
                 );
-                (problem.into_response(), stored)
+                (problem.into_response(), stored, config.response_body_limit as u64)
             }
         };
-        let ending = match serde_json::to_value(&stored) {
-            Ok(value) => config.service.complete(&claim, Completion::response(value)).await,
-            Err(error) => Err(Error::Inconsistent(format!("the answer does not serialize: {error}"))),
-        };
+        let ending = journal(&config, &claim, stored, body_bytes).await;
         match ending {
             Ok(Ending::Recorded) => {
                 tracing::Span::current().record("ending", "recorded");
@@ -459,6 +506,29 @@ where
     }
     .instrument(span)
     .await
+}
+
+/// Completes `claim` with `stored`. An answer the store refuses (above the
+/// scope's own limit, which may be lower than this service's) is journaled
+/// again without its body, so that a repeat replays instead of running the
+/// handler again.
+async fn journal<R: IdempotencyRepository>(
+    config: &Config<R>,
+    claim: &crate::service::Claim,
+    stored: StoredResponse,
+    body_bytes: u64,
+) -> Result<Ending, Error> {
+    let complete = |stored: &StoredResponse| match serde_json::to_value(stored) {
+        Ok(value) => Ok(Completion::response(value)),
+        Err(error) => Err(Error::Inconsistent(format!("the answer does not serialize: {error}"))),
+    };
+    match config.service.complete(claim, complete(&stored)?).await {
+        Err(refused) if refused.is_unstorable_answer() && stored.body_omitted.is_none() => {
+            tracing::warn!(%refused, "the store refused the answer; journaling it without its body");
+            config.service.complete(claim, complete(&stored.without_body(body_bytes))?).await
+        }
+        other => other,
+    }
 }
 
 /// The key, if the request has one: a bare value (as Stripe takes it) or an
@@ -551,7 +621,19 @@ where
         )
         .into_response());
     }
-    if config.fail_open {
+    // Only a plane that cannot be reached may be bypassed: any other answer
+    // (a lock timeout, a serialization failure) means another request may
+    // hold this key right now.
+    let unreachable = matches!(
+        &error,
+        Error::Store(
+            ClientError::Transport { .. }
+                | ClientError::DeadlineExceeded { .. }
+                | ClientError::Http { status: 500..=599, .. }
+                | ClientError::Api { status: 502..=504, .. }
+        )
+    );
+    if config.fail_open && unreachable {
         tracing::error!(%error, "the idempotency plane is unreachable; FAIL-OPEN: running the request without protection");
         return inner.call(request).await;
     }
