@@ -17,7 +17,14 @@
 //! release gets what is left. A claim cut by the deadline answers 503 (the
 //! plane could not decide); processing cut by it is released and answers
 //! 503, like an overrun; a completion cut by it still ACKs, since the
-//! processing happened.
+//! processing happened. The deadline cuts the wait, never the call: the
+//! claim and the endings run as tasks of their own, so a completion lands
+//! after the answer, and a claim made after the gate stopped waiting is
+//! released once it answers (else the vendor's redelivery would meet it and
+//! be dropped as a duplicate of a delivery nobody processes). Changing
+//! from a gate without a deadline: processing longer than about 2 s now
+//! answers 503 unless the gate is given `with_deadline` or
+//! `without_deadline`.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
