@@ -417,7 +417,7 @@ where
                     StatusCode::UNPROCESSABLE_ENTITY,
                     "key-reused",
                     "Idempotency-Key reused for a different request",
-                    "this key was used for a request with another method, route, body or headers",
+                    "this key was used for a request with another method, path, query, body or headers",
                 )
                 .into_response());
             }
