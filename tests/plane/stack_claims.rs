@@ -396,6 +396,29 @@ async fn hold_row_lock(
     release
 }
 
+/// Waits until a session of the stack's database waits on a lock, lets it
+/// wait 200 ms more (a wait under 10 ms is not worth a second stamp: the
+/// functions take it out of the lease), and answers the database clock then,
+/// in seconds since the epoch.
+async fn once_waiting_on_a_lock(stack: &idempotency_plane::local::LocalStack, what: &str) -> f64 {
+    within(WAIT, what, async {
+        while sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_catalog.pg_stat_activity
+              where datname = pg_catalog.current_database() and wait_event_type = 'Lock'",
+        )
+        .fetch_one(stack.db())
+        .await
+        .unwrap()
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sqlx::query_scalar("select extract(epoch from clock_timestamp())::float8").fetch_one(stack.db()).await.unwrap()
+}
+
 #[tokio::test]
 async fn a_claim_that_waited_on_a_lock_clock_starts_its_lease_when_it_wins_the_row() {
     // Arrange: a dead worker's claim whose lease passed, its row locked by
@@ -412,25 +435,7 @@ async fn a_claim_that_waited_on_a_lock_clock_starts_its_lease_when_it_wins_the_r
         let service = service.clone();
         tokio::spawn(async move { service.claim(org, "tool.email.send", "k", &hash("x"), LEASE).await })
     };
-    within(WAIT, "the reclaim waits on the row lock", async {
-        while sqlx::query_scalar::<_, i64>(
-            "select count(*) from pg_catalog.pg_stat_activity
-              where datname = pg_catalog.current_database() and wait_event_type = 'Lock'",
-        )
-        .fetch_one(stack.db())
-        .await
-        .unwrap()
-            == 0
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await;
-    // Waits under 10 ms are not worth a second stamp (the functions take
-    // them out of the lease); this one is longer.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let released_at: f64 =
-        sqlx::query_scalar("select extract(epoch from clock_timestamp())::float8").fetch_one(stack.db()).await.unwrap();
+    let released_at = once_waiting_on_a_lock(&stack, "the reclaim waits on the row lock").await;
     release.send(()).expect("release the lock");
     let claim = claimed(within(WAIT, "the reclaim", claiming).await.expect("task"));
     // Assert: the new lease starts after the lock was let go, by the
@@ -483,23 +488,7 @@ async fn a_first_claim_that_waited_on_another_insert_starts_its_lease_when_it_wi
         let service = service.clone();
         tokio::spawn(async move { service.claim(org, "tool.email.send", "k", &hash("x"), LEASE).await })
     };
-    within(WAIT, "the claim waits on the other insert", async {
-        while sqlx::query_scalar::<_, i64>(
-            "select count(*) from pg_catalog.pg_stat_activity
-              where datname = pg_catalog.current_database() and wait_event_type = 'Lock'",
-        )
-        .fetch_one(stack.db())
-        .await
-        .unwrap()
-            == 0
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let rolled_back_at: f64 =
-        sqlx::query_scalar("select extract(epoch from clock_timestamp())::float8").fetch_one(stack.db()).await.unwrap();
+    let rolled_back_at = once_waiting_on_a_lock(&stack, "the claim waits on the other insert").await;
     other.rollback().await.expect("roll back");
     let claim = claimed(within(WAIT, "the claim", claiming).await.expect("task"));
     // Assert: a first claim, its lease from when it won, and the scope's

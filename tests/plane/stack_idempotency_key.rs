@@ -105,10 +105,16 @@ async fn serve(layer: IdempotencyKeyLayer<PostgrestRepository>) -> Api {
         .route_layer(layer)
         .route("/health", get(|| async { "ok" }))
         .with_state(orders.clone());
+    let url = bind(app).await;
+    Api { url, orders, http: reqwest::Client::new() }
+}
+
+/// Serves `app` on an ephemeral loopback port it holds from the start; answers its URL.
+async fn bind(app: Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("address"));
     tokio::spawn(async move { axum::serve(listener, app).await });
-    Api { url, orders, http: reqwest::Client::new() }
+    url
 }
 
 async fn api(stack: &LocalStack) -> Api {
@@ -161,9 +167,7 @@ async fn two_resources_of_one_route_under_one_key_are_two_requests() {
         .route("/accounts/{id}/transfers", post(create_order))
         .route_layer(IdempotencyKeyLayer::new(service(&stack), tenant))
         .with_state(orders.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("address"));
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let url = bind(app).await;
     let http = reqwest::Client::new();
     let transfer = |account: u32| {
         http.post(format!("{url}/accounts/{account}/transfers"))
