@@ -17,6 +17,7 @@
 
 mod jwt;
 
+use std::str::FromStr;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -38,8 +39,19 @@ pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postg
 /// Names of the databases the stack creates start with this.
 const DB_PREFIX: &str = "idem_local_";
 
-/// Databases of this prefix older than this are left over from a killed run.
-const STALE_AFTER: chrono::TimeDelta = chrono::TimeDelta::hours(6);
+/// A database of this prefix that no session is connected to is left over
+/// from a run that was killed, unless its name says it was created less than
+/// this long ago: a stack connects its keeper right after creating its
+/// database, and one in that window is not yet in use.
+const SETTING_UP_FOR: chrono::TimeDelta = chrono::TimeDelta::minutes(10);
+
+/// The advisory lock (in the maintenance database) that a start holds
+/// shared from creating its database until its keeper is connected, and
+/// that a clean-up takes exclusively.
+const SETUP_LOCK: &str = "idempotency-plane local stack set-up";
+
+/// What a stack's keeper session calls itself in `pg_stat_activity`.
+const KEEPER_APPLICATION_NAME: &str = "idempotency-plane local stack";
 
 /// Names of the template databases, one per migration set, start with this.
 const TEMPLATE_PREFIX: &str = "idem_tpl_";
@@ -167,6 +179,10 @@ pub struct LocalStack {
     db_url: Url,
     admin_url: Url,
     db: PgPool,
+    /// A session on the stack's database for as long as the stack lives:
+    /// what tells every other start that the database is in use, even when
+    /// the pools have let their idle connections go.
+    keeper: Option<PgConnection>,
     /// The port was picked by the system (config port 0): it is bound
     /// shareable, so a restart can hold it while no server listens on it.
     picked_port: bool,
@@ -204,38 +220,55 @@ fn serve(listener: tokio::net::TcpListener, router: axum::Router) -> (oneshot::S
 
 impl LocalStack {
     /// Creates a database (a copy of the migration set's template, built
-    /// first when missing) and serves it.
+    /// first when missing) and serves it. Databases earlier stacks left
+    /// behind are dropped first, but only those no session is connected to:
+    /// a live stack keeps one open on its database.
     pub async fn start(config: LocalStackConfig) -> Result<LocalStack, LocalError> {
-        let admin_url = Url::parse(&config.database_url)
-            .map_err(|e| LocalError::Config(format!("DATABASE_URL is not a URL: {e}")))?;
-        let admin_url = without_loopback_tls(admin_url);
         let db_name = format!(
             "{DB_PREFIX}{}_{}_{:08x}",
             chrono::Utc::now().format("%Y%m%d%H%M%S"),
             std::process::id(),
             rand::random::<u32>()
         );
+        Self::start_as(config, db_name).await
+    }
+
+    async fn start_as(config: LocalStackConfig, db_name: String) -> Result<LocalStack, LocalError> {
+        let admin_url = Url::parse(&config.database_url)
+            .map_err(|e| LocalError::Config(format!("DATABASE_URL is not a URL: {e}")))?;
+        let admin_url = without_loopback_tls(admin_url);
         let database_error = |source| LocalError::Database { url: redacted(&admin_url), source };
 
         let mut admin = PgConnection::connect(admin_url.as_str()).await.map_err(database_error)?;
         drop_stale_databases(&mut admin).await;
+        // Until its keeper connects, the new database has no session: the
+        // shared set-up lock keeps other starts' clean-ups away meanwhile.
+        // Closing `admin` releases it.
+        sqlx::query("select pg_advisory_lock_shared(hashtext($1))")
+            .bind(SETUP_LOCK)
+            .execute(&mut admin)
+            .await
+            .map_err(database_error)?;
         create_from_template(&mut admin, &admin_url, MigrationSet::embedded(), &db_name).await?;
 
         let mut db_url = admin_url.clone();
         db_url.set_path(&format!("/{db_name}"));
         let picked_port = config.port == 0;
         let stack_result = async {
-            let db = PgPool::connect(db_url.as_str())
-                .await
-                .map_err(|source| LocalError::Database { url: redacted(&db_url), source })?;
+            let stack_error = |source| LocalError::Database { url: redacted(&db_url), source };
+            let keeper_options = sqlx::postgres::PgConnectOptions::from_str(db_url.as_str())
+                .map_err(stack_error)?
+                .application_name(KEEPER_APPLICATION_NAME);
+            let keeper = PgConnection::connect_with(&keeper_options).await.map_err(stack_error)?;
+            let db = PgPool::connect(db_url.as_str()).await.map_err(stack_error)?;
             apply_cluster_wide_migrations(&db).await?;
             let jwt_secret = hex::encode(rand::random::<[u8; 32]>());
             let router = build_router(&config, &db_url, &jwt_secret).await?;
             let listener = bind_listener(config.port, picked_port)?;
-            Ok::<_, LocalError>((db, jwt_secret, listener, router))
+            Ok::<_, LocalError>((keeper, db, jwt_secret, listener, router))
         }
         .await;
-        let (db, jwt_secret, listener, router) = match stack_result {
+        let (keeper, db, jwt_secret, listener, router) = match stack_result {
             Ok(parts) => parts,
             Err(error) => {
                 let _ = drop_database(&mut admin, &db_name).await;
@@ -258,6 +291,7 @@ impl LocalStack {
             db_url,
             admin_url,
             db,
+            keeper: Some(keeper),
             picked_port,
             shutdown: Some(shutdown),
             server: Some(server),
@@ -342,6 +376,9 @@ impl LocalStack {
     pub async fn stop(mut self) -> Result<(), LocalError> {
         self.stop_server().await;
         self.db.close().await;
+        if let Some(keeper) = self.keeper.take() {
+            let _ = keeper.close().await;
+        }
         let mut admin = PgConnection::connect(self.admin_url.as_str())
             .await
             .map_err(|source| LocalError::Database { url: redacted(&self.admin_url), source })?;
@@ -723,12 +760,35 @@ async fn drop_database(admin: &mut PgConnection, name: &str) -> Result<(), sqlx:
 }
 
 /// Drops databases this module created in runs that were killed before they
-/// could clean up. Best effort: a failure here never stops a start.
+/// could clean up: those no session is connected to. A live stack holds a
+/// keeper session on its database for as long as it runs, however idle, so
+/// its database is never one of them. A stack still setting up holds
+/// [`SETUP_LOCK`] shared, and then no clean-up runs; one that set up from
+/// another maintenance database is spared by its name's time
+/// ([`SETTING_UP_FOR`]). The drop is not forced: should a session connect
+/// after the check, PostgreSQL refuses it. Best effort: a failure here never
+/// stops a start.
 async fn drop_stale_databases(admin: &mut PgConnection) {
-    let names: Vec<(String,)> = match sqlx::query_as("select datname from pg_database where datname like $1")
-        .bind(format!("{DB_PREFIX}%"))
-        .fetch_all(&mut *admin)
-        .await
+    let locked = sqlx::query_scalar::<_, bool>("select pg_try_advisory_lock(hashtext($1))")
+        .bind(SETUP_LOCK)
+        .fetch_one(&mut *admin)
+        .await;
+    if !matches!(locked, Ok(true)) {
+        return;
+    }
+    drop_unused_databases(admin).await;
+    let _ = sqlx::query("select pg_advisory_unlock(hashtext($1))").bind(SETUP_LOCK).execute(&mut *admin).await;
+}
+
+async fn drop_unused_databases(admin: &mut PgConnection) {
+    let names: Vec<(String,)> = match sqlx::query_as(
+        "select d.datname::text from pg_catalog.pg_database d
+          where starts_with(d.datname, $1)
+            and not exists (select 1 from pg_catalog.pg_stat_activity a where a.datid = d.oid)",
+    )
+    .bind(DB_PREFIX)
+    .fetch_all(&mut *admin)
+    .await
     {
         Ok(names) => names,
         Err(_) => return,
@@ -740,8 +800,9 @@ async fn drop_stale_databases(admin: &mut PgConnection) {
             continue;
         };
         let safe = name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-        if safe && now - created > STALE_AFTER {
-            let _ = drop_database(admin, &name).await;
+        if safe && now - created >= SETTING_UP_FOR {
+            // `name` is one of ours, read back from pg_database.
+            let _ = admin.execute(AssertSqlSafe(format!("drop database if exists \"{name}\""))).await;
         }
     }
 }
@@ -835,6 +896,62 @@ mod tests {
     async fn admin() -> (PgConnection, Url) {
         let url = without_loopback_tls(Url::parse(&LocalStackConfig::default().database_url).expect("DATABASE_URL"));
         (PgConnection::connect(url.as_str()).await.expect("connect to PostgreSQL"), url)
+    }
+
+    /// A name of ours that says the database was created in 2000.
+    fn aged_name() -> String {
+        format!("{DB_PREFIX}20000101000000_{}_{:08x}", std::process::id(), rand::random::<u32>())
+    }
+
+    #[tokio::test]
+    async fn a_database_with_a_session_is_never_dropped_however_old_its_name_and_is_once_it_has_none() {
+        // Arrange: a database aged by its name, with a session on it.
+        let (mut admin, url) = admin().await;
+        let name = aged_name();
+        admin.execute(AssertSqlSafe(format!("create database \"{name}\""))).await.expect("create the database");
+        let mut session_url = url.clone();
+        session_url.set_path(&format!("/{name}"));
+        let session = PgConnection::connect(session_url.as_str()).await.expect("a session on it");
+
+        // Act: what every start does first.
+        drop_stale_databases(&mut admin).await;
+        let kept = database_exists(&mut admin, &name).await.expect("look it up");
+
+        // Once its last session has gone, the next start drops it.
+        let _ = session.close().await;
+        let mut gone = false;
+        for _ in 0..300 {
+            drop_stale_databases(&mut admin).await;
+            gone = !database_exists(&mut admin, &name).await.expect("look it up");
+            if gone {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if !gone {
+            let _ = drop_database(&mut admin, &name).await;
+        }
+        assert!(kept, "a database in use was dropped");
+        assert!(gone, "a database nobody uses was kept");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stack_started_beside_an_old_one_leaves_it_serving() {
+        // Arrange: a running stack whose database's name says it is 26 years old.
+        let old = LocalStack::start_as(LocalStackConfig::default(), aged_name()).await.expect("the old stack");
+        let service = old.service().expect("a service");
+        let (org, hash) = (uuid::Uuid::new_v4(), crate::RequestHash::of_json(&serde_json::json!({"n": 1})));
+        let first = service.claim(org, "tool.email.send", "k", &hash, Duration::from_secs(60)).await;
+        assert!(matches!(first, Ok(crate::ClaimOutcome::Claimed(_))), "{first:?}");
+
+        // Act: another stack starts, and cleans up what it takes for leftovers.
+        let new = LocalStack::start(LocalStackConfig::default()).await.expect("the new stack");
+
+        // Assert: the old stack still serves its claims.
+        let again = service.claim(org, "tool.email.send", "k", &hash, Duration::from_secs(60)).await;
+        new.stop().await.expect("stop the new stack");
+        old.stop().await.expect("stop the old stack");
+        assert!(matches!(again, Ok(crate::ClaimOutcome::Processing { .. })), "{again:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
