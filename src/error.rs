@@ -52,7 +52,7 @@ impl Error {
     /// | completion failed with | it is | the caller |
     /// |---|---|---|
     /// | an answer refused before sending ([`InvalidInput`]: NUL, nesting, size, an empty or bad resource, an empty completion) | the caller's data | journals a stand-in ([`IdempotencyService::complete_after_effect`](crate::IdempotencyService::complete_after_effect)) |
-    /// | a refusal by the database of the data (SQLSTATE class `22` data exception, `23` check, `54` program limit; `IDEM2` above the scope's response limit) | the caller's data | journals a stand-in |
+    /// | a refusal by the database of the data (SQLSTATE class `22` data exception, `23` check, `54` program limit; `IDEM2` above the scope's response limit, `IDEM3` nested too deep) | the caller's data | journals a stand-in |
     /// | anything else: unreachable, timed out, a lock timeout, a 5xx | the plane's availability | releases if no effect happened; otherwise leaves the claim to its lease, whose passing makes it reclaimable |
     pub fn is_unstorable_answer(&self) -> bool {
         match self {
@@ -67,7 +67,8 @@ impl Error {
                     | InvalidInput::ResourceHasNul { .. }
             ),
             Error::Store(ClientError::Api { error, .. }) => {
-                error.code == crate::postgrest::codes::RESPONSE_TOO_LARGE
+                [crate::postgrest::codes::RESPONSE_TOO_LARGE, crate::postgrest::codes::RESPONSE_TOO_DEEP]
+                    .contains(&error.code.as_str())
                     || ["22", "23", "54"].iter().any(|class| error.code.starts_with(class))
             }
             _ => false,
@@ -213,6 +214,7 @@ mod tests {
             refused(400, "23514"),
             refused(500, "54001"),
             refused(400, "IDEM2"),
+            refused(400, "IDEM3"),
         ];
         for error in &data {
             assert!(error.is_unstorable_answer(), "{error}");

@@ -17,8 +17,11 @@ pub const DEFAULT_MAX_ROWS: u32 = 1000;
 pub const MAX_MAX_ROWS: u32 = 100_000;
 
 /// The largest response body the client reads unless told otherwise: 8 MiB.
-/// A claim row holds at most a 64 KiB answer by default, and the largest
-/// bounded read (100,000 rows of `id,retain_until`) is about 7.5 MB.
+/// A claim row holds at most a 64 KiB answer by default and 4 MiB under any
+/// legal policy (`MAX_POLICY_RESPONSE_BYTES`), which PostgreSQL writes back
+/// as at most 6 MiB; the largest bounded read (100,000 rows of
+/// `id,retain_until`) is about 7.5 MB. A lower limit can leave a client
+/// unable to read a key whose answer its policy allows.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 8 * 1024 * 1024;
 
 /// How long one operation may take unless told otherwise: every attempt,

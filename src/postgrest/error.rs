@@ -67,6 +67,10 @@ pub mod codes {
     /// The plane's own (400): the response is above its scope's
     /// `max_response_bytes`. Nothing written; the claim stays processing.
     pub const RESPONSE_TOO_LARGE: &str = "IDEM2";
+    /// The plane's own (400): the response nests arrays and objects deeper
+    /// than 64 levels, more than every client reads back. Nothing written;
+    /// the claim stays processing.
+    pub const RESPONSE_TOO_DEEP: &str = "IDEM3";
     /// SQLSTATE lock_not_available (500): the call waited longer than the
     /// plane's `lock_timeout` for a row another transaction holds; rolled
     /// back, nothing written.

@@ -78,10 +78,13 @@ impl MemoryRepository {
     }
 
     /// Adds (or replaces) a scope's policy, as a migration would. Refuses a
-    /// tool scope under 30 days, as the table's check does.
+    /// tool scope under 30 days and a limit outside 1 KiB to
+    /// [`MAX_POLICY_RESPONSE_BYTES`](journal::MAX_POLICY_RESPONSE_BYTES), as
+    /// the table's checks do.
     pub fn with_policy(self, scope: &str, retain: Duration, max_response_bytes: u64) -> Result<Self, Error> {
         let retain = TimeDelta::from_std(retain).map_err(|_| refused("idempotency_scopes", codes::CHECK_VIOLATION))?;
-        if scope.starts_with("tool.") && retain < TimeDelta::days(30) {
+        let largest = 1024..=journal::MAX_POLICY_RESPONSE_BYTES;
+        if (scope.starts_with("tool.") && retain < TimeDelta::days(30)) || !largest.contains(&max_response_bytes) {
             return Err(refused("idempotency_scopes", codes::CHECK_VIOLATION));
         }
         {
@@ -133,6 +136,14 @@ impl MemoryRepository {
     }
 }
 
+/// The plane's checks of a key's arguments (`agent.idempotency_check_key`):
+/// a scope of 1 to 128 characters of `a-z 0-9 . _ -`, a key of 1 to 512.
+fn key_arguments_well_formed(scope: &str, key: &str) -> bool {
+    (1..=128).contains(&scope.len())
+        && scope.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'))
+        && (1..=512).contains(&key.chars().count())
+}
+
 /// The error PostgREST answers when the database refuses a call with `code`.
 fn refused(function: &'static str, code: &str) -> Error {
     let status = if code == codes::UNIQUE_VIOLATION { 409 } else { 400 };
@@ -176,22 +187,20 @@ impl State {
         may_insert: bool,
         may_take_over: bool,
     ) -> Result<Option<ClaimRow>, Error> {
-        let lease_ms = call.lease.as_millis();
-        let retain_ms = retain.map(|r| r.as_millis());
-        if !(1000..=86_400_000).contains(&lease_ms) || retain_ms.is_some_and(|r| !(1..=31_622_400_000).contains(&r)) {
-            return Err(refused(function, codes::INVALID_PARAMETER_VALUE));
-        }
-        let policy = self.policy(call.scope).ok_or_else(|| Error::UnknownScope { scope: call.scope.to_owned() })?;
-        let checks = (1..=512).contains(&call.key.chars().count())
-            && (1..=128).contains(&call.scope.chars().count())
-            && call.request_hash.len() == 64
-            && call.request_hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-        if !checks {
-            return Err(refused(function, codes::CHECK_VIOLATION));
-        }
         if call.key.contains('\0') || call.scope.contains('\0') {
             return Err(refused(function, "22021"));
         }
+        let lease_ms = call.lease.as_millis();
+        let retain_ms = retain.map(|r| r.as_millis());
+        let well_formed = key_arguments_well_formed(call.scope, call.key)
+            && call.request_hash.len() == 64
+            && call.request_hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            && (1000..=86_400_000).contains(&lease_ms)
+            && retain_ms.is_none_or(|r| (1..=31_622_400_000).contains(&r));
+        if !well_formed {
+            return Err(refused(function, codes::INVALID_PARAMETER_VALUE));
+        }
+        let policy = self.policy(call.scope).ok_or_else(|| Error::UnknownScope { scope: call.scope.to_owned() })?;
         let lease = TimeDelta::from_std(call.lease).unwrap_or(TimeDelta::MAX);
         let asked = retain.and_then(|r| TimeDelta::from_std(r).ok()).unwrap_or(TimeDelta::zero());
         let retain = policy.retain.max(asked).max(lease);
@@ -316,6 +325,9 @@ impl IdempotencyRepository for MemoryRepository {
     }
 
     async fn get(&self, organization_id: Uuid, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, Error> {
+        if !key_arguments_well_formed(scope, key) {
+            return Err(refused("idempotency_get", codes::INVALID_PARAMETER_VALUE));
+        }
         let state = self.lock();
         if state.policy(scope).is_none() {
             return Err(Error::UnknownScope { scope: scope.to_owned() });
@@ -338,6 +350,9 @@ impl IdempotencyRepository for MemoryRepository {
         if (response.is_none() && resource_id.is_none()) || (resource_id.is_some() && resource_type.is_none()) {
             return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
         }
+        if response.is_some_and(|r| journal::depth(r) > journal::MAX_RESPONSE_DEPTH) {
+            return Err(refused(FUNCTION, codes::RESPONSE_TOO_DEEP));
+        }
         if response.is_some_and(|r| journal::unstorable(r, 0, u64::MAX) == Some(crate::service::Unstorable::Nul))
             || [resource_type, resource_id].iter().flatten().any(|text| text.contains('\0'))
         {
@@ -350,7 +365,17 @@ impl IdempotencyRepository for MemoryRepository {
         else {
             return Ok(None);
         };
-        let max_bytes = limit(&state, &slot.1);
+        // What no client could read back is refused before the fence is
+        // looked at, as the SQL measures it before locking the row.
+        if let Some(response) = response {
+            match limit(&state, &slot.1) {
+                None => return Err(Error::UnknownScope { scope: slot.1.clone() }),
+                Some(max) if journal::json_size(response) > max => {
+                    return Err(refused(FUNCTION, codes::RESPONSE_TOO_LARGE))
+                }
+                Some(_) => {}
+            }
+        }
         let Some(row) = state.claims.get_mut(&slot) else { return Ok(None) };
         let record = &mut row.record;
         if record.lease_token != lease_token {
@@ -363,15 +388,6 @@ impl IdempotencyRepository for MemoryRepository {
             ClaimStatus::Completed if same_answer => return Ok(Some(with_live(record.clone(), now))),
             ClaimStatus::Completed => return Ok(None),
             ClaimStatus::Processing => {}
-        }
-        if let Some(response) = response {
-            match max_bytes {
-                None => return Err(Error::UnknownScope { scope: record.scope.clone() }),
-                Some(max) if journal::json_size(response) > max => {
-                    return Err(refused(FUNCTION, codes::RESPONSE_TOO_LARGE))
-                }
-                Some(_) => {}
-            }
         }
         let window = record.retain_until - record.lease_expires_at;
         record.status = ClaimStatus::Completed;

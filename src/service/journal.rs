@@ -20,6 +20,14 @@ use super::outcome::{ResourceRef, ResponseRef};
 /// room for callers that wrap the response again.
 pub const MAX_RESPONSE_DEPTH: usize = 64;
 
+/// The largest `max_response_bytes` a scope's policy may set: 4 MiB of
+/// compact JSON. PostgreSQL writes a stored response back with a space
+/// after every `,` and `:`, up to half as large again, so the largest legal
+/// answer reaches a client as at most 6 MiB inside its row: within the
+/// 8 MiB every client must read (the crate's default
+/// [`ClientConfig::with_max_response_bytes`](crate::postgrest::ClientConfig::with_max_response_bytes)).
+pub const MAX_POLICY_RESPONSE_BYTES: u64 = 4 * 1024 * 1024;
+
 /// Why the store cannot hold an answer as given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

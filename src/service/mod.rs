@@ -25,7 +25,7 @@ use crate::repo::{
 };
 
 pub use hash::{canonical_json, RequestHash};
-pub use journal::{Elided, Unstorable, MAX_RESPONSE_DEPTH};
+pub use journal::{Elided, Unstorable, MAX_POLICY_RESPONSE_BYTES, MAX_RESPONSE_DEPTH};
 pub use outcome::{
     Claim, ClaimOutcome, Completion, Ending, ReadOutcome, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS,
     MAX_RESOURCE_TYPE_CHARS,

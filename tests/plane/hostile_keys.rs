@@ -192,17 +192,17 @@ async fn bad_keys_hashes_and_leases_that_bypass_the_service_are_refused_by_the_d
     let good_hash = crate::harness::hash("bypass");
     let huge = "k".repeat(100 * 1024);
     let lease = crate::harness::LEASE;
-    // Act / Assert: check constraints (23514) and the functions' own checks (22023).
+    // Act / Assert: the functions' own checks (22023), before anything is read or written.
     let key_cases: [(&str, &str); 2] = [(&huge, "a 100 kB key"), ("", "an empty key")];
     for (key, what) in key_cases {
-        assert_api_400(repository.try_claim(&raw_claim(key, good_hash.as_str(), lease)).await, &["23514"], what);
+        assert_api_400(repository.try_claim(&raw_claim(key, good_hash.as_str(), lease)).await, &["22023"], what);
     }
     let nul = repository.try_claim(&raw_claim("a\u{0}b", good_hash.as_str(), lease)).await;
     assert_api_400(nul, &["22021"], "a key holding NUL");
     let upper = "A".repeat(64);
     let short = "a".repeat(63);
     for hash in ["", "not-a-hash", &upper, &short, "'; drop table agent.idempotency_keys; --"] {
-        assert_api_400(repository.try_claim(&raw_claim("run-1", hash, lease)).await, &["23514"], hash);
+        assert_api_400(repository.try_claim(&raw_claim("run-1", hash, lease)).await, &["22023"], hash);
     }
     for lease in [Duration::ZERO, Duration::from_millis(999), Duration::from_secs(86_401)] {
         let result = repository.try_claim(&raw_claim("run-1", good_hash.as_str(), lease)).await;

@@ -33,6 +33,8 @@ mod on_memory;
 mod readme_surface;
 mod request_hash;
 #[cfg(feature = "local")]
+mod stack_arguments;
+#[cfg(feature = "local")]
 mod stack_claims;
 #[cfg(feature = "local")]
 mod stack_faults;

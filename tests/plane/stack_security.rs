@@ -5,6 +5,7 @@
 use idempotency_plane::postgrest::{ClientConfig, ClientError, PostgrestClient, Repeat};
 use idempotency_plane::{IdempotencyService, PostgrestRepository};
 use serde_json::{json, Map, Value};
+use sqlx::AssertSqlSafe;
 
 use crate::harness::*;
 
@@ -16,7 +17,7 @@ async fn findings(stack: &idempotency_plane::local::LocalStack, query: &'static 
 #[tokio::test]
 async fn the_schema_passes_the_linter_checks() {
     let stack = stack().await;
-    let checks: [(&str, &'static str); 6] = [
+    let checks: [(&str, &'static str); 8] = [
         (
             "a table in agent without row level security",
             "select c.relname::text from pg_class c
@@ -29,15 +30,39 @@ async fn the_schema_passes_the_linter_checks() {
                 and not coalesce(p.proconfig, '{}') @> array['search_path=\"\"']",
         ),
         (
-            // None has a reason to be one: every function runs as its caller.
-            "a SECURITY DEFINER function in agent",
-            "select p.proname::text from pg_proc p where p.pronamespace = 'agent'::regnamespace and p.prosecdef",
+            // The functions are the only way in: each runs as the plane's
+            // owner. The internal helpers run only inside those; the surface
+            // report answers its caller's own privileges; the event trigger
+            // function is called by no one.
+            "a function in agent that does not run as idempotency_owner",
+            "select p.proname::text from pg_proc p
+              where p.pronamespace = 'agent'::regnamespace
+                and p.proname not in ('idempotency_decide', 'idempotency_policy', 'idempotency_claim_of',
+                                      'idempotency_json_size', 'idempotency_check_key',
+                                      'idempotency_surface', 'idempotency_private_functions')
+                and not (p.prosecdef and p.proowner = 'idempotency_owner'::regrole)",
         ),
         (
-            "a table privilege in agent held by anon, authenticated or PUBLIC",
+            "a table or type in agent not owned by idempotency_owner",
+            "select t.typname::text from pg_type t
+              where t.typnamespace = 'agent'::regnamespace and t.typtype = 'c'
+                and t.typowner <> 'idempotency_owner'::regrole",
+        ),
+        (
+            "a table privilege in agent held by an API role or PUBLIC",
             "select g.grantee || ' ' || g.privilege_type || ' on ' || g.table_name
                from information_schema.role_table_grants g
-              where g.table_schema = 'agent' and g.grantee in ('anon', 'authenticated', 'PUBLIC')",
+              where g.table_schema = 'agent' and g.grantee in ('anon', 'authenticated', 'service_role', 'PUBLIC')
+                and not (g.table_name = 'idempotency_rows' and g.grantee = 'service_role' and g.privilege_type = 'SELECT')",
+        ),
+        (
+            "an internal helper executable by an API role",
+            "select p.proname || ' by ' || r.rolname from pg_proc p
+               cross join (select rolname from pg_roles where rolname in ('anon', 'authenticated', 'service_role')) r
+              where p.pronamespace = 'agent'::regnamespace
+                and p.proname in ('idempotency_decide', 'idempotency_policy', 'idempotency_claim_of',
+                                  'idempotency_json_size', 'idempotency_check_key', 'idempotency_private_functions')
+                and has_function_privilege(r.rolname, p.oid, 'execute')",
         ),
         (
             "a function in agent executable by anon, authenticated or PUBLIC",
@@ -78,11 +103,17 @@ fn arguments(identity: &str) -> Value {
     Value::Object(args)
 }
 
-/// Helpers the plane's functions call, never called over HTTP (they take
-/// composite rows or mode flags, or answer OUT parameters). The catalog check
-/// above covers their privileges like every other function's.
-const INTERNAL_HELPERS: &[&str] =
-    &["idempotency_claim_of", "idempotency_policy", "idempotency_decide", "idempotency_json_size"];
+/// Helpers the plane's functions call, executable by their owner alone;
+/// [`internal_helpers_are_refused_to_every_api_role_over_http_and_in_sql`]
+/// calls them.
+const INTERNAL_HELPERS: &[&str] = &[
+    "idempotency_claim_of",
+    "idempotency_policy",
+    "idempotency_decide",
+    "idempotency_json_size",
+    "idempotency_check_key",
+    "idempotency_private_functions",
+];
 
 #[tokio::test]
 async fn every_function_refuses_anonymous_authenticated_and_wrong_secret_tokens() {
@@ -155,56 +186,247 @@ async fn no_secret_appears_in_debug_output_or_errors() {
     stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_function_added_later_in_schema_agent_is_executable_by_nobody_but_its_owner() {
-    // Arrange: a function created after the migrations, by the role that ran them.
-    let mut stack = stack().await;
-    sqlx::query("create function agent.added_later() returns integer language sql as 'select 1'")
-        .execute(stack.db())
+/// Whether `role` may execute `function`, by the catalog and by calling it.
+async fn executable_by(conn: &mut sqlx::PgConnection, role: &str, function: &str) -> (bool, bool) {
+    let granted: bool = sqlx::query_scalar("select has_function_privilege($1, $2, 'execute')")
+        .bind(role)
+        .bind(function)
+        .fetch_one(&mut *conn)
         .await
-        .expect("create a function");
-    // Assert: the catalog grants it to nobody but its owner.
-    let executable: (bool, bool, bool, bool, bool) = sqlx::query_as(
-        "select has_function_privilege('service_role', 'agent.added_later()', 'execute'),
-                has_function_privilege('anon', 'agent.added_later()', 'execute'),
-                has_function_privilege('authenticated', 'agent.added_later()', 'execute'),
-                has_function_privilege('authenticator', 'agent.added_later()', 'execute'),
-                has_function_privilege(current_user, 'agent.added_later()', 'execute')",
+        .expect("the catalog");
+    sqlx::query("savepoint call").execute(&mut *conn).await.expect("savepoint");
+    sqlx::query(AssertSqlSafe(format!("set local role {role}"))).execute(&mut *conn).await.expect("set role");
+    let called = sqlx::query(AssertSqlSafe(format!("select {function}"))).execute(&mut *conn).await.is_ok();
+    sqlx::query("rollback to savepoint call").execute(&mut *conn).await.expect("rollback to savepoint");
+    (granted, called)
+}
+
+#[tokio::test]
+async fn a_function_created_later_in_schema_agent_by_postgres_or_supabase_admin_is_executable_by_its_owner_alone() {
+    let mut stack = stack().await;
+    // Arrange: one function created by the role that ran the migrations
+    // (postgres here and on Supabase), one by supabase_admin, the role
+    // Supabase's own tooling creates objects with. The role exists for this
+    // transaction only.
+    let mut conn = stack.db().acquire().await.expect("a connection");
+    sqlx::query("create function agent.added_later() returns integer language sql as 'select 1'")
+        .execute(&mut *conn)
+        .await
+        .expect("create a function as postgres");
+    sqlx::query("begin").execute(&mut *conn).await.unwrap();
+    sqlx::raw_sql(
+        "do $$ begin
+           if not exists (select 1 from pg_roles where rolname = 'supabase_admin') then
+             create role supabase_admin nologin;
+           end if;
+         end $$;
+         grant usage, create on schema agent to supabase_admin;
+         set local role supabase_admin;
+         create function agent.added_by_admin() returns integer language sql as 'select 2';
+         create procedure agent.added_by_admin_proc() language sql as 'select 3';
+         reset role;",
     )
-    .fetch_one(stack.db())
+    .execute(&mut *conn)
+    .await
+    .expect("create functions as supabase_admin");
+
+    // Assert: by the catalog and by calling, nobody but the owner executes them.
+    let mut seen = Vec::new();
+    for function in ["agent.added_later()", "agent.added_by_admin()"] {
+        for role in ["anon", "authenticated", "service_role", "authenticator"] {
+            seen.push((function, role, executable_by(&mut conn, role, function).await));
+        }
+    }
+    let public: Vec<String> = sqlx::query_scalar(
+        "select p.proname::text from pg_proc p, aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
+          where p.pronamespace = 'agent'::regnamespace and a.grantee = 0
+            and p.proname in ('added_later', 'added_by_admin', 'added_by_admin_proc')",
+    )
+    .fetch_all(&mut *conn)
     .await
     .unwrap();
-    assert_eq!(executable, (false, false, false, false, true));
-    // And over HTTP the service role is refused it.
+    let owners: (bool, bool) = sqlx::query_as(
+        "select has_function_privilege('postgres', 'agent.added_later()', 'execute'),
+                has_function_privilege('supabase_admin', 'agent.added_by_admin()', 'execute')",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::query("rollback").execute(&mut *conn).await.unwrap();
+    drop(conn);
+    for (function, role, executable) in &seen {
+        assert_eq!(*executable, (false, false), "{function} executable by {role} (catalog, call)");
+    }
+    assert!(public.is_empty(), "executable by PUBLIC: {public:?}");
+    assert_eq!(owners, (true, true), "each owner executes its own");
+
+    // And over HTTP the service role is refused the one that stayed.
     stack.restart_server().await.expect("reload the schema cache");
     let refused = client(&stack).rpc::<Value>("added_later", &json!({}), Repeat::Safe).await;
     assert_eq!(refused.as_ref().err().and_then(ClientError::code), Some("42501"), "{refused:?}");
     stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn the_service_role_holds_only_the_table_privileges_the_functions_use() {
-    let stack = stack().await;
-    let privileges: Vec<String> = sqlx::query_scalar(
-        "select g.table_name || ' ' || g.privilege_type
-           from information_schema.role_table_grants g
-          where g.table_schema = 'agent' and g.grantee = 'service_role'
-          order by 1",
+/// The plane's tables, and the view of the claim table that the bounded
+/// reads answer rows of (which the service role may name, not read through).
+const TABLES: [&str; 5] = ["idempotency_keys", "idempotency_scopes", "runs", "provider_jobs", "idempotency_rows"];
+
+/// The roles PostgREST switches to.
+const API_ROLES: [&str; 3] = ["anon", "authenticated", "service_role"];
+
+/// A completed claim written by a superuser, to see that nothing changes it.
+async fn a_stored_answer(stack: &idempotency_plane::local::LocalStack) -> Value {
+    sqlx::query(
+        "insert into agent.idempotency_keys
+           (organization_id, scope, key, request_hash, status, lease_token, response,
+            lease_expires_at, retain_until)
+         values (gen_random_uuid(), 'tool.x', 'k2', repeat('a', 64), 'completed', gen_random_uuid(),
+                 '{\"charged\": 1}', now(), now() + interval '30 days')",
     )
-    .fetch_all(stack.db())
+    .execute(stack.db())
     .await
-    .unwrap();
-    let expected = [
-        "idempotency_keys DELETE",
-        "idempotency_keys INSERT",
-        "idempotency_keys SELECT",
-        "idempotency_keys UPDATE",
-        "idempotency_scopes SELECT",
-        "provider_jobs INSERT",
-        "provider_jobs SELECT",
-        "runs INSERT",
-        "runs SELECT",
+    .expect("a stored answer");
+    stored(stack).await
+}
+
+async fn stored(stack: &idempotency_plane::local::LocalStack) -> Value {
+    sqlx::query_scalar("select jsonb_agg(to_jsonb(k) order by k.id) from agent.idempotency_keys k")
+        .fetch_one(stack.db())
+        .await
+        .expect("the table")
+}
+
+#[tokio::test]
+async fn every_table_endpoint_answers_4xx_to_every_api_role_and_changes_nothing() {
+    let stack = stack().await;
+    let before = a_stored_answer(&stack).await;
+    let http = reqwest::Client::new();
+    let org = uuid::Uuid::new_v4();
+    let forged = json!({
+        "organization_id": org, "scope": "tool.x", "key": "forged", "request_hash": "b".repeat(64),
+        "status": "completed", "lease_token": uuid::Uuid::new_v4(), "response": {"forged": true},
+        "lease_expires_at": "2000-01-01T00:00:00Z", "retain_until": "2000-01-01T00:00:00Z"
+    });
+    let mut answered = Vec::new();
+    for role in API_ROLES {
+        let token = stack.token_for(role);
+        for table in TABLES {
+            let url = format!("{}/{table}", stack.url());
+            let filtered = format!("{url}?key=eq.k2");
+            let requests = [
+                ("GET", http.get(&url).header("accept-profile", "agent")),
+                ("POST", http.post(&url).header("content-profile", "agent").json(&forged)),
+                ("PATCH", http.patch(&filtered).header("content-profile", "agent").json(&json!({"response": {}}))),
+                ("DELETE", http.delete(&filtered).header("content-profile", "agent")),
+            ];
+            for (method, request) in requests {
+                let response = request.bearer_auth(&token).send().await.expect("an answer");
+                let status = response.status().as_u16();
+                let body: Value = response.json().await.unwrap_or(Value::Null);
+                answered.push((role, method, table, status, body["code"].as_str().map(str::to_owned)));
+            }
+        }
+    }
+    // 42501: PostgreSQL refused the privilege. PGRST205: the server offers
+    // no such endpoint to the role (the embedded server lists a relation
+    // only to roles that hold something on it; PostgREST lists it and
+    // PostgreSQL refuses). Both mean there is no way in.
+    for (role, method, table, status, code) in &answered {
+        assert!((400..500).contains(status), "{role} {method} /{table}: {status} {code:?}");
+        assert!(matches!(code.as_deref(), Some("42501" | "PGRST205")), "{role} {method} /{table}: {status} {code:?}");
+    }
+    let refused_by_postgres = answered.iter().filter(|(_, _, _, _, code)| code.as_deref() == Some("42501")).count();
+    assert!(refused_by_postgres > 0, "some request reached PostgreSQL and was refused there: {answered:?}");
+    assert_eq!(stored(&stack).await, before, "nothing read or written around the functions");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_api_role_is_refused_every_statement_on_the_tables_in_sql() {
+    let stack = stack().await;
+    let before = a_stored_answer(&stack).await;
+    let mut conn = stack.db().acquire().await.expect("a connection");
+    let mut allowed = Vec::new();
+    for role in API_ROLES {
+        for table in TABLES {
+            let column = match table {
+                "idempotency_scopes" => "retain",
+                "idempotency_rows" => "key",
+                _ => "organization_id",
+            };
+            for statement in [
+                format!("select * from agent.{table}"),
+                format!("insert into agent.{table} default values"),
+                format!("update agent.{table} set {column} = {column}"),
+                format!("delete from agent.{table}"),
+            ] {
+                sqlx::query("begin").execute(&mut *conn).await.unwrap();
+                sqlx::query(AssertSqlSafe(format!("set local role {role}"))).execute(&mut *conn).await.unwrap();
+                let result = sqlx::query(AssertSqlSafe(statement.clone())).execute(&mut *conn).await;
+                sqlx::query("rollback").execute(&mut *conn).await.unwrap();
+                let code =
+                    result.err().and_then(|e| e.as_database_error().and_then(|d| d.code().map(|c| c.into_owned())));
+                if code.as_deref() != Some("42501") {
+                    allowed.push(format!("{role}: {statement} -> {code:?}"));
+                }
+            }
+        }
+    }
+    drop(conn);
+    assert!(allowed.is_empty(), "not refused for lack of privilege: {allowed:#?}");
+    assert_eq!(stored(&stack).await, before);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn internal_helpers_are_refused_to_every_api_role_over_http_and_in_sql() {
+    let stack = stack().await;
+    let org = uuid::Uuid::new_v4();
+    // The decision itself, with the NULL hash that once skipped the hash check.
+    let decide = json!({
+        "p_organization_id": org, "p_scope": "tool.x", "p_key": "k", "p_request_hash": "a".repeat(64),
+        "p_lease_token": uuid::Uuid::new_v4(), "p_lease_ms": 60000, "p_retain_ms": 60000,
+        "p_may_insert": true, "p_may_take_over": true
+    });
+    let calls = [
+        ("idempotency_decide", decide),
+        ("idempotency_policy", json!({"p_scope": "tool.x"})),
+        ("idempotency_json_size", json!({"p_value": {}})),
+        ("idempotency_check_key", json!({"p_organization_id": org, "p_scope": "tool.x", "p_key": "k"})),
     ];
-    assert_eq!(privileges, expected);
+    for role in API_ROLES {
+        let client = PostgrestClient::new(ClientConfig::new(stack.url(), stack.token_for(role)).unwrap()).unwrap();
+        for (function, args) in &calls {
+            let refused = client.rpc::<Value>(function, args, Repeat::Unsafe).await;
+            assert_eq!(
+                refused.as_ref().err().and_then(ClientError::code),
+                Some("42501"),
+                "{role} {function}: {refused:?}"
+            );
+        }
+    }
+    let mut conn = stack.db().acquire().await.expect("a connection");
+    let mut allowed = Vec::new();
+    for role in API_ROLES {
+        for call in [
+            "select * from agent.idempotency_decide(gen_random_uuid(), 'tool.x', 'k', null, gen_random_uuid(), 60000, null, false, false)",
+            "select * from agent.idempotency_policy('tool.x')",
+            "select agent.idempotency_json_size('{}')",
+            "select agent.idempotency_check_key(gen_random_uuid(), 'tool.x', 'k')",
+            "select agent.idempotency_claim_of(k) from agent.idempotency_keys k",
+        ] {
+            sqlx::query("begin").execute(&mut *conn).await.unwrap();
+            sqlx::query(AssertSqlSafe(format!("set local role {role}"))).execute(&mut *conn).await.unwrap();
+            let result = sqlx::query(call).execute(&mut *conn).await;
+            sqlx::query("rollback").execute(&mut *conn).await.unwrap();
+            let code = result.err().and_then(|e| e.as_database_error().and_then(|d| d.code().map(|c| c.into_owned())));
+            if code.as_deref() != Some("42501") {
+                allowed.push(format!("{role}: {call} -> {code:?}"));
+            }
+        }
+    }
+    drop(conn);
+    assert!(allowed.is_empty(), "{allowed:#?}");
+    assert_eq!(count_rows(&stack).await, 0);
     stack.stop().await.unwrap();
 }

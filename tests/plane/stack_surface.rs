@@ -29,11 +29,13 @@ const SURFACE: &[(&str, &str)] = &[
 ];
 
 #[tokio::test]
-async fn every_function_is_security_invoker_with_an_empty_search_path_and_service_role_only() {
+async fn every_function_runs_as_the_planes_owner_with_an_empty_search_path_for_service_role_only() {
     let stack = stack().await;
     for (name, args) in SURFACE {
         let row: (String, bool, Option<Vec<String>>, bool, bool, bool, bool) = sqlx::query_as(
-            "select array_to_string(p.proargnames, ','), p.prosecdef, p.proconfig,
+            "select array_to_string(p.proargnames, ','),
+                    p.prosecdef and p.proowner = 'idempotency_owner'::regrole or p.proname = 'idempotency_surface',
+                    p.proconfig,
                     has_function_privilege('service_role', p.oid, 'execute'),
                     has_function_privilege('anon', p.oid, 'execute'),
                     has_function_privilege('authenticated', p.oid, 'execute'),
@@ -47,7 +49,9 @@ async fn every_function_is_security_invoker_with_an_empty_search_path_and_servic
         .unwrap_or_else(|e| panic!("agent.{name}: {e}"));
         let (names, definer, config, service, anon, authenticated, returns_set) = row;
         assert_eq!(&names, args, "agent.{name} arguments");
-        assert!(!definer, "agent.{name} is SECURITY INVOKER");
+        // The surface report alone answers as its caller: it tells the
+        // caller what the caller may execute.
+        assert!(definer, "agent.{name} is SECURITY DEFINER, owned by idempotency_owner");
         // Every function that takes a row lock gives up after lock_timeout.
         let locks = matches!(
             *name,
@@ -73,13 +77,14 @@ async fn every_function_is_security_invoker_with_an_empty_search_path_and_servic
 }
 
 #[tokio::test]
-async fn the_table_has_rls_on_and_no_privileges_for_anon_or_authenticated() {
+async fn every_table_has_rls_on_and_no_privileges_for_any_api_role() {
     let stack = stack().await;
-    for table in ["agent.idempotency_keys", "agent.runs", "agent.provider_jobs"] {
-        let (rls, anon, authenticated): (bool, bool, bool) = sqlx::query_as(
+    for table in ["agent.idempotency_keys", "agent.idempotency_scopes", "agent.runs", "agent.provider_jobs"] {
+        let (rls, anon, authenticated, service): (bool, bool, bool, bool) = sqlx::query_as(
             "select c.relrowsecurity,
-                    has_table_privilege('anon', c.oid, 'select,insert,update,delete'),
-                    has_table_privilege('authenticated', c.oid, 'select,insert,update,delete')
+                    has_table_privilege('anon', c.oid, 'select,insert,update,delete,truncate,references,trigger'),
+                    has_table_privilege('authenticated', c.oid, 'select,insert,update,delete,truncate,references,trigger'),
+                    has_table_privilege('service_role', c.oid, 'select,insert,update,delete,truncate,references,trigger')
                from pg_class c where c.oid = $1::regclass",
         )
         .bind(table)
@@ -87,7 +92,7 @@ async fn the_table_has_rls_on_and_no_privileges_for_anon_or_authenticated() {
         .await
         .unwrap();
         assert!(rls, "{table} has row level security on");
-        assert!(!anon && !authenticated, "{table} grants nothing to anon/authenticated");
+        assert!(!anon && !authenticated && !service, "{table} grants nothing to anon, authenticated or service_role");
         let policies: i64 =
             sqlx::query_scalar("select count(*) from pg_policies where schemaname || '.' || tablename = $1")
                 .bind(table)
@@ -197,11 +202,13 @@ async fn the_database_refuses_malformed_rows_whoever_calls_it() {
         args
     };
     for (args, code) in [
-        (with("p_request_hash", json!("A".repeat(64))), "23514"),
-        (with("p_request_hash", json!("abc")), "23514"),
-        (with("p_key", json!("")), "23514"),
-        (with("p_key", json!("k".repeat(513))), "23514"),
-        (with("p_scope", json!("")), "IDEM1"),
+        (with("p_request_hash", json!("A".repeat(64))), "22023"),
+        (with("p_request_hash", json!("abc")), "22023"),
+        (with("p_key", json!("")), "22023"),
+        (with("p_key", json!("k".repeat(513))), "22023"),
+        (with("p_scope", json!("")), "22023"),
+        (with("p_scope", json!("Tool.X")), "22023"),
+        (with("p_scope", json!("payments.charge")), "IDEM1"),
         (with("p_lease_ms", json!(0)), "22023"),
         (with("p_lease_ms", json!(-5)), "22023"),
         (with("p_retain_ms", json!(0)), "22023"),
