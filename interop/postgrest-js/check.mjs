@@ -377,6 +377,49 @@ await check('a response above the scope limit is refused with IDEM2 and the clai
   return refusal;
 });
 
+await check('a null request hash is refused by name (22023) and takes over nothing', async () => {
+  // PostgREST binds a JSON null to SQL NULL (the embedded server to ''):
+  // either way the plane refuses it, naming the argument.
+  const key = `interop-null-hash-${randomUUID()}`;
+  const result = await service.rpc('idempotency_claim', oneCall(key, null, randomUUID()));
+  const refusal = refusedWith('a claim with a null hash', result, 400, '22023');
+  expect(result.error.message.includes('p_request_hash'), 'the message names p_request_hash', result.error);
+  const after = answered('idempotency_get', await service.rpc('idempotency_get', {
+    p_organization_id: organization, p_scope: scope, p_key: key,
+  }));
+  expect(Array.isArray(after) && after.length === 0, 'nothing was written', after);
+  return refusal;
+});
+
+await check('a response nested deeper than 64 levels is refused with IDEM3 and the claim stays processing', async () => {
+  const key = `interop-deep-${randomUUID()}`;
+  const deepToken = randomUUID();
+  const row = await claimOnce('idempotency_claim', oneCall(key, requestHash({ key }), deepToken));
+  let deep = 1;
+  for (let level = 0; level < 65; level += 1) deep = [deep];
+  const result = await service.rpc('idempotency_complete', {
+    p_claim_id: row.id, p_lease_token: deepToken, p_response: deep,
+  });
+  const refusal = refusedWith('a 65-level response', result, 400, 'IDEM3');
+  const after = oneRow('idempotency_get', answered('idempotency_get', await service.rpc('idempotency_get', {
+    p_organization_id: organization, p_scope: scope, p_key: key,
+  })));
+  expect(after.status === 'processing', 'the refused completion wrote nothing', after);
+  return refusal;
+});
+
+await check('the claim table has no endpoint that reads or writes it', async () => {
+  const read = await service.from('idempotency_keys').select('*');
+  expect(read.error && read.status >= 400 && read.status < 500, 'reading the table is refused', read);
+  const write = await service.from('idempotency_keys').insert({
+    organization_id: organization, scope, key: `forged-${randomUUID()}`, request_hash: 'b'.repeat(64),
+    status: 'completed', lease_token: randomUUID(), response: { forged: true },
+    lease_expires_at: '2000-01-01T00:00:00Z', retain_until: '2000-01-01T00:00:00Z',
+  });
+  expect(write.error && write.status >= 400 && write.status < 500, 'writing the table is refused', write);
+  return `read: HTTP ${read.status} ${read.error.code}; write: HTTP ${write.status} ${write.error.code}`;
+});
+
 await check('every request-hash vector matches the canonicalize package', async () => {
   const vectors = JSON.parse(readFileSync(new URL('../../tests/vectors/request_hash.json', import.meta.url), 'utf8'));
   expect(vectors.length >= 25, 'at least 25 vectors', vectors.length);
