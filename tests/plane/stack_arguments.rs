@@ -311,6 +311,20 @@ async fn a_null_or_malformed_text_argument_through_the_server_is_refused_by_name
     stack.stop().await.unwrap();
 }
 
+/// Runs `query` as the service role, as PostgREST would, in a transaction
+/// rolled back afterwards; answers the SQLSTATE it was refused with.
+async fn refusal_as_service_role(
+    stack: &idempotency_plane::local::LocalStack,
+    query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+) -> Option<String> {
+    let mut conn = stack.db().acquire().await.expect("a connection");
+    sqlx::query("begin").execute(&mut *conn).await.expect("begin");
+    sqlx::query("set local role service_role").execute(&mut *conn).await.expect("set role");
+    let result = query.execute(&mut *conn).await;
+    sqlx::query("rollback").execute(&mut *conn).await.expect("rollback");
+    result.err().and_then(|e| e.as_database_error().and_then(|d| d.code().map(|c| c.into_owned())))
+}
+
 /// `levels` arrays, one inside the other, around a number.
 fn nested(levels: usize) -> Value {
     (0..levels).fold(json!(1), |inner, _| json!([inner]))
@@ -347,19 +361,11 @@ async fn a_response_nested_deeper_than_64_levels_is_refused_with_idem3_and_the_c
     }
     assert_eq!(status(&stack).await, "processing", "65 levels wrote nothing");
     // 130 levels, past serde_json's own limit of 128, as any client may send them.
-    let mut conn = stack.db().acquire().await.expect("a connection");
-    sqlx::query("begin").execute(&mut *conn).await.unwrap();
-    sqlx::query("set local role service_role").execute(&mut *conn).await.unwrap();
     let deep = sqlx::query("select * from agent.idempotency_complete($1, $2, null, null, $3)")
         .bind(claim.id())
         .bind(claim.lease_token())
-        .bind(sqlx::types::Json(nested(130)))
-        .execute(&mut *conn)
-        .await;
-    sqlx::query("rollback").execute(&mut *conn).await.unwrap();
-    drop(conn);
-    let code = deep.err().and_then(|e| e.as_database_error().and_then(|d| d.code().map(|c| c.into_owned())));
-    assert_eq!(code.as_deref(), Some(codes::RESPONSE_TOO_DEEP), "130 levels");
+        .bind(sqlx::types::Json(nested(130)));
+    assert_eq!(refusal_as_service_role(&stack, deep).await.as_deref(), Some(codes::RESPONSE_TOO_DEEP), "130 levels");
     assert_eq!(status(&stack).await, "processing");
     // 64 levels are kept, and read back.
     let kept = complete(nested(MAX_RESPONSE_DEPTH)).await.expect("64 levels").expect("our claim");
@@ -428,13 +434,19 @@ async fn no_policy_may_keep_more_than_a_default_client_reads_and_the_largest_leg
         other => panic!("expected the stored answer, got {other:?}"),
     }
 
-    // One byte above the policy: refused, and the claim stays processing.
+    // One byte above the policy, and 9 MiB (above what a default client
+    // reads): refused, and the claim stays processing.
     let other = claimed(service.claim(org, "webhook.large", "d-2", &hash("larger"), LEASE).await);
     let text = usize::try_from(MAX_POLICY_RESPONSE_BYTES).unwrap() - r#"{"t":""}"#.len() + 1;
     let larger = json!({"t": "x".repeat(text)});
     let args = CompletionArgs { response: Some(&larger), ..CompletionArgs::default() };
     let refused = service.repository().complete(other.id(), other.lease_token(), args).await;
     assert_eq!(refused.as_ref().err().and_then(error_code), Some(codes::RESPONSE_TOO_LARGE), "{refused:?}");
+    let unreadable = sqlx::query("select * from agent.idempotency_complete($1, $2, null, null, $3)")
+        .bind(other.id())
+        .bind(other.lease_token())
+        .bind(sqlx::types::Json(json!({"t": "x".repeat(9 * 1024 * 1024)})));
+    assert_eq!(refusal_as_service_role(&stack, unreadable).await.as_deref(), Some(codes::RESPONSE_TOO_LARGE), "9 MiB");
     let kept: String = sqlx::query_scalar("select status from agent.idempotency_keys where id = $1")
         .bind(other.id())
         .fetch_one(stack.db())
