@@ -8,8 +8,9 @@
 --    SECURITY DEFINER with search_path pinned to '', so they act as that
 --    owner. No API role (anon, authenticated, service_role) holds any
 --    privilege on a table. PostgREST's table endpoints (GET, POST, PATCH,
---    DELETE /idempotency_keys and the rest) therefore answer 42501 for
---    every role. A forged completed row, a rewritten response or a deleted
+--    DELETE /idempotency_keys and the rest) therefore answer 4xx for every
+--    role: 42501, or PGRST205 from a server that lists no table a role
+--    holds nothing on. A forged completed row, a rewritten response or a deleted
 --    claim can no longer go around the checks below.
 -- 2. Arguments. Every function refuses a NULL or malformed required
 --    argument before it reads or writes anything: SQLSTATE 22023
@@ -84,7 +85,9 @@ revoke all on agent.idempotency_keys, agent.idempotency_scopes, agent.runs, agen
 -- a table's: postrust-server applies db-max-rows only to functions that
 -- return rows of a relation the API's roles can see (PostgREST caps every
 -- function). The view runs with its caller's privileges, and no API role
--- holds any on the table, so a read through it is refused (42501).
+-- holds any on the table, so a read through it is refused (42501). The
+-- bounded reads answer k.* of the table as rows of the view, so a column
+-- added to the table must be added to the view in the same migration.
 create view agent.idempotency_rows with (security_invoker = true) as
   select * from agent.idempotency_keys;
 alter view agent.idempotency_rows owner to idempotency_owner;
@@ -92,6 +95,17 @@ revoke all on agent.idempotency_rows from public, anon, authenticated, service_r
 grant select on agent.idempotency_rows to service_role;
 
 -- 2. Arguments -----------------------------------------------------------------
+
+-- The checks below, and the table's own check of the request hash, test
+-- lengths and search for a character outside the allowed set. They do not
+-- match an anchored, bounded pattern: PostgreSQL's regular expressions
+-- expand ^[0-9a-f]{64}$ into 64 states, and matching it cost about 12 µs on
+-- every claim, against under 1 µs for the search.
+alter table agent.idempotency_keys
+  add constraint idempotency_keys_request_hash_hex
+  check (octet_length(request_hash) = 64 and request_hash !~ '[^0-9a-f]') not valid;
+alter table agent.idempotency_keys validate constraint idempotency_keys_request_hash_hex;
+alter table agent.idempotency_keys drop constraint idempotency_keys_request_hash_sha256;
 
 -- Raises 22023 naming the first of a key's arguments that is NULL or
 -- malformed; returns when all three are well formed. The callers run their
@@ -107,7 +121,7 @@ begin
   if p_scope is null then
     raise exception 'p_scope is required' using errcode = '22023';
   end if;
-  if p_scope !~ '^[a-z0-9._-]{1,128}$' then
+  if char_length(p_scope) not between 1 and 128 or p_scope ~ '[^a-z0-9._-]' then
     raise exception 'p_scope must be 1 to 128 characters of a-z, 0-9, ".", "_" and "-", got %',
                     pg_catalog.left(p_scope, 128)
       using errcode = '22023';
@@ -149,9 +163,10 @@ declare
   r agent.idempotency_keys;
 begin
   -- One test on the way in; the messages are built only for a refusal.
-  if p_organization_id is null or p_scope is null or p_scope !~ '^[a-z0-9._-]{1,128}$'
+  if p_organization_id is null or p_scope is null
+     or char_length(p_scope) not between 1 and 128 or p_scope ~ '[^a-z0-9._-]'
      or p_key is null or char_length(p_key) not between 1 and 512
-     or p_request_hash is null or p_request_hash !~ '^[0-9a-f]{64}$'
+     or p_request_hash is null or octet_length(p_request_hash) <> 64 or p_request_hash ~ '[^0-9a-f]'
      or p_lease_token is null
      or p_lease_ms is null or p_lease_ms not between 1000 and 86400000
      or p_retain_ms not between 1 and 31622400000
@@ -159,7 +174,7 @@ begin
     perform agent.idempotency_check_key(p_organization_id, p_scope, p_key);
     if p_request_hash is null then
       raise exception 'p_request_hash is required' using errcode = '22023';
-    elsif p_request_hash !~ '^[0-9a-f]{64}$' then
+    elsif octet_length(p_request_hash) <> 64 or p_request_hash ~ '[^0-9a-f]' then
       raise exception 'p_request_hash must be 64 lowercase hex digits (a SHA-256), got %',
                       pg_catalog.left(p_request_hash, 80)
         using errcode = '22023';
@@ -347,7 +362,8 @@ create or replace function agent.idempotency_get(
 language plpgsql stable security definer set search_path = ''
 as $$
 begin
-  if p_organization_id is null or p_scope is null or p_scope !~ '^[a-z0-9._-]{1,128}$'
+  if p_organization_id is null or p_scope is null
+     or char_length(p_scope) not between 1 and 128 or p_scope ~ '[^a-z0-9._-]'
      or p_key is null or char_length(p_key) not between 1 and 512 then
     perform agent.idempotency_check_key(p_organization_id, p_scope, p_key);
   end if;
@@ -598,7 +614,7 @@ begin
   if p_organization_id is null then
     raise exception 'p_organization_id is required' using errcode = '22023';
   end if;
-  if p_provider is null or p_provider !~ '^[a-z0-9_-]{1,64}$' then
+  if p_provider is null or char_length(p_provider) not between 1 and 64 or p_provider ~ '[^a-z0-9_-]' then
     raise exception 'p_provider must be 1 to 64 characters of a-z, 0-9, "_" and "-"' using errcode = '22023';
   end if;
   if p_job_id is null or char_length(p_job_id) not between 1 and 512 then
@@ -628,7 +644,7 @@ create or replace function agent.provider_job_lookup(
 language plpgsql stable security definer set search_path = ''
 as $$
 begin
-  if p_provider is null or p_provider !~ '^[a-z0-9_-]{1,64}$' then
+  if p_provider is null or char_length(p_provider) not between 1 and 64 or p_provider ~ '[^a-z0-9_-]' then
     raise exception 'p_provider must be 1 to 64 characters of a-z, 0-9, "_" and "-"' using errcode = '22023';
   end if;
   if p_job_id is null or char_length(p_job_id) not between 1 and 512 then

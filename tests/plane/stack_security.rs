@@ -17,7 +17,7 @@ async fn findings(stack: &idempotency_plane::local::LocalStack, query: &'static 
 #[tokio::test]
 async fn the_schema_passes_the_linter_checks() {
     let stack = stack().await;
-    let checks: [(&str, &'static str); 8] = [
+    let checks: [(&str, &'static str); 9] = [
         (
             "a table in agent without row level security",
             "select c.relname::text from pg_class c
@@ -72,6 +72,16 @@ async fn the_schema_passes_the_linter_checks() {
              union all
              select p.proname || ' by PUBLIC' from pg_proc p, aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
               where p.pronamespace = 'agent'::regnamespace and a.grantee = 0 and a.privilege_type = 'EXECUTE'",
+        ),
+        (
+            // The bounded reads answer the table's rows as rows of the view.
+            "agent.idempotency_rows without exactly the columns of agent.idempotency_keys, in order",
+            "select 'columns differ' where
+               (select string_agg(a.attname || ' ' || a.atttypid::regtype, ', ' order by a.attnum) from pg_attribute a
+                 where a.attrelid = 'agent.idempotency_keys'::regclass and a.attnum > 0 and not a.attisdropped)
+               is distinct from
+               (select string_agg(a.attname || ' ' || a.atttypid::regtype, ', ' order by a.attnum) from pg_attribute a
+                 where a.attrelid = 'agent.idempotency_rows'::regclass and a.attnum > 0 and not a.attisdropped)",
         ),
         (
             "schema agent usable by anon or authenticated",

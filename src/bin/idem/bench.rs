@@ -123,6 +123,10 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
     let (direct, floor) = functions_against_floor(stack.db(), args.workers, duration).await?;
     figures.push(direct);
     figures.push(floor);
+    eprintln!("the same SQL functions as SECURITY DEFINER, alternating with SECURITY INVOKER…");
+    let (definer, invoker) = definer_against_invoker(stack.db(), args.workers, duration).await?;
+    figures.push(definer);
+    figures.push(invoker);
     eprintln!("replays and conflicts…");
     let (replay, conflict, cached, trips) =
         replays_and_conflicts(stack, &client, service.clone(), args.workers, duration).await?;
@@ -155,6 +159,10 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
         get("pairs via direct SQL").ok_or("missing figure")?,
         get("pairs via floor SQL").ok_or("missing figure")?,
     );
+    let (definer, invoker) = (
+        get("pairs via direct SQL, definer").ok_or("missing figure")?,
+        get("pairs via direct SQL, invoker").ok_or("missing figure")?,
+    );
     let ratio = |name: &str, value: f64, target: &str, met: bool| Ratio {
         name: name.to_owned(),
         value,
@@ -178,6 +186,10 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
         {
             let v = direct.per_second / floor.per_second;
             ratio("pairs/s functions (direct SQL) ÷ floor", v, "≥ 0.90", v >= 0.90)
+        },
+        {
+            let v = definer.per_second / invoker.per_second;
+            ratio("pairs/s SECURITY DEFINER ÷ INVOKER", v, "≥ 0.95", v >= 0.95)
         },
         ratio("round trips: first claim", trip("first claim"), "1", trip("first claim") == 1.0),
         ratio("round trips: replay", trip("replay"), "1", trip("replay") == 1.0),
@@ -294,9 +306,40 @@ async fn pairs_bare_http(stack: &LocalStack, workers: usize, duration: Duration)
     Ok(Figure::from("pairs via bare HTTP", latencies, elapsed))
 }
 
-/// Segments each of the functions and the floor runs, alternating (ABBA), so
-/// that a machine whose speed drifts during the run weighs on both alike.
-const FLOOR_SEGMENTS: u32 = 4;
+/// Segments each of two scenarios compared side by side runs, alternating
+/// (ABBA), so that a machine whose speed drifts during the run weighs on
+/// both alike.
+const SEGMENTS: u32 = 4;
+
+/// Latencies and elapsed time of one run of a scenario.
+type Run = (Vec<Duration>, Duration);
+
+/// Runs two scenarios in alternating segments (ABBA…), so that the
+/// machine's drift weighs on both alike: `segment(first, round)` runs
+/// segment `round` of the first scenario when `first`, else of the second.
+/// Answers both totals.
+async fn alternating<F, Fut>(mut segment: F) -> Result<(Run, Run), BoxError>
+where
+    F: FnMut(bool, u32) -> Fut,
+    Fut: std::future::Future<Output = Result<Run, BoxError>>,
+{
+    let (mut first_total, mut second_total) = ((Vec::new(), Duration::ZERO), (Vec::new(), Duration::ZERO));
+    for round in 0..SEGMENTS {
+        for first in [round % 2 == 0, round % 2 == 1] {
+            let (latencies, elapsed) = segment(first, round).await?;
+            let total = if first { &mut first_total } else { &mut second_total };
+            total.0.extend(latencies);
+            total.1 += elapsed;
+        }
+    }
+    Ok((first_total, second_total))
+}
+
+/// A pool of its own on the stack's database.
+async fn own_pool(db: &PgPool) -> Result<PgPool, BoxError> {
+    let options = db.connect_options().as_ref().clone();
+    Ok(sqlx::postgres::PgPoolOptions::new().max_connections(20).connect_with(options).await?)
+}
 
 /// The SQL functions over direct connections and the floor, measured in
 /// alternating segments of one pool each: figures for both.
@@ -305,26 +348,56 @@ async fn functions_against_floor(
     workers: usize,
     duration: Duration,
 ) -> Result<(Figure, Figure), BoxError> {
-    let connect =
-        || sqlx::postgres::PgPoolOptions::new().max_connections(20).connect_with(db.connect_options().as_ref().clone());
-    let (functions_pool, floor_pool) = (connect().await?, connect().await?);
-    let segment = duration / FLOOR_SEGMENTS;
-    let (mut functions, mut floor) = ((Vec::new(), Duration::ZERO), (Vec::new(), Duration::ZERO));
-    for round in 0..FLOOR_SEGMENTS {
-        for first in [round % 2 == 0, round % 2 == 1] {
-            let (latencies, elapsed) = if first {
-                pairs_direct_sql(&functions_pool, workers, segment, round).await?
+    let (functions_pool, floor_pool) = (own_pool(db).await?, own_pool(db).await?);
+    let segment = duration / SEGMENTS;
+    let (functions, floor) = alternating(|first, round| {
+        let pool = if first { functions_pool.clone() } else { floor_pool.clone() };
+        async move {
+            if first {
+                pairs_direct_sql(&pool, workers, segment, round).await
             } else {
-                pairs_floor(&floor_pool, workers, segment, round).await?
-            };
-            let total = if first { &mut functions } else { &mut floor };
-            total.0.extend(latencies);
-            total.1 += elapsed;
+                pairs_floor(&pool, workers, segment, round).await
+            }
         }
-    }
+    })
+    .await?;
     Ok((
         Figure::from("pairs via direct SQL", functions.0, functions.1),
         Figure::from("pairs via floor SQL", floor.0, floor.1),
+    ))
+}
+
+/// The two hot-path functions as they are (SECURITY DEFINER, acting as the
+/// plane's owner) against the same functions switched to SECURITY INVOKER,
+/// in alternating segments: what the role switch on every call costs. The
+/// functions are SECURITY DEFINER again afterwards, whatever happened.
+async fn definer_against_invoker(
+    db: &PgPool,
+    workers: usize,
+    duration: Duration,
+) -> Result<(Figure, Figure), BoxError> {
+    async fn security(db: &PgPool, mode: &str) -> Result<(), sqlx::Error> {
+        let statement = format!(
+            "alter function agent.idempotency_claim(uuid, text, text, text, uuid, bigint) security {mode};
+             alter function agent.idempotency_complete(uuid, uuid, text, text, jsonb) security {mode};"
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement)).execute(db).await.map(|_| ())
+    }
+    let pool = own_pool(db).await?;
+    let segment = duration / SEGMENTS;
+    let measured = alternating(|definer, round| {
+        let (db, pool) = (db.clone(), pool.clone());
+        async move {
+            security(&db, if definer { "definer" } else { "invoker" }).await?;
+            pairs_direct_sql(&pool, workers, segment, round).await
+        }
+    })
+    .await;
+    security(db, "definer").await?;
+    let (definer, invoker) = measured?;
+    Ok((
+        Figure::from("pairs via direct SQL, definer", definer.0, definer.1),
+        Figure::from("pairs via direct SQL, invoker", invoker.0, invoker.1),
     ))
 }
 
