@@ -906,22 +906,32 @@ mod tests {
     #[tokio::test]
     async fn a_database_with_a_session_is_never_dropped_however_old_its_name_and_is_once_it_has_none() {
         // Arrange: a database aged by its name, with a session on it.
+        // The set-up lock, as a start holds it, keeps other starts' clean-ups
+        // away until the session is on.
+        let (mut setting_up, _) = admin().await;
         let (mut admin, url) = admin().await;
+        sqlx::query("select pg_advisory_lock_shared(hashtext($1))")
+            .bind(SETUP_LOCK)
+            .execute(&mut setting_up)
+            .await
+            .expect("the set-up lock");
         let name = aged_name();
         admin.execute(AssertSqlSafe(format!("create database \"{name}\""))).await.expect("create the database");
         let mut session_url = url.clone();
         session_url.set_path(&format!("/{name}"));
         let session = PgConnection::connect(session_url.as_str()).await.expect("a session on it");
+        let _ = setting_up.close().await;
 
-        // Act: what every start does first.
-        drop_stale_databases(&mut admin).await;
+        // Act: the judgement every start's clean-up makes (under the set-up
+        // lock, which concurrent starts may hold at any moment here).
+        drop_unused_databases(&mut admin).await;
         let kept = database_exists(&mut admin, &name).await.expect("look it up");
 
-        // Once its last session has gone, the next start drops it.
+        // Once its last session has gone, it is dropped.
         let _ = session.close().await;
         let mut gone = false;
         for _ in 0..300 {
-            drop_stale_databases(&mut admin).await;
+            drop_unused_databases(&mut admin).await;
             gone = !database_exists(&mut admin, &name).await.expect("look it up");
             if gone {
                 break;
@@ -947,11 +957,22 @@ mod tests {
         // Act: another stack starts, and cleans up what it takes for leftovers.
         let new = LocalStack::start(LocalStackConfig::default()).await.expect("the new stack");
 
-        // Assert: the old stack still serves its claims.
+        // Assert: the old stack still serves its claims, and its keeper
+        // session (not only its pools, which let idle connections go) is
+        // what holds its database.
         let again = service.claim(org, "tool.email.send", "k", &hash, Duration::from_secs(60)).await;
+        let keepers: i64 = sqlx::query_scalar(
+            "select count(*) from pg_catalog.pg_stat_activity where datname = $1 and application_name = $2",
+        )
+        .bind(old.database_name())
+        .bind(KEEPER_APPLICATION_NAME)
+        .fetch_one(old.db())
+        .await
+        .expect("the sessions");
         new.stop().await.expect("stop the new stack");
         old.stop().await.expect("stop the old stack");
         assert!(matches!(again, Ok(crate::ClaimOutcome::Processing { .. })), "{again:?}");
+        assert_eq!(keepers, 1, "one keeper session on the old stack's database");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -350,7 +350,7 @@ impl IdempotencyRepository for MemoryRepository {
         if (response.is_none() && resource_id.is_none()) || (resource_id.is_some() && resource_type.is_none()) {
             return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
         }
-        if response.is_some_and(|r| journal::depth(r) > journal::MAX_RESPONSE_DEPTH) {
+        if response.is_some_and(|r| journal::unstorable(r, 0, u64::MAX) == Some(crate::service::Unstorable::TooDeep)) {
             return Err(refused(FUNCTION, codes::RESPONSE_TOO_DEEP));
         }
         if response.is_some_and(|r| journal::unstorable(r, 0, u64::MAX) == Some(crate::service::Unstorable::Nul))

@@ -56,10 +56,17 @@ begin
     end;
   end if;
   -- Whoever runs the migrations must be able to act as the owner: to hand
-  -- objects to it now, and to replace its functions later. A superuser
-  -- already can. On Supabase, postgres (CREATEROLE) grants it to itself.
-  if not pg_catalog.pg_has_role(current_user, 'idempotency_owner', 'member') then
-    grant idempotency_owner to current_user;
+  -- objects to it now (PostgreSQL 16 and later ask for SET), and to use
+  -- its privileges when it replaces or revokes later (USAGE, that is,
+  -- inherited). A superuser already can. On Supabase, postgres
+  -- (CREATEROLE) grants it to itself; from PostgreSQL 16 its creator holds
+  -- it with ADMIN only, without INHERIT or SET, so those are asked for.
+  if not pg_catalog.pg_has_role(current_user, 'idempotency_owner', 'usage') then
+    if current_setting('server_version_num')::integer >= 160000 then
+      execute format('grant idempotency_owner to %I with inherit true, set true', current_user);
+    else
+      grant idempotency_owner to current_user;
+    end if;
   end if;
 end
 $owner$;
@@ -439,20 +446,22 @@ begin
     end if;
     if v_size > 1024 then
       select k.scope into v_scope from agent.idempotency_keys k where k.id = p_claim_id;
-      if found then
-        select p.max_response_bytes into v_limit from agent.idempotency_policy(v_scope) p;
-        if v_limit is null then
-          raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', v_scope
-            using errcode = 'IDEM1';
-        end if;
+      if not found then
+        -- No such claim: nothing to complete, as the fence below would say.
+        return;
+      end if;
+      select p.max_response_bytes into v_limit from agent.idempotency_policy(v_scope) p;
+      if v_limit is null then
+        raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', v_scope
+          using errcode = 'IDEM1';
+      end if;
+      if v_size > v_limit then
+        v_size := agent.idempotency_json_size(v_response);
         if v_size > v_limit then
-          v_size := agent.idempotency_json_size(v_response);
-          if v_size > v_limit then
-            raise exception 'the response is % bytes as compact JSON, above the % bytes scope % keeps',
-                            v_size, v_limit, v_scope
-              using errcode = 'IDEM2',
-                    hint = 'store the response elsewhere and complete with its resource (and a reference to it)';
-          end if;
+          raise exception 'the response is % bytes as compact JSON, above the % bytes scope % keeps',
+                          v_size, v_limit, v_scope
+            using errcode = 'IDEM2',
+                  hint = 'store the response elsewhere and complete with its resource (and a reference to it)';
         end if;
       end if;
     end if;

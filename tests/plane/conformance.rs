@@ -195,6 +195,13 @@ async fn a_completion_is_refused_without_an_answer_or_above_the_limit(repo: &imp
     let large = json!({"text": "x".repeat(70_000)});
     let args = CompletionArgs { response: Some(&large), ..CompletionArgs::default() };
     assert_eq!(code(repo.complete(row.id, token, args).await), "IDEM2");
+    // 65 containers, the innermost empty: deeper than 64 levels, as arrays or objects.
+    let arrays = (0..64).fold(json!([]), |inner, _| json!([inner]));
+    let objects = (0..64).fold(json!({}), |inner, _| json!({ "a": inner }));
+    for deep in [&arrays, &objects] {
+        let args = CompletionArgs { response: Some(deep), ..CompletionArgs::default() };
+        assert_eq!(code(repo.complete(row.id, token, args).await), "IDEM3");
+    }
     let stored = repo.get(org, "tool.email.send", "k").await.unwrap().unwrap();
     assert_eq!(stored.status, ClaimStatus::Processing, "the refused completions wrote nothing");
 }

@@ -212,12 +212,15 @@ async fn executable_by(conn: &mut sqlx::PgConnection, role: &str, function: &str
 }
 
 #[tokio::test]
-async fn a_function_created_later_in_schema_agent_by_postgres_or_supabase_admin_is_executable_by_its_owner_alone() {
+async fn a_function_created_later_in_schema_agent_by_the_migrating_role_or_another_is_executable_by_its_owner_alone() {
     let mut stack = stack().await;
     // Arrange: one function created by the role that ran the migrations
-    // (postgres here and on Supabase), one by supabase_admin, the role
-    // Supabase's own tooling creates objects with. The role exists for this
-    // transaction only.
+    // (postgres, here and on Supabase), and one by another role, named
+    // supabase_admin as the role Supabase's own tooling creates objects
+    // with. It exists for this transaction only, and is no superuser: on
+    // Supabase, where supabase_admin is one, supautils skips event
+    // triggers for it, and the missing USAGE on schema agent is what keeps
+    // anon and authenticated away from such a function.
     let mut conn = stack.db().acquire().await.expect("a connection");
     sqlx::query("create function agent.added_later() returns integer language sql as 'select 1'")
         .execute(&mut *conn)
@@ -439,4 +442,66 @@ async fn internal_helpers_are_refused_to_every_api_role_over_http_and_in_sql() {
     assert!(allowed.is_empty(), "{allowed:#?}");
     assert_eq!(count_rows(&stack).await, 0);
     stack.stop().await.unwrap();
+}
+
+/// The migrations as Supabase applies them: as `postgres` there, a role with
+/// CREATEROLE that is not a superuser. Here a role of that kind, made for
+/// this test, migrates a database of its own.
+#[tokio::test]
+async fn the_migrations_apply_as_a_createrole_role_that_is_no_superuser_and_hand_everything_to_the_owner() {
+    use sqlx::{Connection, Executor};
+    let admin_url = url::Url::parse(&idempotency_plane::local::LocalStackConfig::default().database_url).unwrap();
+    let mut admin = sqlx::PgConnection::connect(admin_url.as_str()).await.expect("the maintenance database");
+    let suffix = format!("{:016x}", rand::random::<u64>());
+    let (role, database) = (format!("idem_migrator_{suffix}"), format!("idem_migrate_{suffix}"));
+    // Both names are ours: letters, digits and '_'.
+    admin.execute(AssertSqlSafe(format!("create role {role} login createrole nosuperuser"))).await.unwrap();
+    admin.execute(AssertSqlSafe(format!("create database {database} owner {role}"))).await.unwrap();
+
+    let mut migrator_url = admin_url.clone();
+    migrator_url.set_username(&role).unwrap();
+    migrator_url.set_password(None).unwrap();
+    migrator_url.set_path(&format!("/{database}"));
+    let mut applied = Vec::new();
+    match sqlx::PgConnection::connect(migrator_url.as_str()).await {
+        Ok(mut migrator) => {
+            for (file, sql) in idempotency_plane::migrations::MIGRATIONS {
+                let result = sqlx::raw_sql(*sql).execute(&mut migrator).await;
+                applied.push((*file, result.err().map(|e| e.to_string())));
+            }
+            let _ = migrator.close().await;
+        }
+        Err(error) => applied.push(("(connect)", Some(error.to_string()))),
+    }
+    let mut db_url = admin_url.clone();
+    db_url.set_path(&format!("/{database}"));
+    let owners: Result<Vec<(String, String)>, sqlx::Error> = async {
+        let mut db = sqlx::PgConnection::connect(db_url.as_str()).await?;
+        let owners = sqlx::query_as(
+            "select c.relname::text, c.relowner::regrole::text from pg_class c
+              where c.relnamespace = 'agent'::regnamespace and c.relkind in ('r', 'v') order by 1",
+        )
+        .fetch_all(&mut db)
+        .await?;
+        // And the plane works: a claim as the service role.
+        sqlx::raw_sql(
+            "begin; set local role service_role;
+             select * from agent.idempotency_claim(gen_random_uuid(), 'tool.x', 'k', repeat('a', 64), gen_random_uuid(), 60000);
+             commit;",
+        )
+        .execute(&mut db)
+        .await?;
+        let _ = db.close().await;
+        Ok(owners)
+    }
+    .await;
+
+    admin.execute(AssertSqlSafe(format!("drop database if exists {database} with (force)"))).await.unwrap();
+    admin.execute(AssertSqlSafe(format!("drop role if exists {role}"))).await.unwrap();
+    for (file, error) in &applied {
+        assert_eq!(error, &None, "{file} as a CREATEROLE role");
+    }
+    assert_eq!(applied.len(), idempotency_plane::migrations::MIGRATIONS.len());
+    let owners = owners.expect("the migrated database");
+    assert!(owners.len() == 5 && owners.iter().all(|(_, owner)| owner == "idempotency_owner"), "{owners:?}");
 }
