@@ -362,20 +362,24 @@ await check('an unknown scope is refused with IDEM1', async () => {
   return refusedWith('a claim under an unknown scope', result, 400, 'IDEM1');
 });
 
-await check('a response above the scope limit is refused with IDEM2 and the claim stays processing', async () => {
-  const key = `interop-large-${randomUUID()}`;
-  const largeToken = randomUUID();
-  const row = await claimOnce('idempotency_claim', oneCall(key, requestHash({ key }), largeToken));
+/** Claims a fresh key, completes it with `response`, expects the refusal `code`, and that the claim stays processing. */
+async function refusedCompletion(name, response, code) {
+  const key = `interop-refused-${randomUUID()}`;
+  const token = randomUUID();
+  const row = await claimOnce('idempotency_claim', oneCall(key, requestHash({ key }), token));
   const result = await service.rpc('idempotency_complete', {
-    p_claim_id: row.id, p_lease_token: largeToken, p_response: { text: 'x'.repeat(70_000) },
+    p_claim_id: row.id, p_lease_token: token, p_response: response,
   });
-  const refusal = refusedWith('a 70 kB response', result, 400, 'IDEM2');
+  const refusal = refusedWith(name, result, 400, code);
   const after = oneRow('idempotency_get', answered('idempotency_get', await service.rpc('idempotency_get', {
     p_organization_id: organization, p_scope: scope, p_key: key,
   })));
   expect(after.status === 'processing', 'the refused completion wrote nothing', after);
   return refusal;
-});
+}
+
+await check('a response above the scope limit is refused with IDEM2 and the claim stays processing', () =>
+  refusedCompletion('a 70 kB response', { text: 'x'.repeat(70_000) }, 'IDEM2'));
 
 await check('a null request hash is refused by name (22023) and takes over nothing', async () => {
   // PostgREST binds a JSON null to SQL NULL (the embedded server to ''):
@@ -391,21 +395,10 @@ await check('a null request hash is refused by name (22023) and takes over nothi
   return refusal;
 });
 
-await check('a response nested deeper than 64 levels is refused with IDEM3 and the claim stays processing', async () => {
-  const key = `interop-deep-${randomUUID()}`;
-  const deepToken = randomUUID();
-  const row = await claimOnce('idempotency_claim', oneCall(key, requestHash({ key }), deepToken));
+await check('a response nested deeper than 64 levels is refused with IDEM3 and the claim stays processing', () => {
   let deep = 1;
   for (let level = 0; level < 65; level += 1) deep = [deep];
-  const result = await service.rpc('idempotency_complete', {
-    p_claim_id: row.id, p_lease_token: deepToken, p_response: deep,
-  });
-  const refusal = refusedWith('a 65-level response', result, 400, 'IDEM3');
-  const after = oneRow('idempotency_get', answered('idempotency_get', await service.rpc('idempotency_get', {
-    p_organization_id: organization, p_scope: scope, p_key: key,
-  })));
-  expect(after.status === 'processing', 'the refused completion wrote nothing', after);
-  return refusal;
+  return refusedCompletion('a 65-level response', deep, 'IDEM3');
 });
 
 await check('the claim table has no endpoint that reads or writes it', async () => {
