@@ -350,10 +350,12 @@ impl IdempotencyRepository for MemoryRepository {
         if (response.is_none() && resource_id.is_none()) || (resource_id.is_some() && resource_type.is_none()) {
             return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
         }
-        if response.is_some_and(|r| journal::unstorable(r, 0, u64::MAX) == Some(crate::service::Unstorable::TooDeep)) {
+        // One walk of the response: what the database refuses it for, if anything.
+        let unstorable = response.and_then(|r| journal::unstorable(r, 0, u64::MAX));
+        if unstorable == Some(crate::service::Unstorable::TooDeep) {
             return Err(refused(FUNCTION, codes::RESPONSE_TOO_DEEP));
         }
-        if response.is_some_and(|r| journal::unstorable(r, 0, u64::MAX) == Some(crate::service::Unstorable::Nul))
+        if unstorable == Some(crate::service::Unstorable::Nul)
             || [resource_type, resource_id].iter().flatten().any(|text| text.contains('\0'))
         {
             return Err(refused(FUNCTION, "22P05"));
