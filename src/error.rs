@@ -143,6 +143,13 @@ pub enum InvalidInput {
         /// The limit.
         max: Duration,
     },
+    /// A duration that must be above zero (an effect's timeout, its
+    /// journal's deadline) is zero.
+    #[error("the {what} must be above zero")]
+    ZeroDuration {
+        /// Which duration.
+        what: &'static str,
+    },
     /// A completion with no response and no resource would replay an empty success.
     #[error("a completion must carry a response or a resource")]
     EmptyCompletion,

@@ -13,6 +13,9 @@ pub const OUTCOMES_TOTAL: &str = "idempotency_outcomes_total";
 /// Counter `{operation, scope, ending}`: completions and releases recorded,
 /// or fenced off because the lease moved on.
 pub const ENDINGS_TOTAL: &str = "idempotency_endings_total";
+/// Counter `{scope, ending}`: how the effect driver ended each effect
+/// (`journaled`, `released`, `lease_moved_on`, `left_to_lease`).
+pub const EFFECT_ENDINGS_TOTAL: &str = "idempotency_effect_endings_total";
 /// Counter `{reason}`: webhook deliveries acknowledged without processing.
 pub const WEBHOOK_DROPS_TOTAL: &str = "idempotency_webhook_drops_total";
 /// Counter: expired claims the sweeper read.
@@ -38,6 +41,11 @@ pub fn describe_metrics() {
         ENDINGS_TOTAL,
         Unit::Count,
         "Completions and releases, by operation, scope and ending (recorded, or lease_moved_on: fenced off)."
+    );
+    metrics::describe_counter!(
+        EFFECT_ENDINGS_TOTAL,
+        Unit::Count,
+        "Effects ended by the driver, by scope and ending (journaled, released, lease_moved_on, left_to_lease)."
     );
     metrics::describe_counter!(
         WEBHOOK_DROPS_TOTAL,

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tracing::{field, Instrument};
 use uuid::Uuid;
@@ -22,7 +22,8 @@ use uuid::Uuid;
 use crate::error::Error;
 use crate::repo::IdempotencyRepository;
 use crate::service::{
-    Claim, ClaimOutcome, Ending, IdempotencyService, ReadOutcome, RequestHash, ResourceRef, ResponseRef, TOOL_RETENTION,
+    Answer, Begun, Cut, Effect, EffectDriver, IdempotencyService, LeftToLease, ReadOutcome, RequestHash, ResourceRef,
+    Settle, Settled, Timing, DEFAULT_JOURNAL_DEADLINE, TOOL_RETENTION,
 };
 
 /// The longest a tool call may run: the orchestrator's step budget.
@@ -131,37 +132,7 @@ impl ToolSpec {
     }
 }
 
-/// How long after a step's first attempt its orchestrator makes the last
-/// one. A claim's lease must pass before then: a worker that died holding
-/// the claim otherwise blocks every remaining attempt, and the Run fails on
-/// a worker that died seconds after it started.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RetryHorizon(Duration);
-
-impl RetryHorizon {
-    /// The last attempt starts at least `after` the first one.
-    pub const fn until_last_attempt(after: Duration) -> Self {
-        RetryHorizon(after)
-    }
-
-    /// An orchestrator that retries a failed step `retries` times, waiting
-    /// `initial` before the first retry and doubling the wait up to
-    /// `max_delay`. Counts the least it waits: jitter only adds.
-    pub fn exponential(retries: u32, initial: Duration, max_delay: Duration) -> Self {
-        let mut delay = initial.min(max_delay);
-        let mut total = Duration::ZERO;
-        for _ in 0..retries {
-            total = total.saturating_add(delay);
-            delay = delay.saturating_mul(2).min(max_delay);
-        }
-        RetryHorizon(total)
-    }
-
-    /// The time from the first attempt to the last.
-    pub fn until_last(&self) -> Duration {
-        self.0
-    }
-}
+pub use crate::service::RetryHorizon;
 
 /// The idempotency key of one tool call, built from stable identifiers of
 /// the Run and the orchestrator step that makes the call.
@@ -283,37 +254,15 @@ impl ToolResult {
         self
     }
 
-    /// Reads back a stored answer. One written by another caller that does
-    /// not use this shape is replayed as a success whose output is the
-    /// stored response.
-    fn from_stored(response: Option<Value>, resource: Option<ResourceRef>) -> Self {
-        let mut result = match response {
-            Some(value) => serde_json::from_value::<ToolResult>(value.clone())
-                .ok()
-                .filter(|_| value.get("ok").is_some_and(Value::is_boolean))
-                .unwrap_or_else(|| ToolResult::success(value)),
-            None => ToolResult::success(Value::Null),
-        };
-        result.resource = resource;
-        result
+    /// The result a stored answer replays as. One written by another
+    /// caller in another shape is a success whose output is that answer.
+    fn from_answer(answer: Answer) -> Self {
+        ToolResult { ok: answer.ok, retryable: false, output: answer.output, error: answer.error, resource: answer.resource }
     }
 
-    /// Journals this result as `claim`'s answer: the envelope (`ok`,
-    /// `error`) always inline, the output replaced by a stand-in when the
-    /// store cannot hold it (see
-    /// [`IdempotencyService::complete_after_effect`]), so a replay of a large
-    /// business failure is still that failure.
-    async fn journal<R: IdempotencyRepository>(
-        &self,
-        service: &IdempotencyService<R>,
-        claim: &Claim,
-    ) -> Result<Ending, Error> {
-        let (ok, error) = (self.ok, self.error.clone());
-        let envelope = move |output: Value| match &error {
-            Some(error) => json!({"ok": ok, "error": error, "output": output}),
-            None => json!({"ok": ok, "output": output}),
-        };
-        service.complete_after_effect(claim, self.output.clone(), self.resource.clone(), envelope).await
+    /// The answer this result journals.
+    fn answer(&self) -> Answer {
+        Answer { ok: self.ok, error: self.error.clone(), output: self.output.clone(), resource: self.resource.clone() }
     }
 }
 
@@ -401,18 +350,47 @@ pub enum ToolError {
         /// The tool's timeout.
         timeout: Duration,
     },
+    /// The tool panicked. Its effect is unknown, so the claim is left to its
+    /// lease, like a timeout's.
+    #[error("tool call {scope}/{key} panicked")]
+    Panicked {
+        /// The scope.
+        scope: String,
+        /// The key.
+        key: String,
+    },
+    /// The tool ran, but its answer could not be journaled before the
+    /// journal's deadline. The claim is left to its lease: the step runs
+    /// again after it, reaching the vendor with the same idempotency key
+    /// (or asking the reconciler).
+    #[error("tool call {scope}/{key} ran, but its answer was not journaled: {reason}")]
+    NotJournaled {
+        /// The scope.
+        scope: String,
+        /// The key.
+        key: String,
+        /// Why.
+        #[source]
+        reason: LeftToLease,
+    },
     /// The lease margin is outside [`LEASE_MARGIN_RANGE`].
     #[error("lease margin {0:?} must be between 1 s and 5 min")]
     MarginOutOfRange(Duration),
-    /// The call's lease (timeout + margin) would still hold when the
-    /// orchestrator makes its last attempt, so a worker that died holding
-    /// the claim would fail the whole Run.
-    #[error("tool {scope}: its lease {lease:?} does not pass before the orchestrator's last attempt, {horizon:?} after the first")]
+    /// The journal deadline is outside [`LEASE_MARGIN_RANGE`].
+    #[error("journal deadline {0:?} must be between 1 s and 5 min")]
+    JournalDeadlineOutOfRange(Duration),
+    /// The call's lease (timeout + journal deadline + margin), taken after
+    /// the checkpoint's time, would still hold when the orchestrator makes
+    /// its last attempt, so a worker that died holding the claim would fail
+    /// the whole Run.
+    #[error("tool {scope}: its lease {lease:?}, claimed {spent:?} into the step, does not pass before the orchestrator's last attempt, {horizon:?} after the first")]
     LeaseOutlastsRetries {
         /// The scope.
         scope: String,
         /// The lease a call would be claimed for.
         lease: Duration,
+        /// Time the step spent before the claim (its checkpoint).
+        spent: Duration,
         /// The time until the orchestrator's last attempt.
         horizon: Duration,
     },
@@ -439,7 +417,11 @@ impl ToolError {
     /// failure. False for a conflict or a configuration error.
     pub fn is_retryable(&self) -> bool {
         match self {
-            ToolError::ClaimInFlight { .. } | ToolError::TimedOut { .. } | ToolError::ReconcileFailed { .. } => true,
+            ToolError::ClaimInFlight { .. }
+            | ToolError::TimedOut { .. }
+            | ToolError::Panicked { .. }
+            | ToolError::NotJournaled { .. }
+            | ToolError::ReconcileFailed { .. } => true,
             ToolError::Plane(error) => error.is_transient(),
             _ => false,
         }
@@ -449,20 +431,26 @@ impl ToolError {
 /// Guards tool calls with the idempotency plane.
 #[derive(Debug, Clone)]
 pub struct ToolGuard<R> {
-    service: IdempotencyService<R>,
+    driver: EffectDriver<R>,
     margin: Duration,
+    journal: Duration,
     horizon: RetryHorizon,
 }
 
 impl<R: IdempotencyRepository> ToolGuard<R> {
     /// A guard over `service` for steps that `horizon` retries, with
-    /// [`DEFAULT_LEASE_MARGIN`].
+    /// [`DEFAULT_LEASE_MARGIN`] and [`DEFAULT_JOURNAL_DEADLINE`].
     pub fn new(service: IdempotencyService<R>, horizon: RetryHorizon) -> Self {
-        ToolGuard { service, margin: DEFAULT_LEASE_MARGIN, horizon }
+        ToolGuard {
+            driver: EffectDriver::new(service),
+            margin: DEFAULT_LEASE_MARGIN,
+            journal: DEFAULT_JOURNAL_DEADLINE,
+            horizon,
+        }
     }
 
-    /// Sets the margin added to a tool's timeout to make its lease: 1 s to
-    /// 5 min.
+    /// Sets the margin added to a tool's timeout and journal deadline to
+    /// make its lease: 1 s to 5 min.
     pub fn with_lease_margin(mut self, margin: Duration) -> Result<Self, ToolError> {
         if !LEASE_MARGIN_RANGE.contains(&margin) {
             return Err(ToolError::MarginOutOfRange(margin));
@@ -471,24 +459,44 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
         Ok(self)
     }
 
-    /// The lease a call of `spec` is claimed for: its timeout plus the margin.
+    /// Sets how long journaling a call's answer may take, retries included
+    /// (default [`DEFAULT_JOURNAL_DEADLINE`]); 1 s to 5 min. It is part of
+    /// the lease.
+    pub fn with_journal_deadline(mut self, deadline: Duration) -> Result<Self, ToolError> {
+        if !LEASE_MARGIN_RANGE.contains(&deadline) {
+            return Err(ToolError::JournalDeadlineOutOfRange(deadline));
+        }
+        self.journal = deadline;
+        Ok(self)
+    }
+
+    /// The timing of a call of `spec`: its timeout, the journal deadline,
+    /// the margin.
+    fn timing(&self, spec: &ToolSpec) -> Result<Timing, ToolError> {
+        Timing::new(spec.timeout, self.journal, self.margin).map_err(|refused| ToolError::Plane(refused.into()))
+    }
+
+    /// The lease a call of `spec` is claimed for: its timeout, plus the
+    /// journal deadline, plus the margin.
     pub fn lease_for(&self, spec: &ToolSpec) -> Duration {
-        spec.timeout + self.margin
+        spec.timeout + self.journal + self.margin
     }
 
     /// Checks that a call of `spec` can run under this guard: its lease
     /// passes before the orchestrator's last attempt. Check every spec when
-    /// it is defined; [`run`](Self::run) refuses one that fails, too.
+    /// it is defined; [`run`](Self::run) refuses one that fails, too, with
+    /// the time its checkpoint took counted.
     pub fn check(&self, spec: &ToolSpec) -> Result<(), ToolError> {
-        let lease = self.lease_for(spec);
-        if lease >= self.horizon.until_last() {
-            return Err(ToolError::LeaseOutlastsRetries {
-                scope: spec.scope.clone(),
-                lease,
-                horizon: self.horizon.until_last(),
-            });
-        }
-        Ok(())
+        self.check_after(spec, Duration::ZERO)
+    }
+
+    fn check_after(&self, spec: &ToolSpec, spent: Duration) -> Result<(), ToolError> {
+        self.timing(spec)?.check(self.horizon, spent).map_err(|outlasts| ToolError::LeaseOutlastsRetries {
+            scope: spec.scope.clone(),
+            lease: outlasts.lease,
+            spent: outlasts.spent,
+            horizon: outlasts.horizon,
+        })
     }
 
     /// Runs one tool call at most once.
@@ -498,16 +506,19 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
     ///    different request under the key raises [`ToolError::Conflict`].
     ///    The checkpoint is not consulted for any of these.
     /// 2. Runs `checkpoint`; [`Checkpoint::Hold`] returns [`ToolRun::Held`]
-    ///    without taking the key.
+    ///    without taking the key. The time it took counts against the
+    ///    retry horizon ([`ToolError::LeaseOutlastsRetries`]).
     /// 3. Claims the key. A reclaimed call of a [`RepeatSafety::Reconcile`]
     ///    tool asks its reconciler first ([`ToolRun::Reconciled`]). Then runs
-    ///    `tool` with the vendor key, and completes (success, business
-    ///    failure) or releases (retryable failure).
+    ///    `tool` with the vendor key, and journals its answer (success,
+    ///    business failure) or releases (retryable failure) through the
+    ///    [`EffectDriver`].
     ///
     /// `tool` (and a reconciler) is cut off at the spec's timeout
-    /// ([`ToolError::TimedOut`]), before its lease (timeout + margin)
-    /// passes, so no other worker can reclaim the call while this one still
-    /// runs it.
+    /// ([`ToolError::TimedOut`]), and the journal at its deadline, both
+    /// before the lease (timeout + journal deadline + margin) passes, so no
+    /// other worker can reclaim the call while this one still runs or
+    /// journals it.
     pub async fn run<C, CF, T, TF>(
         &self,
         organization_id: Uuid,
@@ -530,12 +541,13 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
         );
         async move {
             self.check(spec)?;
+            let started = tokio::time::Instant::now();
             let hash = RequestHash::of_json(arguments);
             let scope = spec.scope();
-            match self.service.read(organization_id, scope, key.as_str(), &hash).await? {
+            match self.driver.service().read(organization_id, scope, key.as_str(), &hash).await? {
                 ReadOutcome::Absent => {}
                 ReadOutcome::Completed { response, resource, response_ref } => {
-                    return Ok(replayed(response, resource, response_ref))
+                    return Ok(replayed(Answer::from_stored(response, resource, response_ref)))
                 }
                 ReadOutcome::Processing { lease_expires_at } => return Err(in_flight(spec, key, lease_expires_at)),
                 ReadOutcome::Conflict => return Err(conflict(spec, key)),
@@ -544,43 +556,48 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
                 tracing::Span::current().record("outcome", "held");
                 return Ok(ToolRun::Held);
             }
-            // The lease starts when the claim's transaction does: cut the tool
-            // off a timeout after that, retries of the claim included.
-            let deadline = tokio::time::Instant::now() + spec.timeout;
-            let claimed = self.service.claim(organization_id, scope, key.as_str(), &hash, self.lease_for(spec)).await?;
-            let claim = match claimed {
-                ClaimOutcome::Claimed(claim) => claim,
-                ClaimOutcome::Completed { response, resource, response_ref } => {
-                    return Ok(replayed(response, resource, response_ref))
-                }
-                ClaimOutcome::Processing { lease_expires_at } => return Err(in_flight(spec, key, lease_expires_at)),
-                ClaimOutcome::Conflict => return Err(conflict(spec, key)),
+            self.check_after(spec, started.elapsed())?;
+            let effect =
+                Effect { organization_id, scope, key: key.as_str(), request_hash: &hash, timing: self.timing(spec)? };
+            let held = match self.driver.begin(&effect).await? {
+                Begun::Held(held) => held,
+                Begun::Replayed(answer) => return Ok(replayed(answer)),
+                Begun::InFlight { lease_expires_at } => return Err(in_flight(spec, key, lease_expires_at)),
+                Begun::Conflict => return Err(conflict(spec, key)),
             };
             let call = ToolCall {
                 vendor_key: vendor_key(organization_id, scope, key.as_str()),
-                lease_expires_at: claim.lease_expires_at(),
-                reclaimed: claim.reclaimed(),
+                lease_expires_at: held.claim().lease_expires_at(),
+                reclaimed: held.claim().reclaimed(),
             };
-            let timed_out = || {
-                tracing::Span::current().record("outcome", "timed_out");
-                ToolError::TimedOut { scope: scope.to_owned(), key: key.as_str().to_owned(), timeout: spec.timeout }
+            let cut = |cut: Cut| {
+                tracing::Span::current().record("outcome", if cut == Cut::TimedOut { "timed_out" } else { "panicked" });
+                let (scope, key) = (scope.to_owned(), key.as_str().to_owned());
+                match cut {
+                    Cut::TimedOut => ToolError::TimedOut { scope, key, timeout: spec.timeout },
+                    Cut::Panicked => ToolError::Panicked { scope, key },
+                }
             };
-            if let (true, RepeatSafety::Reconcile(reconciler)) = (claim.reclaimed(), &spec.repeat) {
-                let reconciled = tokio::time::timeout_at(deadline, reconciler(call.clone(), arguments.clone()))
-                    .await
-                    .map_err(|_| timed_out())?;
+            if let (true, RepeatSafety::Reconcile(reconciler)) = (call.reclaimed, &spec.repeat) {
+                let reconciled = match held.run(reconciler(call.clone(), arguments.clone())).await {
+                    Ok(reconciled) => reconciled,
+                    Err(why) => {
+                        let _ = held.settle(Settle::Unknown("the reconciler did not answer")).await;
+                        return Err(cut(why));
+                    }
+                };
                 match reconciled {
                     Ok(Some(mut found)) => {
                         // An effect was found: it is the answer, never a
                         // failure to retry.
                         found.retryable = false;
-                        let ending = found.journal(&self.service, &claim).await?;
-                        record_ending(ending, "reconciled");
-                        return Ok(ToolRun::Reconciled(found));
+                        let settled = held.settle(Settle::Journal(found.answer())).await;
+                        return ended(spec, key, settled, "reconciled").map(|()| ToolRun::Reconciled(found));
                     }
                     Ok(None) => tracing::info!("reconciled: the earlier attempt made no effect; executing"),
                     Err(reason) => {
                         tracing::Span::current().record("outcome", "reconcile_failed");
+                        let _ = held.settle(Settle::Unknown("the reconciler could not tell")).await;
                         return Err(ToolError::ReconcileFailed {
                             scope: scope.to_owned(),
                             key: key.as_str().to_owned(),
@@ -589,13 +606,24 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
                     }
                 }
             }
-            let result = tokio::time::timeout_at(deadline, tool(call)).await.map_err(|_| timed_out())?;
+            let result = match held.run(tool(call)).await {
+                Ok(result) => result,
+                Err(why) => {
+                    let _ = held.settle(Settle::Unknown("the tool did not return")).await;
+                    return Err(cut(why));
+                }
+            };
             if result.retryable {
-                let ending = self.service.release(&claim).await?;
-                record_ending(ending, "released");
+                // No effect, and no other attempt was answered on the
+                // strength of this claim (they raise ClaimInFlight).
+                let settled = held.settle(Settle::Release).await;
+                if let Settled::LeftToLease(why) = &settled {
+                    tracing::warn!(reason = %why, "the retryable failure's release did not land; the claim frees itself when its lease passes");
+                }
+                record_ending(&settled, "released");
             } else {
-                let ending = result.journal(&self.service, &claim).await?;
-                record_ending(ending, "completed");
+                let settled = held.settle(Settle::Journal(result.answer())).await;
+                ended(spec, key, settled, "completed")?;
             }
             Ok(ToolRun::Executed(result))
         }
@@ -604,14 +632,28 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
     }
 }
 
+/// How a journaled ending ended for the caller: an answer that could not be
+/// journaled raises [`ToolError::NotJournaled`], so the step is run again
+/// (after the lease, with the same vendor key).
+fn ended(spec: &ToolSpec, key: &ToolKey, settled: Settled, done: &'static str) -> Result<(), ToolError> {
+    record_ending(&settled, done);
+    match settled {
+        Settled::LeftToLease(reason) => Err(ToolError::NotJournaled {
+            scope: spec.scope().to_owned(),
+            key: key.as_str().to_owned(),
+            reason,
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// A replay of the stored answer (a response above the store limit replays
 /// as its reference), marked on the `tool.call` span.
-fn replayed(response: Option<Value>, resource: Option<ResourceRef>, response_ref: Option<ResponseRef>) -> ToolRun {
+fn replayed(answer: Answer) -> ToolRun {
     let span = tracing::Span::current();
     span.record("outcome", "replayed");
     span.record("replayed", true);
-    let response = response.or_else(|| response_ref.map(|r| r.to_stored()));
-    ToolRun::Replayed(ToolResult::from_stored(response, resource))
+    ToolRun::Replayed(ToolResult::from_answer(answer))
 }
 
 /// A live claim elsewhere: raised, never a result.
@@ -627,10 +669,18 @@ fn conflict(spec: &ToolSpec, key: &ToolKey) -> ToolError {
 }
 
 /// Records how an executed call ended on the `tool.call` span: `outcome` is
-/// `done` (completed, released, reconciled) unless the lease moved on.
-fn record_ending(ending: Ending, done: &'static str) {
+/// `done` (completed, released, reconciled) unless the lease moved on or the
+/// ending was left to the lease.
+fn record_ending(settled: &Settled, done: &'static str) {
     let span = tracing::Span::current();
-    span.record("outcome", if ending == Ending::LeaseMovedOn { "lease_moved_on" } else { done });
+    span.record(
+        "outcome",
+        match settled {
+            Settled::LeaseMovedOn => "lease_moved_on",
+            Settled::LeftToLease(_) => "left_to_lease",
+            Settled::Journaled { .. } | Settled::Released => done,
+        },
+    );
     span.record("replayed", false);
 }
 
@@ -660,7 +710,7 @@ mod tests {
         ToolGuard::new(IdempotencyService::new(crate::PostgrestRepository::new(client)), horizon)
     }
 
-    const TEN_MINUTES: RetryHorizon = RetryHorizon(Duration::from_secs(600));
+    const TEN_MINUTES: RetryHorizon = RetryHorizon::until_last_attempt(Duration::from_secs(600));
 
     #[test]
     fn a_tool_spec_refuses_timeouts_above_the_step_budget_and_non_tool_scopes() {
@@ -683,7 +733,11 @@ mod tests {
             Err(ToolError::MarginOutOfRange(_))
         ));
         let guard = guard(TEN_MINUTES).with_lease_margin(Duration::from_secs(7)).unwrap();
-        assert_eq!(guard.lease_for(&spec("tool.x", Duration::from_secs(3)).unwrap()), Duration::from_secs(10));
+        assert_eq!(
+            guard.lease_for(&spec("tool.x", Duration::from_secs(3)).unwrap()),
+            Duration::from_secs(3 + 10 + 7),
+            "timeout + journal deadline + margin"
+        );
     }
 
     #[test]
@@ -692,7 +746,11 @@ mod tests {
         // last attempt comes 1 + 2 + 4 + 8 = 15 s after the first.
         let horizon = RetryHorizon::exponential(4, Duration::from_secs(1), Duration::from_secs(60));
         assert_eq!(horizon.until_last(), Duration::from_secs(15));
-        let guard = guard(horizon).with_lease_margin(Duration::from_secs(5)).unwrap();
+        let guard = guard(horizon)
+            .with_lease_margin(Duration::from_secs(4))
+            .unwrap()
+            .with_journal_deadline(Duration::from_secs(1))
+            .unwrap();
         assert!(guard.check(&spec("tool.x", Duration::from_secs(9)).unwrap()).is_ok(), "lease 14 s < 15 s");
         let refused = guard.check(&spec("tool.x", Duration::from_secs(10)).unwrap());
         assert!(
@@ -767,13 +825,13 @@ mod tests {
         let failure = ToolResult::business_failure("not_found", json!({"id": 7}));
         let stored = serde_json::to_value(&failure).unwrap();
         assert_eq!(stored, json!({"ok": false, "output": {"id": 7}, "error": "not_found"}));
-        assert_eq!(ToolResult::from_stored(Some(stored), None), failure);
+        assert_eq!(ToolResult::from_answer(Answer::from_stored(Some(stored), None, None)), failure);
         // An answer stored by another caller replays as a success.
-        let foreign = ToolResult::from_stored(Some(json!({"message_id": "m"})), None);
+        let foreign = ToolResult::from_answer(Answer::from_stored(Some(json!({"message_id": "m"})), None, None));
         assert!(foreign.ok);
         assert_eq!(foreign.output, json!({"message_id": "m"}));
         // A foreign failure without an output is still a failure.
-        let failed = ToolResult::from_stored(Some(json!({"ok": false, "error": "not_found"})), None);
+        let failed = ToolResult::from_answer(Answer::from_stored(Some(json!({"ok": false, "error": "not_found"})), None, None));
         assert!(!failed.ok);
         assert_eq!(failed.error.as_deref(), Some("not_found"));
     }

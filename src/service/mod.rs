@@ -7,11 +7,14 @@
 //! included); the service checks the answer is the one it asked for. The
 //! request hash is compared before anything else, whatever the lease says.
 
+mod answer;
+mod driver;
 mod hash;
 pub(crate) mod journal;
 mod outcome;
 mod replay_cache;
 pub(crate) mod scope;
+mod timing;
 pub(crate) mod validate;
 
 use std::time::Duration;
@@ -24,12 +27,15 @@ use crate::repo::{
     ClaimCall, ClaimDecision, ClaimRow, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository,
 };
 
+pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
+pub use driver::{Begun, Cut, Effect, EffectDriver, Held, LeftToLease, Settle, Settled};
 pub use hash::{canonical_json, RequestHash};
 pub use journal::{Elided, Unstorable, MAX_POLICY_RESPONSE_BYTES, MAX_RESPONSE_DEPTH};
 pub use outcome::{
     Claim, ClaimOutcome, Completion, Ending, ReadOutcome, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS,
     MAX_RESOURCE_TYPE_CHARS,
 };
+pub use timing::{LeaseOutlastsRetries, RetryHorizon, Timing, DEFAULT_JOURNAL_DEADLINE};
 pub use scope::{DAY, MAX_SCOPE_CHARS, TOOL_RETENTION, WEBHOOK_RETENTION};
 pub(crate) use validate::key as validate_key;
 pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};

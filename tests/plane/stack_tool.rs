@@ -166,7 +166,7 @@ async fn a_crashed_workers_tool_claim_is_reclaimed_and_the_run_continues() {
 }
 
 #[tokio::test]
-async fn the_lease_is_the_tools_timeout_plus_the_margin() {
+async fn the_lease_is_the_tools_timeout_plus_the_journal_deadline_plus_the_margin() {
     let stack = stack().await;
     let guard = guard(&stack).with_lease_margin(Duration::from_secs(7)).unwrap();
     let spec = ToolSpec::new("tool.crm.company.create", Duration::from_secs(120), RepeatSafety::VendorKey).unwrap();
@@ -174,7 +174,7 @@ async fn the_lease_is_the_tools_timeout_plus_the_margin() {
     let stack_ref = &stack;
     guard
         .run(org, &spec, &key, &json!({}), allow, |_| async move {
-            assert_eq!(stored_lease_ms(stack_ref).await, 127_000.0);
+            assert_eq!(stored_lease_ms(stack_ref).await, 137_000.0, "120 s + 10 s journal deadline + 7 s");
             ToolResult::success(json!({"id": "c-1"})).with_resource("crm.company", "c-1")
         })
         .await
@@ -246,7 +246,7 @@ async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry() 
             .await
     })
     .await;
-    assert!(died.is_err_and(|e| e.is_panic()));
+    assert!(matches!(died, Ok(Err(ToolError::Panicked { .. }))), "{died:?}");
     let row: (String,) =
         sqlx::query_as("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
     assert_eq!(row.0, "processing", "the dead worker left its claim");
@@ -387,7 +387,7 @@ async fn a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_
 }
 
 #[tokio::test]
-async fn a_tool_output_holding_nul_is_journaled_and_the_next_attempt_replays_without_a_second_vendor_call() {
+async fn a_tool_output_holding_nul_is_journaled_whole_and_the_next_attempt_replays_it_without_a_second_vendor_call() {
     let stack = stack().await;
     let guard = guard(&stack);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "fetch"), json!({"url": "https://x"}));
@@ -407,10 +407,7 @@ async fn a_tool_output_holding_nul_is_journaled_and_the_next_attempt_replays_wit
     let again = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
     let ToolRun::Replayed(replayed) = again else { panic!("expected a replay, got {again:?}") };
     assert!(replayed.ok);
-    let elided = Elided::from_stored(&replayed.output).expect("the output is journaled as a summary");
-    assert_eq!(elided.reason, "nul");
-    let original = serde_json::to_vec(&json!({"body": "PK\u{0}\u{3}\u{4}", "status": 200})).unwrap();
-    assert_eq!(elided.sha256.as_deref(), Some(hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&original)).as_str()));
+    assert_eq!(replayed.output, json!({"body": "PK\u{0}\u{3}\u{4}", "status": 200}), "replayed as it was, NUL included");
     assert_eq!(vendor_calls.load(Ordering::SeqCst), 1, "no second vendor call");
     stack.stop().await.unwrap();
 }

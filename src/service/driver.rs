@@ -1,0 +1,361 @@
+//! The one road from claim to journal that every caller takes: the tool
+//! guard, the webhook gate, the saved-search start and the
+//! `Idempotency-Key` layer are front doors over it.
+//!
+//! [`EffectDriver::begin`] claims (or answers the stored answer, a live
+//! claim elsewhere, a conflict); [`Held::run`] runs the effect, cut at its
+//! timeout; [`Held::settle`] ends it. An effect has exactly three endings,
+//! and the rules for each live here and nowhere else:
+//!
+//! - [`Settle::Journal`]: success or business failure, stored so that a
+//!   replay is indistinguishable from the first answer, whatever its size
+//!   or bytes (see [`Answer`]). A database refusal of the answer falls back
+//!   to a reference to the effect's resource, never to a bare summary.
+//! - [`Settle::Release`]: only when the caller knows no effect happened
+//!   *and* no success can have been answered to anyone on the strength of
+//!   this claim. The next attempt runs the effect.
+//! - [`Settle::Unknown`]: the outcome is unknown (a timeout, a panic, a lost
+//!   vendor answer). Nothing is written; the claim is left to its lease, the
+//!   next attempt after it reclaims, and the vendor key or the reconciler
+//!   decides whether the effect happened.
+//!
+//! The lease is the effect's timeout plus the journal's deadline plus a
+//! margin ([`Timing`]). The journal (and a release) is cut at its deadline,
+//! which ends before the lease does, and retried within it on transient
+//! failures: a slow journal lands while the key is still ours, and once the
+//! deadline passes this worker writes nothing more.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::time::Instant;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::repo::IdempotencyRepository;
+
+use super::answer::{self, Answer};
+use super::journal::Unstorable;
+use super::outcome::{Claim, ClaimOutcome, Completion, Ending};
+use super::timing::Timing;
+use super::{IdempotencyService, RequestHash};
+
+/// The first wait between two attempts of an ending; doubled each time, up
+/// to [`MAX_ENDING_BACKOFF`].
+const FIRST_ENDING_BACKOFF: Duration = Duration::from_millis(50);
+
+/// The longest wait between two attempts of an ending.
+const MAX_ENDING_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Drives effects through claim → run → journal. Cheap to clone.
+#[derive(Debug)]
+pub struct EffectDriver<R> {
+    service: Arc<IdempotencyService<R>>,
+}
+
+impl<R> Clone for EffectDriver<R> {
+    fn clone(&self) -> Self {
+        EffectDriver { service: self.service.clone() }
+    }
+}
+
+/// One effect to drive: the key it is claimed under, and its timing.
+#[derive(Debug, Clone, Copy)]
+pub struct Effect<'a> {
+    /// The tenant.
+    pub organization_id: Uuid,
+    /// The scope; one the policy table names.
+    pub scope: &'a str,
+    /// The idempotency key within the scope.
+    pub key: &'a str,
+    /// The request's hash.
+    pub request_hash: &'a RequestHash,
+    /// The effect's timeout, its journal's deadline, and the lease they make.
+    pub timing: Timing,
+}
+
+/// What [`EffectDriver::begin`] found.
+#[derive(Debug)]
+#[must_use = "a held claim must be settled, and a live claim elsewhere is not a value"]
+pub enum Begun<R> {
+    /// The key is ours: run the effect, then settle.
+    Held(Held<R>),
+    /// An earlier attempt's answer: replay it.
+    Replayed(Answer),
+    /// Another worker holds a live lease: the effect may be in flight.
+    InFlight {
+        /// When that lease passes, by the database clock.
+        lease_expires_at: chrono::DateTime<chrono::Utc>,
+    },
+    /// The key answers for a different request.
+    Conflict,
+}
+
+/// A claim this worker holds, with the deadlines its effect and its ending
+/// must keep. Settle it exactly once.
+#[derive(Debug)]
+pub struct Held<R> {
+    service: Arc<IdempotencyService<R>>,
+    claim: Claim,
+    effect_deadline: Instant,
+    ending_deadline: Instant,
+}
+
+/// How a caller ends an effect: one of exactly three endings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Settle {
+    /// Success or business failure: journal it, so every repeat replays it.
+    Journal(Answer),
+    /// No effect happened, and no success was answered on the strength of
+    /// this claim: delete it so the next attempt runs.
+    Release,
+    /// The outcome is unknown: write nothing and leave the claim to its
+    /// lease. The reason is logged.
+    Unknown(&'static str),
+}
+
+/// Why an effect did not return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Cut {
+    /// It did not return within its timeout.
+    #[error("the effect did not return within its timeout")]
+    TimedOut,
+    /// It panicked.
+    #[error("the effect panicked")]
+    Panicked,
+}
+
+/// How [`Held::settle`] ended.
+#[derive(Debug)]
+#[must_use]
+pub enum Settled {
+    /// The answer is in the journal; every repeat replays it. `stand_in`
+    /// says why part of it went by reference or summary, if any did.
+    Journaled {
+        /// Why a stand-in was stored, if one was.
+        stand_in: Option<Unstorable>,
+    },
+    /// The claim was deleted; the next attempt runs the effect.
+    Released,
+    /// Our lease had moved on: another worker holds the key and its ending
+    /// is the one that counts. Nothing more to do.
+    LeaseMovedOn,
+    /// Nothing was written: the claim is left to its lease.
+    LeftToLease(LeftToLease),
+}
+
+/// Why a claim was left to its lease.
+#[derive(Debug, thiserror::Error)]
+pub enum LeftToLease {
+    /// The caller does not know whether the effect happened.
+    #[error("the effect's outcome is unknown: {0}")]
+    OutcomeUnknown(&'static str),
+    /// The ending did not land before its deadline.
+    #[error("the {ending} did not land before its deadline")]
+    Deadline {
+        /// `journal` or `release`.
+        ending: &'static str,
+    },
+    /// The ending failed for good, or kept failing until its deadline.
+    #[error("the {ending} failed: {error}")]
+    Failed {
+        /// `journal` or `release`.
+        ending: &'static str,
+        /// The last failure.
+        #[source]
+        error: Error,
+    },
+}
+
+impl Settled {
+    /// True when a repeat will find this worker's answer (journaled).
+    pub fn is_journaled(&self) -> bool {
+        matches!(self, Settled::Journaled { .. })
+    }
+
+    /// The ending's name, as logged and counted: `journaled`, `released`,
+    /// `lease_moved_on`, `left_to_lease`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Settled::Journaled { .. } => "journaled",
+            Settled::Released => "released",
+            Settled::LeaseMovedOn => "lease_moved_on",
+            Settled::LeftToLease(_) => "left_to_lease",
+        }
+    }
+}
+
+impl<R: IdempotencyRepository> EffectDriver<R> {
+    /// A driver over `service`.
+    pub fn new(service: IdempotencyService<R>) -> Self {
+        EffectDriver { service: Arc::new(service) }
+    }
+
+    /// A driver over a service shared with other callers.
+    pub fn shared(service: Arc<IdempotencyService<R>>) -> Self {
+        EffectDriver { service }
+    }
+
+    /// The service underneath.
+    pub fn service(&self) -> &IdempotencyService<R> {
+        &self.service
+    }
+
+    /// Claims `effect`'s key for its lease, or answers why not. The
+    /// effect's timeout and its ending's deadline count from now, before
+    /// the claim's request: the database stamps the lease later, so both
+    /// end before it does.
+    pub async fn begin(&self, effect: &Effect<'_>) -> Result<Begun<R>, Error> {
+        let start = Instant::now();
+        let timing = effect.timing;
+        let claimed = self
+            .service
+            .claim(effect.organization_id, effect.scope, effect.key, effect.request_hash, timing.lease())
+            .await?;
+        Ok(match claimed {
+            ClaimOutcome::Claimed(claim) => Begun::Held(Held {
+                service: self.service.clone(),
+                claim,
+                effect_deadline: start + timing.effect(),
+                ending_deadline: start + timing.effect() + timing.journal(),
+            }),
+            ClaimOutcome::Completed { response, resource, response_ref } => {
+                Begun::Replayed(Answer::from_stored(response, resource, response_ref))
+            }
+            ClaimOutcome::Processing { lease_expires_at } => Begun::InFlight { lease_expires_at },
+            ClaimOutcome::Conflict => Begun::Conflict,
+        })
+    }
+}
+
+impl<R: IdempotencyRepository> Held<R> {
+    /// The claim: its key (for the vendor), whether it was reclaimed.
+    pub fn claim(&self) -> &Claim {
+        &self.claim
+    }
+
+    /// When the effect is cut.
+    pub fn effect_deadline(&self) -> Instant {
+        self.effect_deadline
+    }
+
+    /// When this worker stops trying to write the ending; before the lease passes.
+    pub fn ending_deadline(&self) -> Instant {
+        self.ending_deadline
+    }
+
+    /// Runs `effect`, cut at its timeout; a panic is caught and reported.
+    /// Either cut leaves the outcome unknown, unless the caller knows
+    /// better (settle with [`Settle::Unknown`] by default).
+    pub async fn run<T>(&self, effect: impl Future<Output = T>) -> Result<T, Cut> {
+        match tokio::time::timeout_at(self.effect_deadline, AssertUnwindSafe(effect).catch_unwind()).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(_panic)) => Err(Cut::Panicked),
+            Err(_elapsed) => Err(Cut::TimedOut),
+        }
+    }
+
+    /// Ends the effect the way `settle` says, within the ending's deadline.
+    pub async fn settle(self, settle: Settle) -> Settled {
+        let span = tracing::info_span!(
+            "idempotency.settle",
+            organization_id = %self.claim.organization_id, scope = %self.claim.scope, key = %self.claim.key,
+            claim_id = %self.claim.id, ending = tracing::field::Empty, stand_in = tracing::field::Empty
+        );
+        async move {
+            let settled = match settle {
+                Settle::Journal(answer) => self.journal(&answer).await,
+                Settle::Release => self.release().await,
+                Settle::Unknown(reason) => Settled::LeftToLease(LeftToLease::OutcomeUnknown(reason)),
+            };
+            record(&self.claim.scope, &settled);
+            settled
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Journals `answer` in its stored form; once more with the output by
+    /// reference when the database refuses the full form.
+    async fn journal(&self, answer: &Answer) -> Settled {
+        let limit = self.service.response_limit();
+        let mut refused = false;
+        let mut backoff = FIRST_ENDING_BACKOFF;
+        loop {
+            let stored = answer::store(answer, limit, refused);
+            let completion = Completion { response: Some(stored.response), resource: stored.resource };
+            let attempt = tokio::time::timeout_at(self.ending_deadline, self.service.complete(&self.claim, completion));
+            let error = match attempt.await {
+                Ok(Ok(Ending::Recorded)) => return Settled::Journaled { stand_in: stored.stand_in },
+                Ok(Ok(Ending::LeaseMovedOn)) => return Settled::LeaseMovedOn,
+                Err(_elapsed) => return Settled::LeftToLease(LeftToLease::Deadline { ending: "journal" }),
+                Ok(Err(error)) => error,
+            };
+            if error.is_unstorable_answer() && !refused {
+                tracing::warn!(%error, "the store refused the answer; journaling its output by reference");
+                refused = true;
+                continue;
+            }
+            if !self.wait_to_retry(&error, &mut backoff).await {
+                return Settled::LeftToLease(LeftToLease::Failed { ending: "journal", error });
+            }
+        }
+    }
+
+    /// Deletes the claim, retrying transient failures within the deadline.
+    async fn release(&self) -> Settled {
+        let mut backoff = FIRST_ENDING_BACKOFF;
+        loop {
+            let attempt = tokio::time::timeout_at(self.ending_deadline, self.service.release(&self.claim));
+            let error = match attempt.await {
+                Ok(Ok(Ending::Recorded)) => return Settled::Released,
+                Ok(Ok(Ending::LeaseMovedOn)) => return Settled::LeaseMovedOn,
+                Err(_elapsed) => return Settled::LeftToLease(LeftToLease::Deadline { ending: "release" }),
+                Ok(Err(error)) => error,
+            };
+            if !self.wait_to_retry(&error, &mut backoff).await {
+                return Settled::LeftToLease(LeftToLease::Failed { ending: "release", error });
+            }
+        }
+    }
+
+    /// Waits before another attempt of an ending that failed with `error`:
+    /// false when it is not transient or no attempt fits before the deadline.
+    async fn wait_to_retry(&self, error: &Error, backoff: &mut Duration) -> bool {
+        if !error.is_transient() || Instant::now() + *backoff >= self.ending_deadline {
+            return false;
+        }
+        tracing::info!(%error, backoff_ms = backoff.as_millis() as u64, "the ending failed; trying again within its deadline");
+        tokio::time::sleep(*backoff).await;
+        *backoff = (*backoff * 2).min(MAX_ENDING_BACKOFF);
+        true
+    }
+}
+
+/// Records how an effect ended on the span, in the log and in
+/// `idempotency_effect_endings_total{scope, ending}`.
+fn record(scope: &str, settled: &Settled) {
+    let span = tracing::Span::current();
+    span.record("ending", settled.as_str());
+    match settled {
+        Settled::Journaled { stand_in: Some(reason) } => {
+            span.record("stand_in", reason.as_str());
+            tracing::warn!(stand_in = reason.as_str(), "journaled with part of the answer by reference or summary");
+        }
+        Settled::Journaled { stand_in: None } | Settled::Released => {}
+        Settled::LeaseMovedOn => tracing::warn!("the lease moved on before the ending landed; another worker holds the key"),
+        Settled::LeftToLease(why) => {
+            tracing::warn!(reason = %why, "nothing written; the claim is left to its lease and the next attempt after it reclaims")
+        }
+    }
+    metrics::counter!(
+        crate::telemetry::EFFECT_ENDINGS_TOTAL,
+        "scope" => scope.to_owned(),
+        "ending" => settled.as_str()
+    )
+    .increment(1);
+}

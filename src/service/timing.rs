@@ -1,0 +1,150 @@
+//! How long an effect may run, how long its ending may take, and the lease
+//! that covers both; and the caller's retry horizon the lease must pass
+//! before.
+
+use std::time::Duration;
+
+use crate::error::InvalidInput;
+
+use super::validate;
+
+/// How long writing an effect's ending (journal or release) may take unless
+/// set otherwise: 10 s, retries included. It is part of the lease, so a slow
+/// journal still lands while the key is ours.
+pub const DEFAULT_JOURNAL_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The three parts of an effect's lease: the effect's own timeout, the
+/// deadline of the journal (or release) that ends it, and a margin.
+///
+/// An effect is cut at its timeout and its ending at the journal deadline,
+/// both counted from just before the claim, whose lease the database stamps
+/// later. So the lease (their sum plus the margin) passes only after this
+/// worker stopped writing: no other worker can reclaim a key while its
+/// holder still runs the effect or journals its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timing {
+    effect: Duration,
+    journal: Duration,
+    margin: Duration,
+}
+
+impl Timing {
+    /// Refused unless `effect` and `journal` are above zero and the lease
+    /// they make with `margin` is one the store accepts
+    /// ([`MIN_LEASE`](super::MIN_LEASE) to [`MAX_LEASE`](super::MAX_LEASE)).
+    pub fn new(effect: Duration, journal: Duration, margin: Duration) -> Result<Self, InvalidInput> {
+        for (what, value) in [("effect timeout", effect), ("journal deadline", journal)] {
+            if value.is_zero() {
+                return Err(InvalidInput::ZeroDuration { what });
+            }
+        }
+        validate::lease(effect.saturating_add(journal).saturating_add(margin))?;
+        Ok(Timing { effect, journal, margin })
+    }
+
+    /// How long the effect may run.
+    pub fn effect(&self) -> Duration {
+        self.effect
+    }
+
+    /// How long its ending may take.
+    pub fn journal(&self) -> Duration {
+        self.journal
+    }
+
+    /// What the lease adds beyond both.
+    pub fn margin(&self) -> Duration {
+        self.margin
+    }
+
+    /// The lease: effect + journal + margin.
+    pub fn lease(&self) -> Duration {
+        self.effect + self.journal + self.margin
+    }
+
+    /// Checks that a claim made `spent` after the caller's first attempt
+    /// (the time its checkpoints took) passes its lease before `horizon`'s
+    /// last attempt: a worker that died holding the claim otherwise blocks
+    /// every attempt left.
+    pub fn check(&self, horizon: RetryHorizon, spent: Duration) -> Result<(), LeaseOutlastsRetries> {
+        let lease = self.lease();
+        if spent.saturating_add(lease) >= horizon.until_last() {
+            return Err(LeaseOutlastsRetries { lease, spent, horizon: horizon.until_last() });
+        }
+        Ok(())
+    }
+}
+
+/// A lease that would still hold at the caller's last retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the lease {lease:?}, claimed {spent:?} after the first attempt, does not pass before the last retry, {horizon:?} after it")]
+pub struct LeaseOutlastsRetries {
+    /// The lease a claim would be made for.
+    pub lease: Duration,
+    /// Time spent before the claim (checkpoints).
+    pub spent: Duration,
+    /// The time from the first attempt to the last.
+    pub horizon: Duration,
+}
+
+/// How long after its first attempt a caller's retrier (an orchestrator,
+/// a scheduler, a webhook vendor) makes the last one. A claim's lease must
+/// pass before then: a worker that died holding the claim otherwise blocks
+/// every remaining attempt, and the work fails on a worker that died
+/// seconds after it started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryHorizon(Duration);
+
+impl RetryHorizon {
+    /// The last attempt starts at least `after` the first one.
+    pub const fn until_last_attempt(after: Duration) -> Self {
+        RetryHorizon(after)
+    }
+
+    /// An orchestrator that retries a failed step `retries` times, waiting
+    /// `initial` before the first retry and doubling the wait up to
+    /// `max_delay`. Counts the least it waits: jitter only adds.
+    pub fn exponential(retries: u32, initial: Duration, max_delay: Duration) -> Self {
+        let mut delay = initial.min(max_delay);
+        let mut total = Duration::ZERO;
+        for _ in 0..retries {
+            total = total.saturating_add(delay);
+            delay = delay.saturating_mul(2).min(max_delay);
+        }
+        RetryHorizon(total)
+    }
+
+    /// The time from the first attempt to the last.
+    pub fn until_last(&self) -> Duration {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    #[test]
+    fn the_lease_covers_effect_journal_and_margin_and_is_bounded() {
+        let timing = Timing::new(S(20), S(10), S(5)).unwrap();
+        assert_eq!(timing.lease(), S(35));
+        assert_eq!(Timing::new(Duration::ZERO, S(1), S(1)), Err(InvalidInput::ZeroDuration { what: "effect timeout" }));
+        assert_eq!(Timing::new(S(1), Duration::ZERO, S(1)), Err(InvalidInput::ZeroDuration { what: "journal deadline" }));
+        assert!(matches!(Timing::new(S(86_400), S(1), S(0)), Err(InvalidInput::LeaseTooLong { .. })));
+    }
+
+    #[test]
+    fn time_spent_before_the_claim_counts_against_the_horizon() {
+        let timing = Timing::new(S(5), S(5), S(2)).unwrap();
+        let horizon = RetryHorizon::until_last_attempt(S(20));
+        assert!(timing.check(horizon, Duration::ZERO).is_ok());
+        assert_eq!(
+            timing.check(horizon, S(8)),
+            Err(LeaseOutlastsRetries { lease: S(12), spent: S(8), horizon: S(20) }),
+            "12 s of lease from 8 s in reaches the last attempt"
+        );
+        assert_eq!(RetryHorizon::exponential(4, S(1), S(60)).until_last(), S(15));
+    }
+}
