@@ -51,7 +51,7 @@ impl Error {
     ///
     /// | completion failed with | it is | the caller |
     /// |---|---|---|
-    /// | an answer refused before sending ([`InvalidInput`]: NUL, nesting, size, an empty or bad resource, an empty completion) | the caller's data | journals a stand-in ([`IdempotencyService::complete_after_effect`](crate::IdempotencyService::complete_after_effect)) |
+    /// | an answer refused before sending ([`InvalidInput`]: NUL, nesting, size, an empty or bad resource, an empty completion) | the caller's data | journals a stand-in (the [`EffectDriver`](crate::service::EffectDriver) does) |
     /// | a refusal by the database of the data (SQLSTATE class `22` data exception, `23` check, `54` program limit; `IDEM2` above the scope's response limit, `IDEM3` nested too deep) | the caller's data | journals a stand-in |
     /// | anything else: unreachable, timed out, a lock timeout, a 5xx | the plane's availability | releases if no effect happened; otherwise leaves the claim to its lease, whose passing makes it reclaimable |
     pub fn is_unstorable_answer(&self) -> bool {

@@ -88,7 +88,11 @@ where
         delivery_id: &delivery_id,
         body: &body,
     };
-    let ack = route.gate.handle_provider_callback(callback, |job| (route.process)(job, body.clone())).await;
+    let process = {
+        let (route, body) = (route.clone(), body.clone());
+        move |job| (route.process)(job, body.clone())
+    };
+    let ack = route.gate.handle_provider_callback(callback, process).await;
     ack_response(&ack)
 }
 
@@ -101,6 +105,7 @@ pub fn ack_response(ack: &Ack) -> Response {
     let status = StatusCode::from_u16(ack.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
     let body = match ack {
         Ack::Processed => json!({"ack": "processed"}),
+        Ack::Accepted => json!({"ack": "accepted"}),
         Ack::Dropped(reason) => json!({"ack": "dropped", "drop_reason": reason.as_str()}),
         Ack::Retry(_) => json!({"ack": "retry"}),
     };

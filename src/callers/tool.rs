@@ -257,7 +257,13 @@ impl ToolResult {
     /// The result a stored answer replays as. One written by another
     /// caller in another shape is a success whose output is that answer.
     fn from_answer(answer: Answer) -> Self {
-        ToolResult { ok: answer.ok, retryable: false, output: answer.output, error: answer.error, resource: answer.resource }
+        ToolResult {
+            ok: answer.ok,
+            retryable: false,
+            output: answer.output,
+            error: answer.error,
+            resource: answer.resource,
+        }
     }
 
     /// The answer this result journals.
@@ -371,7 +377,7 @@ pub enum ToolError {
         key: String,
         /// Why.
         #[source]
-        reason: LeftToLease,
+        reason: Box<LeftToLease>,
     },
     /// The lease margin is outside [`LEASE_MARGIN_RANGE`].
     #[error("lease margin {0:?} must be between 1 s and 5 min")]
@@ -641,7 +647,7 @@ fn ended(spec: &ToolSpec, key: &ToolKey, settled: Settled, done: &'static str) -
         Settled::LeftToLease(reason) => Err(ToolError::NotJournaled {
             scope: spec.scope().to_owned(),
             key: key.as_str().to_owned(),
-            reason,
+            reason: Box::new(reason),
         }),
         _ => Ok(()),
     }
@@ -831,7 +837,8 @@ mod tests {
         assert!(foreign.ok);
         assert_eq!(foreign.output, json!({"message_id": "m"}));
         // A foreign failure without an output is still a failure.
-        let failed = ToolResult::from_answer(Answer::from_stored(Some(json!({"ok": false, "error": "not_found"})), None, None));
+        let failed =
+            ToolResult::from_answer(Answer::from_stored(Some(json!({"ok": false, "error": "not_found"})), None, None));
         assert!(!failed.ok);
         assert_eq!(failed.error.as_deref(), Some("not_found"));
     }

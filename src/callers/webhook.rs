@@ -3,37 +3,56 @@
 //! A webhook handler is the outermost frame, and a 5xx tells the vendor that
 //! a delivery which succeeded failed (Slack disables a subscription that
 //! answers 5xx often enough). So every duplicate ending is an ACK with a
-//! counted, logged drop reason; none is silent. Only two things are not
-//! ACKed, because nothing was done and the vendor's redelivery is wanted: a
-//! processing failure that made no effect, and a plane that could not be
-//! reached. Processing that panics or overruns its timeout is released and
-//! not ACKed either: at this boundary a redelivery is better than a loss, so
-//! processing must tolerate running again after one of those.
+//! counted, logged drop reason; none is silent.
 //!
-//! The whole gate call answers within its deadline (default
-//! [`DEFAULT_GATE_DEADLINE`], 2.5 s, inside Slack's 3 s ACK window): the
-//! claim and the processing must be done by the deadline less an
-//! [ending reserve](WebhookGate::with_deadline), and the completion or
-//! release gets what is left. A claim cut by the deadline answers 503 (the
-//! plane could not decide); processing cut by it is released and answers
-//! 503, like an overrun; a completion cut by it still ACKs, since the
-//! processing happened. The deadline cuts the wait, never the call: the
-//! claim and the endings run as tasks of their own, so a completion lands
-//! after the answer, and a claim made after the gate stopped waiting is
-//! released once it answers (else the vendor's redelivery would meet it and
-//! be dropped as a duplicate of a delivery nobody processes). Changing
-//! from a gate without a deadline: processing longer than about 2 s now
-//! answers 503 unless the gate is given `with_deadline` or
-//! `without_deadline`.
+//! **The invariant.** Once any delivery of an event has been answered 2xx
+//! (processed, or dropped as a duplicate of a claim that is in flight or
+//! done), the event is processed to completion exactly once, or its failure
+//! is journaled and counted as a drop reason ([`DropReason::ProcessingFailed`],
+//! [`DropReason::ProcessingAborted`]); it is never silently lost. A
+//! redelivery that meets a live claim is ACKed as a duplicate, as the spec
+//! says, so the gate never gives up a claim it holds: it never releases one.
+//! It carries the event to a journaled ending itself:
+//!
+//! - processing runs to its own timeout (default
+//!   [`DEFAULT_PROCESSING_TIMEOUT`]), never cut by the answer's deadline; a
+//!   retryable failure is retried in process, with backoff, within that
+//!   timeout; what still fails at the end is journaled as a failure;
+//! - the answer leaves within the gate's deadline (default
+//!   [`DEFAULT_GATE_DEADLINE`], 2.5 s, inside Slack's 3 s window): processing
+//!   still running then is answered [`Ack::Accepted`] (200) and finished in
+//!   the background, so slow-but-successful processing runs once and is not
+//!   restarted on every redelivery;
+//! - a claim that does not answer within the deadline is answered 503 (the
+//!   plane could not decide), and the gate keeps asking with the same lease
+//!   token in the background: if the database did make the claim, the gate
+//!   processes the event, so the vendor's redelivery, which meets that claim
+//!   and is ACKed as a duplicate, is not a loss.
+//!
+//! The only non-2xx answer is [`Ack::Retry`]: the gate holds no claim (the
+//! plane could not be reached, or did not answer in time). Background work
+//! lives as long as the process: a worker that dies holding a claim leaves
+//! it `processing` past its lease, visible to an operator (`idem get`), and
+//! the redeliveries meeting it meanwhile were ACKed as duplicates. A vendor
+//! that does not redeliver after an ACK cannot be made to; that is the price
+//! of answering a live claim with an ACK.
+//!
+//! The lease is the processing timeout plus the journal's deadline plus
+//! [`LEASE_MARGIN`]: 15 + 10 + 5 = the spec's 30 s for `webhook.nylas`.
+//!
+//! Against the vendors' retry rules: Slack waits 3 s for an answer and
+//! retries an event three times (at once, after 1 minute, after 5 minutes)
+//! when the answer is late or not 2xx; Nylas expects a 200 within 10 s and
+//! retries failed deliveries with backoff. Both are served by an answer
+//! within 2.5 s, 200 for everything the gate holds a claim on.
 
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::FutureExt;
-use serde_json::{json, Value};
+use serde_json::Value;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::Instrument;
 use uuid::Uuid;
@@ -43,21 +62,36 @@ use crate::postgrest::PostgrestClient;
 use crate::repo::{IdempotencyRepository, PostgrestRepository, ProviderJobRepository};
 
 pub use crate::repo::ProviderJob;
-use crate::service::{Claim, ClaimOutcome, Ending, IdempotencyService, RequestHash};
+use crate::service::{
+    Answer, Attempt, Begun, Cut, Effect, EffectDriver, Held, IdempotencyService, LeaseOutlastsRetries, RequestHash,
+    RetryHorizon, Settle, Timing, DEFAULT_JOURNAL_DEADLINE,
+};
 
-/// How long processing one delivery may take unless set otherwise; the
-/// gate's deadline ([`DEFAULT_GATE_DEADLINE`]) cuts it sooner unless that is
-/// raised or removed. It sets the lease either way.
-pub const DEFAULT_PROCESSING_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long processing one delivery may take, in-process retries of
+/// retryable failures included, unless set otherwise. Never cut by the
+/// answer's deadline.
+pub const DEFAULT_PROCESSING_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// Added to the processing timeout to make the lease: the claim outlives the
-/// processing it guards.
-pub const LEASE_MARGIN: Duration = Duration::from_secs(10);
+/// Added to the processing timeout and the journal's deadline to make the
+/// lease: the claim outlives the processing and the journal it guards.
+pub const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
-/// How long one gate call (lookup, claim, processing, completion) may take
-/// unless set otherwise: 2.5 s, so the answer fits Slack's 3 s ACK window
-/// with room for the network. A vendor with a longer window (most give 10
-/// to 30 s) can be given more with [`WebhookGate::with_deadline`].
+/// How long after a delivery the vendor makes its last redelivery, unless
+/// set otherwise: Slack's schedule (at once, after 1 minute, after 5
+/// minutes), the shortest of the common ones. The lease must pass before it.
+pub const DEFAULT_VENDOR_HORIZON: RetryHorizon = RetryHorizon::until_last_attempt(Duration::from_secs(6 * 60));
+
+/// The first wait before processing is tried again after a retryable
+/// failure; doubled each time up to [`MAX_PROCESSING_BACKOFF`].
+const FIRST_PROCESSING_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The longest wait between two tries of processing, or of a claim whose
+/// answer was lost.
+const MAX_PROCESSING_BACKOFF: Duration = Duration::from_secs(2);
+
+/// How long the gate takes to answer a delivery unless set otherwise: 2.5 s,
+/// so the answer fits Slack's 3 s ACK window with room for the network.
+/// Work still running then goes on after the answer.
 pub const DEFAULT_GATE_DEADLINE: Duration = Duration::from_millis(2500);
 
 /// Why a delivery was acknowledged without being processed.
@@ -74,11 +108,18 @@ pub enum DropReason {
     /// The delivery cannot be claimed at all (an empty, over-long or NUL
     /// delivery id): redelivering it would never help.
     InvalidDelivery,
+    /// Processing kept failing with retryable failures until its timeout;
+    /// the last failure is journaled as the event's answer.
+    ProcessingFailed,
+    /// Processing panicked or overran its timeout; what it did is unknown,
+    /// and that is journaled as the event's answer.
+    ProcessingAborted,
 }
 
 impl DropReason {
     /// The reason as logged and counted: `duplicate`, `hash_mismatch`,
-    /// `unknown_job`, `job_mismatch`, `invalid_delivery`.
+    /// `unknown_job`, `job_mismatch`, `invalid_delivery`,
+    /// `processing_failed`, `processing_aborted`.
     pub fn as_str(self) -> &'static str {
         match self {
             DropReason::Duplicate => "duplicate",
@@ -86,26 +127,32 @@ impl DropReason {
             DropReason::UnknownJob => "unknown_job",
             DropReason::JobMismatch => "job_mismatch",
             DropReason::InvalidDelivery => "invalid_delivery",
+            DropReason::ProcessingFailed => "processing_failed",
+            DropReason::ProcessingAborted => "processing_aborted",
         }
     }
 }
 
 /// Why a delivery is answered with a non-2xx so the vendor redelivers it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RetryReason {
-    /// Processing failed without an effect; the claim was released.
-    ProcessingFailed,
-    /// Processing panicked or overran its timeout; the claim was released.
-    ProcessingAborted,
-    /// The plane could not be reached or refused the call; nothing was claimed.
+    /// The gate holds no claim: the plane could not be reached, refused the
+    /// call, or did not answer within the deadline (then the gate keeps
+    /// asking in the background, and processes the event if the claim was
+    /// made).
     PlaneUnavailable,
 }
 
 /// The gate's answer to one delivery.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ack {
-    /// Processed now (successfully, or with a failure that would repeat).
+    /// Processed and journaled (successfully, or with a failure that would
+    /// repeat).
     Processed,
+    /// Claimed and processing when the deadline came: it goes on after the
+    /// answer and is journaled (processed, or failed with a drop reason).
+    Accepted,
     /// Acknowledged without processing, for this reason.
     Dropped(DropReason),
     /// Not acknowledged: answer 503 so the vendor delivers it again.
@@ -116,7 +163,7 @@ impl Ack {
     /// The HTTP status to answer: 200 for every ACK, 503 for a retry.
     pub fn status(&self) -> u16 {
         match self {
-            Ack::Processed | Ack::Dropped(_) => 200,
+            Ack::Processed | Ack::Accepted | Ack::Dropped(_) => 200,
             Ack::Retry(_) => 503,
         }
     }
@@ -130,6 +177,8 @@ pub struct DropCounters {
     unknown_job: AtomicU64,
     job_mismatch: AtomicU64,
     invalid_delivery: AtomicU64,
+    processing_failed: AtomicU64,
+    processing_aborted: AtomicU64,
 }
 
 impl DropCounters {
@@ -149,6 +198,8 @@ impl DropCounters {
             DropReason::UnknownJob => &self.unknown_job,
             DropReason::JobMismatch => &self.job_mismatch,
             DropReason::InvalidDelivery => &self.invalid_delivery,
+            DropReason::ProcessingFailed => &self.processing_failed,
+            DropReason::ProcessingAborted => &self.processing_aborted,
         }
     }
 }
@@ -156,16 +207,17 @@ impl DropCounters {
 /// A processing failure, as the caller's handler reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessingError {
-    /// True when the failure made no effect and a redelivery may succeed:
-    /// the claim is released and the delivery not ACKed. False for a failure
-    /// that would repeat: it is stored as the delivery's answer and ACKed.
+    /// True when the failure made no effect and trying again may succeed:
+    /// the gate tries again, with backoff, within the processing timeout.
+    /// False for a failure that would repeat: it is journaled as the
+    /// delivery's answer and ACKed.
     pub retryable: bool,
     /// What went wrong, for the log and the stored answer.
     pub message: String,
 }
 
 impl ProcessingError {
-    /// A failure that made no effect; the vendor's redelivery will be processed.
+    /// A failure that made no effect; processing is tried again.
     pub fn retryable(message: impl Into<String>) -> Self {
         ProcessingError { retryable: true, message: message.into() }
     }
@@ -238,36 +290,25 @@ pub struct ProviderCallback<'a> {
 /// The gate. Cheap to clone; clones share their counters.
 #[derive(Debug, Clone)]
 pub struct WebhookGate<R, J = PostgrestRepository> {
-    service: Arc<IdempotencyService<R>>,
+    driver: EffectDriver<R>,
     jobs: ProviderJobs<J>,
-    timeout: Duration,
+    timing: Timing,
+    horizon: RetryHorizon,
     deadline: Option<Duration>,
     drops: Arc<DropCounters>,
 }
 
-/// When each phase of one gate call must be done by.
-#[derive(Debug, Clone, Copy)]
-struct Budget {
-    /// The lookup, the claim and the processing.
-    work: Option<Instant>,
-    /// The call as a whole: the completion or release gets until then.
-    call: Option<Instant>,
-}
-
-impl Budget {
-    fn starting_now(deadline: Option<Duration>) -> Budget {
-        let now = Instant::now();
-        Budget {
-            work: deadline.map(|deadline| now + deadline - ending_reserve(deadline)),
-            call: deadline.map(|deadline| now + deadline),
-        }
-    }
-}
-
-/// The part of the gate deadline kept for the call that ends a claim: a
-/// fifth (500 ms of the default 2.5 s).
-fn ending_reserve(deadline: Duration) -> Duration {
-    deadline / 5
+/// A gate setting that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GateConfigError {
+    /// The processing timeout or journal deadline is zero, or the lease they
+    /// make is one the store refuses.
+    #[error(transparent)]
+    Timing(#[from] InvalidInput),
+    /// The lease would still hold at the vendor's last redelivery.
+    #[error(transparent)]
+    LeaseOutlastsRetries(#[from] LeaseOutlastsRetries),
 }
 
 /// Runs `future` until `deadline`, if there is one; `None` when cut.
@@ -278,61 +319,90 @@ async fn within<T>(deadline: Option<Instant>, future: impl Future<Output = T>) -
     }
 }
 
+/// One delivery, owned, for the task that carries it past the answer.
+struct Carried<R> {
+    driver: EffectDriver<R>,
+    drops: Arc<DropCounters>,
+    timing: Timing,
+    organization_id: Uuid,
+    scope: String,
+    key: String,
+    hash: RequestHash,
+    /// Set once the gate holds the claim: an answer cut by the deadline is
+    /// then [`Ack::Accepted`], else [`Ack::Retry`].
+    held: Arc<AtomicBool>,
+}
+
 impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R, J> {
     /// A gate over `service`, resolving provider callbacks through `jobs`,
-    /// with [`DEFAULT_PROCESSING_TIMEOUT`] and [`DEFAULT_GATE_DEADLINE`].
+    /// with [`DEFAULT_PROCESSING_TIMEOUT`], [`DEFAULT_JOURNAL_DEADLINE`],
+    /// [`LEASE_MARGIN`] (a 30 s lease), [`DEFAULT_GATE_DEADLINE`] and
+    /// [`DEFAULT_VENDOR_HORIZON`].
     pub fn new(service: IdempotencyService<R>, jobs: ProviderJobs<J>) -> Self {
         WebhookGate {
-            service: Arc::new(service),
+            driver: EffectDriver::new(service),
             jobs,
-            timeout: DEFAULT_PROCESSING_TIMEOUT,
+            timing: default_timing(),
+            horizon: DEFAULT_VENDOR_HORIZON,
             deadline: Some(DEFAULT_GATE_DEADLINE),
             drops: Arc::new(DropCounters::default()),
         }
     }
 
-    /// Sets how long one gate call may take, from entry to answer: set it
-    /// below the vendor's ACK window. Default [`DEFAULT_GATE_DEADLINE`].
-    ///
-    /// The lookup, claim and processing must be done a fifth of it before
-    /// the end (the ending reserve, 500 ms of the default); the completion
-    /// or release gets the rest. Processing is cut at whichever comes first
-    /// of this and the processing timeout. The lease is not shortened: it
-    /// stays the processing timeout plus [`LEASE_MARGIN`].
+    /// Sets how long the gate takes to answer a delivery: set it below the
+    /// vendor's ACK window. Default [`DEFAULT_GATE_DEADLINE`]. Work still
+    /// running then goes on after the answer (see the module docs); the
+    /// lease is not shortened.
     pub fn with_deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
         self
     }
 
-    /// No deadline for the whole call: processing is bounded by its
-    /// timeout, and each plane call by the client's own deadline
-    /// ([`ClientConfig::with_deadline`](crate::ClientConfig::with_deadline)).
+    /// No deadline for the answer: it waits for the processing and its
+    /// journal, each bounded by its own timeout.
     pub fn without_deadline(mut self) -> Self {
         self.deadline = None;
         self
     }
 
-    /// The deadline of one gate call, if any.
+    /// The deadline of the answer, if any.
     pub fn deadline(&self) -> Option<Duration> {
         self.deadline
     }
 
-    /// Sets how long processing one delivery may take; the lease is that
-    /// plus [`LEASE_MARGIN`].
-    /// Refused unless the timeout is above zero and its lease stays within
-    /// the store's [`MAX_LEASE`](crate::service::MAX_LEASE).
-    pub fn with_processing_timeout(mut self, timeout: Duration) -> Result<Self, InvalidInput> {
-        let lease = timeout.saturating_add(LEASE_MARGIN);
-        if timeout.is_zero() || lease > crate::service::MAX_LEASE {
-            return Err(InvalidInput::LeaseTooLong { lease, max: crate::service::MAX_LEASE });
-        }
-        self.timeout = timeout;
+    /// Sets how long processing one delivery may take, in-process retries
+    /// included; the lease is that plus the journal deadline plus
+    /// [`LEASE_MARGIN`]. Refused when zero, or when the lease is outside what
+    /// the store accepts or outlasts the vendor's retries.
+    pub fn with_processing_timeout(self, timeout: Duration) -> Result<Self, GateConfigError> {
+        let (timing, horizon) = (Timing::new(timeout, self.timing.journal(), self.timing.margin())?, self.horizon);
+        self.with_timing(timing, horizon)
+    }
+
+    /// Sets how long journaling a processed delivery may take, retries
+    /// included (default [`DEFAULT_JOURNAL_DEADLINE`]); part of the lease.
+    pub fn with_journal_deadline(self, deadline: Duration) -> Result<Self, GateConfigError> {
+        let (timing, horizon) = (Timing::new(self.timing.effect(), deadline, self.timing.margin())?, self.horizon);
+        self.with_timing(timing, horizon)
+    }
+
+    /// Sets how long after a delivery the vendor makes its last redelivery
+    /// (default [`DEFAULT_VENDOR_HORIZON`]); the lease must pass before it.
+    pub fn with_vendor_horizon(self, horizon: RetryHorizon) -> Result<Self, GateConfigError> {
+        let timing = self.timing;
+        self.with_timing(timing, horizon)
+    }
+
+    fn with_timing(mut self, timing: Timing, horizon: RetryHorizon) -> Result<Self, GateConfigError> {
+        timing.check(horizon, Duration::ZERO)?;
+        self.timing = timing;
+        self.horizon = horizon;
         Ok(self)
     }
 
     /// The lease a delivery is claimed for.
     pub fn lease(&self) -> Duration {
-        self.timeout + LEASE_MARGIN
+        self.timing.lease()
     }
 
     /// The drop counters.
@@ -340,21 +410,27 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
         &self.drops
     }
 
-    /// Claims the delivery, runs `process` if we own it, then completes
-    /// (success, or a failure that would repeat) or releases (a failure that
-    /// made no effect). Every duplicate ending is an ACK with its reason.
+    /// Claims the delivery, runs `process` if we own it, and journals its
+    /// answer; every duplicate ending is an ACK with its reason. Answers
+    /// within the deadline; the work goes on after it when it must (see the
+    /// module docs), so `process` is `'static`, and called again after a
+    /// retryable failure.
     pub async fn handle<F, Fut>(&self, delivery: Delivery<'_>, process: F) -> Ack
     where
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<Value, ProcessingError>>,
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
     {
-        self.handle_within(Budget::starting_now(self.deadline), delivery, process).await
+        self.handle_by(self.answer_deadline(), delivery, process).await
     }
 
-    async fn handle_within<F, Fut>(&self, budget: Budget, delivery: Delivery<'_>, process: F) -> Ack
+    fn answer_deadline(&self) -> Option<Instant> {
+        self.deadline.map(|deadline| Instant::now() + deadline)
+    }
+
+    async fn handle_by<F, Fut>(&self, answer_by: Option<Instant>, delivery: Delivery<'_>, process: F) -> Ack
     where
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<Value, ProcessingError>>,
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
     {
         let span = tracing::info_span!(
             "webhook.delivery",
@@ -362,11 +438,45 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
             delivery_id = delivery.delivery_id, ack = tracing::field::Empty,
             drop_reason = tracing::field::Empty, replayed = tracing::field::Empty
         );
-        let ack = self.handle_inner(budget, delivery, process).instrument(span.clone()).await;
+        let held = Arc::new(AtomicBool::new(false));
+        let carried = Carried {
+            driver: self.driver.clone(),
+            drops: self.drops.clone(),
+            timing: self.timing,
+            organization_id: delivery.organization_id,
+            scope: delivery.scope.to_owned(),
+            key: delivery.delivery_id.to_owned(),
+            hash: RequestHash::of_bytes(delivery.body),
+            held: held.clone(),
+        };
+        // The whole road runs as a task of its own: the answer may leave
+        // before it ends, and the road must not be cut with it.
+        let (answer, answered) = oneshot::channel();
+        tokio::spawn(carried.carry(process, answer).instrument(span.clone()));
+        let ack = match within(answer_by, answered).await {
+            Some(Ok(ack)) => ack,
+            Some(Err(_task_failed)) => {
+                span.in_scope(|| tracing::error!("the delivery's task ended without an answer; not acknowledged"));
+                Ack::Retry(RetryReason::PlaneUnavailable)
+            }
+            None if held.load(Ordering::SeqCst) => {
+                span.in_scope(|| {
+                    tracing::info!("still processing at the deadline: accepted, it goes on after the answer")
+                });
+                Ack::Accepted
+            }
+            None => {
+                span.in_scope(|| {
+                    tracing::warn!("the claim did not answer within the deadline; not acknowledged, still asking")
+                });
+                Ack::Retry(RetryReason::PlaneUnavailable)
+            }
+        };
         span.record(
             "ack",
             match &ack {
                 Ack::Processed => "processed",
+                Ack::Accepted => "accepted",
                 Ack::Dropped(_) => "dropped",
                 Ack::Retry(_) => "retry",
             },
@@ -374,158 +484,13 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
         ack
     }
 
-    async fn handle_inner<F, Fut>(&self, budget: Budget, delivery: Delivery<'_>, process: F) -> Ack
-    where
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<Value, ProcessingError>>,
-    {
-        let hash = RequestHash::of_bytes(delivery.body);
-        // The lease starts when the claim's transaction does: count the
-        // processing timeout from before the claim, retries included.
-        let timeout_at = Instant::now() + self.timeout;
-        let processing_deadline = budget.work.map_or(timeout_at, |work| work.min(timeout_at));
-        // The claim runs as a task of its own, so that a deadline that cuts
-        // the wait for it does not cut the call: a claim the database made
-        // after we stopped waiting is released once it answers, and the
-        // vendor's redelivery is processed, never dropped as a duplicate of
-        // a delivery nobody processes.
-        let mut claiming = {
-            let service = self.service.clone();
-            let (organization_id, scope, key) =
-                (delivery.organization_id, delivery.scope.to_owned(), delivery.delivery_id.to_owned());
-            let (hash, lease) = (hash.clone(), self.lease());
-            tokio::spawn(
-                async move { service.claim(organization_id, &scope, &key, &hash, lease).await }.in_current_span(),
-            )
-        };
-        let claimed = match within(budget.work, &mut claiming).await {
-            Some(Ok(claimed)) => claimed,
-            Some(Err(failed)) => {
-                tracing::error!(%failed, "the claim's task failed; not acknowledged");
-                return Ack::Retry(RetryReason::PlaneUnavailable);
-            }
-            None => {
-                tracing::error!("the claim did not answer within the gate's deadline; not acknowledged");
-                let service = self.service.clone();
-                tokio::spawn(
-                    async move {
-                        if let Ok(Ok(ClaimOutcome::Claimed(claim))) = claiming.await {
-                            tracing::warn!("the claim the deadline cut was made; releasing it for the redelivery");
-                            service.release_or_log(&claim).await;
-                        }
-                    }
-                    .in_current_span(),
-                );
-                return Ack::Retry(RetryReason::PlaneUnavailable);
-            }
-        };
-        let claim = match claimed {
-            Ok(ClaimOutcome::Claimed(claim)) => claim,
-            Ok(ClaimOutcome::Completed { .. }) => {
-                tracing::Span::current().record("replayed", true);
-                return self.drop_delivery(DropReason::Duplicate);
-            }
-            Ok(ClaimOutcome::Processing { .. }) => return self.drop_delivery(DropReason::Duplicate),
-            Ok(ClaimOutcome::Conflict) => return self.drop_delivery(DropReason::HashMismatch),
-            // Only the delivery's own id can make it unclaimable for good;
-            // any other refusal is the gate's configuration, and answering
-            // 503 keeps the delivery until that is fixed.
-            Err(Error::Invalid(
-                refused @ (InvalidInput::EmptyKey | InvalidInput::KeyTooLong { .. } | InvalidInput::KeyHasNul),
-            )) => {
-                tracing::warn!(%refused, "the delivery id cannot be claimed");
-                return self.drop_delivery(DropReason::InvalidDelivery);
-            }
-            Err(error) => return self.unavailable(&error),
-        };
-        let processed = tokio::time::timeout_at(processing_deadline, AssertUnwindSafe(process()).catch_unwind()).await;
-        // Endings run as tasks of their own too: one the deadline cuts still
-        // lands after the gate has answered.
-        let release = |claim: &Claim| {
-            let (service, claim) = (self.service.clone(), claim.clone());
-            let releasing = tokio::spawn(async move { service.release_or_log(&claim).await }.in_current_span());
-            async move {
-                if within(budget.call, releasing).await.is_none() {
-                    tracing::warn!("the release did not answer within the gate's deadline; it lands after the answer");
-                }
-            }
-        };
-        let processed = match processed {
-            Ok(Ok(processed)) => processed,
-            Ok(Err(_panic)) => {
-                tracing::error!("processing panicked; released so the vendor's redelivery is processed");
-                release(&claim).await;
-                return Ack::Retry(RetryReason::ProcessingAborted);
-            }
-            Err(_elapsed) => {
-                tracing::error!(
-                    timeout_ms = self.timeout.as_millis() as u64,
-                    gate_deadline_ms = self.deadline.map(|d| d.as_millis() as u64),
-                    "processing overran its timeout or the gate's deadline; released for redelivery"
-                );
-                release(&claim).await;
-                return Ack::Retry(RetryReason::ProcessingAborted);
-            }
-        };
-        let (payload, ok) = match processed {
-            Ok(output) => (output, true),
-            Err(failure) if failure.retryable => {
-                tracing::warn!(error = %failure.message, "processing failed without an effect; released for redelivery");
-                release(&claim).await;
-                return Ack::Retry(RetryReason::ProcessingFailed);
-            }
-            Err(failure) => {
-                tracing::warn!(error = %failure.message, "processing failed; the failure is the delivery's answer");
-                (Value::String(failure.message), false)
-            }
-        };
-        // The processing happened: journal its answer whatever it holds (a
-        // stand-in when the store cannot hold it), so a redelivery is a
-        // duplicate.
-        let envelope = move |payload| {
-            if ok {
-                json!({"ok": true, "output": payload})
-            } else {
-                json!({"ok": false, "error": payload})
-            }
-        };
-        let completing = {
-            let service = self.service.clone();
-            tokio::spawn(
-                async move { service.complete_after_effect(&claim, payload, None, envelope).await }.in_current_span(),
-            )
-        };
-        let completed = match within(budget.call, completing).await {
-            Some(Ok(completed)) => completed,
-            Some(Err(failed)) => Err(Error::Inconsistent(format!("the completion's task failed: {failed}"))),
-            None => {
-                // The processing happened; the vendor must not redeliver it,
-                // and the completion lands after the answer.
-                tracing::warn!("processed; the completion did not answer within the gate's deadline and lands after");
-                return Ack::Processed;
-            }
-        };
-        match completed {
-            Ok(Ending::Recorded) => {}
-            Ok(Ending::LeaseMovedOn) => {
-                tracing::warn!("processed, but the lease had moved on: another worker holds this delivery now")
-            }
-            // The processing happened; the vendor must not redeliver it. The
-            // claim is reclaimable once its lease passes.
-            Err(error) => {
-                tracing::error!(%error, "processed, but the completion could not be recorded (the plane is unavailable)")
-            }
-        }
-        Ack::Processed
-    }
-
     /// Resolves the callback's tenant from `agent.provider_jobs`, checks the
     /// body names the same job, then handles it under `webhook.<provider>`.
     /// `process` receives the job it belongs to.
     pub async fn handle_provider_callback<F, Fut>(&self, callback: ProviderCallback<'_>, process: F) -> Ack
     where
-        F: FnOnce(ProviderJob) -> Fut,
-        Fut: Future<Output = Result<Value, ProcessingError>>,
+        F: Fn(ProviderJob) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
     {
         let span = tracing::info_span!(
             "webhook.provider_callback",
@@ -534,12 +499,12 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
             delivery_id = callback.delivery_id,
             drop_reason = tracing::field::Empty
         );
-        let budget = Budget::starting_now(self.deadline);
+        let answer_by = self.answer_deadline();
         let lookup = self.jobs.lookup(callback.provider, callback.path_job_id).instrument(span.clone());
-        let job = match within(budget.work, lookup).await {
+        let job = match within(answer_by, lookup).await {
             Some(Ok(Some(job))) => job,
-            Some(Ok(None)) => return span.in_scope(|| self.drop_delivery(DropReason::UnknownJob)),
-            Some(Err(error)) => return span.in_scope(|| self.unavailable(&error)),
+            Some(Ok(None)) => return span.in_scope(|| drop_delivery(&self.drops, DropReason::UnknownJob)),
+            Some(Err(error)) => return span.in_scope(|| unavailable(&error)),
             None => {
                 return span.in_scope(|| {
                     tracing::error!("the job lookup did not answer within the gate's deadline; not acknowledged");
@@ -548,7 +513,7 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
             }
         };
         if callback.body_job_id.is_some_and(|named| named != callback.path_job_id) {
-            return span.in_scope(|| self.drop_delivery(DropReason::JobMismatch));
+            return span.in_scope(|| drop_delivery(&self.drops, DropReason::JobMismatch));
         }
         let scope = format!("webhook.{}", callback.provider);
         let delivery = Delivery {
@@ -557,21 +522,165 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
             delivery_id: callback.delivery_id,
             body: callback.body,
         };
-        self.handle_within(budget, delivery, || process(job)).instrument(span).await
+        let for_job = job.clone();
+        self.handle_by(answer_by, delivery, move || process(for_job.clone())).instrument(span).await
+    }
+}
+
+/// The gate's default timing: processing 15 s, journal 10 s, margin 5 s.
+fn default_timing() -> Timing {
+    match Timing::new(DEFAULT_PROCESSING_TIMEOUT, DEFAULT_JOURNAL_DEADLINE, LEASE_MARGIN) {
+        Ok(timing) => timing,
+        // The constants make a 30 s lease, which the store accepts.
+        Err(_) => unreachable!("the default webhook timing is valid"),
+    }
+}
+
+impl<R: IdempotencyRepository + 'static> Carried<R> {
+    /// Claims, processes and journals one delivery, sending the answer on
+    /// `answer` as soon as it is known (the caller may have stopped waiting).
+    async fn carry<F, Fut>(self, process: F, answer: oneshot::Sender<Ack>)
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
+    {
+        let mut answer = Some(answer);
+        let mut say = |ack: Ack| {
+            if let Some(answer) = answer.take() {
+                // The caller may have answered already (its deadline came).
+                let _ = answer.send(ack);
+            }
+        };
+        let effect = Effect {
+            organization_id: self.organization_id,
+            scope: &self.scope,
+            key: &self.key,
+            request_hash: &self.hash,
+            timing: self.timing,
+        };
+        let held = match self.claim(&effect, &mut say).await {
+            Some(held) => held,
+            None => return,
+        };
+        self.held.store(true, Ordering::SeqCst);
+        let (settle, dropped) = process_to_an_answer(&held, &process).await;
+        let settled = held.settle(settle).await;
+        if !settled.is_journaled() {
+            tracing::error!(
+                ending = settled.as_str(),
+                "processed, but the answer is not journaled; the vendor is not asked to redeliver"
+            );
+        }
+        say(match dropped {
+            None => Ack::Processed,
+            Some(reason) => drop_delivery(&self.drops, reason),
+        });
     }
 
-    /// Counts the drop (here, and in `idempotency_webhook_drops_total{reason}`),
-    /// logs it with its reason, and ACKs.
-    fn drop_delivery(&self, reason: DropReason) -> Ack {
-        self.drops.add(reason);
-        metrics::counter!(crate::telemetry::WEBHOOK_DROPS_TOTAL, "reason" => reason.as_str()).increment(1);
-        tracing::Span::current().record("drop_reason", reason.as_str());
-        tracing::info!(drop_reason = reason.as_str(), "delivery dropped and acknowledged");
-        Ack::Dropped(reason)
+    /// Claims the delivery as one attempt, asking again with the same lease
+    /// token after an answer that did not come (a claim the database may
+    /// have made), while there would be time left to process. `None` when
+    /// the delivery was answered without a claim of ours.
+    async fn claim(&self, effect: &Effect<'_>, say: &mut impl FnMut(Ack)) -> Option<Held<R>> {
+        let attempt = Attempt::new();
+        let ask_until = attempt.started() + self.timing.effect();
+        let mut backoff = FIRST_PROCESSING_BACKOFF;
+        loop {
+            let error = match self.driver.begin_as(effect, &attempt).await {
+                Ok(Begun::Held(held)) => return Some(held),
+                Ok(Begun::Replayed(_)) => {
+                    tracing::Span::current().record("replayed", true);
+                    say(drop_delivery(&self.drops, DropReason::Duplicate));
+                    return None;
+                }
+                Ok(Begun::InFlight { .. }) => {
+                    say(drop_delivery(&self.drops, DropReason::Duplicate));
+                    return None;
+                }
+                Ok(Begun::Conflict) => {
+                    say(drop_delivery(&self.drops, DropReason::HashMismatch));
+                    return None;
+                }
+                Err(error) => error,
+            };
+            match &error {
+                // Only the delivery's own id can make it unclaimable for
+                // good; any other refusal is the gate's configuration, and
+                // answering 503 keeps the delivery until that is fixed.
+                Error::Invalid(
+                    refused @ (InvalidInput::EmptyKey | InvalidInput::KeyTooLong { .. } | InvalidInput::KeyHasNul),
+                ) => {
+                    tracing::warn!(%refused, "the delivery id cannot be claimed");
+                    say(drop_delivery(&self.drops, DropReason::InvalidDelivery));
+                    return None;
+                }
+                error if error.is_transient() && Instant::now() + backoff < ask_until => {
+                    say(unavailable(error));
+                    tracing::info!(%error, "the claim's outcome is unknown; asking again as the same attempt");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_PROCESSING_BACKOFF);
+                }
+                error => {
+                    say(unavailable(error));
+                    return None;
+                }
+            }
+        }
     }
+}
 
-    fn unavailable(&self, error: &Error) -> Ack {
-        tracing::error!(%error, "the plane could not decide; not acknowledged so the vendor redelivers");
-        Ack::Retry(RetryReason::PlaneUnavailable)
+/// Runs `process` under `held` until it answers, trying again after a
+/// retryable failure while its timeout allows: the ending to journal, and
+/// the drop reason when that ending is a failure the gate records.
+async fn process_to_an_answer<R, F, Fut>(held: &Held<R>, process: &F) -> (Settle, Option<DropReason>)
+where
+    R: IdempotencyRepository,
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<Value, ProcessingError>>,
+{
+    let mut backoff = FIRST_PROCESSING_BACKOFF;
+    loop {
+        match held.run(process()).await {
+            Ok(Ok(output)) => return (Settle::Journal(Answer::success(output)), None),
+            Ok(Err(failure)) if !failure.retryable => {
+                tracing::warn!(error = %failure.message, "processing failed; the failure is the delivery's answer");
+                return (Settle::Journal(Answer::failure(failure.message, Value::Null)), None);
+            }
+            Ok(Err(failure)) => {
+                if Instant::now() + backoff < held.effect_deadline() {
+                    tracing::info!(error = %failure.message, backoff_ms = backoff.as_millis() as u64, "processing failed without an effect; trying again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_PROCESSING_BACKOFF);
+                    continue;
+                }
+                tracing::error!(error = %failure.message, "processing kept failing until its timeout; journaling the failure");
+                let answer = Answer::failure(failure.message, Value::Null);
+                return (Settle::Journal(answer), Some(DropReason::ProcessingFailed));
+            }
+            Err(cut) => {
+                tracing::error!(%cut, "processing was cut; what it did is unknown, and that is journaled");
+                let error = match cut {
+                    Cut::TimedOut => "processing_timed_out",
+                    Cut::Panicked => "processing_panicked",
+                };
+                return (Settle::Journal(Answer::failure(error, Value::Null)), Some(DropReason::ProcessingAborted));
+            }
+        }
     }
+}
+
+/// Counts the drop (in `counters`, and in
+/// `idempotency_webhook_drops_total{reason}`), logs it with its reason, and
+/// ACKs.
+fn drop_delivery(counters: &DropCounters, reason: DropReason) -> Ack {
+    counters.add(reason);
+    metrics::counter!(crate::telemetry::WEBHOOK_DROPS_TOTAL, "reason" => reason.as_str()).increment(1);
+    tracing::Span::current().record("drop_reason", reason.as_str());
+    tracing::info!(drop_reason = reason.as_str(), "delivery dropped and acknowledged");
+    Ack::Dropped(reason)
+}
+
+fn unavailable(error: &Error) -> Ack {
+    tracing::error!(%error, "the plane could not decide; not acknowledged so the vendor redelivers");
+    Ack::Retry(RetryReason::PlaneUnavailable)
 }

@@ -222,7 +222,9 @@ mod tests {
             Answer::failure("bad\u{0}input", json!(null)),
             Answer::success(nested(100)),
             Answer::success(json!({"$json": "{}"})),
-            Answer::success(json!({"$response_ref": {"resource_type": "t", "resource_id": "1", "size": 1, "sha256": "a"}})),
+            Answer::success(
+                json!({"$response_ref": {"resource_type": "t", "resource_id": "1", "size": 1, "sha256": "a"}}),
+            ),
             Answer::success(json!({"$elided": {"reason": "nul"}})),
             Answer::failure("not_found", json!({"id": 7})).with_resource(resource.clone()),
             Answer::success(json!("plain")),

@@ -210,18 +210,33 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
     /// the claim's request: the database stamps the lease later, so both
     /// end before it does.
     pub async fn begin(&self, effect: &Effect<'_>) -> Result<Begun<R>, Error> {
-        let start = Instant::now();
+        self.begin_as(effect, &Attempt::new()).await
+    }
+
+    /// [`begin`](Self::begin) as `attempt`: call it again with the same
+    /// attempt after an error whose outcome is unknown (the answer was
+    /// lost, or cut by a deadline), and a claim the database made for it is
+    /// answered as this attempt's own, with deadlines counted from the
+    /// attempt's first try.
+    pub async fn begin_as(&self, effect: &Effect<'_>, attempt: &Attempt) -> Result<Begun<R>, Error> {
         let timing = effect.timing;
         let claimed = self
             .service
-            .claim(effect.organization_id, effect.scope, effect.key, effect.request_hash, timing.lease())
+            .claim_as(
+                effect.organization_id,
+                effect.scope,
+                effect.key,
+                effect.request_hash,
+                timing.lease(),
+                attempt.token,
+            )
             .await?;
         Ok(match claimed {
             ClaimOutcome::Claimed(claim) => Begun::Held(Held {
                 service: self.service.clone(),
                 claim,
-                effect_deadline: start + timing.effect(),
-                ending_deadline: start + timing.effect() + timing.journal(),
+                effect_deadline: attempt.started + timing.effect(),
+                ending_deadline: attempt.started + timing.effect() + timing.journal(),
             }),
             ClaimOutcome::Completed { response, resource, response_ref } => {
                 Begun::Replayed(Answer::from_stored(response, resource, response_ref))
@@ -229,6 +244,33 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
             ClaimOutcome::Processing { lease_expires_at } => Begun::InFlight { lease_expires_at },
             ClaimOutcome::Conflict => Begun::Conflict,
         })
+    }
+}
+
+/// One attempt at a claim: the lease token it carries and when it started.
+/// Reuse it to ask again after an unknown outcome.
+#[derive(Debug, Clone, Copy)]
+pub struct Attempt {
+    token: Uuid,
+    started: Instant,
+}
+
+impl Attempt {
+    /// A new attempt, starting now, with a fresh lease token.
+    pub fn new() -> Self {
+        Attempt { token: Uuid::new_v4(), started: Instant::now() }
+    }
+
+    /// When the attempt started: its effect's and ending's deadlines count
+    /// from here.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+}
+
+impl Default for Attempt {
+    fn default() -> Self {
+        Attempt::new()
     }
 }
 
@@ -347,7 +389,9 @@ fn record(scope: &str, settled: &Settled) {
             tracing::warn!(stand_in = reason.as_str(), "journaled with part of the answer by reference or summary");
         }
         Settled::Journaled { stand_in: None } | Settled::Released => {}
-        Settled::LeaseMovedOn => tracing::warn!("the lease moved on before the ending landed; another worker holds the key"),
+        Settled::LeaseMovedOn => {
+            tracing::warn!("the lease moved on before the ending landed; another worker holds the key")
+        }
         Settled::LeftToLease(why) => {
             tracing::warn!(reason = %why, "nothing written; the claim is left to its lease and the next attempt after it reclaims")
         }

@@ -5,8 +5,8 @@
 //! response above the store limit is refused. A completion carrying any of
 //! these is refused before any request. But once an effect has happened its
 //! claim must be completed, or the next attempt runs the effect again: so
-//! the callers journal a stand-in of such an answer instead (see
-//! [`IdempotencyService::complete_after_effect`](super::IdempotencyService::complete_after_effect)).
+//! the [`EffectDriver`](super::EffectDriver) journals such an answer in a
+//! form the store can hold (see [`Answer`](super::Answer)).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -89,21 +89,6 @@ pub(crate) fn unstorable(value: &Value, enclosing: usize, limit: u64) -> Option<
     }
     let size = json_size(value);
     (size > limit).then_some(Unstorable::TooLarge { size, limit })
-}
-
-/// How many arrays and objects enclose the deepest point of `value`.
-pub(crate) fn depth(value: &Value) -> usize {
-    let mut deepest = 0;
-    let mut pending = vec![(value, 0)];
-    while let Some((value, depth)) = pending.pop() {
-        deepest = deepest.max(depth);
-        match value {
-            Value::Array(items) => pending.extend(items.iter().map(|item| (item, depth + 1))),
-            Value::Object(fields) => pending.extend(fields.values().map(|field| (field, depth + 1))),
-            _ => {}
-        }
-    }
-    deepest
 }
 
 /// A summary journaled in place of an answer the store cannot hold:
@@ -215,7 +200,6 @@ mod tests {
         assert_eq!(unstorable(&nested(MAX_RESPONSE_DEPTH), 1, u64::MAX), Some(Unstorable::TooDeep));
         assert_eq!(unstorable(&nested(1_000), 0, u64::MAX), Some(Unstorable::TooDeep));
         assert_eq!(unstorable(&json!("abcd"), 0, 5), Some(Unstorable::TooLarge { size: 6, limit: 5 }));
-        assert_eq!(depth(&json!({"a": [1, {"b": 2}]})), 3);
     }
 
     #[test]

@@ -28,15 +28,15 @@ use crate::repo::{
 };
 
 pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
-pub use driver::{Begun, Cut, Effect, EffectDriver, Held, LeftToLease, Settle, Settled};
+pub use driver::{Attempt, Begun, Cut, Effect, EffectDriver, Held, LeftToLease, Settle, Settled};
 pub use hash::{canonical_json, RequestHash};
 pub use journal::{Elided, Unstorable, MAX_POLICY_RESPONSE_BYTES, MAX_RESPONSE_DEPTH};
 pub use outcome::{
     Claim, ClaimOutcome, Completion, Ending, ReadOutcome, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS,
     MAX_RESOURCE_TYPE_CHARS,
 };
-pub use timing::{LeaseOutlastsRetries, RetryHorizon, Timing, DEFAULT_JOURNAL_DEADLINE};
 pub use scope::{DAY, MAX_SCOPE_CHARS, TOOL_RETENTION, WEBHOOK_RETENTION};
+pub use timing::{LeaseOutlastsRetries, RetryHorizon, Timing, DEFAULT_JOURNAL_DEADLINE};
 pub(crate) use validate::key as validate_key;
 pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};
 
@@ -192,6 +192,22 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         request_hash: &RequestHash,
         lease: Duration,
     ) -> Result<ClaimOutcome, Error> {
+        self.claim_as(organization_id, scope, key, request_hash, lease, Uuid::new_v4()).await
+    }
+
+    /// [`claim`](Self::claim) with a lease token the caller minted: a
+    /// repeat carrying the same token after an answer was lost (beyond the
+    /// client's own retries) is recognized as this call, and answers its
+    /// claim again while the lease holds.
+    pub(crate) async fn claim_as(
+        &self,
+        organization_id: Uuid,
+        scope: &str,
+        key: &str,
+        request_hash: &RequestHash,
+        lease: Duration,
+        lease_token: Uuid,
+    ) -> Result<ClaimOutcome, Error> {
         let span = tracing::info_span!(
             "idempotency.claim",
             %organization_id, scope, key,
@@ -211,14 +227,8 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 record_outcome("claim", scope, outcome.kind());
                 return Ok(outcome);
             }
-            let call = ClaimCall {
-                organization_id,
-                scope,
-                key,
-                request_hash: request_hash.as_str(),
-                lease_token: Uuid::new_v4(),
-                lease,
-            };
+            let call =
+                ClaimCall { organization_id, scope, key, request_hash: request_hash.as_str(), lease_token, lease };
             let row = self.repo.claim(&call).await?;
             let outcome = decided(row, &call)?;
             match &outcome {
@@ -312,58 +322,6 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         }
         tracing::info!(size, limit = self.response_limit, "response above the store limit; storing a reference");
         Ok(Some(journal::stand_in(response, too_large, resource)))
-    }
-
-    /// Completes `claim` after its effect happened, whatever its answer
-    /// holds, so that a repeat replays instead of running the effect again.
-    ///
-    /// `payload` is the bulky part of the answer (a tool's output, what a
-    /// webhook's processing returned) and `wrap` builds the stored answer
-    /// around it (the outcome envelope: ok, error). When the store cannot
-    /// hold the payload (a NUL character, nesting deeper than
-    /// [`MAX_RESPONSE_DEPTH`], a wrapped answer above the response limit, or
-    /// data the database refuses), the payload is replaced by a stand-in and
-    /// the envelope kept: a [`ResponseRef`] to `resource` when size is the
-    /// only problem and there is a resource, else an [`Elided`] summary with
-    /// the original's size and SHA-256. A resource the store would refuse is
-    /// left out with a warning. So an error here is never the answer's
-    /// fault: it is the plane's availability (see
-    /// [`Error::is_unstorable_answer`]).
-    pub async fn complete_after_effect(
-        &self,
-        claim: &Claim,
-        payload: serde_json::Value,
-        resource: Option<ResourceRef>,
-        wrap: impl Fn(serde_json::Value) -> serde_json::Value,
-    ) -> Result<Ending, Error> {
-        let resource = resource.filter(|resource| match resource.validate() {
-            Ok(()) => true,
-            Err(refused) => {
-                tracing::warn!(%refused, "the effect's resource cannot be stored; journaling the answer without it");
-                false
-            }
-        });
-        let envelope = wrap(serde_json::Value::Null);
-        let budget = self.response_limit.saturating_sub(journal::json_size(&envelope).saturating_sub(4));
-        let stored = match journal::unstorable(&payload, journal::depth(&envelope), budget) {
-            None => wrap(payload.clone()),
-            Some(reason) => {
-                tracing::warn!(
-                    reason = reason.as_str(),
-                    "the answer cannot be journaled as given; journaling a stand-in"
-                );
-                wrap(journal::stand_in(&payload, reason, resource.as_ref()))
-            }
-        };
-        let completion = Completion { response: Some(stored), resource: resource.clone() };
-        match self.complete(claim, completion).await {
-            Err(refused) if refused.is_unstorable_answer() => {
-                tracing::warn!(%refused, "the store refused the answer; journaling a stand-in");
-                let stand_in = Elided::of(&payload, Unstorable::Refused).to_stored();
-                self.complete(claim, Completion { response: Some(wrap(stand_in)), resource: None }).await
-            }
-            other => other,
-        }
     }
 
     /// Releases `claim` where the caller has nothing better to do with a

@@ -131,7 +131,10 @@ mod tests {
         let timing = Timing::new(S(20), S(10), S(5)).unwrap();
         assert_eq!(timing.lease(), S(35));
         assert_eq!(Timing::new(Duration::ZERO, S(1), S(1)), Err(InvalidInput::ZeroDuration { what: "effect timeout" }));
-        assert_eq!(Timing::new(S(1), Duration::ZERO, S(1)), Err(InvalidInput::ZeroDuration { what: "journal deadline" }));
+        assert_eq!(
+            Timing::new(S(1), Duration::ZERO, S(1)),
+            Err(InvalidInput::ZeroDuration { what: "journal deadline" })
+        );
         assert!(matches!(Timing::new(S(86_400), S(1), S(0)), Err(InvalidInput::LeaseTooLong { .. })));
     }
 

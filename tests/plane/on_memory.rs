@@ -125,13 +125,16 @@ async fn the_webhook_gate_acks_duplicates_and_mismatches_with_their_reasons() {
     let org = Uuid::new_v4();
     let delivery =
         |body: &'static [u8]| Delivery { organization_id: org, scope: "webhook.nylas", delivery_id: "d-1", body };
-    let processed = AtomicUsize::new(0);
-    let process = || async {
-        processed.fetch_add(1, Ordering::SeqCst);
-        Ok::<Value, ProcessingError>(json!("stored"))
+    let processed = std::sync::Arc::new(AtomicUsize::new(0));
+    let process = {
+        let processed = processed.clone();
+        move || {
+            processed.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<Value, ProcessingError>(json!("stored")) }
+        }
     };
-    assert_eq!(gate.handle(delivery(b"{\"a\":1}"), process).await, Ack::Processed);
-    assert_eq!(gate.handle(delivery(b"{\"a\":1}"), process).await, Ack::Dropped(DropReason::Duplicate));
+    assert_eq!(gate.handle(delivery(b"{\"a\":1}"), process.clone()).await, Ack::Processed);
+    assert_eq!(gate.handle(delivery(b"{\"a\":1}"), process.clone()).await, Ack::Dropped(DropReason::Duplicate));
     assert_eq!(gate.handle(delivery(b"{\"a\":2}"), process).await, Ack::Dropped(DropReason::HashMismatch));
     assert_eq!(processed.load(Ordering::SeqCst), 1);
     assert_eq!((gate.drops().get(DropReason::Duplicate), gate.drops().get(DropReason::HashMismatch)), (1, 1));

@@ -487,7 +487,7 @@ async fn a_tool_policy_under_thirty_days_is_refused_by_the_database() {
 }
 
 #[tokio::test]
-async fn a_response_above_the_scopes_limit_is_refused_by_the_database_and_journaled_as_a_stand_in_after_an_effect() {
+async fn a_response_above_the_scopes_limit_is_refused_by_the_database_and_journaled_by_reference_to_its_resource() {
     // A scope whose policy keeps 2 KiB, below the service's own 64 KiB limit:
     // only the database knows it.
     let stack = stack().await;
@@ -507,12 +507,27 @@ async fn a_response_above_the_scopes_limit_is_refused_by_the_database_and_journa
         }
         other => panic!("expected a 400 IDEM2, got {other:?}"),
     }
-    // After an effect the answer is journaled anyway, as a stand-in.
-    let ending =
-        service.complete_after_effect(&claim, big, None, |payload| json!({"ok": true, "output": payload})).await;
-    assert_eq!(ending.unwrap(), idempotency_plane::Ending::Recorded);
-    let stored: Value =
-        sqlx::query_scalar("select response from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(stored["output"]["$elided"]["reason"], "refused");
+    // After an effect the driver journals it anyway: the output by reference
+    // to the effect's resource, which is kept, and the envelope whole.
+    use idempotency_plane::service::{Answer, Begun, Effect, EffectDriver, Settle, Settled, Timing};
+    let driver = EffectDriver::new(service);
+    let timing = Timing::new(Duration::from_secs(5), Duration::from_secs(5), Duration::from_secs(1)).unwrap();
+    let (org, request) = (org(), hash("big effect"));
+    let effect = Effect { organization_id: org, scope: "webhook.small", key: "d-2", request_hash: &request, timing };
+    let Ok(Begun::Held(held)) = driver.begin(&effect).await else { panic!("claimed") };
+    let resource = idempotency_plane::ResourceRef { resource_type: "blob".into(), resource_id: "b-1".into() };
+    let answer = Answer::failure("partial", big.clone()).with_resource(Some(resource.clone()));
+    let settled = held.settle(Settle::Journal(answer)).await;
+    assert!(matches!(settled, Settled::Journaled { stand_in: Some(_) }), "{settled:?}");
+    let stored: (Value, Option<String>, Option<String>) =
+        sqlx::query_as("select response, resource_type, resource_id from agent.idempotency_keys where key = 'd-2'")
+            .fetch_one(stack.db())
+            .await
+            .unwrap();
+    assert_eq!((stored.1.as_deref(), stored.2.as_deref()), (Some("blob"), Some("b-1")), "the resource is kept");
+    assert_eq!((&stored.0["ok"], &stored.0["error"]), (&json!(false), &json!("partial")), "still a failure");
+    assert_eq!(stored.0["output"]["$response_ref"]["resource_id"], "b-1", "{}", stored.0);
+    let Ok(Begun::Replayed(replayed)) = driver.begin(&effect).await else { panic!("replayed") };
+    assert_eq!((replayed.ok, replayed.resource), (false, Some(resource)));
     stack.stop().await.unwrap();
 }

@@ -407,7 +407,11 @@ async fn a_tool_output_holding_nul_is_journaled_whole_and_the_next_attempt_repla
     let again = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
     let ToolRun::Replayed(replayed) = again else { panic!("expected a replay, got {again:?}") };
     assert!(replayed.ok);
-    assert_eq!(replayed.output, json!({"body": "PK\u{0}\u{3}\u{4}", "status": 200}), "replayed as it was, NUL included");
+    assert_eq!(
+        replayed.output,
+        json!({"body": "PK\u{0}\u{3}\u{4}", "status": 200}),
+        "replayed as it was, NUL included"
+    );
     assert_eq!(vendor_calls.load(Ordering::SeqCst), 1, "no second vendor call");
     stack.stop().await.unwrap();
 }

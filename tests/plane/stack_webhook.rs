@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use idempotency_plane::callers::http::provider_callback_router;
 use idempotency_plane::callers::webhook::{
-    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, RetryReason, WebhookGate,
+    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, WebhookGate,
 };
 use idempotency_plane::PostgrestRepository;
 use serde_json::{json, Value};
@@ -21,20 +21,29 @@ fn delivery<'a>(org: uuid::Uuid, id: &'a str, body: &'a [u8]) -> Delivery<'a> {
     Delivery { organization_id: org, scope: "webhook.nylas", delivery_id: id, body }
 }
 
+/// Processing that counts its runs in `runs` and answers `output`.
+fn counted(
+    runs: &Arc<AtomicUsize>,
+    output: Value,
+) -> impl Fn() -> std::future::Ready<Result<Value, ProcessingError>> + Send + Sync + 'static {
+    let runs = runs.clone();
+    move || {
+        runs.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok(output.clone()))
+    }
+}
+
 #[tokio::test]
 async fn a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing() {
     let stack = stack().await;
     let gate = gate(&stack);
     let org = org();
     let body = br#"{"type":"message.created","id":"m-1"}"#;
-    let performed = AtomicUsize::new(0);
-    let process = || async {
-        performed.fetch_add(1, Ordering::SeqCst);
-        Ok::<Value, ProcessingError>(json!({"stored": "m-1"}))
-    };
+    let performed = Arc::new(AtomicUsize::new(0));
+    let process = counted(&performed, json!({"stored": "m-1"}));
 
     assert_eq!(gate.handle(delivery(org, "d-1", body), process).await, Ack::Processed);
-    let again = gate.handle(delivery(org, "d-1", body), process).await;
+    let again = gate.handle(delivery(org, "d-1", body), counted(&performed, json!(null))).await;
     assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
     assert_eq!(again.status(), 200, "a duplicate is an ACK, never a 5xx");
     assert_eq!(performed.load(Ordering::SeqCst), 1);
@@ -53,10 +62,13 @@ async fn a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_dup
     let first = {
         let (gate, started, finish) = (gate.clone(), started.clone(), finish.clone());
         tokio::spawn(async move {
-            gate.handle(delivery(org, "d-2", body), || async move {
-                started.add_permits(1);
-                finish.acquire().await.expect("gate").forget();
-                Ok::<Value, ProcessingError>(json!("done"))
+            gate.handle(delivery(org, "d-2", body), move || {
+                let (started, finish) = (started.clone(), finish.clone());
+                async move {
+                    started.add_permits(1);
+                    finish.acquire().await.expect("gate").forget();
+                    Ok::<Value, ProcessingError>(json!("done"))
+                }
             })
             .await
         })
@@ -83,21 +95,46 @@ async fn the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch(
 }
 
 #[tokio::test]
-async fn a_retryable_processing_failure_releases_so_the_vendors_next_delivery_is_processed() {
+async fn a_retryable_processing_failure_is_tried_again_in_process_and_never_released() {
     let stack = stack().await;
     let gate = gate(&stack);
     let org = org();
     let body = b"{\"id\":\"m-4\"}";
-    let failed = gate
-        .handle(delivery(org, "d-4", body), || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) })
-        .await;
-    assert_eq!(failed, Ack::Retry(RetryReason::ProcessingFailed));
-    assert_eq!(failed.status(), 503, "not ACKed: the vendor redelivers");
-    assert_eq!(count_rows(&stack).await, 0, "released");
+    let tries = Arc::new(AtomicUsize::new(0));
+    let flaky = {
+        let tries = tries.clone();
+        move || {
+            let failed_before = tries.fetch_add(1, Ordering::SeqCst) < 2;
+            async move {
+                if failed_before {
+                    Err::<Value, _>(ProcessingError::retryable("downstream 503"))
+                } else {
+                    Ok(json!("ok"))
+                }
+            }
+        }
+    };
+    let ack = gate.handle(delivery(org, "d-4", body), flaky).await;
+    assert_eq!(ack, Ack::Processed, "two retryable failures, then success, within one delivery");
+    assert_eq!(tries.load(Ordering::SeqCst), 3);
+    let redelivered = gate.handle(delivery(org, "d-4", body), || async { panic!("processed once") }).await;
+    assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate));
+    stack.stop().await.unwrap();
+}
 
-    let redelivered =
-        gate.handle(delivery(org, "d-4", body), || async { Ok::<Value, ProcessingError>(json!("ok")) }).await;
-    assert_eq!(redelivered, Ack::Processed);
+#[tokio::test]
+async fn processing_that_keeps_failing_until_its_timeout_is_journaled_as_a_failure_with_a_drop_reason() {
+    let stack = stack().await;
+    let gate = gate(&stack).with_processing_timeout(std::time::Duration::from_millis(700)).unwrap();
+    let org = org();
+    let failing = || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) };
+    let ack = gate.handle(delivery(org, "d-4b", b"{}"), failing).await;
+    assert_eq!(ack, Ack::Dropped(DropReason::ProcessingFailed));
+    assert_eq!(ack.status(), 200, "recorded, never silently lost, and not a 5xx");
+    assert_eq!(gate.drops().get(DropReason::ProcessingFailed), 1);
+    let stored: (String, Value) =
+        sqlx::query_as("select status, response from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(stored, ("completed".to_owned(), json!({"ok": false, "error": "downstream 503", "output": null})));
     stack.stop().await.unwrap();
 }
 
@@ -114,7 +151,7 @@ async fn a_permanent_processing_failure_is_stored_and_acked() {
     assert_eq!(failed, Ack::Processed);
     let response: Value =
         sqlx::query_scalar("select response from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(response, json!({"ok": false, "error": "unknown event type"}));
+    assert_eq!(response, json!({"ok": false, "error": "unknown event type", "output": null}));
     stack.stop().await.unwrap();
 }
 
@@ -133,7 +170,7 @@ async fn a_provider_callback_resolves_its_tenant_before_it_claims() {
         body: b"{\"job_id\":\"job-42\",\"status\":\"done\"}",
     };
     let ack = gate
-        .handle_provider_callback(callback, |job| async move {
+        .handle_provider_callback(callback, move |job| async move {
             assert_eq!(job.organization_id, org);
             Ok::<Value, ProcessingError>(json!("stored transcript"))
         })
@@ -256,23 +293,29 @@ async fn a_delivery_that_can_never_be_claimed_is_acked_as_invalid() {
 }
 
 #[tokio::test]
-async fn processing_that_panics_or_overruns_is_released_for_redelivery() {
+async fn processing_that_panics_or_overruns_is_journaled_as_aborted_never_released() {
     let stack = stack().await;
     let gate = gate(&stack).with_processing_timeout(std::time::Duration::from_millis(300)).unwrap();
     let org = org();
     let panicked = gate.handle(delivery(org, "d-6", b"{}"), || async { panic!("a bug in the handler") }).await;
-    assert_eq!(panicked, Ack::Retry(RetryReason::ProcessingAborted));
+    assert_eq!(panicked, Ack::Dropped(DropReason::ProcessingAborted));
     let overran = gate
-        .handle(delivery(org, "d-6", b"{}"), || async {
+        .handle(delivery(org, "d-6b", b"{}"), || async {
             tokio::time::sleep(std::time::Duration::from_secs(30)).await;
             Ok::<Value, ProcessingError>(json!("late"))
         })
         .await;
-    assert_eq!(overran, Ack::Retry(RetryReason::ProcessingAborted));
-    assert_eq!(count_rows(&stack).await, 0, "released both times");
-    let redelivered =
-        gate.handle(delivery(org, "d-6", b"{}"), || async { Ok::<Value, ProcessingError>(json!("ok")) }).await;
-    assert_eq!(redelivered, Ack::Processed, "the vendor's redelivery is processed, not dropped");
+    assert_eq!(overran, Ack::Dropped(DropReason::ProcessingAborted));
+    assert_eq!(gate.drops().get(DropReason::ProcessingAborted), 2);
+    let errors: Vec<Value> = sqlx::query_scalar(
+        "select response->'error' from agent.idempotency_keys where status = 'completed' order by key",
+    )
+    .fetch_all(stack.db())
+    .await
+    .unwrap();
+    assert_eq!(errors, vec![json!("processing_panicked"), json!("processing_timed_out")]);
+    let redelivered = gate.handle(delivery(org, "d-6", b"{}"), || async { panic!("recorded once") }).await;
+    assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate));
     stack.stop().await.unwrap();
 }
 
@@ -297,13 +340,10 @@ async fn a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_du
     let gate = gate(&stack);
     let org = org();
     let body = b"{\"type\":\"file.uploaded\",\"name\":\"a\\u0000b\"}";
-    let performed = AtomicUsize::new(0);
+    let performed = Arc::new(AtomicUsize::new(0));
     // Processing echoes what it stored, NUL included: jsonb cannot hold it.
-    let process = || async {
-        performed.fetch_add(1, Ordering::SeqCst);
-        let parsed: Value = serde_json::from_slice(body).expect("the body is JSON");
-        Ok::<Value, ProcessingError>(json!({"stored": parsed["name"]}))
-    };
+    let parsed: Value = serde_json::from_slice(body).expect("the body is JSON");
+    let process = counted(&performed, json!({"stored": parsed["name"]}));
 
     assert_eq!(gate.handle(delivery(org, "d-nul", body), process).await, Ack::Processed);
     let stored: (String, Value) = sqlx::query_as("select status, response from agent.idempotency_keys")
@@ -312,8 +352,9 @@ async fn a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_du
         .expect("the claim");
     assert_eq!(stored.0, "completed", "journaled, not left processing");
     assert_eq!(stored.1["ok"], json!(true));
-    assert_eq!(stored.1["output"]["$elided"]["reason"], json!("nul"));
-    assert_eq!(gate.handle(delivery(org, "d-nul", body), process).await, Ack::Dropped(DropReason::Duplicate));
+    assert_eq!(stored.1["output"], json!({"$json": "{\"stored\":\"a\\u0000b\"}"}), "stored whole, as its text");
+    let again = gate.handle(delivery(org, "d-nul", body), counted(&performed, json!(null))).await;
+    assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
     assert_eq!(performed.load(Ordering::SeqCst), 1, "processed once");
     stack.stop().await.unwrap();
 }
@@ -322,14 +363,14 @@ async fn a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_du
 async fn a_webhook_claim_carries_the_specs_30_second_lease() {
     let stack = stack().await;
     let gate = gate(&stack);
-    let stack_ref = &stack;
-    let ack = gate
-        .handle(delivery(org(), "d-lease", b"{}"), || async move {
-            assert_eq!(stored_lease_ms(stack_ref).await, 30_000.0, "webhook.nylas: lease 30 s");
-            Ok::<Value, ProcessingError>(json!("done"))
-        })
-        .await;
+    let ack =
+        gate.handle(delivery(org(), "d-lease", b"{}"), || async { Ok::<Value, ProcessingError>(json!("done")) }).await;
     assert_eq!(ack, Ack::Processed);
+    assert_eq!(
+        stored_lease_ms(&stack).await,
+        30_000.0,
+        "webhook.nylas: lease 30 s (15 s processing, 10 s journal, 5 s margin)"
+    );
     stack.stop().await.unwrap();
 }
 
@@ -340,5 +381,9 @@ async fn an_absurd_processing_timeout_is_refused_not_a_panic() {
         assert!(gate(&stack).with_processing_timeout(timeout).is_err(), "{timeout:?}");
     }
     assert!(gate(&stack).with_processing_timeout(std::time::Duration::from_secs(60)).is_ok());
+    assert!(
+        gate(&stack).with_processing_timeout(std::time::Duration::from_secs(400)).is_err(),
+        "a lease past the vendor's last redelivery (6 min)"
+    );
     stack.stop().await.unwrap();
 }
