@@ -161,25 +161,27 @@ pub(crate) fn store(answer: &Answer, limit: u64, refused: bool) -> StoredAnswer 
     }
     envelope.insert("output".into(), storable(&answer.output, 1));
     let mut stored = Value::Object(envelope);
+    let over = |stored: &Value| journal::json_size(stored) > limit;
+    // A long error is what makes the answer too large: keep its start first,
+    // so the output (the body) stays whole when that is enough.
+    if let Some(error) = answer.error.as_deref() {
+        if refused || over(&stored) {
+            shorten_error(&mut stored, error);
+        }
+    }
     let reason = if refused {
-        Some(Unstorable::Refused)
+        Some(match resource {
+            // A refused answer with a resource goes by reference, like a large one.
+            Some(_) => Unstorable::TooLarge { size: journal::json_size(&answer.output), limit },
+            None => Unstorable::Refused,
+        })
     } else {
         let size = journal::json_size(&stored);
         (size > limit).then_some(Unstorable::TooLarge { size, limit })
     };
     if let Some(reason) = reason {
-        let reason = match (reason, &resource) {
-            // A refused answer with a resource goes by reference like a large one.
-            (Unstorable::Refused, Some(_)) => Unstorable::TooLarge { size: 0, limit },
-            (reason, _) => reason,
-        };
         stand_in = Some(reason);
         stored["output"] = journal::stand_in(&answer.output, reason, resource.as_ref());
-        if let Some(error) = answer.error.as_deref() {
-            if refused || journal::json_size(&stored) > limit {
-                shorten_error(&mut stored, error);
-            }
-        }
     }
     StoredAnswer { response: stored, resource, stand_in }
 }

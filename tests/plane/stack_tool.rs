@@ -648,3 +648,76 @@ async fn an_output_the_database_refuses_is_journaled_as_a_stand_in_and_replays()
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_business_failure_with_an_error_of_64_kib_or_more_replays_as_that_failure_with_or_without_a_resource() {
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let org = org();
+    let long_error = format!("invalid_input: {}", "the field is wrong. ".repeat(4_000));
+    assert!(long_error.len() >= 64 * 1024);
+    for (step, resource) in [("with-resource", Some(("crm.note", "n-1"))), ("without-resource", None)] {
+        let (key, args) = (ToolKey::for_step(Uuid::new_v4(), step), json!({"step": step}));
+        let runs = AtomicUsize::new(0);
+        let tool = |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let failure = ToolResult::business_failure(long_error.clone(), json!({"field": "name"}));
+            match resource {
+                Some((kind, id)) => failure.with_resource(kind, id),
+                None => failure,
+            }
+        };
+        let first = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
+        assert!(matches!(&first, ToolRun::Executed(r) if !r.ok), "{step}: {first:?}");
+        let again = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
+        let ToolRun::Replayed(replayed) = again else { panic!("{step}: a replay, got {again:?}") };
+        assert!(!replayed.ok, "{step}: a business failure replays as a failure, never as ok: true");
+        let kept = replayed.error.expect("the error is kept");
+        assert!(long_error.starts_with(&kept) && !kept.is_empty(), "{step}: the error's start is kept");
+        assert_eq!(replayed.output, json!({"field": "name"}), "{step}: the small output is kept whole");
+        assert_eq!(replayed.resource.is_some(), resource.is_some(), "{step}");
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{step}: the tool ran once");
+    }
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_business_failure_whose_error_holds_nul_is_journaled_and_replays_equal() {
+    let stack = stack().await;
+    let guard = guard(&stack);
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "nul-error"), json!({}));
+    let failure = ToolResult::business_failure("bad byte \u{0} in name", json!(null));
+    let first = guard.run(org, &spec(), &key, &args, allow, |_| async { failure.clone() }).await.unwrap();
+    assert!(matches!(first, ToolRun::Executed(_)));
+    let status: String =
+        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(status, "completed", "journaled, not left processing for a second run after the lease");
+    let again = guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("must not run twice") }).await.unwrap();
+    assert_eq!(again, ToolRun::Replayed(failure));
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn time_spent_in_the_checkpoint_counts_against_the_retry_horizon() {
+    let stack = stack().await;
+    // Lease 1 s + 1 s journal + 1 s margin = 3 s; the last attempt comes 4 s after the first.
+    let guard = ToolGuard::new(service(&stack), RetryHorizon::until_last_attempt(Duration::from_secs(4)))
+        .with_lease_margin(Duration::from_secs(1))
+        .unwrap()
+        .with_journal_deadline(Duration::from_secs(1))
+        .unwrap();
+    let spec = ToolSpec::new("tool.email.send", Duration::from_secs(1), RepeatSafety::VendorKey).unwrap();
+    assert!(guard.check(&spec).is_ok(), "3 s of lease passes before the last attempt at 4 s");
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "slow-checkpoint"), json!({}));
+    let slow_checkpoint = || async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        Checkpoint::Allow
+    };
+    let ran = guard.run(org, &spec, &key, &args, slow_checkpoint, |_| async { panic!("must not run") }).await;
+    assert!(
+        matches!(ran, Err(ToolError::LeaseOutlastsRetries { spent, .. }) if spent >= Duration::from_millis(1500)),
+        "a claim made 1.5 s in would hold its 3 s lease past the last attempt: {ran:?}"
+    );
+    assert_eq!(count_rows(&stack).await, 0, "refused before any claim");
+    stack.stop().await.unwrap();
+}
