@@ -39,6 +39,8 @@ mod stack_arguments;
 #[cfg(feature = "local")]
 mod stack_claims;
 #[cfg(feature = "local")]
+mod stack_endings;
+#[cfg(feature = "local")]
 mod stack_faults;
 #[cfg(feature = "local")]
 mod stack_fences;
