@@ -56,6 +56,18 @@ async fn status_of(stack: &LocalStack, key: &str) -> Option<String> {
         .expect("the claim table")
 }
 
+/// Whether the claim of `key` is completed within [`WAIT`].
+async fn completes(stack: &LocalStack, key: &str) -> bool {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while tokio::time::Instant::now() < deadline {
+        if status_of(stack, key).await.as_deref() == Some("completed") {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
 /// Sequence 1: the gate's deadline cuts a slow claim the database made and
 /// answers 503; the vendor redelivers at once; the redelivery meets that
 /// claim and is ACKed as a duplicate. The event must still be processed,
@@ -75,15 +87,7 @@ async fn webhook_a_claim_cut_by_the_deadline_is_carried_so_the_event_its_acked_r
     let redelivered = redelivery_gate.handle(delivery(org, "evt-cut"), counted(&runs, Duration::ZERO)).await;
     assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate), "ACKed: the vendor will not send it again");
 
-    let mut completed = false;
-    for _ in 0..300 {
-        if status_of(&stack, "evt-cut").await.as_deref() == Some("completed") {
-            completed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(completed, "the event an ACKed redelivery named was never processed");
+    assert!(completes(&stack, "evt-cut").await, "the event an ACKed redelivery named was never processed");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "processed exactly once");
     assert_eq!(proxy.requests("idempotency_release"), 0, "the claim was never given up");
     stack.stop().await.unwrap();
@@ -118,15 +122,7 @@ async fn webhook_a_retryable_failure_with_a_slow_plane_is_tried_again_in_process
     assert_eq!(first.status(), 200, "the gate holds the claim and carries it: {first:?}");
     let redelivered = gate.handle(delivery(org, "evt-flaky"), || async { panic!("processed by its owner") }).await;
     assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate));
-    let mut completed = false;
-    for _ in 0..300 {
-        if status_of(&stack, "evt-flaky").await.as_deref() == Some("completed") {
-            completed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(completed, "the event was lost");
+    assert!(completes(&stack, "evt-flaky").await, "the event was lost");
     assert_eq!(tries.load(Ordering::SeqCst), 2, "one failure, one success");
     assert_eq!(proxy.requests("idempotency_release"), 0, "never released");
     stack.stop().await.unwrap();
