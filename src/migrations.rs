@@ -11,4 +11,5 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0009_lean_hot_path.sql", include_str!("../sql/0009_lean_hot_path.sql")),
     ("0010_http_scopes.sql", include_str!("../sql/0010_http_scopes.sql")),
     ("0011_functions_only.sql", include_str!("../sql/0011_functions_only.sql")),
+    ("0012_fenced_admission.sql", include_str!("../sql/0012_fenced_admission.sql")),
 ];

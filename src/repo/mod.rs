@@ -130,8 +130,24 @@ pub trait IdempotencyRepository: Send + Sync {
     fn release(&self, claim_id: Uuid, lease_token: Uuid) -> impl Future<Output = Result<bool, Error>> + Send;
 }
 
+/// The plane's own refusal (HTTP 400) of a fenced Run admission whose claim
+/// is not held by its lease token: nothing was admitted. The repositories
+/// answer it as `None` from [`RunRepository::admit_fenced`].
+pub const FENCE_LOST: &str = "IDEM4";
+
+/// The claim a fenced admission must still hold: its id and the lease token
+/// of the worker holding it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimFence {
+    /// The claim id.
+    pub claim_id: Uuid,
+    /// The lease token that must still hold it.
+    pub lease_token: Uuid,
+}
+
 /// Run admission: `agent.runs`, whose unique start key per organization is
-/// the Run claim. Never the claim table.
+/// the Run claim. Never the claim table (a fenced admission only reads a
+/// claim, to check that it is still held).
 pub trait RunRepository: Send + Sync {
     /// Admits the Run `start_key` names, or answers the one already admitted
     /// under it. `admitted` is true for the call that inserted it, and for a
@@ -143,6 +159,31 @@ pub trait RunRepository: Send + Sync {
         input: &serde_json::Value,
         admission_token: Uuid,
     ) -> impl Future<Output = Result<AdmittedRun, Error>> + Send;
+
+    /// [`admit`](Self::admit), but only while `fence` holds: its claim is
+    /// processing, under `fence.lease_token`, with a live lease by the
+    /// store's clock, and belongs to `organization_id`. Checked in the same
+    /// statement as the insert, and no reclaim or completion of the claim
+    /// can pass between the two. `None` when the fence does not hold
+    /// ([`FENCE_LOST`]): nothing was admitted, and no Run is answered, even
+    /// when one exists under the key.
+    fn admit_fenced(
+        &self,
+        organization_id: Uuid,
+        start_key: &str,
+        input: &serde_json::Value,
+        admission_token: Uuid,
+        fence: ClaimFence,
+    ) -> impl Future<Output = Result<Option<AdmittedRun>, Error>> + Send;
+
+    /// The Run admitted under `start_key`, if any; never writes. `admitted`
+    /// is true when `admission_token` is the token that admitted it.
+    fn find(
+        &self,
+        organization_id: Uuid,
+        start_key: &str,
+        admission_token: Option<Uuid>,
+    ) -> impl Future<Output = Result<Option<AdmittedRun>, Error>> + Send;
 }
 
 /// Provider jobs: which organization a job a provider will call back about

@@ -5,11 +5,11 @@ use uuid::Uuid;
 
 use super::surface::{
     CLAIM, COMPLETE, DELETE_EXPIRED, EXPIRED, GET, PROVIDER_JOB_LOOKUP, PROVIDER_JOB_REGISTER, RECLAIM, RELEASE,
-    RUN_ADMIT, TRY_CLAIM,
+    RUN_ADMIT, RUN_GET, TRY_CLAIM,
 };
 use super::{
-    AdmittedRun, ClaimCall, ClaimRequest, ClaimRow, CompletionArgs, ExpiredClaim, ExpiredClaims, IdempotencyRecord,
-    IdempotencyRepository, ProviderJob, ProviderJobRepository, RunRepository,
+    AdmittedRun, ClaimCall, ClaimFence, ClaimRequest, ClaimRow, CompletionArgs, ExpiredClaim, ExpiredClaims,
+    IdempotencyRecord, IdempotencyRepository, ProviderJob, ProviderJobRepository, RunRepository, FENCE_LOST,
 };
 use crate::postgrest::{codes, ClientError};
 use crate::postgrest::{PostgrestClient, Repeat};
@@ -186,16 +186,42 @@ impl IdempotencyRepository for PostgrestRepository {
     }
 }
 
+/// The fence is omitted, never sent as `null`, when there is none (see
+/// [`CompleteArgs`]).
 #[derive(Serialize)]
 struct AdmitArgs<'a> {
     p_organization_id: Uuid,
     p_start_key: &'a str,
     p_input: &'a serde_json::Value,
     p_admission_token: Uuid,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_claim_id: Option<Uuid>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_lease_token: Option<Uuid>,
+}
+
+#[derive(Serialize)]
+struct RunKeyArgs<'a> {
+    p_organization_id: Uuid,
+    p_start_key: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_admission_token: Option<Uuid>,
+}
+
+impl PostgrestRepository {
+    async fn run_admit(&self, args: &AdmitArgs<'_>) -> Result<AdmittedRun, Error> {
+        let mut rows: Vec<AdmittedRun> = self.client.rpc(RUN_ADMIT.name, args, Repeat::Safe).await?;
+        match (rows.pop(), rows.is_empty()) {
+            (Some(run), true) => Ok(run),
+            _ => Err(Error::Inconsistent(format!("{} must answer exactly one row", RUN_ADMIT.name))),
+        }
+    }
 }
 
 /// `run_admit` is safe to repeat: the admission token makes a repeat of the
-/// inserting call answer `admitted = true` again.
+/// inserting call answer `admitted = true` again. A fenced repeat whose
+/// first attempt's answer was lost answers the same, as long as the fence
+/// still holds.
 impl RunRepository for PostgrestRepository {
     async fn admit(
         &self,
@@ -204,16 +230,57 @@ impl RunRepository for PostgrestRepository {
         input: &serde_json::Value,
         admission_token: Uuid,
     ) -> Result<AdmittedRun, Error> {
-        let args = AdmitArgs {
+        self.run_admit(&AdmitArgs {
             p_organization_id: organization_id,
             p_start_key: start_key,
             p_input: input,
             p_admission_token: admission_token,
+            p_claim_id: None,
+            p_lease_token: None,
+        })
+        .await
+    }
+
+    async fn admit_fenced(
+        &self,
+        organization_id: Uuid,
+        start_key: &str,
+        input: &serde_json::Value,
+        admission_token: Uuid,
+        fence: ClaimFence,
+    ) -> Result<Option<AdmittedRun>, Error> {
+        let admitted = self
+            .run_admit(&AdmitArgs {
+                p_organization_id: organization_id,
+                p_start_key: start_key,
+                p_input: input,
+                p_admission_token: admission_token,
+                p_claim_id: Some(fence.claim_id),
+                p_lease_token: Some(fence.lease_token),
+            })
+            .await;
+        match admitted {
+            Ok(run) => Ok(Some(run)),
+            Err(Error::Store(store)) if store.code() == Some(FENCE_LOST) => Ok(None),
+            Err(other) => Err(other),
+        }
+    }
+
+    async fn find(
+        &self,
+        organization_id: Uuid,
+        start_key: &str,
+        admission_token: Option<Uuid>,
+    ) -> Result<Option<AdmittedRun>, Error> {
+        let args = RunKeyArgs {
+            p_organization_id: organization_id,
+            p_start_key: start_key,
+            p_admission_token: admission_token,
         };
-        let mut rows: Vec<AdmittedRun> = self.client.rpc(RUN_ADMIT.name, &args, Repeat::Safe).await?;
-        match (rows.pop(), rows.is_empty()) {
-            (Some(run), true) => Ok(run),
-            _ => Err(Error::Inconsistent(format!("{} must answer exactly one row", RUN_ADMIT.name))),
+        let mut rows: Vec<AdmittedRun> = self.client.rpc(RUN_GET.name, &args, Repeat::Safe).await?;
+        match rows.len() {
+            0 | 1 => Ok(rows.pop()),
+            n => Err(Error::Inconsistent(format!("{} answered {n} rows, at most 1 expected", RUN_GET.name))),
         }
     }
 }

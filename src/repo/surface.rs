@@ -42,8 +42,13 @@ pub(crate) const COMPLETE: SqlFunction = function(
 pub(crate) const RELEASE: SqlFunction = function("idempotency_release", "p_claim_id uuid, p_lease_token uuid");
 pub(crate) const EXPIRED: SqlFunction = function("idempotency_expired", "p_limit integer");
 pub(crate) const DELETE_EXPIRED: SqlFunction = function("idempotency_delete_expired", "p_ids uuid[]");
-pub(crate) const RUN_ADMIT: SqlFunction =
-    function("run_admit", "p_organization_id uuid, p_start_key text, p_input jsonb, p_admission_token uuid");
+pub(crate) const RUN_ADMIT: SqlFunction = function(
+    "run_admit",
+    "p_organization_id uuid, p_start_key text, p_input jsonb, p_admission_token uuid, p_claim_id uuid, \
+     p_lease_token uuid",
+);
+pub(crate) const RUN_GET: SqlFunction =
+    function("run_get", "p_organization_id uuid, p_start_key text, p_admission_token uuid");
 pub(crate) const PROVIDER_JOB_REGISTER: SqlFunction =
     function("provider_job_register", "p_organization_id uuid, p_provider text, p_job_id text");
 pub(crate) const PROVIDER_JOB_LOOKUP: SqlFunction = function("provider_job_lookup", "p_provider text, p_job_id text");
@@ -61,6 +66,7 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     EXPIRED,
     DELETE_EXPIRED,
     RUN_ADMIT,
+    RUN_GET,
     PROVIDER_JOB_REGISTER,
     PROVIDER_JOB_LOOKUP,
     CAP_PROBE,

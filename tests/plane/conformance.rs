@@ -8,8 +8,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use idempotency_plane::repo::{
-    ClaimCall, ClaimDecision, ClaimRequest, ClaimStatus, CompletionArgs, ExpiredClaims, ProviderJobRepository,
-    RunRepository,
+    ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs, ExpiredClaims,
+    ProviderJobRepository, RunRepository,
 };
 use idempotency_plane::{ClientError, Error, IdempotencyRepository, MemoryRepository, RequestHash};
 use serde_json::json;
@@ -265,6 +265,58 @@ async fn runs_are_admitted_once_and_provider_jobs_belong_to_one_organization(rep
     assert_eq!(repo.lookup("transcribe", "job-2").await.unwrap(), None);
 }
 
+/// A fenced admission inserts only while its claim is held by its token,
+/// and a Run is read back by its start key.
+async fn a_fenced_admission_admits_only_while_its_claim_is_held(repo: &impl Backend, time: &impl TimeTravel) {
+    let (org, h, lease_token) = (Uuid::new_v4(), hash("fenced"), Uuid::new_v4());
+    let scope = "surface.saved_search.start";
+    let claim = repo.claim(&call(org, scope, "start-1", &h, lease_token)).await.unwrap();
+    let fence = ClaimFence { claim_id: claim.id, lease_token };
+    let (input, admitter) = (json!({"snapshot": 1}), Uuid::new_v4());
+
+    let run = repo.admit_fenced(org, "start:1", &input, admitter, fence).await.unwrap().expect("the fence holds");
+    assert!(run.admitted);
+    let again = repo.admit_fenced(org, "start:1", &json!({"snapshot": 2}), admitter, fence).await.unwrap();
+    let again = again.expect("a repeat under the same fence");
+    assert_eq!((again.id, again.admitted, &again.input), (run.id, true, &input), "the first input wins");
+
+    let wrong_token = ClaimFence { lease_token: Uuid::new_v4(), ..fence };
+    let refused = repo.admit_fenced(org, "start:1", &input, admitter, wrong_token).await.unwrap();
+    assert_eq!(refused, None, "another token's fence: refused even though the Run exists");
+    let other_org = repo.admit_fenced(Uuid::new_v4(), "start:2", &input, admitter, fence).await.unwrap();
+    assert_eq!(other_org, None, "a claim fences only its own organization's Runs");
+    let unknown = ClaimFence { claim_id: Uuid::new_v4(), lease_token };
+    assert_eq!(repo.admit_fenced(org, "start:2", &input, admitter, unknown).await.unwrap(), None);
+
+    // The lease passes: the old holder starts nothing; the new holder may.
+    time.pass_lease(claim.id).await;
+    assert_eq!(repo.admit_fenced(org, "start:2", &input, admitter, fence).await.unwrap(), None, "lease passed");
+    assert_eq!(repo.find(org, "start:2", Some(admitter)).await.unwrap(), None, "no Run from the lost fence");
+    let token2 = Uuid::new_v4();
+    let reclaimed = repo.claim(&call(org, scope, "start-1", &h, token2)).await.unwrap();
+    assert_eq!(reclaimed.outcome, ClaimDecision::Reclaimed);
+    let fence2 = ClaimFence { claim_id: claim.id, lease_token: token2 };
+    let second = repo.admit_fenced(org, "start:2", &input, admitter, fence2).await.unwrap().expect("the new fence");
+    assert!(second.admitted);
+
+    // A completed claim fences nothing.
+    let answer = json!({"done": true});
+    let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
+    repo.complete(claim.id, token2, args).await.unwrap().expect("completed");
+    assert_eq!(repo.admit_fenced(org, "start:3", &input, admitter, fence2).await.unwrap(), None, "completed");
+
+    // Reading back: the Run, admitted for its own token only; nothing else.
+    let found = repo.find(org, "start:1", Some(admitter)).await.unwrap().expect("admitted");
+    assert_eq!((found.id, found.admitted, &found.input), (run.id, true, &input));
+    let other = repo.find(org, "start:1", Some(Uuid::new_v4())).await.unwrap().expect("admitted");
+    assert!(!other.admitted);
+    assert!(!repo.find(org, "start:1", None).await.unwrap().expect("admitted").admitted);
+    assert_eq!(repo.find(org, "start:3", Some(admitter)).await.unwrap(), None);
+    assert_eq!(repo.find(Uuid::new_v4(), "start:1", Some(admitter)).await.unwrap(), None);
+    assert_eq!(code(repo.find(org, "", None).await), "22023");
+    assert_eq!(code(repo.admit_fenced(org, "", &input, admitter, fence2).await), "22023");
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod in_memory {
@@ -300,4 +352,5 @@ conformance!(
     the_response_limit_counts_compact_json,
     expired_claims_are_read_oldest_first_within_the_bound_and_deleted,
     runs_are_admitted_once_and_provider_jobs_belong_to_one_organization,
+    a_fenced_admission_admits_only_while_its_claim_is_held,
 );

@@ -88,11 +88,22 @@ fn surface() -> Vec<Call> {
             arguments: vec![("p_ids", format!("{{{CLAIM_ID}}}"), true)],
         },
         Call {
-            sql: "select * from agent.run_admit($1::uuid, $2, $3::jsonb, $4::uuid)",
+            sql: "select * from agent.run_admit($1::uuid, $2, $3::jsonb, $4::uuid, $5::uuid, $6::uuid)",
             arguments: vec![
                 ("p_organization_id", ORG.to_owned(), true),
                 ("p_start_key", "start-1".to_owned(), true),
                 ("p_input", r#"{"q": 1}"#.to_owned(), true),
+                ("p_admission_token", Uuid::new_v4().to_string(), false),
+                // The fence: the processing claim arranged below, held by TOKEN.
+                ("p_claim_id", CLAIM_ID.to_owned(), false),
+                ("p_lease_token", TOKEN.to_owned(), false),
+            ],
+        },
+        Call {
+            sql: "select * from agent.run_get($1::uuid, $2, $3::uuid)",
+            arguments: vec![
+                ("p_organization_id", ORG.to_owned(), true),
+                ("p_start_key", "start-1".to_owned(), true),
                 ("p_admission_token", Uuid::new_v4().to_string(), false),
             ],
         },
@@ -199,7 +210,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 46, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 48, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 
