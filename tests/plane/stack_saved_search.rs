@@ -4,14 +4,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_plane::callers::runs::RunAdmission;
+use idempotency_plane::callers::runs::{AdmissionToken, RunAdmission};
 use idempotency_plane::callers::saved_search::{SavedSearchError, SavedSearchStart, SnapshotError, SnapshotSource};
-use idempotency_plane::PostgrestRepository;
+use idempotency_plane::{PostgrestRepository, RetryConfig};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
 use crate::harness::*;
+use crate::support::FaultServer;
 
 /// Mutable product data: every freeze reads a newer version, so a test can
 /// tell which freeze was stored. Freezes wait for a permit when `gated`.
@@ -262,5 +263,30 @@ async fn a_saved_search_preparation_carries_the_specs_30_second_lease() {
     assert_eq!(stored_lease_ms(&stack).await, 30_000.0, "surface.saved_search.start: lease 30 s");
     gate.add_permits(1);
     assert!(preparing.await.expect("task").is_ok());
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_admission_whose_answer_was_lost_beyond_the_clients_retries_is_admitted_to_a_rerun_with_its_token() {
+    let stack = stack().await;
+    let proxy = FaultServer::lossy_proxy(stack.url()).await;
+    let runs = RunAdmission::new(proxy.client(stack.service_key(), RetryConfig::disabled()));
+    let (org, input) = (org(), json!({"capability": "summarize", "request": "req-9"}));
+    // The orchestrator step's own token, the same on every re-run.
+    let step = AdmissionToken::derived(org, "run-7:step-admit");
+
+    proxy.lose_answer(1);
+    let lost = runs.admit_as(org, "capability:summarize:req-9", &input, step).await;
+    assert!(lost.is_err(), "the answer is lost and the client does not retry: {lost:?}");
+    assert_eq!(count_runs(&stack).await, 1, "the Run was admitted all the same");
+
+    let rerun = runs.admit_as(org, "capability:summarize:req-9", &input, step).await.unwrap();
+    assert!(rerun.admitted, "the step that admitted the Run, re-run: still its admitter");
+    let other = runs.admit_as(org, "capability:summarize:req-9", &input, AdmissionToken::random()).await.unwrap();
+    assert!(!other.admitted, "another token is a replay");
+    let default = runs.admit(org, "capability:summarize:req-9", &input).await.unwrap();
+    assert!(!default.admitted, "so is the default's fresh token");
+    assert_eq!((other.id, default.id), (rerun.id, rerun.id));
+    assert_eq!(count_runs(&stack).await, 1);
     stack.stop().await.unwrap();
 }
