@@ -8,6 +8,32 @@
 //! Run status: the Run is admitted through `agent.runs` with that key, so a
 //! replay finds the same Run — also after the 24-hour snapshot claim is gone,
 //! for the Run's whole 396-day retention.
+//!
+//! Two ways to keep the snapshot, decided by its size:
+//!
+//! - **Inline** (it fits the store limit, 64 KiB by default): the claim
+//!   completes with the snapshot, then the Run is admitted from it. A
+//!   preparation whose fence was lost cannot complete, so it admits nothing.
+//! - **By reference** (it does not fit): the snapshot's durable copy is the
+//!   Run's own input (up to 4 MiB). The Run is admitted first, through a
+//!   *fenced* admission that inserts only while this preparation's claim is
+//!   still held by its lease token (one SQL statement), and the claim then
+//!   completes with the Run key and a [`ResponseRef`] to the Run (type
+//!   [`SNAPSHOT_RESOURCE_TYPE`], its id, the snapshot's size and SHA-256).
+//!   A replay reads the snapshot back from the Run and checks it against the
+//!   reference. If the worker dies between admission and completion, the
+//!   next one reclaims, freezes again, and its fenced admission answers the
+//!   Run already admitted: the first snapshot wins.
+//!
+//! A reclaimed preparation always takes the fenced road, whatever its size:
+//! an earlier holder may have admitted a Run before it died, and the claim
+//! must then answer that Run's input, not the new freeze. Either way
+//! [`StartedRun::snapshot`] is the admitted Run's input.
+//!
+//! Every start of one trigger admits with the same [`AdmissionToken`],
+//! derived from the start's identity, so each of them (a retry after a lost
+//! answer, a re-run hours later) is told `admitted = true` for the Run its
+//! trigger started.
 
 use std::future::Future;
 use std::time::Duration;
@@ -17,10 +43,12 @@ use serde_json::{json, Value};
 use tracing::Instrument;
 use uuid::Uuid;
 
-use super::runs::{AdmittedRun, RunAdmission};
-use crate::error::Error;
+use super::runs::{AdmissionError, AdmissionToken, AdmittedRun, RunAdmission};
+use crate::error::{Error, InvalidInput};
+use crate::postgrest::codes;
 use crate::repo::{IdempotencyRepository, PostgrestRepository, RunRepository};
-use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, DAY};
+use crate::service::journal;
+use crate::service::{Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResponseRef, DAY};
 
 /// The scope of saved-search input preparation.
 pub const SAVED_SEARCH_START_SCOPE: &str = "surface.saved_search.start";
@@ -32,16 +60,21 @@ pub const SAVED_SEARCH_START_RETENTION: Duration = DAY;
 /// The spec's lease for input preparation.
 pub const SAVED_SEARCH_LEASE: Duration = Duration::from_secs(30);
 
+/// The resource a snapshot too large for its claim is kept in: the admitted
+/// Run, whose input it is. The claim's `resource_type`, and the type of its
+/// [`ResponseRef`].
+pub const SNAPSHOT_RESOURCE_TYPE: &str = "agent.run";
+
 /// Where the mutable product data comes from: the brief and the baseline a
 /// saved search starts from, read now and frozen.
 pub trait SnapshotSource: Send + Sync {
     /// Reads and freezes the saved search's input. Called at most once per
-    /// start key while the claim is held. The snapshot is stored in the
-    /// claim, so it must fit the store limit (64 KiB by default); a bulkier
-    /// baseline belongs in storage of its own, referenced from the snapshot.
-    /// A snapshot above the limit fails the start with
-    /// [`InvalidInput::ResponseTooLarge`](crate::InvalidInput::ResponseTooLarge)
-    /// and releases the claim.
+    /// start key while the claim is held. A snapshot that fits the store
+    /// limit (64 KiB by default) is kept in the claim; a larger one is kept
+    /// as the Run's input and referenced from the claim. One the store
+    /// cannot hold at all (above 4 MiB as compact JSON, nested deeper than
+    /// 64 levels, holding U+0000) fails the start
+    /// ([`Error::is_unstorable_answer`]) and releases the claim.
     fn freeze(
         &self,
         organization_id: Uuid,
@@ -58,11 +91,14 @@ pub struct SnapshotError(pub String);
 /// A started (or replayed) saved-search Run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StartedRun {
-    /// The admitted Run (`admitted` is false on a replay).
+    /// The admitted Run. `admitted` is true for every start of this trigger
+    /// (they share its admission token), replays included; false only when
+    /// a Run under its key was admitted by someone else.
     pub run: AdmittedRun,
-    /// The frozen input the Run was built from.
+    /// The frozen input the Run was admitted with.
     pub snapshot: Value,
-    /// True when an earlier start froze the input.
+    /// True when an earlier start froze the input the Run was admitted
+    /// with: this call froze nothing, or its freeze lost to an earlier one.
     pub replayed: bool,
 }
 
@@ -96,7 +132,8 @@ pub enum SavedSearchError {
     /// The source failed; the claim was released.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
-    /// The stored answer is not a snapshot this module wrote.
+    /// The stored answer is not a snapshot this module wrote, or the Run it
+    /// references does not match it.
     #[error("saved search start {key}: the stored answer is not a snapshot: {reason}")]
     StoredAnswer {
         /// The start key.
@@ -123,14 +160,45 @@ impl SavedSearchError {
     }
 }
 
-/// What the claim stores: the snapshot and the Run key derived from the claim.
+/// What the claim stores: the Run key derived from the claim, and either the
+/// snapshot itself or, when it is too large for the claim, a reference to
+/// the Run that holds it as its input.
 #[derive(Debug, Serialize, Deserialize)]
 struct Prepared {
     run_key: String,
-    snapshot: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    snapshot: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    snapshot_ref: Option<ResponseRef>,
 }
 
-/// Starts saved searches: claim, freeze, complete, admit.
+impl Prepared {
+    fn inline(run_key: &str, snapshot: &Value) -> Value {
+        json!({ "run_key": run_key, "snapshot": snapshot })
+    }
+}
+
+/// One start's identity, and what is derived from it.
+struct Start<'a> {
+    organization_id: Uuid,
+    key: &'a str,
+    run_key: String,
+    token: AdmissionToken,
+}
+
+impl Start<'_> {
+    fn stored_answer(&self, reason: impl Into<String>) -> SavedSearchError {
+        SavedSearchError::StoredAnswer { key: self.key.to_owned(), reason: reason.into() }
+    }
+
+    fn fence_lost(&self) -> SavedSearchError {
+        tracing::Span::current().record("outcome", "fence_lost");
+        SavedSearchError::FenceLost { key: self.key.to_owned() }
+    }
+}
+
+/// Starts saved searches: claim, freeze, complete, admit (or, for a large
+/// snapshot, claim, freeze, admit under the claim's fence, complete).
 #[derive(Debug, Clone)]
 pub struct SavedSearchStart<R, S, Q = PostgrestRepository> {
     service: IdempotencyService<R>,
@@ -165,7 +233,8 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         let span = tracing::info_span!(
             "saved_search.start",
             %organization_id, key = key.as_str(), outcome = tracing::field::Empty,
-            replayed = tracing::field::Empty
+            replayed = tracing::field::Empty, fenced = tracing::field::Empty,
+            by_reference = tracing::field::Empty
         );
         self.start_inner(organization_id, saved_search_id, trigger_id, &key).instrument(span).await
     }
@@ -178,68 +247,212 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         key: &str,
     ) -> Result<StartedRun, SavedSearchError> {
         let hash = RequestHash::of_json(&json!({"saved_search_id": saved_search_id, "trigger_id": trigger_id}));
+        let start = Start {
+            organization_id,
+            key,
+            run_key: run_key(organization_id, key),
+            token: admission_token(organization_id, key),
+        };
         let span = tracing::Span::current();
-        let outcome = self.service.claim(organization_id, SAVED_SEARCH_START_SCOPE, key, &hash, self.lease).await?;
-        let (prepared, replayed) = match outcome {
-            ClaimOutcome::Claimed(claim) => {
-                let frozen = match self.source.freeze(organization_id, saved_search_id).await {
-                    Ok(snapshot) if snapshot.is_null() => Err(SnapshotError("the source froze a null snapshot".into())),
-                    other => other,
-                };
-                let snapshot = match frozen {
-                    Ok(snapshot) => snapshot,
-                    Err(error) => {
-                        self.service.release_or_log(&claim).await;
-                        return Err(error.into());
-                    }
-                };
-                let prepared = Prepared { run_key: run_key(organization_id, key), snapshot };
-                let response = serde_json::to_value(&prepared)
-                    .map_err(|e| SavedSearchError::StoredAnswer { key: key.to_owned(), reason: e.to_string() })?;
-                match self.service.complete(&claim, Completion::response(response)).await {
-                    Ok(Ending::Recorded) => (prepared, false),
-                    Ok(Ending::LeaseMovedOn) => {
-                        span.record("outcome", "fence_lost");
-                        return Err(SavedSearchError::FenceLost { key: key.to_owned() });
-                    }
-                    // Refused for good (e.g. a snapshot the store will not
-                    // take): release, so the next start freezes again rather
-                    // than waiting out the lease. A transient failure keeps
-                    // the claim; its lease passing makes it reclaimable.
-                    Err(error) => {
-                        if !error.is_transient() {
-                            self.service.release_or_log(&claim).await;
-                        }
-                        return Err(error.into());
-                    }
-                }
-            }
-            ClaimOutcome::Completed { response, .. } => {
-                let prepared = response
-                    .ok_or_else(|| "no response".to_owned())
-                    .and_then(|value| serde_json::from_value::<Prepared>(value).map_err(|e| e.to_string()))
-                    .map_err(|reason| SavedSearchError::StoredAnswer { key: key.to_owned(), reason })?;
-                (prepared, true)
-            }
+        match self.service.claim(organization_id, SAVED_SEARCH_START_SCOPE, key, &hash, self.lease).await? {
+            ClaimOutcome::Claimed(claim) => self.prepare(&start, saved_search_id, claim).await,
+            ClaimOutcome::Completed { response, .. } => self.replay(&start, response).await,
             ClaimOutcome::Processing { lease_expires_at } => {
                 span.record("outcome", "in_progress");
-                return Err(SavedSearchError::InProgress { key: key.to_owned(), lease_expires_at });
+                Err(SavedSearchError::InProgress { key: key.to_owned(), lease_expires_at })
             }
             ClaimOutcome::Conflict => {
                 span.record("outcome", "conflict");
-                return Err(SavedSearchError::Conflict { key: key.to_owned() });
+                Err(SavedSearchError::Conflict { key: key.to_owned() })
+            }
+        }
+    }
+
+    /// We hold the claim: freeze, then keep the snapshot inline or by
+    /// reference, and admit the Run.
+    async fn prepare(
+        &self,
+        start: &Start<'_>,
+        saved_search_id: &str,
+        claim: Claim,
+    ) -> Result<StartedRun, SavedSearchError> {
+        let frozen = match self.source.freeze(start.organization_id, saved_search_id).await {
+            Ok(snapshot) if snapshot.is_null() => Err(SnapshotError("the source froze a null snapshot".into())),
+            other => other,
+        };
+        let snapshot = match frozen {
+            Ok(snapshot) => snapshot,
+            Err(error) => {
+                self.service.release_or_log(&claim).await;
+                return Err(error.into());
             }
         };
-        // Admission is its own claim (agent.runs' unique start key): a replay
-        // whose first attempt died after completing admits the Run now, and a
-        // start after the snapshot claim was swept finds the Run admitted
-        // then, with the input it was admitted with.
-        let run = self.runs.admit(organization_id, &prepared.run_key, &prepared.snapshot).await?;
-        let replayed = replayed || !run.admitted;
-        span.record("outcome", if run.admitted { "admitted" } else { "replayed" });
-        span.record("replayed", replayed);
-        Ok(StartedRun { snapshot: run.input.clone(), run, replayed })
+        // The database stamps claimed_at = lease_expires_at - the lease (in
+        // whole milliseconds, rounded up): a Run admitted before it is an
+        // earlier start's.
+        let claimed_at = claim.lease_expires_at() - lease_delta(self.lease);
+
+        let inline = Prepared::inline(&start.run_key, &snapshot);
+        let fits = journal::json_size(&inline) <= self.service.response_limit();
+        let mut inline_refused = false;
+        if fits && !claim.reclaimed() {
+            match self.service.complete(&claim, Completion::response(inline)).await {
+                Ok(Ending::Recorded) => {
+                    // Admission is its own claim (agent.runs' unique start
+                    // key): a replay whose first attempt died after
+                    // completing admits the Run now, and a start after the
+                    // snapshot claim was swept finds the Run admitted then,
+                    // with the input it was admitted with.
+                    let run = self.runs.admit_as(start.organization_id, &start.run_key, &snapshot, start.token).await?;
+                    return Ok(self.started(run, false, Some(claimed_at)));
+                }
+                Ok(Ending::LeaseMovedOn) => return Err(start.fence_lost()),
+                // The scope keeps less than the service's limit: keep it by
+                // reference instead.
+                Err(error) if too_large(&error) => {
+                    tracing::info!(%error, "the store refused the inline snapshot; keeping it in the Run instead");
+                    inline_refused = true;
+                }
+                // Refused for good (e.g. a snapshot the store will not
+                // take): release, so the next start freezes again rather
+                // than waiting out the lease. A transient failure keeps
+                // the claim; its lease passing makes it reclaimable.
+                Err(error) => {
+                    if !error.is_transient() {
+                        self.service.release_or_log(&claim).await;
+                    }
+                    return Err(error.into());
+                }
+            }
+        }
+
+        tracing::Span::current().record("fenced", true);
+        let admitted =
+            self.runs.admit_fenced(start.organization_id, &start.run_key, &snapshot, start.token, &claim).await;
+        let run = match admitted {
+            Ok(run) => run,
+            Err(AdmissionError::FenceLost { .. }) => return Err(start.fence_lost()),
+            Err(AdmissionError::Plane(error)) => {
+                if !error.is_transient() {
+                    self.service.release_or_log(&claim).await;
+                }
+                return Err(error.into());
+            }
+        };
+        // The Run is admitted, under our fence: it is the answer now, however
+        // the completion ends. Left processing, the claim is completed by its
+        // next holder, whose fenced admission answers this Run.
+        match self.complete_with_run(start, &claim, &run, !inline_refused).await {
+            Ok(Ending::Recorded) => {}
+            Ok(Ending::LeaseMovedOn) => {
+                tracing::info!(run_id = %run.id, "the Run is admitted; the claim moved on before its completion")
+            }
+            Err(error) => tracing::warn!(
+                %error, run_id = %run.id,
+                "the Run is admitted, its claim not completed; the next start after the lease completes it"
+            ),
+        }
+        Ok(self.started(run, false, Some(claimed_at)))
     }
+
+    /// Completes the claim with the admitted Run's input: inline when it fits
+    /// (and `try_inline`), else as a reference to the Run.
+    async fn complete_with_run(
+        &self,
+        start: &Start<'_>,
+        claim: &Claim,
+        run: &AdmittedRun,
+        try_inline: bool,
+    ) -> Result<Ending, SavedSearchError> {
+        let inline = Prepared::inline(&start.run_key, &run.input);
+        if try_inline && journal::json_size(&inline) <= self.service.response_limit() {
+            match self.service.complete(claim, Completion::response(inline)).await {
+                Err(error) if too_large(&error) => {}
+                other => return Ok(other?),
+            }
+        }
+        let (size, sha256) =
+            journal::digest(&run.input).ok_or_else(|| start.stored_answer("the Run's input does not serialize"))?;
+        let reference = ResponseRef {
+            resource_type: SNAPSHOT_RESOURCE_TYPE.to_owned(),
+            resource_id: run.id.to_string(),
+            size,
+            sha256,
+        };
+        let prepared = Prepared { run_key: start.run_key.clone(), snapshot: None, snapshot_ref: Some(reference) };
+        let response = serde_json::to_value(&prepared).map_err(|e| start.stored_answer(e.to_string()))?;
+        tracing::Span::current().record("by_reference", true);
+        let completion = Completion::response(response).with_resource(SNAPSHOT_RESOURCE_TYPE, run.id.to_string());
+        Ok(self.service.complete(claim, completion).await?)
+    }
+
+    /// An earlier start completed the claim: answer its Run, admitting it
+    /// now if that start died before admitting an inline snapshot.
+    async fn replay(&self, start: &Start<'_>, response: Option<Value>) -> Result<StartedRun, SavedSearchError> {
+        let prepared = response
+            .ok_or_else(|| "no response".to_owned())
+            .and_then(|value| serde_json::from_value::<Prepared>(value).map_err(|e| e.to_string()))
+            .map_err(|reason| start.stored_answer(reason))?;
+        let run = match (prepared.snapshot, prepared.snapshot_ref) {
+            (Some(snapshot), None) => {
+                self.runs.admit_as(start.organization_id, &prepared.run_key, &snapshot, start.token).await?
+            }
+            (None, Some(reference)) => {
+                tracing::Span::current().record("by_reference", true);
+                let found = self.runs.find(start.organization_id, &prepared.run_key, Some(start.token)).await?;
+                let run = found.ok_or_else(|| start.stored_answer("the Run holding the snapshot is not there"))?;
+                check_reference(&reference, &run).map_err(|reason| start.stored_answer(reason))?;
+                run
+            }
+            _ => return Err(start.stored_answer("it holds neither exactly a snapshot nor a reference to one")),
+        };
+        Ok(self.started(run, true, None))
+    }
+
+    /// The answer, with its outcome on the span. `claimed_at`: when our own
+    /// claim started, for a start that froze.
+    fn started(
+        &self,
+        run: AdmittedRun,
+        replayed_claim: bool,
+        claimed_at: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> StartedRun {
+        let replayed = replayed_claim || !run.admitted || claimed_at.is_some_and(|at| run.admitted_at < at);
+        let span = tracing::Span::current();
+        span.record("outcome", if replayed { "replayed" } else { "admitted" });
+        span.record("replayed", replayed);
+        StartedRun { snapshot: run.input.clone(), run, replayed }
+    }
+}
+
+/// A refusal of the answer's size alone: by the service (above its limit)
+/// or by the database (above the scope's `max_response_bytes`, IDEM2).
+fn too_large(error: &Error) -> bool {
+    match error {
+        Error::Invalid(InvalidInput::ResponseTooLarge { .. }) => true,
+        Error::Store(store) => store.code() == Some(codes::RESPONSE_TOO_LARGE),
+        _ => false,
+    }
+}
+
+/// Whether `run` is the Run `reference` names, with the snapshot it digests.
+fn check_reference(reference: &ResponseRef, run: &AdmittedRun) -> Result<(), String> {
+    if reference.resource_type != SNAPSHOT_RESOURCE_TYPE || reference.resource_id != run.id.to_string() {
+        return Err(format!(
+            "it references {}/{}, the Run under its key is {SNAPSHOT_RESOURCE_TYPE}/{}",
+            reference.resource_type, reference.resource_id, run.id
+        ));
+    }
+    match journal::digest(&run.input) {
+        Some((size, sha256)) if size == reference.size && sha256 == reference.sha256 => Ok(()),
+        _ => Err(format!("the Run {}'s input is not the snapshot it references", run.id)),
+    }
+}
+
+/// A lease as the database counts it: whole milliseconds, rounded up.
+fn lease_delta(lease: Duration) -> chrono::TimeDelta {
+    let ms = i64::try_from(lease.as_nanos().div_ceil(1_000_000)).unwrap_or(i64::MAX);
+    chrono::TimeDelta::milliseconds(ms)
 }
 
 /// The Run key of a saved-search start: derived from the claim's identity
@@ -253,4 +466,58 @@ fn run_key(organization_id: Uuid, key: &str) -> String {
     hasher.update(b":");
     hasher.update(key.as_bytes());
     format!("saved_search:{}", hex::encode(hasher.finalize()))
+}
+
+/// The admission token of a saved-search start: derived from the same
+/// identity, so every start of one trigger is the Run's admitter, and
+/// anyone else admitting under its key is not.
+fn admission_token(organization_id: Uuid, key: &str) -> AdmissionToken {
+    AdmissionToken::derived(organization_id, &format!("{SAVED_SEARCH_START_SCOPE}:{key}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lease_is_counted_as_the_database_stamps_it() {
+        assert_eq!(lease_delta(Duration::from_micros(30_000_001)), chrono::TimeDelta::milliseconds(30_001));
+        assert_eq!(lease_delta(SAVED_SEARCH_LEASE), chrono::TimeDelta::seconds(30));
+    }
+
+    #[test]
+    fn a_reference_must_name_the_run_and_digest_its_input() {
+        let run = AdmittedRun {
+            id: Uuid::new_v4(),
+            organization_id: Uuid::new_v4(),
+            start_key: "saved_search:x".into(),
+            input: json!({"brief": "b"}),
+            status: "admitted".into(),
+            admitted_at: chrono::Utc::now(),
+            retain_until: chrono::Utc::now(),
+            admitted: true,
+        };
+        let (size, sha256) = journal::digest(&run.input).unwrap();
+        let reference = ResponseRef {
+            resource_type: SNAPSHOT_RESOURCE_TYPE.into(),
+            resource_id: run.id.to_string(),
+            size,
+            sha256: sha256.clone(),
+        };
+        assert_eq!(check_reference(&reference, &run), Ok(()));
+        let other_run = ResponseRef { resource_id: Uuid::new_v4().to_string(), ..reference.clone() };
+        assert!(check_reference(&other_run, &run).is_err());
+        let other_input = ResponseRef { sha256: "0".repeat(64), ..reference.clone() };
+        assert!(check_reference(&other_input, &run).is_err());
+        let other_type = ResponseRef { resource_type: "blob".into(), ..reference };
+        assert!(check_reference(&other_type, &run).is_err());
+    }
+
+    #[test]
+    fn the_admission_token_is_the_starts_own() {
+        let org = Uuid::new_v4();
+        assert_eq!(admission_token(org, "8:search-1:tick-1"), admission_token(org, "8:search-1:tick-1"));
+        assert_ne!(admission_token(org, "8:search-1:tick-1"), admission_token(org, "8:search-1:tick-2"));
+        assert_ne!(admission_token(org, "8:search-1:tick-1"), admission_token(Uuid::new_v4(), "8:search-1:tick-1"));
+    }
 }
