@@ -44,11 +44,14 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::runs::{AdmissionError, AdmissionToken, AdmittedRun, RunAdmission};
+use super::tool::RetryHorizon;
 use crate::error::{Error, InvalidInput};
 use crate::postgrest::codes;
 use crate::repo::{IdempotencyRepository, PostgrestRepository, RunRepository};
 use crate::service::journal;
-use crate::service::{Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResponseRef, DAY};
+use crate::service::{
+    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResponseRef, DAY, MAX_LEASE, MIN_LEASE,
+};
 
 /// The scope of saved-search input preparation.
 pub const SAVED_SEARCH_START_SCOPE: &str = "surface.saved_search.start";
@@ -160,6 +163,47 @@ impl SavedSearchError {
     }
 }
 
+/// A lease a saved-search start refuses to run with, found when it is built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartConfigError {
+    /// The lease is outside what the plane accepts
+    /// ([`MIN_LEASE`] to [`MAX_LEASE`]).
+    #[error("saved search lease {lease:?} is outside the plane's {min:?} to {max:?}")]
+    LeaseOutOfRange {
+        /// The lease asked for.
+        lease: Duration,
+        /// The shortest the plane accepts.
+        min: Duration,
+        /// The longest the plane accepts.
+        max: Duration,
+    },
+    /// The lease would still hold when the scheduler makes its last retry,
+    /// so a worker that died mid-preparation would answer every retry
+    /// "in progress" and the trigger would start no Run.
+    #[error(
+        "saved search lease {lease:?} does not pass before the scheduler's last retry, {horizon:?} after the first"
+    )]
+    LeaseOutlastsRetries {
+        /// The lease asked for.
+        lease: Duration,
+        /// The time from the first attempt to the last.
+        horizon: Duration,
+    },
+}
+
+/// Refuses a lease outside the plane's range, or one still held at the
+/// scheduler's last retry.
+fn check_lease(lease: Duration, horizon: RetryHorizon) -> Result<(), StartConfigError> {
+    if !(MIN_LEASE..=MAX_LEASE).contains(&lease) {
+        return Err(StartConfigError::LeaseOutOfRange { lease, min: MIN_LEASE, max: MAX_LEASE });
+    }
+    if lease >= horizon.until_last() {
+        return Err(StartConfigError::LeaseOutlastsRetries { lease, horizon: horizon.until_last() });
+    }
+    Ok(())
+}
+
 /// What the claim stores: the Run key derived from the claim, and either the
 /// snapshot itself or, when it is too large for the claim, a reference to
 /// the Run that holds it as its input.
@@ -205,18 +249,41 @@ pub struct SavedSearchStart<R, S, Q = PostgrestRepository> {
     runs: RunAdmission<Q>,
     source: S,
     lease: Duration,
+    horizon: RetryHorizon,
 }
 
 impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchStart<R, S, Q> {
-    /// A starter with the spec's 30 s lease.
-    pub fn new(service: IdempotencyService<R>, runs: RunAdmission<Q>, source: S) -> Self {
-        SavedSearchStart { service, runs, source, lease: SAVED_SEARCH_LEASE }
+    /// A starter with the spec's 30 s lease, for a scheduler that retries a
+    /// start for `horizon`. Refused when the lease would still hold at the
+    /// scheduler's last retry: a worker that died preparing would otherwise
+    /// block every retry of its trigger.
+    pub fn new(
+        service: IdempotencyService<R>,
+        runs: RunAdmission<Q>,
+        source: S,
+        horizon: RetryHorizon,
+    ) -> Result<Self, StartConfigError> {
+        check_lease(SAVED_SEARCH_LEASE, horizon)?;
+        Ok(SavedSearchStart { service, runs, source, lease: SAVED_SEARCH_LEASE, horizon })
     }
 
-    /// Sets the preparation lease (the spec's is 30 s).
-    pub fn with_lease(mut self, lease: Duration) -> Self {
+    /// Sets the preparation lease (the spec's is 30 s): refused outside the
+    /// plane's range, or when it would still hold at the scheduler's last
+    /// retry.
+    pub fn with_lease(mut self, lease: Duration) -> Result<Self, StartConfigError> {
+        check_lease(lease, self.horizon)?;
         self.lease = lease;
-        self
+        Ok(self)
+    }
+
+    /// The preparation lease.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The scheduler's retry horizon the lease was checked against.
+    pub fn retry_horizon(&self) -> RetryHorizon {
+        self.horizon
     }
 
     /// Starts saved search `saved_search_id` for `trigger_id` (the schedule
@@ -479,10 +546,75 @@ fn admission_token(organization_id: Uuid, key: &str) -> AdmissionToken {
 mod tests {
     use super::*;
 
+    const THIRTY_S: Duration = SAVED_SEARCH_LEASE;
+
+    fn starter(horizon: RetryHorizon) -> Result<SavedSearchStart<PostgrestRepository, Frozen>, StartConfigError> {
+        let client = || {
+            let config = crate::ClientConfig::new("http://localhost:1", "k").expect("config");
+            crate::PostgrestClient::new(config).expect("client")
+        };
+        let service = IdempotencyService::new(PostgrestRepository::new(client()));
+        SavedSearchStart::new(service, RunAdmission::new(client()), Frozen, horizon)
+    }
+
+    struct Frozen;
+
+    impl SnapshotSource for Frozen {
+        async fn freeze(&self, _: Uuid, _: &str) -> Result<Value, SnapshotError> {
+            Ok(json!({}))
+        }
+    }
+
+    #[test]
+    fn a_scheduler_whose_last_retry_comes_before_the_30_second_lease_passes_is_refused() {
+        // 5 retries from 1 s, doubling up to 1 min: the last 1+2+4+8+16 = 31 s after the first.
+        let horizon = RetryHorizon::exponential(5, Duration::from_secs(1), Duration::from_secs(60));
+        let accepted = starter(horizon).expect("the 30 s lease passes before the last retry");
+        assert_eq!((accepted.lease(), accepted.retry_horizon()), (THIRTY_S, horizon));
+
+        let short = RetryHorizon::exponential(4, Duration::from_secs(1), Duration::from_secs(60));
+        assert_eq!(
+            starter(short).err(),
+            Some(StartConfigError::LeaseOutlastsRetries { lease: THIRTY_S, horizon: Duration::from_secs(15) })
+        );
+        let exactly = RetryHorizon::until_last_attempt(THIRTY_S);
+        assert!(
+            matches!(starter(exactly), Err(StartConfigError::LeaseOutlastsRetries { .. })),
+            "a lease passing at the last retry still blocks it"
+        );
+    }
+
+    #[test]
+    fn with_lease_checks_the_horizon_and_the_planes_range() {
+        let horizon = RetryHorizon::until_last_attempt(Duration::from_secs(120));
+        let longer = starter(horizon).unwrap().with_lease(Duration::from_secs(90)).expect("passes before 120 s");
+        assert_eq!(longer.lease(), Duration::from_secs(90));
+        assert_eq!(
+            starter(horizon).unwrap().with_lease(Duration::from_secs(120)).err(),
+            Some(StartConfigError::LeaseOutlastsRetries {
+                lease: Duration::from_secs(120),
+                horizon: Duration::from_secs(120)
+            })
+        );
+        for lease in [Duration::ZERO, MIN_LEASE - Duration::from_millis(1)] {
+            assert_eq!(
+                starter(horizon).unwrap().with_lease(lease).err(),
+                Some(StartConfigError::LeaseOutOfRange { lease, min: MIN_LEASE, max: MAX_LEASE })
+            );
+        }
+        assert!(starter(horizon).unwrap().with_lease(MIN_LEASE).is_ok());
+        let forever = RetryHorizon::until_last_attempt(MAX_LEASE * 2);
+        assert!(starter(forever).unwrap().with_lease(MAX_LEASE).is_ok());
+        assert!(matches!(
+            starter(forever).unwrap().with_lease(MAX_LEASE + Duration::from_millis(1)),
+            Err(StartConfigError::LeaseOutOfRange { .. })
+        ));
+    }
+
     #[test]
     fn the_lease_is_counted_as_the_database_stamps_it() {
         assert_eq!(lease_delta(Duration::from_micros(30_000_001)), chrono::TimeDelta::milliseconds(30_001));
-        assert_eq!(lease_delta(SAVED_SEARCH_LEASE), chrono::TimeDelta::seconds(30));
+        assert_eq!(lease_delta(THIRTY_S), chrono::TimeDelta::seconds(30));
     }
 
     #[test]

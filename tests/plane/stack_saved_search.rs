@@ -8,6 +8,7 @@ use idempotency_plane::callers::runs::{AdmissionToken, RunAdmission};
 use idempotency_plane::callers::saved_search::{
     SavedSearchError, SavedSearchStart, SnapshotError, SnapshotSource, SNAPSHOT_RESOURCE_TYPE,
 };
+use idempotency_plane::callers::tool::RetryHorizon;
 use idempotency_plane::postgrest::{ClientError, Repeat};
 use idempotency_plane::repo::{ClaimCall, ClaimRequest, ClaimRow, CompletionArgs};
 use idempotency_plane::{
@@ -76,10 +77,14 @@ impl SnapshotSource for ProductTables {
     }
 }
 
+/// A scheduler that retries a start for ten minutes: the 30 s lease passes
+/// well before its last retry.
+const HORIZON: RetryHorizon = RetryHorizon::until_last_attempt(Duration::from_secs(600));
+
 type Starter<R = PostgrestRepository> = SavedSearchStart<R, ProductTables>;
 
 fn starter(stack: &idempotency_plane::local::LocalStack, source: ProductTables) -> Starter {
-    SavedSearchStart::new(service(stack), RunAdmission::new(client(stack)), source)
+    SavedSearchStart::new(service(stack), RunAdmission::new(client(stack)), source, HORIZON).expect("a starter")
 }
 
 /// A claim's status, response, resource type and resource id.
@@ -278,7 +283,8 @@ impl SnapshotSource for EmptyTables {
 #[tokio::test]
 async fn a_null_snapshot_is_refused_and_the_claim_released() {
     let stack = stack().await;
-    let starter = SavedSearchStart::new(service(&stack), RunAdmission::new(client(&stack)), EmptyTables);
+    let starter =
+        SavedSearchStart::new(service(&stack), RunAdmission::new(client(&stack)), EmptyTables, HORIZON).unwrap();
     let refused = starter.start(org(), "search-6", "tick-1").await;
     match refused {
         Err(error @ SavedSearchError::Snapshot(_)) => assert!(error.is_retryable()),
@@ -337,7 +343,7 @@ async fn a_start_rerun_after_its_admission_answer_was_lost_beyond_the_clients_re
     let stack = stack().await;
     let proxy = FaultServer::lossy_proxy(stack.url()).await;
     let lossy = RunAdmission::new(proxy.client(stack.service_key(), RetryConfig::disabled()));
-    let starter = SavedSearchStart::new(service(&stack), lossy, ProductTables::open());
+    let starter = SavedSearchStart::new(service(&stack), lossy, ProductTables::open(), HORIZON).unwrap();
     let org = org();
 
     // The snapshot is completed, the Run admitted, and the admission's answer lost.
@@ -517,7 +523,9 @@ async fn a_start_that_died_between_a_large_admission_and_its_completion_is_compl
         IdempotencyService::new(DiesBeforeCompleting(PostgrestRepository::new(client(&stack)))),
         RunAdmission::new(client(&stack)),
         ProductTables::open().padded(200),
-    );
+        HORIZON,
+    )
+    .unwrap();
     let first = dies.start(org, "search-crash", "tick-1").await.unwrap();
     assert!(first.run.admitted, "the Run was admitted under the fence; it is the answer");
     assert_eq!(stored(&stack).await.0, "processing", "the claim was never completed");
