@@ -44,13 +44,13 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::runs::{AdmissionError, AdmissionToken, AdmittedRun, RunAdmission};
-use super::tool::RetryHorizon;
 use crate::error::{Error, InvalidInput};
 use crate::postgrest::codes;
 use crate::repo::{IdempotencyRepository, PostgrestRepository, RunRepository};
 use crate::service::journal;
 use crate::service::{
-    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, RequestHash, ResponseRef, DAY, MAX_LEASE, MIN_LEASE,
+    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, LeaseOutlastsRetries, RequestHash, ResponseRef,
+    RetryHorizon, DAY, MAX_LEASE, MIN_LEASE,
 };
 
 /// The scope of saved-search input preparation.
@@ -180,16 +180,10 @@ pub enum StartConfigError {
     },
     /// The lease would still hold when the scheduler makes its last retry,
     /// so a worker that died mid-preparation would answer every retry
-    /// "in progress" and the trigger would start no Run.
-    #[error(
-        "saved search lease {lease:?} does not pass before the scheduler's last retry, {horizon:?} after the first"
-    )]
-    LeaseOutlastsRetries {
-        /// The lease asked for.
-        lease: Duration,
-        /// The time from the first attempt to the last.
-        horizon: Duration,
-    },
+    /// "in progress" and the trigger would start no Run. The same refusal
+    /// as the tool guard's and the webhook gate's.
+    #[error("saved search start: {0}")]
+    LeaseOutlastsRetries(#[from] LeaseOutlastsRetries),
 }
 
 /// Refuses a lease outside the plane's range, or one still held at the
@@ -198,8 +192,9 @@ fn check_lease(lease: Duration, horizon: RetryHorizon) -> Result<(), StartConfig
     if !(MIN_LEASE..=MAX_LEASE).contains(&lease) {
         return Err(StartConfigError::LeaseOutOfRange { lease, min: MIN_LEASE, max: MAX_LEASE });
     }
+    // The claim is the start's first call: nothing is spent before it.
     if lease >= horizon.until_last() {
-        return Err(StartConfigError::LeaseOutlastsRetries { lease, horizon: horizon.until_last() });
+        return Err(LeaseOutlastsRetries { lease, spent: Duration::ZERO, horizon: horizon.until_last() }.into());
     }
     Ok(())
 }
@@ -575,11 +570,15 @@ mod tests {
         let short = RetryHorizon::exponential(4, Duration::from_secs(1), Duration::from_secs(60));
         assert_eq!(
             starter(short).err(),
-            Some(StartConfigError::LeaseOutlastsRetries { lease: THIRTY_S, horizon: Duration::from_secs(15) })
+            Some(StartConfigError::LeaseOutlastsRetries(LeaseOutlastsRetries {
+                lease: THIRTY_S,
+                spent: Duration::ZERO,
+                horizon: Duration::from_secs(15)
+            }))
         );
         let exactly = RetryHorizon::until_last_attempt(THIRTY_S);
         assert!(
-            matches!(starter(exactly), Err(StartConfigError::LeaseOutlastsRetries { .. })),
+            matches!(starter(exactly), Err(StartConfigError::LeaseOutlastsRetries(_))),
             "a lease passing at the last retry still blocks it"
         );
     }
@@ -591,10 +590,11 @@ mod tests {
         assert_eq!(longer.lease(), Duration::from_secs(90));
         assert_eq!(
             starter(horizon).unwrap().with_lease(Duration::from_secs(120)).err(),
-            Some(StartConfigError::LeaseOutlastsRetries {
+            Some(StartConfigError::LeaseOutlastsRetries(LeaseOutlastsRetries {
                 lease: Duration::from_secs(120),
+                spent: Duration::ZERO,
                 horizon: Duration::from_secs(120)
-            })
+            }))
         );
         for lease in [Duration::ZERO, MIN_LEASE - Duration::from_millis(1)] {
             assert_eq!(
