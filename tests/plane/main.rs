@@ -4,7 +4,8 @@
 //! PostgREST-compatible server (one fresh database per test); `wire_*`
 //! replay PostgREST's exact responses with wiremock; `hostile_*` feed hostile
 //! input to the pure parts, the stack and the client; `support` holds the
-//! helpers several of them share.
+//! helpers several of them share, and `proxy` a reverse proxy that delays
+//! or drops chosen RPC answers of a real server.
 
 //! The `stack_*`, `hostile_keys`, `cli` and `harness` modules need the
 //! embedded stack (feature `local`): the README's test command, `cargo test
@@ -30,6 +31,7 @@ mod hostile_servers;
 mod hostile_validation;
 mod migrations_drift;
 mod on_memory;
+mod proxy;
 mod readme_surface;
 mod request_hash;
 #[cfg(feature = "local")]
