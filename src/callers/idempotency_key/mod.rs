@@ -19,11 +19,16 @@
 //! | body above the limit | 413 |
 //! | the plane unreachable | 503, `Retry-After` (or run unprotected, [`fail_open`](IdempotencyKeyLayer::fail_open)) |
 //!
-//! Every answer of the layer's own is RFC 9457 problem details
-//! (`application/problem+json`). Apply it to a router's routes
-//! (`Router::route_layer`, or `Router::layer`, which axum runs after
-//! routing), so the scope names the matched route (`/orders/{id}`); wrapped
-//! around a whole router it sees no route and answers 500.
+//! Every answer of the layer's own is RFC 9457 problem details, of one of
+//! the types [ProblemType] lists: `missing-key`, `malformed-key`,
+//! `no-tenant`, `body-too-large`, `body-unreadable`, `key-reused`,
+//! `in-flight`, `handler-failed`, `handler-timeout`, `answer-incomplete`,
+//! `answer-not-kept`, `unreadable-answer`, `not-configured`, `unavailable`.
+//!
+//! Apply it to a router's routes (`Router::route_layer`, or `Router::layer`,
+//! which axum runs after routing), so the scope names the matched route
+//! (`/orders/{id}`); wrapped around a whole router it sees no route and
+//! answers 500.
 
 mod fingerprint;
 mod problem;
@@ -42,12 +47,13 @@ use axum::http::request::Parts;
 use axum::http::{HeaderName, Method, Request, Response, StatusCode};
 use futures_util::FutureExt;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{field, Instrument};
 use uuid::Uuid;
 
-pub use problem::Problem;
+pub use problem::{Problem, ProblemType};
 use stored::StoredResponse;
 
 use crate::error::{Error, InvalidInput};
@@ -304,17 +310,19 @@ where
                 Ok(answer) => answer,
                 Err(failed) => {
                     tracing::error!(%failed, "the Idempotency-Key task failed");
-                    Ok(Problem::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "handler-failed",
-                        "The request failed",
-                        "the request failed before it finished; retry with the same key",
-                    )
-                    .into_response())
+                    Ok(handler_failed().into_response())
                 }
             }
         })
     }
+}
+
+fn handler_failed() -> Problem {
+    Problem::new(ProblemType::HandlerFailed, "the request failed before it finished; retry with the same key")
+}
+
+fn not_configured(detail: &str) -> Response<Body> {
+    Problem::new(ProblemType::NotConfigured, detail).into_response()
 }
 
 async fn handle<S, R>(config: Arc<Config<R>>, mut inner: S, request: Request<Body>) -> Result<Response<Body>, S::Error>
@@ -331,9 +339,7 @@ where
         Ok(None) if !config.required => return inner.call(request).await,
         Ok(None) => {
             return Ok(Problem::new(
-                StatusCode::BAD_REQUEST,
-                "missing-key",
-                "Idempotency-Key is required",
+                ProblemType::MissingKey,
                 format!("{} requests to this API carry an Idempotency-Key header", request.method()),
             )
             .into_response())
@@ -342,13 +348,8 @@ where
     };
     let (parts, body) = request.into_parts();
     let Some(organization_id) = (config.tenant)(&parts) else {
-        return Ok(Problem::new(
-            StatusCode::UNAUTHORIZED,
-            "no-tenant",
-            "No tenant for this request",
-            "the request does not name the tenant its key belongs to",
-        )
-        .into_response());
+        return Ok(Problem::new(ProblemType::NoTenant, "the request does not name the tenant its key belongs to")
+            .into_response());
     };
     let body = match buffer(body, config.body_limit).await {
         Ok(body) => body,
@@ -360,13 +361,7 @@ where
         tracing::error!(
             "the Idempotency-Key layer sees no matched route: apply it with Router::route_layer or Router::layer"
         );
-        return Ok(Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "not-configured",
-            "Idempotency is not configured for this route",
-            "the server applies its idempotency layer where it cannot see the route",
-        )
-        .into_response());
+        return Ok(not_configured("the server applies its idempotency layer where it cannot see the route"));
     };
     let scope = fingerprint::scope(&parts.method, &route);
     // The fingerprint takes the request's own path and query: two resources
@@ -381,7 +376,7 @@ where
         // The handler's time counts from before the claim, whose lease starts
         // when the database stamps it: the handler is cut before its lease
         // can pass, however long the claim took.
-        let cut_at = tokio::time::Instant::now() + config.handler_timeout;
+        let cut_at = Instant::now() + config.handler_timeout;
         let lease = config.handler_timeout + config.lease_margin;
         let claimed = config.service.claim(organization_id, &scope, &key, &hash, lease).await;
         let claim = match claimed {
@@ -392,9 +387,7 @@ where
                 return Ok(replay.unwrap_or_else(|| {
                     tracing::error!("the journaled answer is not one this layer wrote");
                     Problem::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "unreadable-answer",
-                        "The first answer cannot be replayed",
+                        ProblemType::UnreadableAnswer,
                         "this key completed, but its journaled answer is not an HTTP answer",
                     )
                     .into_response()
@@ -403,9 +396,7 @@ where
             Ok(ClaimOutcome::Processing { .. }) => {
                 tracing::Span::current().record("outcome", "in_flight");
                 return Ok(Problem::new(
-                    StatusCode::CONFLICT,
-                    "in-flight",
-                    "A request with this key is in flight",
+                    ProblemType::InFlight,
                     "the first request with this Idempotency-Key has not finished; retry later",
                 )
                 .retry_after(config.in_flight_retry_after)
@@ -414,10 +405,8 @@ where
             Ok(ClaimOutcome::Conflict) => {
                 tracing::Span::current().record("outcome", "key_reused");
                 return Ok(Problem::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "key-reused",
-                    "Idempotency-Key reused for a different request",
-                    "this key was used for a request with another method, path, query, body or headers",
+                    ProblemType::KeyReused,
+                    "this key was used for a request with another method, path, query, content type, body or headers",
                 )
                 .into_response());
             }
@@ -435,21 +424,13 @@ where
             Ok(Err(_panic)) => {
                 tracing::error!("the handler panicked; its claim is released");
                 config.service.release_or_log(&claim).await;
-                return Ok(Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "handler-failed",
-                    "The request failed",
-                    "the request failed before it finished; retry with the same key",
-                )
-                .into_response());
+                return Ok(handler_failed().into_response());
             }
             Err(_elapsed) => {
                 tracing::warn!(timeout_ms = config.handler_timeout.as_millis() as u64, "the handler timed out; its claim is released");
                 config.service.release_or_log(&claim).await;
                 return Ok(Problem::new(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "handler-timeout",
-                    "The request took too long",
+                    ProblemType::HandlerTimeout,
                     "the request was cut off before it finished; retry with the same key",
                 )
                 .into_response());
@@ -481,16 +462,13 @@ where
                 let stored = StoredResponse::of(status, &parts.headers, &config.kept_headers, &Bytes::new())
                     .without_body(config.response_body_limit as u64);
                 let problem = Problem::new(
-                    StatusCode::BAD_GATEWAY,
-                    "answer-incomplete",
-                    "The answer could not be read whole",
+                    ProblemType::AnswerIncomplete,
                     "the request ran, but its answer was too large or too slow to return",
                 );
                 (problem.into_response(), stored, config.response_body_limit as u64)
             }
         };
-        let ending = journal(&config, &claim, stored, body_bytes).await;
-        match ending {
+        match journal(&config, &claim, stored, body_bytes).await {
             Ok(Ending::Recorded) => {
                 tracing::Span::current().record("ending", "recorded");
             }
@@ -534,8 +512,7 @@ async fn journal<R: IdempotencyRepository>(
 /// The key, if the request has one: a bare value (as Stripe takes it) or an
 /// RFC 8941 string (`"…"`, as the IETF draft writes it).
 fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Option<String>, Problem> {
-    let malformed =
-        |detail: &str| Problem::new(StatusCode::BAD_REQUEST, "malformed-key", "Idempotency-Key is malformed", detail);
+    let malformed = |detail: &str| Problem::new(ProblemType::MalformedKey, detail);
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else { return Ok(None) };
     if values.next().is_some() {
@@ -566,18 +543,10 @@ fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Option<String>, Pr
 async fn buffer(body: Body, limit: usize) -> Result<Bytes, Problem> {
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => Err(Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body-too-large",
-            "The request body is too large",
-            format!("request bodies are buffered up to {limit} bytes"),
-        )),
-        Err(error) => Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            "body-unreadable",
-            "The request body could not be read",
-            format!("the body broke off: {error}"),
-        )),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(Problem::new(ProblemType::BodyTooLarge, format!("request bodies are buffered up to {limit} bytes")))
+        }
+        Err(error) => Err(Problem::new(ProblemType::BodyUnreadable, format!("the body broke off: {error}"))),
     }
 }
 
@@ -592,9 +561,7 @@ fn fit<R: IdempotencyRepository>(config: &Config<R>, stored: StoredResponse, bod
     match config.oversize {
         OversizeResponse::OmitBody => stored.without_body(body_bytes),
         OversizeResponse::Refuse => StoredResponse::refusal(&Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "answer-not-kept",
-            "The answer is too large to keep",
+            ProblemType::AnswerNotKept,
             "the request ran, but its answer is larger than this API keeps for repeats",
         )),
     }
@@ -613,13 +580,7 @@ where
 {
     if let Error::UnknownScope { .. } | Error::Invalid(_) = error {
         tracing::error!(%error, "the idempotency scope is not usable; add a policy row for it (http.* covers every route)");
-        return Ok(Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "not-configured",
-            "Idempotency is not configured for this route",
-            "the server has no idempotency policy for this route",
-        )
-        .into_response());
+        return Ok(not_configured("the server has no idempotency policy for this route"));
     }
     // Only a plane that cannot be reached may be bypassed: any other answer
     // (a lock timeout, a serialization failure) means another request may
@@ -639,9 +600,7 @@ where
     }
     tracing::warn!(%error, "the idempotency plane is unreachable; answering 503");
     Ok(Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "unavailable",
-        "Idempotency is unavailable",
+        ProblemType::Unavailable,
         "the request was not run, because its key cannot be checked now; retry with the same key",
     )
     .retry_after(config.unavailable_retry_after)
