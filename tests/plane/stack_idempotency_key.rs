@@ -13,12 +13,13 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use idempotency_plane::callers::idempotency_key::{IdempotencyKeyLayer, OversizeResponse};
 use idempotency_plane::local::LocalStack;
-use idempotency_plane::{IdempotencyService, PostgrestRepository, RetryConfig};
+use idempotency_plane::{ClientConfig, IdempotencyService, PostgrestClient, PostgrestRepository, RetryConfig};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
 use crate::harness::*;
+use crate::proxy::RpcProxy;
 
 /// The API under test: `POST /orders` creates an order with a fresh id.
 /// Headers make the handler slow (`x-delay-ms`), wait for a permit
@@ -435,6 +436,44 @@ async fn a_request_without_a_tenant_is_401_and_writes_nothing() {
 // Endings that hold
 // ---------------------------------------------------------------------------
 
+/// A layer over the stack reached through `proxy`, with its own client: one replica.
+fn through(proxy: &RpcProxy, stack: &LocalStack, config: impl FnOnce(ClientConfig) -> ClientConfig) -> Service {
+    let client = PostgrestClient::new(config(proxy.client_config(stack.service_key()))).expect("a client");
+    IdempotencyService::new(PostgrestRepository::new(client))
+}
+
+#[tokio::test]
+async fn a_claim_the_plane_made_but_answered_too_late_does_not_fail_open() {
+    let stack = stack().await;
+    let proxy = RpcProxy::start(stack.url()).await;
+    let service = through(&proxy, &stack, |c| {
+        c.with_retry(RetryConfig::disabled()).with_deadline(Duration::from_millis(800)).expect("a deadline")
+    });
+    let layer = IdempotencyKeyLayer::new(service, tenant)
+        .handler_timeout(Duration::from_secs(1), Duration::from_secs(1))
+        .expect("a lease the plane accepts")
+        .fail_open();
+    let api = serve(layer).await;
+    // The database makes the claim; its answer comes after the client's deadline.
+    proxy.delay("idempotency_claim", Duration::from_secs(2));
+    let (status, headers, problem) = body(api.post(Some("late-claim"), &[], "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
+    assert_eq!(api.runs(), 0, "not run while a claim nobody heard of holds the key");
+    assert_eq!(count_rows(&stack).await, 1, "the plane made the claim");
+    proxy.clear();
+    // That claim holds the key for its lease; then it is reclaimed and runs once.
+    let (status, headers, problem) = body(api.post(Some("late-claim"), &[], "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::CONFLICT, "in-flight");
+    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    pass_lease(&stack, id).await;
+    let (status, _, first) = body(api.post(Some("late-claim"), &[], "{}").send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (_, headers, replay) = body(api.post(Some("late-claim"), &[], "{}").send().await.unwrap()).await;
+    assert_eq!((&headers["idempotent-replayed"], replay), (&"true".parse().unwrap(), first));
+    assert_eq!(api.runs(), 1);
+    stack.stop().await.unwrap();
+}
+
 impl Api {
     fn post_typed(&self, content_type: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
         self.post(Some(key), &[], body).header("content-type", content_type)
@@ -529,5 +568,49 @@ async fn a_route_longer_than_a_scope_is_protected() {
     assert_ne!(scopes[0], scopes[1]);
     assert!(scopes.iter().all(|s| s.len() <= 128 && s.starts_with("http.post.v1.a-very-long")), "{scopes:?}");
     assert_eq!(orders.runs.load(Ordering::SeqCst), 2);
+    stack.stop().await.unwrap();
+}
+
+/// A service whose `call` itself panics on `x-panic-sync`, before any
+/// future exists; else answers 201 and counts.
+#[derive(Clone, Default)]
+struct PanicsInCall {
+    runs: Arc<AtomicUsize>,
+}
+
+impl tower_service::Service<axum::extract::Request> for PanicsInCall {
+    type Response = axum::response::Response;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: axum::extract::Request) -> Self::Future {
+        if request.headers().contains_key("x-panic-sync") {
+            panic!("call panicked before making a future");
+        }
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok((StatusCode::CREATED, "made").into_response()))
+    }
+}
+
+#[tokio::test]
+async fn a_panic_in_the_services_call_itself_releases_the_claim() {
+    let stack = stack().await;
+    let service = PanicsInCall::default();
+    // The layer wraps the service itself (axum's own routes call theirs
+    // only when polled), and the router still names the matched route.
+    use tower_layer::Layer;
+    let layer = IdempotencyKeyLayer::new(crate::harness::service(&stack), tenant);
+    let app = Router::new().route_service("/orders", layer.layer(service.clone()));
+    let api = Api { url: bind(app).await, orders: Orders::default(), http: reqwest::Client::new() };
+    let (status, headers, problem) =
+        body(api.post(Some("sync-panic"), &[("x-panic-sync", "1")], "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "handler-failed");
+    let retry = api.post(Some("sync-panic"), &[], "{}").send().await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED, "released: the retry runs");
+    assert_eq!(service.runs.load(Ordering::SeqCst), 1);
     stack.stop().await.unwrap();
 }

@@ -10,14 +10,15 @@
 //! | request | answer |
 //! |---|---|
 //! | first with this key | the handler runs; its answer is journaled and returned |
-//! | the handler answered 5xx or 429, panicked or timed out | the claim is released: a retry runs the handler again |
+//! | the handler answered 5xx or 429, panicked (in `call` or in its future) or timed out | the claim is released: a retry runs the handler again |
 //! | repeat after completion | the journaled status, headers and body, `Idempotent-Replayed: true` |
 //! | repeat while the first is in flight | 409, `Retry-After` |
 //! | same key, different fingerprint | 422 |
 //! | no key where one is required | 400 (or passed through, [`optional`](IdempotencyKeyLayer::optional)) |
 //! | empty, malformed, repeated or longer than 255 characters | 400 |
 //! | body above the limit | 413 |
-//! | the plane unreachable | 503, `Retry-After` (or run unprotected, [`fail_open`](IdempotencyKeyLayer::fail_open)) |
+//! | the plane never reached (connection not made; PostgREST's own 503 `PGRST000`/`PGRST002`, 504 `PGRST003`) | 503, `Retry-After` (or run unprotected, [`fail_open`](IdempotencyKeyLayer::fail_open)) |
+//! | any other failure of the claim (an answer lost or too late, a 5xx, a lock timeout): the plane may hold the key | 503, `Retry-After`, whether or not it fails open |
 //!
 //! Every answer of the layer's own is RFC 9457 problem details, of one of
 //! the types [ProblemType] lists: `missing-key`, `malformed-key`,
@@ -57,7 +58,6 @@ pub use problem::{Problem, ProblemType};
 use stored::StoredResponse;
 
 use crate::error::{Error, InvalidInput};
-use crate::postgrest::ClientError;
 use crate::repo::IdempotencyRepository;
 use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService};
 
@@ -248,8 +248,12 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
         self.edit(|c| c.oversize = oversize)
     }
 
-    /// When the plane is unreachable, run the handler unprotected (logged
-    /// at error level for every request) instead of answering 503.
+    /// When the plane cannot be reached at all (the connection was not
+    /// made, or PostgREST answered that it could not reach its database),
+    /// run the handler unprotected (logged at error level for every
+    /// request) instead of answering 503. Any other failure of a claim is
+    /// still 503: the plane may have made the claim, and another request
+    /// may hold the key.
     pub fn fail_open(self) -> Self {
         self.edit(|c| c.fail_open = true)
     }
@@ -414,7 +418,15 @@ where
         };
         tracing::Span::current().record("outcome", "claimed");
 
-        let ran = AssertUnwindSafe(inner.call(Request::from_parts(parts, Body::from(body)))).catch_unwind();
+        // `call` itself may panic, before any future exists: caught like a
+        // panic of the future, so the claim is released either way.
+        let request = Request::from_parts(parts, Body::from(body));
+        let ran = async {
+            match std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request))) {
+                Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
+                Err(panic) => Err(panic),
+            }
+        };
         let response = match tokio::time::timeout_at(cut_at, ran).await {
             Ok(Ok(Ok(response))) => response,
             Ok(Ok(Err(error))) => {
@@ -567,8 +579,9 @@ fn fit<R: IdempotencyRepository>(config: &Config<R>, stored: StoredResponse, bod
     }
 }
 
-/// The plane could not be asked: 503, or with `fail_open` the handler runs
-/// unprotected. A misconfiguration (no policy for the scope) is 500 either way.
+/// The claim failed: 503, or with `fail_open`, when the plane was never
+/// reached, the handler runs unprotected. A misconfiguration (no policy for
+/// the scope) is 500 either way.
 async fn unavailable<S, R>(
     config: &Config<R>,
     error: Error,
@@ -582,23 +595,19 @@ where
         tracing::error!(%error, "the idempotency scope is not usable; add a policy row for it (http.* covers every route)");
         return Ok(not_configured("the server has no idempotency policy for this route"));
     }
-    // Only a plane that cannot be reached may be bypassed: any other answer
-    // (a lock timeout, a serialization failure) means another request may
-    // hold this key right now.
-    let unreachable = matches!(
-        &error,
-        Error::Store(
-            ClientError::Transport { .. }
-                | ClientError::DeadlineExceeded { .. }
-                | ClientError::Http { status: 500..=599, .. }
-                | ClientError::Api { status: 502..=504, .. }
-        )
-    );
-    if config.fail_open && unreachable {
+    // Only a plane that was never reached may be bypassed: after any other
+    // failure (an answer lost or too late, a lock timeout, a 5xx) the plane
+    // may have made the claim, and then it holds this key for someone.
+    let never_reached = matches!(&error, Error::Store(store) if store.never_reached_the_plane());
+    if config.fail_open && never_reached {
         tracing::error!(%error, "the idempotency plane is unreachable; FAIL-OPEN: running the request without protection");
         return inner.call(request).await;
     }
-    tracing::warn!(%error, "the idempotency plane is unreachable; answering 503");
+    if config.fail_open {
+        tracing::warn!(%error, "the claim failed, but the plane may have made it; not failing open, answering 503");
+    } else {
+        tracing::warn!(%error, "the claim failed; answering 503");
+    }
     Ok(Problem::new(
         ProblemType::Unavailable,
         "the request was not run, because its key cannot be checked now; retry with the same key",
