@@ -12,13 +12,24 @@
 //! | first with this key | the handler runs; its answer is journaled and returned |
 //! | the handler answered 5xx or 429, panicked (in `call` or in its future) or timed out | the claim is released: a retry runs the handler again |
 //! | repeat after completion | the journaled status, headers and body, `Idempotent-Replayed: true` |
-//! | repeat while the first is in flight | 409, `Retry-After` |
+//! | repeat while the first is in flight, its answer still being journaled included | 409, `Retry-After` |
 //! | same key, different fingerprint | 422 |
 //! | no key where one is required | 400 (or passed through, [`optional`](IdempotencyKeyLayer::optional)) |
 //! | empty, malformed, repeated or longer than 255 characters | 400 |
 //! | body above the limit | 413 |
 //! | the plane never reached (connection not made; PostgREST's own 503 `PGRST000`/`PGRST002`, 504 `PGRST003`) | 503, `Retry-After` (or run unprotected, [`fail_open`](IdempotencyKeyLayer::fail_open)) |
 //! | any other failure of the claim (an answer lost or too late, a 5xx, a lock timeout): the plane may hold the key | 503, `Retry-After`, whether or not it fails open |
+//!
+//! The handler is cut off at its [timeout](IdempotencyKeyLayer::handler_timeout),
+//! counted from before its claim. Writing its answer to the journal is cut
+//! off a [journal deadline](IdempotencyKeyLayer::journal_deadline) after
+//! that, and retried within it when it fails transiently; the lease is
+//! the handler timeout, plus the journal deadline, plus a margin, so no
+//! other replica takes a key over while the request holding it still runs
+//! or journals. A journal write still failing at its deadline leaves the
+//! claim to its lease (the caller gets its answer all the same); one the
+//! store refuses (an answer above a scope's own, lower limit) is written
+//! again without its body.
 //!
 //! Every answer of the layer's own is RFC 9457 problem details, of one of
 //! the types [ProblemType] lists: `missing-key`, `malformed-key`,
@@ -103,6 +114,7 @@ impl<R> std::fmt::Debug for Config<R> {
             .field("body_limit", &self.body_limit)
             .field("response_body_limit", &self.response_body_limit)
             .field("handler_timeout", &self.handler_timeout)
+            .field("journal_deadline", &self.journal_deadline)
             .field("lease_margin", &self.lease_margin)
             .field("counted_headers", &self.counted_headers)
             .field("kept_headers", &self.kept_headers)
@@ -126,6 +138,7 @@ struct Config<R> {
     body_limit: usize,
     response_body_limit: usize,
     handler_timeout: Duration,
+    journal_deadline: Duration,
     lease_margin: Duration,
     counted_headers: Vec<HeaderName>,
     kept_headers: Vec<HeaderName>,
@@ -145,6 +158,7 @@ impl<R> Clone for Config<R> {
             body_limit: self.body_limit,
             response_body_limit: self.response_body_limit,
             handler_timeout: self.handler_timeout,
+            journal_deadline: self.journal_deadline,
             lease_margin: self.lease_margin,
             counted_headers: self.counted_headers.clone(),
             kept_headers: self.kept_headers.clone(),
@@ -156,12 +170,32 @@ impl<R> Clone for Config<R> {
     }
 }
 
+impl<R> Config<R> {
+    fn lease(&self) -> Duration {
+        self.handler_timeout.saturating_add(self.journal_deadline).saturating_add(self.lease_margin)
+    }
+}
+
+/// The lease of a handler timeout, journal deadline and margin, refused
+/// when a part that must take time is zero or the whole is outside what
+/// the plane accepts (1 s to 24 h).
+fn validate_lease(handler_timeout: Duration, journal_deadline: Duration, margin: Duration) -> Result<(), InvalidInput> {
+    crate::service::validate::lease(handler_timeout.saturating_add(journal_deadline).saturating_add(margin))?;
+    for part in [handler_timeout, journal_deadline] {
+        if part.is_zero() {
+            return Err(InvalidInput::LeaseTooShort { lease: part, min: crate::service::MIN_LEASE });
+        }
+    }
+    Ok(())
+}
+
 impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
     /// A layer over `service`, with `tenant` naming each request's
     /// organization. Defaults: POST and PATCH, key required, request bodies
-    /// up to 1 MiB, answers buffered up to 8 MiB, handler timeout 30 s
-    /// (lease: timeout + 5 s), `Content-Type` and `Location` kept with the
-    /// journaled answer, fail closed.
+    /// up to 1 MiB, answers buffered up to 8 MiB, handler timeout 30 s,
+    /// journal deadline 10 s (lease: 30 s + 10 s + a 5 s margin),
+    /// `Content-Type` and `Location` kept with the journaled answer, fail
+    /// closed.
     pub fn new(
         service: IdempotencyService<R>,
         tenant: impl Fn(&Parts) -> Option<Uuid> + Send + Sync + 'static,
@@ -175,6 +209,7 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
                 body_limit: 1024 * 1024,
                 response_body_limit: 8 * 1024 * 1024,
                 handler_timeout: Duration::from_secs(30),
+                journal_deadline: Duration::from_secs(10),
                 lease_margin: Duration::from_secs(5),
                 counted_headers: Vec::new(),
                 kept_headers: vec![HeaderName::from_static("content-type"), HeaderName::from_static("location")],
@@ -217,19 +252,28 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
     }
 
     /// How long the handler may run, counted from before its claim, before
-    /// it is cancelled and its claim released (504). The lease is this plus
-    /// `margin`, so a live handler's claim is never taken over. Refused when
-    /// the timeout is zero or the lease is outside what the plane accepts
-    /// (1 s to 24 h).
+    /// it is cancelled and its claim released (504). The lease is this,
+    /// plus the [journal deadline](Self::journal_deadline), plus `margin`,
+    /// so a live handler's claim is never taken over, nor one whose answer
+    /// is being journaled. Refused when the timeout is zero or the lease is
+    /// outside what the plane accepts (1 s to 24 h).
     pub fn handler_timeout(self, timeout: Duration, margin: Duration) -> Result<Self, InvalidInput> {
-        crate::service::validate::lease(timeout.saturating_add(margin))?;
-        if timeout.is_zero() {
-            return Err(InvalidInput::LeaseTooShort { lease: timeout, min: crate::service::MIN_LEASE });
-        }
+        validate_lease(timeout, self.config.journal_deadline, margin)?;
         Ok(self.edit(|c| {
             c.handler_timeout = timeout;
             c.lease_margin = margin;
         }))
+    }
+
+    /// How long writing the handler's answer to the journal may take after
+    /// the handler's own timeout has passed (default 10 s). The write is
+    /// cut off then, and retried until then when it fails transiently; it
+    /// is part of the lease, so another request cannot take the key over
+    /// while the answer is still being written. Refused when it is zero or
+    /// the lease is outside what the plane accepts (1 s to 24 h).
+    pub fn journal_deadline(self, deadline: Duration) -> Result<Self, InvalidInput> {
+        validate_lease(self.config.handler_timeout, deadline, self.config.lease_margin)?;
+        Ok(self.edit(|c| c.journal_deadline = deadline))
     }
 
     /// A header that is part of the fingerprint (a currency, an API version).
@@ -379,10 +423,11 @@ where
     async move {
         // The handler's time counts from before the claim, whose lease starts
         // when the database stamps it: the handler is cut before its lease
-        // can pass, however long the claim took.
+        // can pass, however long the claim took, and so is the journal write
+        // that follows it.
         let cut_at = Instant::now() + config.handler_timeout;
-        let lease = config.handler_timeout + config.lease_margin;
-        let claimed = config.service.claim(organization_id, &scope, &key, &hash, lease).await;
+        let journal_cut_at = cut_at + config.journal_deadline;
+        let claimed = config.service.claim(organization_id, &scope, &key, &hash, config.lease()).await;
         let claim = match claimed {
             Ok(ClaimOutcome::Claimed(claim)) => claim,
             Ok(ClaimOutcome::Completed { response, .. }) => {
@@ -480,7 +525,7 @@ where
                 (problem.into_response(), stored, config.response_body_limit as u64)
             }
         };
-        match journal(&config, &claim, stored, body_bytes).await {
+        match journal(&config, &claim, stored, body_bytes, journal_cut_at).await {
             Ok(Ending::Recorded) => {
                 tracing::Span::current().record("ending", "recorded");
             }
@@ -489,6 +534,7 @@ where
                 tracing::warn!("the lease passed before the handler finished; another request took the key over");
             }
             Err(error) => {
+                tracing::Span::current().record("ending", "not_journaled");
                 tracing::error!(%error, "the answer could not be journaled; the claim frees itself when its lease passes");
             }
         }
@@ -498,26 +544,62 @@ where
     .await
 }
 
-/// Completes `claim` with `stored`. An answer the store refuses (above the
-/// scope's own limit, which may be lower than this service's) is journaled
-/// again without its body, so that a repeat replays instead of running the
+/// Why an answer was not journaled.
+#[derive(Debug, thiserror::Error)]
+enum JournalError {
+    /// The store failed in a way a retry would not mend, or kept failing.
+    #[error(transparent)]
+    Store(#[from] Error),
+    /// The journal deadline passed first.
+    #[error("the journal deadline passed after {attempts} attempt(s)")]
+    Deadline {
+        /// Writes sent, the cut one included.
+        attempts: u32,
+    },
+}
+
+/// The first wait before writing a journal entry again, doubled up to
+/// [`JOURNAL_MAX_BACKOFF`].
+const JOURNAL_BACKOFF: Duration = Duration::from_millis(50);
+const JOURNAL_MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Completes `claim` with `stored` before `cut_at`: a write that fails
+/// transiently is sent again (the same lease token: a repeat answers the
+/// same row) while a retry can start before the cut, and one in flight at
+/// the cut is abandoned. An answer the store refuses (above the scope's own
+/// limit, which may be lower than this service's) is journaled again
+/// without its body, so that a repeat replays instead of running the
 /// handler again.
 async fn journal<R: IdempotencyRepository>(
     config: &Config<R>,
     claim: &crate::service::Claim,
-    stored: StoredResponse,
+    mut stored: StoredResponse,
     body_bytes: u64,
-) -> Result<Ending, Error> {
+    cut_at: Instant,
+) -> Result<Ending, JournalError> {
     let complete = |stored: &StoredResponse| match serde_json::to_value(stored) {
         Ok(value) => Ok(Completion::response(value)),
         Err(error) => Err(Error::Inconsistent(format!("the answer does not serialize: {error}"))),
     };
-    match config.service.complete(claim, complete(&stored)?).await {
-        Err(refused) if refused.is_unstorable_answer() && stored.body_omitted.is_none() => {
-            tracing::warn!(%refused, "the store refused the answer; journaling it without its body");
-            config.service.complete(claim, complete(&stored.without_body(body_bytes))?).await
+    let mut attempts = 0u32;
+    let mut backoff = JOURNAL_BACKOFF;
+    loop {
+        attempts += 1;
+        let written = tokio::time::timeout_at(cut_at, config.service.complete(claim, complete(&stored)?)).await;
+        match written {
+            Err(_cut) => return Err(JournalError::Deadline { attempts }),
+            Ok(Ok(ending)) => return Ok(ending),
+            Ok(Err(refused)) if refused.is_unstorable_answer() && stored.body_omitted.is_none() => {
+                tracing::warn!(%refused, "the store refused the answer; journaling it without its body");
+                stored = stored.without_body(body_bytes);
+            }
+            Ok(Err(error)) if error.is_transient() && Instant::now() + backoff < cut_at => {
+                tracing::warn!(%error, attempts, "journaling the answer failed; retrying within the journal deadline");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(JOURNAL_MAX_BACKOFF);
+            }
+            Ok(Err(error)) => return Err(error.into()),
         }
-        other => other,
     }
 }
 
@@ -625,6 +707,34 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_bytes(value).unwrap());
         headers
+    }
+
+    fn layer() -> IdempotencyKeyLayer<crate::repo::MemoryRepository> {
+        IdempotencyKeyLayer::new(IdempotencyService::new(crate::repo::MemoryRepository::new()), |_| None)
+    }
+
+    #[test]
+    fn the_lease_covers_the_handler_the_journal_and_the_margin_and_each_setting_is_validated() {
+        let defaults = layer();
+        assert_eq!(defaults.config.lease(), Duration::from_secs(45));
+        let set = layer()
+            .handler_timeout(Duration::from_secs(2), Duration::from_secs(1))
+            .unwrap()
+            .journal_deadline(Duration::from_secs(3))
+            .unwrap();
+        assert_eq!(set.config.lease(), Duration::from_secs(6));
+        assert!(matches!(layer().journal_deadline(Duration::ZERO), Err(InvalidInput::LeaseTooShort { .. })));
+        assert!(matches!(
+            layer().handler_timeout(Duration::ZERO, Duration::from_secs(1)),
+            Err(InvalidInput::LeaseTooShort { .. })
+        ));
+        // Each is validated with the others: the whole lease stays within 24 h.
+        let day = crate::service::MAX_LEASE;
+        assert!(matches!(layer().journal_deadline(day), Err(InvalidInput::LeaseTooLong { .. })));
+        let long_handler = layer().handler_timeout(day - Duration::from_secs(5), Duration::ZERO).unwrap_err();
+        assert!(matches!(long_handler, InvalidInput::LeaseTooLong { .. }), "the default journal deadline counts");
+        let short = layer().journal_deadline(Duration::from_millis(100)).unwrap();
+        assert!(short.handler_timeout(day - Duration::from_secs(1), Duration::from_millis(900)).is_ok());
     }
 
     #[test]
