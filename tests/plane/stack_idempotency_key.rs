@@ -714,3 +714,26 @@ async fn a_panic_in_the_services_call_itself_releases_the_claim() {
     assert_eq!(service.runs.load(Ordering::SeqCst), 1);
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_replay_never_carries_a_credential_header_even_when_one_was_journaled() {
+    let stack = stack().await;
+    let api = api(&stack).await;
+    assert_eq!(api.post(Some("cookie"), &[], "{}").send().await.unwrap().status(), 201);
+    // A journal written by an older layer that kept them.
+    sqlx::query(
+        "update agent.idempotency_keys
+            set response = jsonb_set(response, '{headers}', response->'headers'
+                || '[[\"set-cookie\",\"session=alice\"],[\"authorization\",\"Bearer alice\"],[\"www-authenticate\",\"Basic\"]]'::jsonb)",
+    )
+    .execute(stack.db())
+    .await
+    .unwrap();
+    let replay = api.post(Some("cookie"), &[], "{}").send().await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    for name in ["set-cookie", "authorization", "www-authenticate"] {
+        assert!(replay.headers().get(name).is_none(), "{name} replayed");
+    }
+    assert!(replay.headers().get("location").is_some(), "the kept headers still are");
+    stack.stop().await.unwrap();
+}

@@ -31,6 +31,13 @@
 //! store refuses (an answer above a scope's own, lower limit) is written
 //! again without its body.
 //!
+//! A replay carries the status, the body and the kept headers
+//! (`Content-Type`, `Location` and those named with
+//! [`keep_header`](IdempotencyKeyLayer::keep_header)); a header that
+//! carries credentials ([`CREDENTIAL_HEADERS`]: `Set-Cookie`,
+//! `Authorization`, …) is refused by `keep_header` and never replayed, even
+//! from a journal that holds one.
+//!
 //! Every answer of the layer's own is RFC 9457 problem details, of one of
 //! the types [ProblemType] lists: `missing-key`, `malformed-key`,
 //! `no-tenant`, `body-too-large`, `body-unreadable`, `key-reused`,
@@ -67,6 +74,7 @@ use uuid::Uuid;
 
 pub use problem::{Problem, ProblemType};
 use stored::StoredResponse;
+pub use stored::CREDENTIAL_HEADERS;
 
 use crate::error::{Error, InvalidInput};
 use crate::repo::IdempotencyRepository;
@@ -89,6 +97,19 @@ pub enum OversizeResponse {
     /// The first caller gets a 500 problem instead, and so does every repeat:
     /// for an API whose clients cannot act on an answer without its body.
     Refuse,
+}
+
+/// A layer setting refused when it is made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A header that carries credentials ([`CREDENTIAL_HEADERS`]) cannot be
+    /// kept: the journaled answer is replayed to whoever repeats the key.
+    #[error("the {name} header carries credentials and is never journaled: a replay would hand it to another caller")]
+    CredentialHeader {
+        /// The header refused.
+        name: HeaderName,
+    },
 }
 
 /// Resolves the tenant (the plane's organization) of a request, for example
@@ -282,9 +303,14 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
     }
 
     /// A header of the handler's answer that is journaled and replayed
-    /// (besides `Content-Type` and `Location`). Never a `Set-Cookie`.
-    pub fn keep_header(self, name: HeaderName) -> Self {
-        self.edit(|c| c.kept_headers.push(name))
+    /// (besides `Content-Type` and `Location`). A header that carries
+    /// credentials ([`CREDENTIAL_HEADERS`]: `Set-Cookie`, `Authorization`,
+    /// …) is refused: a replay would hand one caller's to another.
+    pub fn keep_header(self, name: HeaderName) -> Result<Self, ConfigError> {
+        if stored::is_credential(name.as_str()) {
+            return Err(ConfigError::CredentialHeader { name });
+        }
+        Ok(self.edit(|c| c.kept_headers.push(name)))
     }
 
     /// What an answer above the journal's response limit becomes.
@@ -711,6 +737,30 @@ mod tests {
 
     fn layer() -> IdempotencyKeyLayer<crate::repo::MemoryRepository> {
         IdempotencyKeyLayer::new(IdempotencyService::new(crate::repo::MemoryRepository::new()), |_| None)
+    }
+
+    #[test]
+    fn credential_headers_are_refused_at_build_time_and_others_kept() {
+        let named = [
+            axum::http::header::SET_COOKIE,
+            HeaderName::from_static("set-cookie2"),
+            axum::http::header::AUTHORIZATION,
+            axum::http::header::PROXY_AUTHORIZATION,
+            axum::http::header::PROXY_AUTHENTICATE,
+            axum::http::header::WWW_AUTHENTICATE,
+            axum::http::header::COOKIE,
+        ];
+        let every = CREDENTIAL_HEADERS.iter().map(|name| HeaderName::from_static(name));
+        for name in named.into_iter().chain(every) {
+            match layer().keep_header(name.clone()) {
+                Err(ConfigError::CredentialHeader { name: refused }) => assert_eq!(refused, name),
+                Ok(_) => panic!("{name} was accepted"),
+            }
+        }
+        let kept = layer().keep_header(HeaderName::from_static("x-request-cost")).expect("an ordinary header");
+        assert!(kept.config.kept_headers.iter().any(|name| name == "x-request-cost"));
+        let refused = layer().keep_header(axum::http::header::SET_COOKIE).unwrap_err();
+        assert!(refused.to_string().contains("set-cookie"), "{refused}");
     }
 
     #[test]
