@@ -81,6 +81,9 @@ impl Api {
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
         }
+        if !flags.iter().any(|(name, _)| *name == "x-user") {
+            request = request.header("x-user", "user-1");
+        }
         for (name, value) in flags {
             request = request.header(*name, *value);
         }
@@ -96,6 +99,21 @@ const TENANT: &str = "6f1c1e5e-0000-4000-8000-000000000001";
 
 fn tenant(parts: &axum::http::request::Parts) -> Option<Uuid> {
     parts.headers.get("x-tenant")?.to_str().ok()?.parse().ok()
+}
+
+/// The caller: the `x-user` header.
+fn user(parts: &axum::http::request::Parts) -> Option<String> {
+    parts.headers.get("x-user")?.to_str().ok().map(str::to_owned)
+}
+
+/// The layer over `service`, each caller's keys its own.
+fn keyed(service: Service) -> IdempotencyKeyLayer<PostgrestRepository> {
+    IdempotencyKeyLayer::new(service, tenant).principal(user)
+}
+
+/// The layer over `service`, keys shared by a tenant's callers.
+fn shared(service: Service) -> IdempotencyKeyLayer<PostgrestRepository> {
+    IdempotencyKeyLayer::new(service, tenant).shared_across_callers()
 }
 
 /// Serves the orders API behind `layer` on an ephemeral loopback port.
@@ -119,7 +137,7 @@ async fn bind(app: Router) -> String {
 }
 
 async fn api(stack: &LocalStack) -> Api {
-    serve(IdempotencyKeyLayer::new(service(stack), tenant)).await
+    serve(keyed(service(stack))).await
 }
 
 async fn body(response: reqwest::Response) -> (StatusCode, HeaderMap, Value) {
@@ -166,7 +184,7 @@ async fn two_resources_of_one_route_under_one_key_are_two_requests() {
     let orders = Orders::default();
     let app = Router::new()
         .route("/accounts/{id}/transfers", post(create_order))
-        .route_layer(IdempotencyKeyLayer::new(service(&stack), tenant))
+        .route_layer(shared(service(&stack)))
         .with_state(orders.clone());
     let url = bind(app).await;
     let http = reqwest::Client::new();
@@ -193,7 +211,7 @@ async fn a_layer_that_cannot_see_the_matched_route_refuses_rather_than_scope_eve
     // route to scope by.
     use tower_layer::Layer;
     let router = Router::new().route("/orders", post(create_order)).with_state(orders.clone());
-    let app = IdempotencyKeyLayer::new(service(&stack), tenant).layer(router);
+    let app = shared(service(&stack)).layer(router);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("address"));
     tokio::spawn(async move {
@@ -236,7 +254,7 @@ async fn keys_are_required_well_formed_and_bounded_and_other_methods_pass() {
 #[tokio::test]
 async fn optional_mode_passes_keyless_requests_through() {
     let stack = stack().await;
-    let api = serve(IdempotencyKeyLayer::new(service(&stack), tenant).optional()).await;
+    let api = serve(keyed(service(&stack)).optional()).await;
     assert_eq!(api.post(None, &[], "{}").send().await.unwrap().status(), 201);
     assert_eq!(api.post(None, &[], "{}").send().await.unwrap().status(), 201);
     assert_eq!(api.runs(), 2, "unprotected, as configured");
@@ -301,7 +319,7 @@ async fn twenty_concurrent_requests_with_one_key_run_the_handler_once() {
 #[tokio::test]
 async fn retryable_answers_panics_and_timeouts_release_and_other_answers_are_final() {
     let stack = stack().await;
-    let layer = IdempotencyKeyLayer::new(service(&stack), tenant)
+    let layer = keyed(service(&stack))
         .handler_timeout(Duration::from_millis(500), Duration::from_secs(5))
         .expect("a lease the plane accepts");
     let api = serve(layer).await;
@@ -368,7 +386,7 @@ async fn a_lease_that_passes_mid_handler_is_reclaimed_and_the_late_completion_is
 async fn bodies_above_the_limit_are_413_and_answers_above_the_journal_limit_are_kept_without_their_body() {
     let stack = stack().await;
     let small_journal = service(&stack).with_response_limit(1024);
-    let api = serve(IdempotencyKeyLayer::new(small_journal, tenant).body_limit(4096)).await;
+    let api = serve(keyed(small_journal).body_limit(4096)).await;
     let (status, headers, problem) =
         body(api.post(Some("huge"), &[], &format!("\"{}\"", "x".repeat(5000))).send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::PAYLOAD_TOO_LARGE, "body-too-large");
@@ -388,11 +406,7 @@ async fn bodies_above_the_limit_are_413_and_answers_above_the_journal_limit_are_
     assert_eq!(api.runs(), 1);
 
     // Refusing instead: the first caller and every repeat get the same 500 problem.
-    let refusing = serve(
-        IdempotencyKeyLayer::new(service(&stack).with_response_limit(1024), tenant)
-            .on_oversize(OversizeResponse::Refuse),
-    )
-    .await;
+    let refusing = serve(keyed(service(&stack).with_response_limit(1024)).on_oversize(OversizeResponse::Refuse)).await;
     let (status, headers, problem) = body(refusing.post(Some("echo-r"), &[], &big).send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "answer-not-kept");
     let (status, headers, again) = body(refusing.post(Some("echo-r"), &[], &big).send().await.unwrap()).await;
@@ -411,12 +425,12 @@ async fn an_unreachable_plane_is_503_with_retry_after_unless_told_to_fail_open()
             idempotency_plane::PostgrestClient::new(config.clone()).unwrap(),
         ))
     };
-    let closed = serve(IdempotencyKeyLayer::new(unreachable(), tenant)).await;
+    let closed = serve(keyed(unreachable())).await;
     let (status, headers, problem) = body(closed.post(Some("k"), &[], "{}").send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
     assert_eq!(headers["retry-after"], "5");
     assert_eq!(closed.runs(), 0, "fail closed: not run");
-    let open = serve(IdempotencyKeyLayer::new(unreachable(), tenant).fail_open()).await;
+    let open = serve(keyed(unreachable()).fail_open()).await;
     assert_eq!(open.post(Some("k"), &[], "{}").send().await.unwrap().status(), 201);
     assert_eq!(open.runs(), 1, "fail open: run, unprotected");
 }
@@ -473,7 +487,7 @@ async fn a_slow_journal_write_keeps_the_key_from_a_second_replica_and_the_handle
     // Two replicas of one API, each with its own client of the plane; the
     // handler may take 1 s, with a 1 s margin.
     let replica = || async {
-        let layer = IdempotencyKeyLayer::new(through(&proxy, &stack, |c| c), tenant)
+        let layer = keyed(through(&proxy, &stack, |c| c))
             .handler_timeout(Duration::from_secs(1), Duration::from_secs(1))
             .expect("a lease the plane accepts");
         serve_orders(layer, orders.clone()).await
@@ -510,7 +524,7 @@ async fn a_journal_write_that_never_reached_the_plane_is_retried_and_the_repeat_
     let proxy = RpcProxy::start(stack.url()).await;
     // The client does not retry itself: the layer does, within its journal deadline.
     let service = through(&proxy, &stack, |c| c.with_retry(RetryConfig::disabled()));
-    let api = serve(IdempotencyKeyLayer::new(service, tenant)).await;
+    let api = serve(keyed(service)).await;
     proxy.drop_next_unsent("idempotency_complete", 1);
     let (status, _, first) = body(api.post(Some("journal-retry"), &[], "{}").send().await.unwrap()).await;
     assert_eq!(status, StatusCode::CREATED);
@@ -529,7 +543,7 @@ async fn a_claim_the_plane_made_but_answered_too_late_does_not_fail_open() {
     let service = through(&proxy, &stack, |c| {
         c.with_retry(RetryConfig::disabled()).with_deadline(Duration::from_millis(800)).expect("a deadline")
     });
-    let layer = IdempotencyKeyLayer::new(service, tenant)
+    let layer = keyed(service)
         .handler_timeout(Duration::from_secs(1), Duration::from_secs(1))
         .expect("a lease the plane accepts")
         .fail_open();
@@ -614,10 +628,64 @@ async fn the_same_bytes_under_another_content_type_are_another_request() {
 }
 
 #[tokio::test]
+async fn two_callers_of_one_tenant_sharing_a_key_never_get_each_others_answer() {
+    let stack = stack().await;
+    let api = serve(keyed(service(&stack))).await;
+    let as_user = |user: &'static str| api.post(Some("shared-name"), &[("x-user", user)], r#"{"sku":"A"}"#);
+    let (status, _, alice) = body(as_user("alice").send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    // Bob, same tenant, same key, same body: his own request, not alice's answer.
+    let (status, headers, bob) = body(as_user("bob").send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(headers.get("idempotent-replayed").is_none(), "bob got alice's answer: {bob}");
+    assert_ne!(alice["id"], bob["id"]);
+    assert_eq!(api.runs(), 2, "bob's handler ran");
+    // Each replays their own.
+    for (user, first) in [("alice", &alice), ("bob", &bob)] {
+        let (_, headers, replay) = body(as_user(user).send().await.unwrap()).await;
+        assert_eq!((&headers["idempotent-replayed"], &replay), (&"true".parse().unwrap(), first), "{user}");
+    }
+    assert_eq!(api.runs(), 2);
+    // No caller where keys are per caller: 401, nothing run or written.
+    let anonymous = api
+        .http
+        .post(format!("{}/orders", api.url))
+        .header("idempotency-key", "shared-name")
+        .header("x-tenant", TENANT)
+        .header("content-type", "application/json")
+        .body(r#"{"sku":"A"}"#);
+    let (status, headers, problem) = body(anonymous.send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::UNAUTHORIZED, "no-principal");
+    assert_eq!((api.runs(), count_rows(&stack).await), (2, 2));
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn keys_shared_across_callers_answer_every_caller_of_the_tenant_alike() {
+    let stack = stack().await;
+    let api = serve(shared(service(&stack))).await;
+    let (_, _, alice) = body(api.post(Some("team-key"), &[("x-user", "alice")], "{}").send().await.unwrap()).await;
+    let (_, headers, bob) = body(api.post(Some("team-key"), &[("x-user", "bob")], "{}").send().await.unwrap()).await;
+    assert_eq!((&headers["idempotent-replayed"], bob), (&"true".parse().unwrap(), alice), "as configured");
+    assert_eq!(api.runs(), 1);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_layer_not_told_whose_keys_they_are_refuses_keyed_requests_as_not_configured() {
+    let stack = stack().await;
+    let api = serve(IdempotencyKeyLayer::new(service(&stack), tenant)).await;
+    let (status, headers, problem) = body(api.post(Some("k"), &[], "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "not-configured");
+    assert_eq!((api.runs(), count_rows(&stack).await), (0, 0));
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_journal_write_slower_than_its_deadline_is_cut_and_the_caller_still_gets_its_answer() {
     let stack = stack().await;
     let proxy = RpcProxy::start(stack.url()).await;
-    let layer = IdempotencyKeyLayer::new(through(&proxy, &stack, |c| c), tenant)
+    let layer = keyed(through(&proxy, &stack, |c| c))
         .handler_timeout(Duration::from_secs(1), Duration::from_secs(1))
         .expect("a lease the plane accepts")
         .journal_deadline(Duration::from_secs(1))
@@ -642,7 +710,7 @@ async fn a_route_longer_than_a_scope_is_protected() {
     let app = Router::new()
         .route(&long, post(create_order))
         .route(&longer, post(create_order))
-        .route_layer(IdempotencyKeyLayer::new(service(&stack), tenant))
+        .route_layer(shared(service(&stack)))
         .with_state(orders.clone());
     let url = bind(app).await;
     let http = reqwest::Client::new();
@@ -703,7 +771,7 @@ async fn a_panic_in_the_services_call_itself_releases_the_claim() {
     // The layer wraps the service itself (axum's own routes call theirs
     // only when polled), and the router still names the matched route.
     use tower_layer::Layer;
-    let layer = IdempotencyKeyLayer::new(crate::harness::service(&stack), tenant);
+    let layer = shared(crate::harness::service(&stack));
     let app = Router::new().route_service("/orders", layer.layer(service.clone()));
     let api = Api { url: bind(app).await, orders: Orders::default(), http: reqwest::Client::new() };
     let (status, headers, problem) =

@@ -4,8 +4,18 @@
 //!
 //! For the configured methods (POST and PATCH by default) a request carrying
 //! `Idempotency-Key` is claimed in the plane under the scope
-//! `http.<method>.<route>` and the caller's tenant, with a fingerprint of its
-//! method, route, body (by value when it is JSON) and configured headers:
+//! `http.<method>.<route>`, the caller's tenant, and the caller: the key is
+//! scoped by the [`principal`](IdempotencyKeyLayer::principal) the
+//! application names for each request (a user, an API client; its SHA-256
+//! is part of the plane's key), so two callers of one tenant who pick the
+//! same key never get each other's answer, unless the layer is told that
+//! keys are [`shared_across_callers`](IdempotencyKeyLayer::shared_across_callers).
+//! A route too long for the plane's 128-character scopes keeps its first
+//! 95 and ends in a hash of the route. The claim carries a fingerprint of
+//! the method, the target (path and query), the `Content-Type`, the body
+//! and the configured headers; the body counts by its RFC 8785 value when
+//! it is JSON that form holds without loss (no repeated member, every
+//! number exactly the decimal the form writes), else by its bytes:
 //!
 //! | request | answer |
 //! |---|---|
@@ -16,7 +26,9 @@
 //! | same key, different fingerprint | 422 |
 //! | no key where one is required | 400 (or passed through, [`optional`](IdempotencyKeyLayer::optional)) |
 //! | empty, malformed, repeated or longer than 255 characters | 400 |
+//! | no tenant, or no caller where keys are per caller | 401 |
 //! | body above the limit | 413 |
+//! | no policy for the scope, no matched route, or neither `principal` nor `shared_across_callers` chosen | 500 |
 //! | the plane never reached (connection not made; PostgREST's own 503 `PGRST000`/`PGRST002`, 504 `PGRST003`) | 503, `Retry-After` (or run unprotected, [`fail_open`](IdempotencyKeyLayer::fail_open)) |
 //! | any other failure of the claim (an answer lost or too late, a 5xx, a lock timeout): the plane may hold the key | 503, `Retry-After`, whether or not it fails open |
 //!
@@ -40,9 +52,10 @@
 //!
 //! Every answer of the layer's own is RFC 9457 problem details, of one of
 //! the types [ProblemType] lists: `missing-key`, `malformed-key`,
-//! `no-tenant`, `body-too-large`, `body-unreadable`, `key-reused`,
-//! `in-flight`, `handler-failed`, `handler-timeout`, `answer-incomplete`,
-//! `answer-not-kept`, `unreadable-answer`, `not-configured`, `unavailable`.
+//! `no-tenant`, `no-principal`, `body-too-large`, `body-unreadable`,
+//! `key-reused`, `in-flight`, `handler-failed`, `handler-timeout`,
+//! `answer-incomplete`, `answer-not-kept`, `unreadable-answer`,
+//! `not-configured`, `unavailable`.
 //!
 //! Apply it to a router's routes (`Router::route_layer`, or `Router::layer`,
 //! which axum runs after routing), so the scope names the matched route
@@ -66,6 +79,7 @@ use axum::http::request::Parts;
 use axum::http::{HeaderName, Method, Request, Response, StatusCode};
 use futures_util::FutureExt;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
@@ -85,6 +99,11 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// Longest key accepted, in characters (Stripe's limit).
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
+
+/// Separates a caller's hash from the key in the plane's key. No
+/// `Idempotency-Key` can hold it (they are visible ASCII), so a key scoped
+/// by a caller never equals a key shared across callers.
+const CALLER_SEPARATOR: char = '\u{a7}';
 
 /// What a handler's answer above the journal's limit becomes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -116,6 +135,31 @@ pub enum ConfigError {
 /// from its verified auth token. `None` answers 401.
 pub type TenantOf = dyn Fn(&Parts) -> Option<Uuid> + Send + Sync;
 
+/// Resolves the caller of a request within its tenant (a user id, an API
+/// client id, the subject of its verified token). `None` answers 401.
+pub type PrincipalOf = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// Whose keys a key is among.
+#[derive(Clone)]
+enum Callers {
+    /// Neither chosen: every keyed request is refused as not configured.
+    Unchosen,
+    /// Each caller's keys are its own.
+    Each(Arc<PrincipalOf>),
+    /// Every caller of a tenant shares its keys.
+    Shared,
+}
+
+impl std::fmt::Debug for Callers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Callers::Unchosen => "Unchosen",
+            Callers::Each(_) => "Each",
+            Callers::Shared => "Shared",
+        })
+    }
+}
+
 /// The layer; see the [module documentation](self) for what it answers.
 pub struct IdempotencyKeyLayer<R> {
     config: Config<R>,
@@ -132,6 +176,7 @@ impl<R> std::fmt::Debug for Config<R> {
         f.debug_struct("IdempotencyKeyLayer")
             .field("methods", &self.methods)
             .field("required", &self.required)
+            .field("callers", &self.callers)
             .field("body_limit", &self.body_limit)
             .field("response_body_limit", &self.response_body_limit)
             .field("handler_timeout", &self.handler_timeout)
@@ -154,6 +199,7 @@ impl<R> Clone for IdempotencyKeyLayer<R> {
 struct Config<R> {
     service: Arc<IdempotencyService<R>>,
     tenant: Arc<TenantOf>,
+    callers: Callers,
     methods: Vec<Method>,
     required: bool,
     body_limit: usize,
@@ -174,6 +220,7 @@ impl<R> Clone for Config<R> {
         Config {
             service: self.service.clone(),
             tenant: self.tenant.clone(),
+            callers: self.callers.clone(),
             methods: self.methods.clone(),
             required: self.required,
             body_limit: self.body_limit,
@@ -217,6 +264,11 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
     /// journal deadline 10 s (lease: 30 s + 10 s + a 5 s margin),
     /// `Content-Type` and `Location` kept with the journaled answer, fail
     /// closed.
+    ///
+    /// Say whose keys a key is among before serving: per caller
+    /// ([`principal`](Self::principal)) or shared by a tenant's callers
+    /// ([`shared_across_callers`](Self::shared_across_callers)); until one
+    /// is chosen every keyed request is answered 500 `not-configured`.
     pub fn new(
         service: IdempotencyService<R>,
         tenant: impl Fn(&Parts) -> Option<Uuid> + Send + Sync + 'static,
@@ -225,6 +277,7 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
             config: Config {
                 service: Arc::new(service),
                 tenant: Arc::new(tenant),
+                callers: Callers::Unchosen,
                 methods: vec![Method::POST, Method::PATCH],
                 required: true,
                 body_limit: 1024 * 1024,
@@ -245,6 +298,24 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
     fn edit(mut self, change: impl FnOnce(&mut Config<R>)) -> Self {
         change(&mut self.config);
         self
+    }
+
+    /// Each caller's keys are its own: `principal` names the caller of a
+    /// request within its tenant (a user or API client id, the subject of
+    /// a verified token), and the plane's key is scoped by its SHA-256. A
+    /// request it names no caller for is answered 401 `no-principal`.
+    /// Replaces [`shared_across_callers`](Self::shared_across_callers).
+    pub fn principal(self, principal: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
+        let principal: Arc<PrincipalOf> = Arc::new(principal);
+        self.edit(|c| c.callers = Callers::Each(principal))
+    }
+
+    /// Every caller of a tenant shares its keys: a key one caller used
+    /// answers another caller of the tenant with the first answer. For an
+    /// API whose tenant is one caller (a service account), or whose callers
+    /// coordinate their keys. Replaces [`principal`](Self::principal).
+    pub fn shared_across_callers(self) -> Self {
+        self.edit(|c| c.callers = Callers::Shared)
     }
 
     /// The methods that take a key (others pass straight through).
@@ -399,6 +470,17 @@ fn not_configured(detail: &str) -> Response<Body> {
     Problem::new(ProblemType::NotConfigured, detail).into_response()
 }
 
+/// The plane's key: the request's own, or, scoped by a caller, the
+/// SHA-256 of the caller's principal, `§`, and the request's key.
+fn plane_key(key: &str, principal: Option<&str>) -> String {
+    match principal {
+        None => key.to_owned(),
+        Some(principal) => {
+            format!("{}{CALLER_SEPARATOR}{key}", hex::encode(Sha256::digest(principal.as_bytes())))
+        }
+    }
+}
+
 async fn handle<S, R>(config: Arc<Config<R>>, mut inner: S, request: Request<Body>) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<Body>> + Send,
@@ -425,6 +507,26 @@ where
         return Ok(Problem::new(ProblemType::NoTenant, "the request does not name the tenant its key belongs to")
             .into_response());
     };
+    let principal = match &config.callers {
+        Callers::Shared => None,
+        Callers::Each(principal) => match principal(&parts) {
+            Some(principal) => Some(principal),
+            None => {
+                return Ok(Problem::new(
+                    ProblemType::NoPrincipal,
+                    "the request does not name the caller its key belongs to",
+                )
+                .into_response())
+            }
+        },
+        Callers::Unchosen => {
+            tracing::error!(
+                "the Idempotency-Key layer does not know whose keys a key is among: \
+                 configure it with .principal(...) or .shared_across_callers()"
+            );
+            return Ok(not_configured("the server has not said whether its idempotency keys are per caller"));
+        }
+    };
     let body = match buffer(body, config.body_limit).await {
         Ok(body) => body,
         Err(problem) => return Ok(problem.into_response()),
@@ -442,9 +544,11 @@ where
     // of one route are two requests.
     let target = parts.uri.path_and_query().map_or_else(|| parts.uri.path(), |target| target.as_str());
     let hash = fingerprint::fingerprint(&parts.method, target, &parts.headers, &body, &config.counted_headers);
+    let plane_key = plane_key(&key, principal.as_deref());
     let span = tracing::info_span!(
         "http.idempotency_key",
-        %organization_id, scope, key, outcome = field::Empty, replayed = field::Empty, ending = field::Empty
+        %organization_id, scope, key, per_caller = principal.is_some(),
+        outcome = field::Empty, replayed = field::Empty, ending = field::Empty
     );
     async move {
         // The handler's time counts from before the claim, whose lease starts
@@ -453,7 +557,7 @@ where
         // that follows it.
         let cut_at = Instant::now() + config.handler_timeout;
         let journal_cut_at = cut_at + config.journal_deadline;
-        let claimed = config.service.claim(organization_id, &scope, &key, &hash, config.lease()).await;
+        let claimed = config.service.claim(organization_id, &scope, &plane_key, &hash, config.lease()).await;
         let claim = match claimed {
             Ok(ClaimOutcome::Claimed(claim)) => claim,
             Ok(ClaimOutcome::Completed { response, .. }) => {
@@ -785,6 +889,19 @@ mod tests {
         assert!(matches!(long_handler, InvalidInput::LeaseTooLong { .. }), "the default journal deadline counts");
         let short = layer().journal_deadline(Duration::from_millis(100)).unwrap();
         assert!(short.handler_timeout(day - Duration::from_secs(1), Duration::from_millis(900)).is_ok());
+    }
+
+    #[test]
+    fn a_callers_key_is_its_own_and_never_a_shared_one() {
+        assert_eq!(plane_key("k-1", None), "k-1");
+        let alice = plane_key("k-1", Some("alice"));
+        assert_ne!(alice, plane_key("k-1", Some("bob")));
+        assert_ne!(alice, plane_key("k-2", Some("alice")));
+        assert!(alice.ends_with("\u{a7}k-1") && !alice.contains("alice"), "{alice}");
+        // No Idempotency-Key (visible ASCII) can spell a caller's key.
+        assert!(!alice.is_ascii());
+        let longest = plane_key(&"k".repeat(MAX_IDEMPOTENCY_KEY_CHARS), Some(&"p".repeat(10_000)));
+        assert!(crate::service::validate_key(&longest).is_ok(), "within the plane's key limit");
     }
 
     #[test]

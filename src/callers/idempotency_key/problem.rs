@@ -17,6 +17,7 @@ const TYPE_BASE: &str = "https://github.com/idempotency-plane/idempotency-plane#
 /// | `missing-key` | 400 | no `Idempotency-Key` where one is required |
 /// | `malformed-key` | 400 | an empty, repeated, non-ASCII or over-long key |
 /// | `no-tenant` | 401 | the tenant function named no tenant |
+/// | `no-principal` | 401 | the principal function named no caller |
 /// | `body-too-large` | 413 | a request body above the limit |
 /// | `body-unreadable` | 400 | the request body broke off |
 /// | `key-reused` | 422 | the key was used for another request |
@@ -26,7 +27,7 @@ const TYPE_BASE: &str = "https://github.com/idempotency-plane/idempotency-plane#
 /// | `answer-incomplete` | 502 | the handler's answer outgrew the buffer or the timeout |
 /// | `answer-not-kept` | 500 | an answer above the journal's limit, refused for all (`OversizeResponse::Refuse`) |
 /// | `unreadable-answer` | 500 | the journaled answer is not one this layer wrote |
-/// | `not-configured` | 500 | no policy for the scope, or no matched route |
+/// | `not-configured` | 500 | no policy for the scope, no matched route, or no caller scoping chosen |
 /// | `unavailable` | 503 | the plane could not answer the claim (`Retry-After`) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -37,6 +38,8 @@ pub enum ProblemType {
     MalformedKey,
     /// `no-tenant`, 401.
     NoTenant,
+    /// `no-principal`, 401.
+    NoPrincipal,
     /// `body-too-large`, 413.
     BodyTooLarge,
     /// `body-unreadable`, 400.
@@ -63,10 +66,11 @@ pub enum ProblemType {
 
 impl ProblemType {
     /// Every type, in the catalogue's order.
-    pub const ALL: [ProblemType; 14] = [
+    pub const ALL: [ProblemType; 15] = [
         ProblemType::MissingKey,
         ProblemType::MalformedKey,
         ProblemType::NoTenant,
+        ProblemType::NoPrincipal,
         ProblemType::BodyTooLarge,
         ProblemType::BodyUnreadable,
         ProblemType::KeyReused,
@@ -86,6 +90,7 @@ impl ProblemType {
             ProblemType::MissingKey => "missing-key",
             ProblemType::MalformedKey => "malformed-key",
             ProblemType::NoTenant => "no-tenant",
+            ProblemType::NoPrincipal => "no-principal",
             ProblemType::BodyTooLarge => "body-too-large",
             ProblemType::BodyUnreadable => "body-unreadable",
             ProblemType::KeyReused => "key-reused",
@@ -106,7 +111,7 @@ impl ProblemType {
             ProblemType::MissingKey | ProblemType::MalformedKey | ProblemType::BodyUnreadable => {
                 StatusCode::BAD_REQUEST
             }
-            ProblemType::NoTenant => StatusCode::UNAUTHORIZED,
+            ProblemType::NoTenant | ProblemType::NoPrincipal => StatusCode::UNAUTHORIZED,
             ProblemType::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemType::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemType::InFlight => StatusCode::CONFLICT,
@@ -126,6 +131,7 @@ impl ProblemType {
             ProblemType::MissingKey => "Idempotency-Key is required",
             ProblemType::MalformedKey => "Idempotency-Key is malformed",
             ProblemType::NoTenant => "No tenant for this request",
+            ProblemType::NoPrincipal => "No caller for this request",
             ProblemType::BodyTooLarge => "The request body is too large",
             ProblemType::BodyUnreadable => "The request body could not be read",
             ProblemType::KeyReused => "Idempotency-Key reused for a different request",
