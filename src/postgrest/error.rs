@@ -379,6 +379,34 @@ impl ClientError {
         }
     }
 
+    /// Whether the call certainly never reached the plane's database, so
+    /// nothing it asked for can have been done: the only failure after
+    /// which a caller may act as if the plane did not exist (an
+    /// `Idempotency-Key` layer's `fail_open`).
+    ///
+    /// | failure | never reached the plane |
+    /// |---|---|
+    /// | connection refused / not made | yes |
+    /// | 503 `PGRST000`/`PGRST002`, 504 `PGRST003` (PostgREST never reached the database) | yes |
+    /// | the deadline left no time for a retry, and the last failure is one of these | yes |
+    /// | the deadline cut a request in flight | no: it may have run |
+    /// | a timeout, a connection reset after sending | no |
+    /// | any other 5xx, a gateway's 502/503/504 without PostgREST's body | no |
+    /// | anything else (an answer, a refusal, a lock timeout) | no |
+    pub fn never_reached_the_plane(&self) -> bool {
+        match self {
+            ClientError::Transport { kind: TransportKind::Connect, .. } => true,
+            ClientError::Api { status, error, .. } => matches!(
+                (status, error.code.as_str()),
+                (503, codes::PGRST000) | (503, codes::PGRST002) | (504, codes::PGRST003)
+            ),
+            ClientError::DeadlineExceeded { in_flight: false, last_error: Some(last), .. } => {
+                last.never_reached_the_plane()
+            }
+            _ => false,
+        }
+    }
+
     /// One line saying why a key was refused, for a 401 (or a 403 for the
     /// key's role) from Supabase's API gateway or from PostgREST; `None`
     /// for any other failure. For an operator's tool such as `idem doctor`.
@@ -502,6 +530,67 @@ mod tests {
         assert!(cut.to_string().contains("outcome is unknown"), "{cut}");
         let source = std::error::Error::source(&never_ran).map(ToString::to_string);
         assert!(source.is_some_and(|s| s.contains("PGRST002")), "the last failure is the source");
+    }
+
+    /// A transport failure of `kind` (the kind is what is judged; the
+    /// source is any reqwest error).
+    fn transport(kind: TransportKind) -> ClientError {
+        let source = match reqwest::Client::new().get("not a url").build() {
+            Err(source) => source,
+            Ok(_) => unreachable!("a URL without a scheme does not build"),
+        };
+        ClientError::Transport { function: "f", kind, source }
+    }
+
+    #[test]
+    fn only_a_call_that_never_reached_the_database_counts_as_never_reaching_the_plane() {
+        let cases = [
+            (api(503, codes::PGRST000), true),
+            (api(503, codes::PGRST002), true),
+            (api(504, codes::PGRST003), true),
+            // PostgREST reached the database, or says nothing of it.
+            (api(503, codes::PGRST001), false),
+            (api(503, "57P01"), false),
+            (api(504, codes::PGRST000), false),
+            (api(500, codes::SERIALIZATION_FAILURE), false),
+            (api(500, "57014"), false),
+            (api(400, codes::INVALID_PARAMETER_VALUE), false),
+            (api(401, codes::INSUFFICIENT_PRIVILEGE), false),
+            // A gateway's page: the request may have gone on.
+            (ClientError::Http { function: "f", status: 502, body_excerpt: "<html>".into(), retry_after: None }, false),
+            (ClientError::Http { function: "f", status: 503, body_excerpt: "<html>".into(), retry_after: None }, false),
+            (ClientError::Http { function: "f", status: 504, body_excerpt: "<html>".into(), retry_after: None }, false),
+            (
+                ClientError::LockTimeout {
+                    function: "f",
+                    error: Box::new(PostgrestError {
+                        code: codes::LOCK_NOT_AVAILABLE.into(),
+                        message: String::new(),
+                        details: None,
+                        hint: None,
+                    }),
+                },
+                false,
+            ),
+            (ClientError::Decode { function: "f", reason: String::new() }, false),
+            // The deadline: cut in flight, it may have run; not retried for
+            // lack of time, as its last failure.
+            (deadline(true, None), false),
+            (deadline(true, Some(api(503, codes::PGRST002))), false),
+            (deadline(false, Some(api(503, codes::PGRST002))), true),
+            (deadline(false, Some(api(504, codes::PGRST003))), true),
+            (deadline(false, Some(api(503, codes::PGRST001))), false),
+            (deadline(false, None), false),
+            (transport(TransportKind::Connect), true),
+            (deadline(false, Some(transport(TransportKind::Connect))), true),
+            (deadline(true, Some(transport(TransportKind::Connect))), false),
+            (transport(TransportKind::Timeout), false),
+            (transport(TransportKind::Interrupted), false),
+            (transport(TransportKind::Other), false),
+        ];
+        for (error, never_reached) in cases {
+            assert_eq!(error.never_reached_the_plane(), never_reached, "{error}");
+        }
     }
 
     fn gateway(body: serde_json::Value) -> ClientError {

@@ -4,26 +4,63 @@
 //!
 //! For the configured methods (POST and PATCH by default) a request carrying
 //! `Idempotency-Key` is claimed in the plane under the scope
-//! `http.<method>.<route>` and the caller's tenant, with a fingerprint of its
-//! method, route, body (by value when it is JSON) and configured headers:
+//! `http.<method>.<route>`, the caller's tenant, and the caller: the key is
+//! scoped by the [`principal`](IdempotencyKeyLayer::principal) the
+//! application names for each request (a user, an API client; its SHA-256
+//! is part of the plane's key), so two callers of one tenant who pick the
+//! same key never get each other's answer, unless the layer is told that
+//! keys are [`shared_across_callers`](IdempotencyKeyLayer::shared_across_callers).
+//! A route too long for the plane's 128-character scopes keeps its first
+//! 95 and ends in a hash of the route. The claim carries a fingerprint of
+//! the method, the target (path and query), the `Content-Type`, the body
+//! and the configured headers; the body counts by its RFC 8785 value when
+//! it is JSON that form holds without loss (no repeated member, every
+//! number exactly the decimal the form writes), else by its bytes:
 //!
 //! | request | answer |
 //! |---|---|
 //! | first with this key | the handler runs; its answer is journaled and returned |
-//! | the handler answered 5xx or 429, panicked or timed out | the claim is released: a retry runs the handler again |
+//! | the handler answered 5xx or 429, panicked (in `call` or in its future) or timed out | the claim is released: a retry runs the handler again |
 //! | repeat after completion | the journaled status, headers and body, `Idempotent-Replayed: true` |
-//! | repeat while the first is in flight | 409, `Retry-After` |
+//! | repeat while the first is in flight, its answer still being journaled included | 409, `Retry-After` |
 //! | same key, different fingerprint | 422 |
 //! | no key where one is required | 400 (or passed through, [`optional`](IdempotencyKeyLayer::optional)) |
 //! | empty, malformed, repeated or longer than 255 characters | 400 |
+//! | no tenant, or no caller where keys are per caller | 401 |
 //! | body above the limit | 413 |
-//! | the plane unreachable | 503, `Retry-After` (or run unprotected, [`fail_open`](IdempotencyKeyLayer::fail_open)) |
+//! | no policy for the scope, no matched route, or neither `principal` nor `shared_across_callers` chosen | 500 |
+//! | the plane never reached (connection not made; PostgREST's own 503 `PGRST000`/`PGRST002`, 504 `PGRST003`) | 503, `Retry-After` (or run unprotected, [`fail_open`](IdempotencyKeyLayer::fail_open)) |
+//! | any other failure of the claim (an answer lost or too late, a 5xx, a lock timeout): the plane may hold the key | 503, `Retry-After`, whether or not it fails open |
 //!
-//! Every answer of the layer's own is RFC 9457 problem details
-//! (`application/problem+json`). Apply it to a router's routes
-//! (`Router::route_layer`, or `Router::layer`, which axum runs after
-//! routing), so the scope names the matched route (`/orders/{id}`); wrapped
-//! around a whole router it sees no route and answers 500.
+//! The handler is cut off at its [timeout](IdempotencyKeyLayer::handler_timeout),
+//! counted from before its claim. Writing its answer to the journal is cut
+//! off a [journal deadline](IdempotencyKeyLayer::journal_deadline) after
+//! that, and retried within it when it fails transiently; the lease is
+//! the handler timeout, plus the journal deadline, plus a margin, so no
+//! other replica takes a key over while the request holding it still runs
+//! or journals. A journal write still failing at its deadline leaves the
+//! claim to its lease (the caller gets its answer all the same); one the
+//! store refuses (an answer above a scope's own, lower limit) is written
+//! again without its body.
+//!
+//! A replay carries the status, the body and the kept headers
+//! (`Content-Type`, `Location` and those named with
+//! [`keep_header`](IdempotencyKeyLayer::keep_header)); a header that
+//! carries credentials ([`CREDENTIAL_HEADERS`]: `Set-Cookie`,
+//! `Authorization`, …) is refused by `keep_header` and never replayed, even
+//! from a journal that holds one.
+//!
+//! Every answer of the layer's own is RFC 9457 problem details, of one of
+//! the types [ProblemType] lists: `missing-key`, `malformed-key`,
+//! `no-tenant`, `no-principal`, `body-too-large`, `body-unreadable`,
+//! `key-reused`, `in-flight`, `handler-failed`, `handler-timeout`,
+//! `answer-incomplete`, `answer-not-kept`, `unreadable-answer`,
+//! `not-configured`, `unavailable`.
+//!
+//! Apply it to a router's routes (`Router::route_layer`, or `Router::layer`,
+//! which axum runs after routing), so the scope names the matched route
+//! (`/orders/{id}`); wrapped around a whole router it sees no route and
+//! answers 500.
 
 mod fingerprint;
 mod problem;
@@ -42,16 +79,18 @@ use axum::http::request::Parts;
 use axum::http::{HeaderName, Method, Request, Response, StatusCode};
 use futures_util::FutureExt;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{field, Instrument};
 use uuid::Uuid;
 
-pub use problem::Problem;
+pub use problem::{Problem, ProblemType};
 use stored::StoredResponse;
+pub use stored::CREDENTIAL_HEADERS;
 
 use crate::error::{Error, InvalidInput};
-use crate::postgrest::ClientError;
 use crate::repo::IdempotencyRepository;
 use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService};
 
@@ -60,6 +99,11 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// Longest key accepted, in characters (Stripe's limit).
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
+
+/// Separates a caller's hash from the key in the plane's key. No
+/// `Idempotency-Key` can hold it (they are visible ASCII), so a key scoped
+/// by a caller never equals a key shared across callers.
+const CALLER_SEPARATOR: char = '\u{a7}';
 
 /// What a handler's answer above the journal's limit becomes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -74,9 +118,47 @@ pub enum OversizeResponse {
     Refuse,
 }
 
+/// A layer setting refused when it is made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A header that carries credentials ([`CREDENTIAL_HEADERS`]) cannot be
+    /// kept: the journaled answer is replayed to whoever repeats the key.
+    #[error("the {name} header carries credentials and is never journaled: a replay would hand it to another caller")]
+    CredentialHeader {
+        /// The header refused.
+        name: HeaderName,
+    },
+}
+
 /// Resolves the tenant (the plane's organization) of a request, for example
 /// from its verified auth token. `None` answers 401.
 pub type TenantOf = dyn Fn(&Parts) -> Option<Uuid> + Send + Sync;
+
+/// Resolves the caller of a request within its tenant (a user id, an API
+/// client id, the subject of its verified token). `None` answers 401.
+pub type PrincipalOf = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// Whose keys a key is among.
+#[derive(Clone)]
+enum Callers {
+    /// Neither chosen: every keyed request is refused as not configured.
+    Unchosen,
+    /// Each caller's keys are its own.
+    Each(Arc<PrincipalOf>),
+    /// Every caller of a tenant shares its keys.
+    Shared,
+}
+
+impl std::fmt::Debug for Callers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Callers::Unchosen => "Unchosen",
+            Callers::Each(_) => "Each",
+            Callers::Shared => "Shared",
+        })
+    }
+}
 
 /// The layer; see the [module documentation](self) for what it answers.
 pub struct IdempotencyKeyLayer<R> {
@@ -94,9 +176,11 @@ impl<R> std::fmt::Debug for Config<R> {
         f.debug_struct("IdempotencyKeyLayer")
             .field("methods", &self.methods)
             .field("required", &self.required)
+            .field("callers", &self.callers)
             .field("body_limit", &self.body_limit)
             .field("response_body_limit", &self.response_body_limit)
             .field("handler_timeout", &self.handler_timeout)
+            .field("journal_deadline", &self.journal_deadline)
             .field("lease_margin", &self.lease_margin)
             .field("counted_headers", &self.counted_headers)
             .field("kept_headers", &self.kept_headers)
@@ -115,11 +199,13 @@ impl<R> Clone for IdempotencyKeyLayer<R> {
 struct Config<R> {
     service: Arc<IdempotencyService<R>>,
     tenant: Arc<TenantOf>,
+    callers: Callers,
     methods: Vec<Method>,
     required: bool,
     body_limit: usize,
     response_body_limit: usize,
     handler_timeout: Duration,
+    journal_deadline: Duration,
     lease_margin: Duration,
     counted_headers: Vec<HeaderName>,
     kept_headers: Vec<HeaderName>,
@@ -134,11 +220,13 @@ impl<R> Clone for Config<R> {
         Config {
             service: self.service.clone(),
             tenant: self.tenant.clone(),
+            callers: self.callers.clone(),
             methods: self.methods.clone(),
             required: self.required,
             body_limit: self.body_limit,
             response_body_limit: self.response_body_limit,
             handler_timeout: self.handler_timeout,
+            journal_deadline: self.journal_deadline,
             lease_margin: self.lease_margin,
             counted_headers: self.counted_headers.clone(),
             kept_headers: self.kept_headers.clone(),
@@ -150,12 +238,37 @@ impl<R> Clone for Config<R> {
     }
 }
 
+impl<R> Config<R> {
+    fn lease(&self) -> Duration {
+        self.handler_timeout.saturating_add(self.journal_deadline).saturating_add(self.lease_margin)
+    }
+}
+
+/// The lease of a handler timeout, journal deadline and margin, refused
+/// when a part that must take time is zero or the whole is outside what
+/// the plane accepts (1 s to 24 h).
+fn validate_lease(handler_timeout: Duration, journal_deadline: Duration, margin: Duration) -> Result<(), InvalidInput> {
+    crate::service::validate::lease(handler_timeout.saturating_add(journal_deadline).saturating_add(margin))?;
+    for part in [handler_timeout, journal_deadline] {
+        if part.is_zero() {
+            return Err(InvalidInput::LeaseTooShort { lease: part, min: crate::service::MIN_LEASE });
+        }
+    }
+    Ok(())
+}
+
 impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
     /// A layer over `service`, with `tenant` naming each request's
     /// organization. Defaults: POST and PATCH, key required, request bodies
-    /// up to 1 MiB, answers buffered up to 8 MiB, handler timeout 30 s
-    /// (lease: timeout + 5 s), `Content-Type` and `Location` kept with the
-    /// journaled answer, fail closed.
+    /// up to 1 MiB, answers buffered up to 8 MiB, handler timeout 30 s,
+    /// journal deadline 10 s (lease: 30 s + 10 s + a 5 s margin),
+    /// `Content-Type` and `Location` kept with the journaled answer, fail
+    /// closed.
+    ///
+    /// Say whose keys a key is among before serving: per caller
+    /// ([`principal`](Self::principal)) or shared by a tenant's callers
+    /// ([`shared_across_callers`](Self::shared_across_callers)); until one
+    /// is chosen every keyed request is answered 500 `not-configured`.
     pub fn new(
         service: IdempotencyService<R>,
         tenant: impl Fn(&Parts) -> Option<Uuid> + Send + Sync + 'static,
@@ -164,11 +277,13 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
             config: Config {
                 service: Arc::new(service),
                 tenant: Arc::new(tenant),
+                callers: Callers::Unchosen,
                 methods: vec![Method::POST, Method::PATCH],
                 required: true,
                 body_limit: 1024 * 1024,
                 response_body_limit: 8 * 1024 * 1024,
                 handler_timeout: Duration::from_secs(30),
+                journal_deadline: Duration::from_secs(10),
                 lease_margin: Duration::from_secs(5),
                 counted_headers: Vec::new(),
                 kept_headers: vec![HeaderName::from_static("content-type"), HeaderName::from_static("location")],
@@ -183,6 +298,24 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
     fn edit(mut self, change: impl FnOnce(&mut Config<R>)) -> Self {
         change(&mut self.config);
         self
+    }
+
+    /// Each caller's keys are its own: `principal` names the caller of a
+    /// request within its tenant (a user or API client id, the subject of
+    /// a verified token), and the plane's key is scoped by its SHA-256. A
+    /// request it names no caller for is answered 401 `no-principal`.
+    /// Replaces [`shared_across_callers`](Self::shared_across_callers).
+    pub fn principal(self, principal: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
+        let principal: Arc<PrincipalOf> = Arc::new(principal);
+        self.edit(|c| c.callers = Callers::Each(principal))
+    }
+
+    /// Every caller of a tenant shares its keys: a key one caller used
+    /// answers another caller of the tenant with the first answer. For an
+    /// API whose tenant is one caller (a service account), or whose callers
+    /// coordinate their keys. Replaces [`principal`](Self::principal).
+    pub fn shared_across_callers(self) -> Self {
+        self.edit(|c| c.callers = Callers::Shared)
     }
 
     /// The methods that take a key (others pass straight through).
@@ -211,19 +344,28 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
     }
 
     /// How long the handler may run, counted from before its claim, before
-    /// it is cancelled and its claim released (504). The lease is this plus
-    /// `margin`, so a live handler's claim is never taken over. Refused when
-    /// the timeout is zero or the lease is outside what the plane accepts
-    /// (1 s to 24 h).
+    /// it is cancelled and its claim released (504). The lease is this,
+    /// plus the [journal deadline](Self::journal_deadline), plus `margin`,
+    /// so a live handler's claim is never taken over, nor one whose answer
+    /// is being journaled. Refused when the timeout is zero or the lease is
+    /// outside what the plane accepts (1 s to 24 h).
     pub fn handler_timeout(self, timeout: Duration, margin: Duration) -> Result<Self, InvalidInput> {
-        crate::service::validate::lease(timeout.saturating_add(margin))?;
-        if timeout.is_zero() {
-            return Err(InvalidInput::LeaseTooShort { lease: timeout, min: crate::service::MIN_LEASE });
-        }
+        validate_lease(timeout, self.config.journal_deadline, margin)?;
         Ok(self.edit(|c| {
             c.handler_timeout = timeout;
             c.lease_margin = margin;
         }))
+    }
+
+    /// How long writing the handler's answer to the journal may take after
+    /// the handler's own timeout has passed (default 10 s). The write is
+    /// cut off then, and retried until then when it fails transiently; it
+    /// is part of the lease, so another request cannot take the key over
+    /// while the answer is still being written. Refused when it is zero or
+    /// the lease is outside what the plane accepts (1 s to 24 h).
+    pub fn journal_deadline(self, deadline: Duration) -> Result<Self, InvalidInput> {
+        validate_lease(self.config.handler_timeout, deadline, self.config.lease_margin)?;
+        Ok(self.edit(|c| c.journal_deadline = deadline))
     }
 
     /// A header that is part of the fingerprint (a currency, an API version).
@@ -232,9 +374,14 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
     }
 
     /// A header of the handler's answer that is journaled and replayed
-    /// (besides `Content-Type` and `Location`). Never a `Set-Cookie`.
-    pub fn keep_header(self, name: HeaderName) -> Self {
-        self.edit(|c| c.kept_headers.push(name))
+    /// (besides `Content-Type` and `Location`). A header that carries
+    /// credentials ([`CREDENTIAL_HEADERS`]: `Set-Cookie`, `Authorization`,
+    /// …) is refused: a replay would hand one caller's to another.
+    pub fn keep_header(self, name: HeaderName) -> Result<Self, ConfigError> {
+        if stored::is_credential(name.as_str()) {
+            return Err(ConfigError::CredentialHeader { name });
+        }
+        Ok(self.edit(|c| c.kept_headers.push(name)))
     }
 
     /// What an answer above the journal's response limit becomes.
@@ -242,8 +389,12 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
         self.edit(|c| c.oversize = oversize)
     }
 
-    /// When the plane is unreachable, run the handler unprotected (logged
-    /// at error level for every request) instead of answering 503.
+    /// When the plane cannot be reached at all (the connection was not
+    /// made, or PostgREST answered that it could not reach its database),
+    /// run the handler unprotected (logged at error level for every
+    /// request) instead of answering 503. Any other failure of a claim is
+    /// still 503: the plane may have made the claim, and another request
+    /// may hold the key.
     pub fn fail_open(self) -> Self {
         self.edit(|c| c.fail_open = true)
     }
@@ -304,16 +455,29 @@ where
                 Ok(answer) => answer,
                 Err(failed) => {
                     tracing::error!(%failed, "the Idempotency-Key task failed");
-                    Ok(Problem::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "handler-failed",
-                        "The request failed",
-                        "the request failed before it finished; retry with the same key",
-                    )
-                    .into_response())
+                    Ok(handler_failed().into_response())
                 }
             }
         })
+    }
+}
+
+fn handler_failed() -> Problem {
+    Problem::new(ProblemType::HandlerFailed, "the request failed before it finished; retry with the same key")
+}
+
+fn not_configured(detail: &str) -> Response<Body> {
+    Problem::new(ProblemType::NotConfigured, detail).into_response()
+}
+
+/// The plane's key: the request's own, or, scoped by a caller, the
+/// SHA-256 of the caller's principal, `§`, and the request's key.
+fn plane_key(key: &str, principal: Option<&str>) -> String {
+    match principal {
+        None => key.to_owned(),
+        Some(principal) => {
+            format!("{}{CALLER_SEPARATOR}{key}", hex::encode(Sha256::digest(principal.as_bytes())))
+        }
     }
 }
 
@@ -331,9 +495,7 @@ where
         Ok(None) if !config.required => return inner.call(request).await,
         Ok(None) => {
             return Ok(Problem::new(
-                StatusCode::BAD_REQUEST,
-                "missing-key",
-                "Idempotency-Key is required",
+                ProblemType::MissingKey,
                 format!("{} requests to this API carry an Idempotency-Key header", request.method()),
             )
             .into_response())
@@ -342,13 +504,28 @@ where
     };
     let (parts, body) = request.into_parts();
     let Some(organization_id) = (config.tenant)(&parts) else {
-        return Ok(Problem::new(
-            StatusCode::UNAUTHORIZED,
-            "no-tenant",
-            "No tenant for this request",
-            "the request does not name the tenant its key belongs to",
-        )
-        .into_response());
+        return Ok(Problem::new(ProblemType::NoTenant, "the request does not name the tenant its key belongs to")
+            .into_response());
+    };
+    let principal = match &config.callers {
+        Callers::Shared => None,
+        Callers::Each(principal) => match principal(&parts) {
+            Some(principal) => Some(principal),
+            None => {
+                return Ok(Problem::new(
+                    ProblemType::NoPrincipal,
+                    "the request does not name the caller its key belongs to",
+                )
+                .into_response())
+            }
+        },
+        Callers::Unchosen => {
+            tracing::error!(
+                "the Idempotency-Key layer does not know whose keys a key is among: \
+                 configure it with .principal(...) or .shared_across_callers()"
+            );
+            return Ok(not_configured("the server has not said whether its idempotency keys are per caller"));
+        }
     };
     let body = match buffer(body, config.body_limit).await {
         Ok(body) => body,
@@ -360,30 +537,27 @@ where
         tracing::error!(
             "the Idempotency-Key layer sees no matched route: apply it with Router::route_layer or Router::layer"
         );
-        return Ok(Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "not-configured",
-            "Idempotency is not configured for this route",
-            "the server applies its idempotency layer where it cannot see the route",
-        )
-        .into_response());
+        return Ok(not_configured("the server applies its idempotency layer where it cannot see the route"));
     };
     let scope = fingerprint::scope(&parts.method, &route);
     // The fingerprint takes the request's own path and query: two resources
     // of one route are two requests.
     let target = parts.uri.path_and_query().map_or_else(|| parts.uri.path(), |target| target.as_str());
     let hash = fingerprint::fingerprint(&parts.method, target, &parts.headers, &body, &config.counted_headers);
+    let plane_key = plane_key(&key, principal.as_deref());
     let span = tracing::info_span!(
         "http.idempotency_key",
-        %organization_id, scope, key, outcome = field::Empty, replayed = field::Empty, ending = field::Empty
+        %organization_id, scope, key, per_caller = principal.is_some(),
+        outcome = field::Empty, replayed = field::Empty, ending = field::Empty
     );
     async move {
         // The handler's time counts from before the claim, whose lease starts
         // when the database stamps it: the handler is cut before its lease
-        // can pass, however long the claim took.
-        let cut_at = tokio::time::Instant::now() + config.handler_timeout;
-        let lease = config.handler_timeout + config.lease_margin;
-        let claimed = config.service.claim(organization_id, &scope, &key, &hash, lease).await;
+        // can pass, however long the claim took, and so is the journal write
+        // that follows it.
+        let cut_at = Instant::now() + config.handler_timeout;
+        let journal_cut_at = cut_at + config.journal_deadline;
+        let claimed = config.service.claim(organization_id, &scope, &plane_key, &hash, config.lease()).await;
         let claim = match claimed {
             Ok(ClaimOutcome::Claimed(claim)) => claim,
             Ok(ClaimOutcome::Completed { response, .. }) => {
@@ -392,9 +566,7 @@ where
                 return Ok(replay.unwrap_or_else(|| {
                     tracing::error!("the journaled answer is not one this layer wrote");
                     Problem::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "unreadable-answer",
-                        "The first answer cannot be replayed",
+                        ProblemType::UnreadableAnswer,
                         "this key completed, but its journaled answer is not an HTTP answer",
                     )
                     .into_response()
@@ -403,9 +575,7 @@ where
             Ok(ClaimOutcome::Processing { .. }) => {
                 tracing::Span::current().record("outcome", "in_flight");
                 return Ok(Problem::new(
-                    StatusCode::CONFLICT,
-                    "in-flight",
-                    "A request with this key is in flight",
+                    ProblemType::InFlight,
                     "the first request with this Idempotency-Key has not finished; retry later",
                 )
                 .retry_after(config.in_flight_retry_after)
@@ -414,10 +584,8 @@ where
             Ok(ClaimOutcome::Conflict) => {
                 tracing::Span::current().record("outcome", "key_reused");
                 return Ok(Problem::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "key-reused",
-                    "Idempotency-Key reused for a different request",
-                    "this key was used for a request with another method, path, query, body or headers",
+                    ProblemType::KeyReused,
+                    "this key was used for a request with another method, path, query, content type, body or headers",
                 )
                 .into_response());
             }
@@ -425,7 +593,15 @@ where
         };
         tracing::Span::current().record("outcome", "claimed");
 
-        let ran = AssertUnwindSafe(inner.call(Request::from_parts(parts, Body::from(body)))).catch_unwind();
+        // `call` itself may panic, before any future exists: caught like a
+        // panic of the future, so the claim is released either way.
+        let request = Request::from_parts(parts, Body::from(body));
+        let ran = async {
+            match std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request))) {
+                Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
+                Err(panic) => Err(panic),
+            }
+        };
         let response = match tokio::time::timeout_at(cut_at, ran).await {
             Ok(Ok(Ok(response))) => response,
             Ok(Ok(Err(error))) => {
@@ -435,21 +611,13 @@ where
             Ok(Err(_panic)) => {
                 tracing::error!("the handler panicked; its claim is released");
                 config.service.release_or_log(&claim).await;
-                return Ok(Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "handler-failed",
-                    "The request failed",
-                    "the request failed before it finished; retry with the same key",
-                )
-                .into_response());
+                return Ok(handler_failed().into_response());
             }
             Err(_elapsed) => {
                 tracing::warn!(timeout_ms = config.handler_timeout.as_millis() as u64, "the handler timed out; its claim is released");
                 config.service.release_or_log(&claim).await;
                 return Ok(Problem::new(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "handler-timeout",
-                    "The request took too long",
+                    ProblemType::HandlerTimeout,
                     "the request was cut off before it finished; retry with the same key",
                 )
                 .into_response());
@@ -481,16 +649,13 @@ where
                 let stored = StoredResponse::of(status, &parts.headers, &config.kept_headers, &Bytes::new())
                     .without_body(config.response_body_limit as u64);
                 let problem = Problem::new(
-                    StatusCode::BAD_GATEWAY,
-                    "answer-incomplete",
-                    "The answer could not be read whole",
+                    ProblemType::AnswerIncomplete,
                     "the request ran, but its answer was too large or too slow to return",
                 );
                 (problem.into_response(), stored, config.response_body_limit as u64)
             }
         };
-        let ending = journal(&config, &claim, stored, body_bytes).await;
-        match ending {
+        match journal(&config, &claim, stored, body_bytes, journal_cut_at).await {
             Ok(Ending::Recorded) => {
                 tracing::Span::current().record("ending", "recorded");
             }
@@ -499,6 +664,7 @@ where
                 tracing::warn!("the lease passed before the handler finished; another request took the key over");
             }
             Err(error) => {
+                tracing::Span::current().record("ending", "not_journaled");
                 tracing::error!(%error, "the answer could not be journaled; the claim frees itself when its lease passes");
             }
         }
@@ -508,34 +674,69 @@ where
     .await
 }
 
-/// Completes `claim` with `stored`. An answer the store refuses (above the
-/// scope's own limit, which may be lower than this service's) is journaled
-/// again without its body, so that a repeat replays instead of running the
+/// Why an answer was not journaled.
+#[derive(Debug, thiserror::Error)]
+enum JournalError {
+    /// The store failed in a way a retry would not mend, or kept failing.
+    #[error(transparent)]
+    Store(#[from] Error),
+    /// The journal deadline passed first.
+    #[error("the journal deadline passed after {attempts} attempt(s)")]
+    Deadline {
+        /// Writes sent, the cut one included.
+        attempts: u32,
+    },
+}
+
+/// The first wait before writing a journal entry again, doubled up to
+/// [`JOURNAL_MAX_BACKOFF`].
+const JOURNAL_BACKOFF: Duration = Duration::from_millis(50);
+const JOURNAL_MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Completes `claim` with `stored` before `cut_at`: a write that fails
+/// transiently is sent again (the same lease token: a repeat answers the
+/// same row) while a retry can start before the cut, and one in flight at
+/// the cut is abandoned. An answer the store refuses (above the scope's own
+/// limit, which may be lower than this service's) is journaled again
+/// without its body, so that a repeat replays instead of running the
 /// handler again.
 async fn journal<R: IdempotencyRepository>(
     config: &Config<R>,
     claim: &crate::service::Claim,
-    stored: StoredResponse,
+    mut stored: StoredResponse,
     body_bytes: u64,
-) -> Result<Ending, Error> {
+    cut_at: Instant,
+) -> Result<Ending, JournalError> {
     let complete = |stored: &StoredResponse| match serde_json::to_value(stored) {
         Ok(value) => Ok(Completion::response(value)),
         Err(error) => Err(Error::Inconsistent(format!("the answer does not serialize: {error}"))),
     };
-    match config.service.complete(claim, complete(&stored)?).await {
-        Err(refused) if refused.is_unstorable_answer() && stored.body_omitted.is_none() => {
-            tracing::warn!(%refused, "the store refused the answer; journaling it without its body");
-            config.service.complete(claim, complete(&stored.without_body(body_bytes))?).await
+    let mut attempts = 0u32;
+    let mut backoff = JOURNAL_BACKOFF;
+    loop {
+        attempts += 1;
+        let written = tokio::time::timeout_at(cut_at, config.service.complete(claim, complete(&stored)?)).await;
+        match written {
+            Err(_cut) => return Err(JournalError::Deadline { attempts }),
+            Ok(Ok(ending)) => return Ok(ending),
+            Ok(Err(refused)) if refused.is_unstorable_answer() && stored.body_omitted.is_none() => {
+                tracing::warn!(%refused, "the store refused the answer; journaling it without its body");
+                stored = stored.without_body(body_bytes);
+            }
+            Ok(Err(error)) if error.is_transient() && Instant::now() + backoff < cut_at => {
+                tracing::warn!(%error, attempts, "journaling the answer failed; retrying within the journal deadline");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(JOURNAL_MAX_BACKOFF);
+            }
+            Ok(Err(error)) => return Err(error.into()),
         }
-        other => other,
     }
 }
 
 /// The key, if the request has one: a bare value (as Stripe takes it) or an
 /// RFC 8941 string (`"…"`, as the IETF draft writes it).
 fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Option<String>, Problem> {
-    let malformed =
-        |detail: &str| Problem::new(StatusCode::BAD_REQUEST, "malformed-key", "Idempotency-Key is malformed", detail);
+    let malformed = |detail: &str| Problem::new(ProblemType::MalformedKey, detail);
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else { return Ok(None) };
     if values.next().is_some() {
@@ -566,18 +767,10 @@ fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Option<String>, Pr
 async fn buffer(body: Body, limit: usize) -> Result<Bytes, Problem> {
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => Err(Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body-too-large",
-            "The request body is too large",
-            format!("request bodies are buffered up to {limit} bytes"),
-        )),
-        Err(error) => Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            "body-unreadable",
-            "The request body could not be read",
-            format!("the body broke off: {error}"),
-        )),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(Problem::new(ProblemType::BodyTooLarge, format!("request bodies are buffered up to {limit} bytes")))
+        }
+        Err(error) => Err(Problem::new(ProblemType::BodyUnreadable, format!("the body broke off: {error}"))),
     }
 }
 
@@ -592,16 +785,15 @@ fn fit<R: IdempotencyRepository>(config: &Config<R>, stored: StoredResponse, bod
     match config.oversize {
         OversizeResponse::OmitBody => stored.without_body(body_bytes),
         OversizeResponse::Refuse => StoredResponse::refusal(&Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "answer-not-kept",
-            "The answer is too large to keep",
+            ProblemType::AnswerNotKept,
             "the request ran, but its answer is larger than this API keeps for repeats",
         )),
     }
 }
 
-/// The plane could not be asked: 503, or with `fail_open` the handler runs
-/// unprotected. A misconfiguration (no policy for the scope) is 500 either way.
+/// The claim failed: 503, or with `fail_open`, when the plane was never
+/// reached, the handler runs unprotected. A misconfiguration (no policy for
+/// the scope) is 500 either way.
 async fn unavailable<S, R>(
     config: &Config<R>,
     error: Error,
@@ -613,35 +805,23 @@ where
 {
     if let Error::UnknownScope { .. } | Error::Invalid(_) = error {
         tracing::error!(%error, "the idempotency scope is not usable; add a policy row for it (http.* covers every route)");
-        return Ok(Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "not-configured",
-            "Idempotency is not configured for this route",
-            "the server has no idempotency policy for this route",
-        )
-        .into_response());
+        return Ok(not_configured("the server has no idempotency policy for this route"));
     }
-    // Only a plane that cannot be reached may be bypassed: any other answer
-    // (a lock timeout, a serialization failure) means another request may
-    // hold this key right now.
-    let unreachable = matches!(
-        &error,
-        Error::Store(
-            ClientError::Transport { .. }
-                | ClientError::DeadlineExceeded { .. }
-                | ClientError::Http { status: 500..=599, .. }
-                | ClientError::Api { status: 502..=504, .. }
-        )
-    );
-    if config.fail_open && unreachable {
+    // Only a plane that was never reached may be bypassed: after any other
+    // failure (an answer lost or too late, a lock timeout, a 5xx) the plane
+    // may have made the claim, and then it holds this key for someone.
+    let never_reached = matches!(&error, Error::Store(store) if store.never_reached_the_plane());
+    if config.fail_open && never_reached {
         tracing::error!(%error, "the idempotency plane is unreachable; FAIL-OPEN: running the request without protection");
         return inner.call(request).await;
     }
-    tracing::warn!(%error, "the idempotency plane is unreachable; answering 503");
+    if config.fail_open {
+        tracing::warn!(%error, "the claim failed, but the plane may have made it; not failing open, answering 503");
+    } else {
+        tracing::warn!(%error, "the claim failed; answering 503");
+    }
     Ok(Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "unavailable",
-        "Idempotency is unavailable",
+        ProblemType::Unavailable,
         "the request was not run, because its key cannot be checked now; retry with the same key",
     )
     .retry_after(config.unavailable_retry_after)
@@ -657,6 +837,71 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_bytes(value).unwrap());
         headers
+    }
+
+    fn layer() -> IdempotencyKeyLayer<crate::repo::MemoryRepository> {
+        IdempotencyKeyLayer::new(IdempotencyService::new(crate::repo::MemoryRepository::new()), |_| None)
+    }
+
+    #[test]
+    fn credential_headers_are_refused_at_build_time_and_others_kept() {
+        let named = [
+            axum::http::header::SET_COOKIE,
+            HeaderName::from_static("set-cookie2"),
+            axum::http::header::AUTHORIZATION,
+            axum::http::header::PROXY_AUTHORIZATION,
+            axum::http::header::PROXY_AUTHENTICATE,
+            axum::http::header::WWW_AUTHENTICATE,
+            axum::http::header::COOKIE,
+        ];
+        let every = CREDENTIAL_HEADERS.iter().map(|name| HeaderName::from_static(name));
+        for name in named.into_iter().chain(every) {
+            match layer().keep_header(name.clone()) {
+                Err(ConfigError::CredentialHeader { name: refused }) => assert_eq!(refused, name),
+                Ok(_) => panic!("{name} was accepted"),
+            }
+        }
+        let kept = layer().keep_header(HeaderName::from_static("x-request-cost")).expect("an ordinary header");
+        assert!(kept.config.kept_headers.iter().any(|name| name == "x-request-cost"));
+        let refused = layer().keep_header(axum::http::header::SET_COOKIE).unwrap_err();
+        assert!(refused.to_string().contains("set-cookie"), "{refused}");
+    }
+
+    #[test]
+    fn the_lease_covers_the_handler_the_journal_and_the_margin_and_each_setting_is_validated() {
+        let defaults = layer();
+        assert_eq!(defaults.config.lease(), Duration::from_secs(45));
+        let set = layer()
+            .handler_timeout(Duration::from_secs(2), Duration::from_secs(1))
+            .unwrap()
+            .journal_deadline(Duration::from_secs(3))
+            .unwrap();
+        assert_eq!(set.config.lease(), Duration::from_secs(6));
+        assert!(matches!(layer().journal_deadline(Duration::ZERO), Err(InvalidInput::LeaseTooShort { .. })));
+        assert!(matches!(
+            layer().handler_timeout(Duration::ZERO, Duration::from_secs(1)),
+            Err(InvalidInput::LeaseTooShort { .. })
+        ));
+        // Each is validated with the others: the whole lease stays within 24 h.
+        let day = crate::service::MAX_LEASE;
+        assert!(matches!(layer().journal_deadline(day), Err(InvalidInput::LeaseTooLong { .. })));
+        let long_handler = layer().handler_timeout(day - Duration::from_secs(5), Duration::ZERO).unwrap_err();
+        assert!(matches!(long_handler, InvalidInput::LeaseTooLong { .. }), "the default journal deadline counts");
+        let short = layer().journal_deadline(Duration::from_millis(100)).unwrap();
+        assert!(short.handler_timeout(day - Duration::from_secs(1), Duration::from_millis(900)).is_ok());
+    }
+
+    #[test]
+    fn a_callers_key_is_its_own_and_never_a_shared_one() {
+        assert_eq!(plane_key("k-1", None), "k-1");
+        let alice = plane_key("k-1", Some("alice"));
+        assert_ne!(alice, plane_key("k-1", Some("bob")));
+        assert_ne!(alice, plane_key("k-2", Some("alice")));
+        assert!(alice.ends_with("\u{a7}k-1") && !alice.contains("alice"), "{alice}");
+        // No Idempotency-Key (visible ASCII) can spell a caller's key.
+        assert!(!alice.is_ascii());
+        let longest = plane_key(&"k".repeat(MAX_IDEMPOTENCY_KEY_CHARS), Some(&"p".repeat(10_000)));
+        assert!(crate::service::validate_key(&longest).is_ok(), "within the plane's key limit");
     }
 
     #[test]

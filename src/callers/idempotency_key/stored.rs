@@ -9,6 +9,35 @@ use serde::{Deserialize, Serialize};
 
 use super::problem::Problem;
 
+/// Headers that carry one caller's credentials or session, in lowercase:
+/// never journaled, never replayed (a replay answers whoever repeats the
+/// key), and refused by `keep_header`.
+pub const CREDENTIAL_HEADERS: &[&str] = &[
+    "set-cookie",
+    "set-cookie2",
+    "cookie",
+    "cookie2",
+    "authorization",
+    "proxy-authorization",
+    "www-authenticate",
+    "proxy-authenticate",
+    "authentication-info",
+    "proxy-authentication-info",
+    "x-api-key",
+    "api-key",
+    "apikey",
+    "x-auth-token",
+    "x-access-token",
+    "x-refresh-token",
+    "x-csrf-token",
+    "x-xsrf-token",
+];
+
+/// Whether `name` (any case) is one of [`CREDENTIAL_HEADERS`].
+pub(super) fn is_credential(name: &str) -> bool {
+    CREDENTIAL_HEADERS.iter().any(|credential| credential.eq_ignore_ascii_case(name))
+}
+
 /// A stored HTTP answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct StoredResponse {
@@ -31,10 +60,12 @@ pub(super) struct StoredResponse {
 
 impl StoredResponse {
     /// What to keep of an answer: its status, the `keep` headers it carries
-    /// (values that are not visible ASCII are dropped), and its body.
+    /// (values that are not visible ASCII are dropped, and so is any
+    /// credential header), and its body.
     pub(super) fn of(status: StatusCode, headers: &HeaderMap, keep: &[HeaderName], body: &Bytes) -> Self {
         let headers = keep
             .iter()
+            .filter(|name| !is_credential(name.as_str()))
             .flat_map(|name| {
                 headers.get_all(name).iter().filter_map(move |value| {
                     value.to_str().ok().map(|value| (name.as_str().to_owned(), value.to_owned()))
@@ -84,7 +115,8 @@ impl StoredResponse {
     /// The replay: the stored status, headers and body, and
     /// `Idempotent-Replayed: true`. `None` when what was stored is not a
     /// well-formed answer (a status out of range, a header or base64 that
-    /// does not decode).
+    /// does not decode). A credential header is left out, even when a
+    /// journal (written by an older layer, or by hand) holds one.
     pub(super) fn replay(&self) -> Option<Response<Body>> {
         let body = match (&self.body_text, &self.body_base64) {
             (Some(text), None) => Bytes::from(text.clone()),
@@ -95,7 +127,7 @@ impl StoredResponse {
         let mut response = Response::new(Body::from(body));
         *response.status_mut() = StatusCode::from_u16(self.status).ok()?;
         let headers = response.headers_mut();
-        for (name, value) in &self.headers {
+        for (name, value) in self.headers.iter().filter(|(name, _)| !is_credential(name)) {
             headers.append(HeaderName::try_from(name.as_str()).ok()?, HeaderValue::try_from(value.as_str()).ok()?);
         }
         if let Some(size) = self.body_omitted {
@@ -131,6 +163,31 @@ mod tests {
                 .unwrap();
             assert_eq!(replayed, body);
         }
+    }
+
+    #[test]
+    fn credential_headers_are_neither_kept_nor_replayed() {
+        let mut headers = HeaderMap::new();
+        headers.insert("set-cookie", HeaderValue::from_static("session=alice"));
+        headers.insert("authorization", HeaderValue::from_static("Bearer alice"));
+        headers.insert("x-trace", HeaderValue::from_static("1"));
+        let keep: Vec<HeaderName> = ["Set-Cookie", "Authorization", "x-trace"]
+            .iter()
+            .map(|name| HeaderName::try_from(*name).unwrap())
+            .collect();
+        let stored = StoredResponse::of(StatusCode::OK, &headers, &keep, &Bytes::new());
+        assert_eq!(stored.headers, vec![("x-trace".to_owned(), "1".to_owned())]);
+        // A journal that holds them anyway, in any case.
+        let mut held = stored.clone();
+        for name in CREDENTIAL_HEADERS.iter().map(|n| n.to_owned()).chain(["Set-Cookie", "WWW-Authenticate"]) {
+            held.headers.push((name.to_owned(), "secret".to_owned()));
+        }
+        let replay = held.replay().expect("a well-formed answer");
+        for name in CREDENTIAL_HEADERS {
+            assert!(replay.headers().get(*name).is_none(), "{name} replayed");
+        }
+        assert_eq!(replay.headers()["x-trace"], "1");
+        assert!(is_credential("Proxy-Authenticate") && !is_credential("location"));
     }
 
     #[test]
