@@ -54,6 +54,17 @@ fn tenant(parts: &axum::http::request::Parts) -> Option<Uuid> {
     }
 }
 
+/// The caller a request's key belongs to: here the `x-user-id` header, or
+/// one demo user. A real API names the authenticated user or API key, so
+/// two callers of one tenant never share a key (and never each other's
+/// answer).
+fn caller(parts: &axum::http::request::Parts) -> Option<String> {
+    match parts.headers.get("x-user-id") {
+        None => Some("demo-user".to_owned()),
+        Some(value) => value.to_str().ok().map(str::to_owned),
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tracing_subscriber::fmt()
@@ -68,7 +79,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Err(_) => 8080,
     };
     let stack = LocalStack::start(LocalStackConfig::default()).await?;
-    let layer = IdempotencyKeyLayer::new(stack.service()?, tenant);
+    let layer = IdempotencyKeyLayer::new(stack.service()?, tenant).principal(caller);
     let app = Router::new().route("/orders", post(create_order)).route_layer(layer);
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!("listening on http://{}", listener.local_addr()?);
