@@ -45,12 +45,12 @@ use uuid::Uuid;
 
 use super::runs::{AdmissionError, AdmissionToken, AdmittedRun, RunAdmission};
 use crate::error::{Error, InvalidInput};
-use crate::postgrest::codes;
 use crate::repo::{IdempotencyRepository, PostgrestRepository, RunRepository};
 use crate::service::journal;
 use crate::service::{
-    Claim, ClaimOutcome, Completion, Ending, IdempotencyService, LeaseOutlastsRetries, RequestHash, ResponseRef,
-    RetryHorizon, DAY, MAX_LEASE, MIN_LEASE,
+    Answer, Begun, Effect, EffectDriver, Held, IdempotencyService, LeaseOutlastsRetries, Refused, RequestHash,
+    ResourceRef, ResponseRef, RetryHorizon, Settle, Settled, Timing, DAY, DEFAULT_JOURNAL_DEADLINE, MAX_LEASE,
+    MAX_POLICY_RESPONSE_BYTES, MIN_LEASE,
 };
 
 /// The scope of saved-search input preparation.
@@ -144,6 +144,16 @@ pub enum SavedSearchError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The snapshot was frozen but could not be journaled before the
+    /// journal's deadline; no Run started. The claim is left to its lease:
+    /// the next start after it freezes again.
+    #[error("saved search start {key}: the snapshot was not journaled ({ending}); no Run started")]
+    NotJournaled {
+        /// The start key.
+        key: String,
+        /// How the journal ended.
+        ending: &'static str,
+    },
     /// The plane failed.
     #[error(transparent)]
     Plane(#[from] Error),
@@ -156,7 +166,8 @@ impl SavedSearchError {
             // FenceLost: starting again answers the Run the winner admitted.
             SavedSearchError::InProgress { .. }
             | SavedSearchError::Snapshot(_)
-            | SavedSearchError::FenceLost { .. } => true,
+            | SavedSearchError::FenceLost { .. }
+            | SavedSearchError::NotJournaled { .. } => true,
             SavedSearchError::Plane(error) => error.is_transient(),
             _ => false,
         }
@@ -205,10 +216,7 @@ fn check_lease(lease: Duration, horizon: RetryHorizon) -> Result<(), StartConfig
 #[derive(Debug, Serialize, Deserialize)]
 struct Prepared {
     run_key: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    snapshot: Option<Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    snapshot_ref: Option<ResponseRef>,
+    snapshot: Value,
 }
 
 impl Prepared {
@@ -240,7 +248,7 @@ impl Start<'_> {
 /// snapshot, claim, freeze, admit under the claim's fence, complete).
 #[derive(Debug, Clone)]
 pub struct SavedSearchStart<R, S, Q = PostgrestRepository> {
-    service: IdempotencyService<R>,
+    driver: EffectDriver<R>,
     runs: RunAdmission<Q>,
     source: S,
     lease: Duration,
@@ -259,7 +267,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         horizon: RetryHorizon,
     ) -> Result<Self, StartConfigError> {
         check_lease(SAVED_SEARCH_LEASE, horizon)?;
-        Ok(SavedSearchStart { service, runs, source, lease: SAVED_SEARCH_LEASE, horizon })
+        Ok(SavedSearchStart { driver: EffectDriver::new(service), runs, source, lease: SAVED_SEARCH_LEASE, horizon })
     }
 
     /// Sets the preparation lease (the spec's is 30 s): refused outside the
@@ -274,6 +282,15 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
     /// The preparation lease.
     pub fn lease(&self) -> Duration {
         self.lease
+    }
+
+    /// The lease's parts: the freeze's timeout, the journal's deadline and
+    /// a margin (15 s, 10 s and 5 s of the spec's 30 s).
+    fn timing(&self) -> Result<Timing, SavedSearchError> {
+        let journal = (self.lease / 3).min(DEFAULT_JOURNAL_DEADLINE);
+        let margin = (self.lease / 6).min(Duration::from_secs(5));
+        Timing::new(self.lease - journal - margin, journal, margin)
+            .map_err(|refused| SavedSearchError::Plane(refused.into()))
     }
 
     /// The scheduler's retry horizon the lease was checked against.
@@ -316,14 +333,21 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
             token: admission_token(organization_id, key),
         };
         let span = tracing::Span::current();
-        match self.service.claim(organization_id, SAVED_SEARCH_START_SCOPE, key, &hash, self.lease).await? {
-            ClaimOutcome::Claimed(claim) => self.prepare(&start, saved_search_id, claim).await,
-            ClaimOutcome::Completed { response, .. } => self.replay(&start, response).await,
-            ClaimOutcome::Processing { lease_expires_at } => {
+        let effect = Effect {
+            organization_id,
+            scope: SAVED_SEARCH_START_SCOPE,
+            key,
+            request_hash: &hash,
+            timing: self.timing()?,
+        };
+        match self.driver.begin(&effect).await? {
+            Begun::Held(held) => self.prepare(&start, saved_search_id, held).await,
+            Begun::Replayed(answer) => self.replay(&start, answer.output).await,
+            Begun::InFlight { lease_expires_at } => {
                 span.record("outcome", "in_progress");
                 Err(SavedSearchError::InProgress { key: key.to_owned(), lease_expires_at })
             }
-            ClaimOutcome::Conflict => {
+            Begun::Conflict => {
                 span.record("outcome", "conflict");
                 Err(SavedSearchError::Conflict { key: key.to_owned() })
             }
@@ -331,35 +355,48 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
     }
 
     /// We hold the claim: freeze, then keep the snapshot inline or by
-    /// reference, and admit the Run.
+    /// reference, and admit the Run. Freezing only reads, and no other start
+    /// is answered on the strength of a claim in preparation (they are told
+    /// it is in progress): a failed freeze releases.
     async fn prepare(
         &self,
         start: &Start<'_>,
         saved_search_id: &str,
-        claim: Claim,
+        held: Held<R>,
     ) -> Result<StartedRun, SavedSearchError> {
-        let frozen = match self.source.freeze(start.organization_id, saved_search_id).await {
-            Ok(snapshot) if snapshot.is_null() => Err(SnapshotError("the source froze a null snapshot".into())),
-            other => other,
+        let frozen = match held.run(self.source.freeze(start.organization_id, saved_search_id)).await {
+            Ok(Ok(snapshot)) if snapshot.is_null() => Err(SnapshotError("the source froze a null snapshot".into())),
+            Ok(frozen) => frozen,
+            Err(cut) => Err(SnapshotError(format!("freezing the input: {cut}"))),
         };
         let snapshot = match frozen {
             Ok(snapshot) => snapshot,
             Err(error) => {
-                self.service.release_or_log(&claim).await;
+                let _ = held.settle(Settle::Release).await;
                 return Err(error.into());
             }
         };
+        // A snapshot no Run could be admitted with (above 4 MiB, holding
+        // U+0000, nested too deep) must not be journaled: every replay would
+        // fail to admit it.
+        if let Some(reason) = journal::unstorable(&snapshot, 0, MAX_POLICY_RESPONSE_BYTES) {
+            let _ = held.settle(Settle::Release).await;
+            let refused = match reason {
+                journal::Unstorable::TooLarge { size, limit } => InvalidInput::ResponseTooLarge { size, limit },
+                other => InvalidInput::UnstorableResponse(other),
+            };
+            return Err(SavedSearchError::Plane(refused.into()));
+        }
         // The database stamps claimed_at = lease_expires_at - the lease (in
         // whole milliseconds, rounded up): a Run admitted before it is an
         // earlier start's.
-        let claimed_at = claim.lease_expires_at() - lease_delta(self.lease);
+        let claimed_at = held.claim().lease_expires_at() - lease_delta(self.lease);
 
-        let inline = Prepared::inline(&start.run_key, &snapshot);
-        let fits = journal::json_size(&inline) <= self.service.response_limit();
-        let mut inline_refused = false;
-        if fits && !claim.reclaimed() {
-            match self.service.complete(&claim, Completion::response(inline)).await {
-                Ok(Ending::Recorded) => {
+        let held = if held.claim().reclaimed() {
+            held
+        } else {
+            match held.journal_exact(Answer::success(Prepared::inline(&start.run_key, &snapshot))).await {
+                Ok(Settled::Journaled { .. }) => {
                     // Admission is its own claim (agent.runs' unique start
                     // key): a replay whose first attempt died after
                     // completing admits the Run now, and a start after the
@@ -368,105 +405,76 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
                     let run = self.runs.admit_as(start.organization_id, &start.run_key, &snapshot, start.token).await?;
                     return Ok(self.started(run, false, Some(claimed_at)));
                 }
-                Ok(Ending::LeaseMovedOn) => return Err(start.fence_lost()),
-                // The scope keeps less than the service's limit: keep it by
-                // reference instead.
-                Err(error) if too_large(&error) => {
-                    tracing::info!(%error, "the store refused the inline snapshot; keeping it in the Run instead");
-                    inline_refused = true;
+                Ok(Settled::LeaseMovedOn) => return Err(start.fence_lost()),
+                Ok(other) => {
+                    return Err(SavedSearchError::NotJournaled { key: start.key.to_owned(), ending: other.as_str() })
                 }
-                // Refused for good (e.g. a snapshot the store will not
-                // take): release, so the next start freezes again rather
-                // than waiting out the lease. A transient failure keeps
-                // the claim; its lease passing makes it reclaimable.
-                Err(error) => {
-                    if !error.is_transient() {
-                        self.service.release_or_log(&claim).await;
-                    }
-                    return Err(error.into());
+                // Above the limit, or the scope keeps less: keep it in the
+                // Run instead, under the fence.
+                Err(Refused { held, error }) => {
+                    tracing::info!(%error, "the snapshot does not fit its claim; keeping it in the Run");
+                    held
                 }
             }
-        }
+        };
 
         tracing::Span::current().record("fenced", true);
         let admitted =
-            self.runs.admit_fenced(start.organization_id, &start.run_key, &snapshot, start.token, &claim).await;
+            self.runs.admit_fenced(start.organization_id, &start.run_key, &snapshot, start.token, held.claim()).await;
         let run = match admitted {
             Ok(run) => run,
+            // The claim is another start's now; ours writes nothing more.
             Err(AdmissionError::FenceLost { .. }) => return Err(start.fence_lost()),
             Err(AdmissionError::Plane(error)) => {
-                if !error.is_transient() {
-                    self.service.release_or_log(&claim).await;
-                }
+                // Refused for good: no Run was admitted, so release and let
+                // the next start freeze again. A transient failure leaves the
+                // claim to its lease (a Run may have been admitted).
+                let ending = if error.is_transient() {
+                    Settle::Unknown("the admission's outcome is unknown")
+                } else {
+                    Settle::Release
+                };
+                let _ = held.settle(ending).await;
                 return Err(error.into());
             }
         };
         // The Run is admitted, under our fence: it is the answer now, however
-        // the completion ends. Left processing, the claim is completed by its
-        // next holder, whose fenced admission answers this Run.
-        match self.complete_with_run(start, &claim, &run, !inline_refused).await {
-            Ok(Ending::Recorded) => {}
-            Ok(Ending::LeaseMovedOn) => {
+        // the journal ends. Its input goes inline when it fits, else by
+        // reference to the Run (the resource the claim names).
+        let resource =
+            ResourceRef { resource_type: SNAPSHOT_RESOURCE_TYPE.to_owned(), resource_id: run.id.to_string() };
+        let answer = Answer::success(Prepared::inline(&start.run_key, &run.input)).with_resource(Some(resource));
+        match held.settle(Settle::Journal(answer)).await {
+            Settled::Journaled { stand_in } => {
+                tracing::Span::current().record("by_reference", stand_in.is_some());
+            }
+            Settled::LeaseMovedOn => {
                 tracing::info!(run_id = %run.id, "the Run is admitted; the claim moved on before its completion")
             }
-            Err(error) => tracing::warn!(
-                %error, run_id = %run.id,
+            other => tracing::warn!(
+                ending = other.as_str(), run_id = %run.id,
                 "the Run is admitted, its claim not completed; the next start after the lease completes it"
             ),
         }
         Ok(self.started(run, false, Some(claimed_at)))
     }
 
-    /// Completes the claim with the admitted Run's input: inline when it fits
-    /// (and `try_inline`), else as a reference to the Run.
-    async fn complete_with_run(
-        &self,
-        start: &Start<'_>,
-        claim: &Claim,
-        run: &AdmittedRun,
-        try_inline: bool,
-    ) -> Result<Ending, SavedSearchError> {
-        let inline = Prepared::inline(&start.run_key, &run.input);
-        if try_inline && journal::json_size(&inline) <= self.service.response_limit() {
-            match self.service.complete(claim, Completion::response(inline)).await {
-                Err(error) if too_large(&error) => {}
-                other => return Ok(other?),
-            }
-        }
-        let (size, sha256) =
-            journal::digest(&run.input).ok_or_else(|| start.stored_answer("the Run's input does not serialize"))?;
-        let reference = ResponseRef {
-            resource_type: SNAPSHOT_RESOURCE_TYPE.to_owned(),
-            resource_id: run.id.to_string(),
-            size,
-            sha256,
-        };
-        let prepared = Prepared { run_key: start.run_key.clone(), snapshot: None, snapshot_ref: Some(reference) };
-        let response = serde_json::to_value(&prepared).map_err(|e| start.stored_answer(e.to_string()))?;
-        tracing::Span::current().record("by_reference", true);
-        let completion = Completion::response(response).with_resource(SNAPSHOT_RESOURCE_TYPE, run.id.to_string());
-        Ok(self.service.complete(claim, completion).await?)
-    }
-
     /// An earlier start completed the claim: answer its Run, admitting it
     /// now if that start died before admitting an inline snapshot.
-    async fn replay(&self, start: &Start<'_>, response: Option<Value>) -> Result<StartedRun, SavedSearchError> {
-        let prepared = response
-            .ok_or_else(|| "no response".to_owned())
-            .and_then(|value| serde_json::from_value::<Prepared>(value).map_err(|e| e.to_string()))
-            .map_err(|reason| start.stored_answer(reason))?;
-        let run = match (prepared.snapshot, prepared.snapshot_ref) {
-            (Some(snapshot), None) => {
-                self.runs.admit_as(start.organization_id, &prepared.run_key, &snapshot, start.token).await?
-            }
-            (None, Some(reference)) => {
+    async fn replay(&self, start: &Start<'_>, output: Value) -> Result<StartedRun, SavedSearchError> {
+        let run = match ResponseRef::from_stored(&output) {
+            Some(reference) => {
                 tracing::Span::current().record("by_reference", true);
-                let found = self.runs.find(start.organization_id, &prepared.run_key, Some(start.token)).await?;
+                let found = self.runs.find(start.organization_id, &start.run_key, Some(start.token)).await?;
                 let run = found.ok_or_else(|| start.stored_answer("the Run holding the snapshot is not there"))?;
-                check_reference(&reference, &run).map_err(|reason| start.stored_answer(reason))?;
+                check_reference(&reference, &start.run_key, &run).map_err(|reason| start.stored_answer(reason))?;
                 run
             }
-            _ => return Err(start.stored_answer("it holds neither exactly a snapshot nor a reference to one")),
+            None => {
+                let prepared =
+                    serde_json::from_value::<Prepared>(output).map_err(|e| start.stored_answer(e.to_string()))?;
+                self.runs.admit_as(start.organization_id, &prepared.run_key, &prepared.snapshot, start.token).await?
+            }
         };
         Ok(self.started(run, true, None))
     }
@@ -487,25 +495,16 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
     }
 }
 
-/// A refusal of the answer's size alone: by the service (above its limit)
-/// or by the database (above the scope's `max_response_bytes`, IDEM2).
-fn too_large(error: &Error) -> bool {
-    match error {
-        Error::Invalid(InvalidInput::ResponseTooLarge { .. }) => true,
-        Error::Store(store) => store.code() == Some(codes::RESPONSE_TOO_LARGE),
-        _ => false,
-    }
-}
-
-/// Whether `run` is the Run `reference` names, with the snapshot it digests.
-fn check_reference(reference: &ResponseRef, run: &AdmittedRun) -> Result<(), String> {
+/// Whether `run` is the Run `reference` names, and the answer it digests
+/// (the Run key and the Run's input) is the one the Run holds.
+fn check_reference(reference: &ResponseRef, run_key: &str, run: &AdmittedRun) -> Result<(), String> {
     if reference.resource_type != SNAPSHOT_RESOURCE_TYPE || reference.resource_id != run.id.to_string() {
         return Err(format!(
             "it references {}/{}, the Run under its key is {SNAPSHOT_RESOURCE_TYPE}/{}",
             reference.resource_type, reference.resource_id, run.id
         ));
     }
-    match journal::digest(&run.input) {
+    match journal::digest(&Prepared::inline(run_key, &run.input)) {
         Some((size, sha256)) if size == reference.size && sha256 == reference.sha256 => Ok(()),
         _ => Err(format!("the Run {}'s input is not the snapshot it references", run.id)),
     }
@@ -629,20 +628,21 @@ mod tests {
             retain_until: chrono::Utc::now(),
             admitted: true,
         };
-        let (size, sha256) = journal::digest(&run.input).unwrap();
+        let (size, sha256) = journal::digest(&Prepared::inline("saved_search:x", &run.input)).unwrap();
         let reference = ResponseRef {
             resource_type: SNAPSHOT_RESOURCE_TYPE.into(),
             resource_id: run.id.to_string(),
             size,
             sha256: sha256.clone(),
         };
-        assert_eq!(check_reference(&reference, &run), Ok(()));
+        assert_eq!(check_reference(&reference, "saved_search:x", &run), Ok(()));
         let other_run = ResponseRef { resource_id: Uuid::new_v4().to_string(), ..reference.clone() };
-        assert!(check_reference(&other_run, &run).is_err());
+        assert!(check_reference(&other_run, "saved_search:x", &run).is_err());
         let other_input = ResponseRef { sha256: "0".repeat(64), ..reference.clone() };
-        assert!(check_reference(&other_input, &run).is_err());
-        let other_type = ResponseRef { resource_type: "blob".into(), ..reference };
-        assert!(check_reference(&other_type, &run).is_err());
+        assert!(check_reference(&other_input, "saved_search:x", &run).is_err());
+        let other_type = ResponseRef { resource_type: "blob".into(), ..reference.clone() };
+        assert!(check_reference(&other_type, "saved_search:x", &run).is_err());
+        assert!(check_reference(&reference, "saved_search:y", &run).is_err(), "another Run key");
     }
 
     #[test]

@@ -71,6 +71,10 @@ pub mod codes {
     /// than 64 levels, more than every client reads back. Nothing written;
     /// the claim stays processing.
     pub const RESPONSE_TOO_DEEP: &str = "IDEM3";
+    /// The plane's own (400): a fenced Run admission whose claim is not
+    /// held by its lease token (completed, released, another
+    /// organization's, or its lease passed). No Run admitted.
+    pub const FENCE_LOST: &str = "IDEM4";
     /// SQLSTATE lock_not_available (500): the call waited longer than the
     /// plane's `lock_timeout` for a row another transaction holds; rolled
     /// back, nothing written.

@@ -133,7 +133,7 @@ pub trait IdempotencyRepository: Send + Sync {
 /// The plane's own refusal (HTTP 400) of a fenced Run admission whose claim
 /// is not held by its lease token: nothing was admitted. The repositories
 /// answer it as `None` from [`RunRepository::admit_fenced`].
-pub const FENCE_LOST: &str = "IDEM4";
+pub use crate::postgrest::codes::FENCE_LOST;
 
 /// The claim a fenced admission must still hold: its id and the lease token
 /// of the worker holding it.

@@ -186,6 +186,11 @@ pub(crate) fn store(answer: &Answer, limit: u64, refused: bool) -> StoredAnswer 
     StoredAnswer { response: stored, resource, stand_in }
 }
 
+/// The size of `answer`'s stored form before any stand-in, as compact JSON.
+pub(crate) fn stored_size(answer: &Answer) -> u64 {
+    journal::json_size(&store(answer, u64::MAX, false).response)
+}
+
 /// Keeps the first [`MAX_STORED_ERROR_BYTES`] of `error` (at a character
 /// boundary), and an `error_elided` summary of the whole.
 fn shorten_error(stored: &mut Value, error: &str) {

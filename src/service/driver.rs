@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::error::Error;
+use crate::error::{Error, InvalidInput};
 use crate::repo::IdempotencyRepository;
 
 use super::answer::{self, Answer};
@@ -116,6 +116,15 @@ pub enum Settle {
     /// The outcome is unknown: write nothing and leave the claim to its
     /// lease. The reason is logged.
     Unknown(&'static str),
+}
+
+/// An answer the store would not take as given, and the claim, still held.
+#[derive(Debug)]
+pub struct Refused<R> {
+    /// The claim: end it another way.
+    pub held: Held<R>,
+    /// The refusal (above the service's limit, or the database's IDEM2/IDEM3).
+    pub error: Error,
 }
 
 /// Why an effect did not return.
@@ -310,7 +319,11 @@ impl<R: IdempotencyRepository> Held<R> {
         );
         async move {
             let settled = match settle {
-                Settle::Journal(answer) => self.journal(&answer).await,
+                Settle::Journal(answer) => match self.journal(&answer, false).await {
+                    Ok(settled) => settled,
+                    // Unreachable: only an exact journal gives a refusal back.
+                    Err(error) => Settled::LeftToLease(LeftToLease::Failed { ending: "journal", error }),
+                },
                 Settle::Release => self.release().await,
                 Settle::Unknown(reason) => Settled::LeftToLease(LeftToLease::OutcomeUnknown(reason)),
             };
@@ -321,9 +334,38 @@ impl<R: IdempotencyRepository> Held<R> {
         .await
     }
 
+    /// Journals `answer` whole, or gives the claim back: for a caller with
+    /// another way to end the effect when the store refuses the answer as
+    /// given (the saved-search start then keeps its snapshot in the Run).
+    /// Where [`Settle::Journal`] would store a stand-in (above the
+    /// service's limit, or refused by the database), this answers
+    /// [`Refused`] with the claim still held; every other ending is as
+    /// [`settle`](Self::settle) gives it.
+    pub async fn journal_exact(self, answer: Answer) -> Result<Settled, Refused<R>> {
+        let (size, limit) = (answer::stored_size(&answer), self.service.response_limit());
+        if size > limit {
+            let error = InvalidInput::ResponseTooLarge { size, limit }.into();
+            return Err(Refused { held: self, error });
+        }
+        let span = tracing::info_span!(
+            "idempotency.settle",
+            organization_id = %self.claim.organization_id, scope = %self.claim.scope, key = %self.claim.key,
+            claim_id = %self.claim.id, ending = tracing::field::Empty, stand_in = tracing::field::Empty
+        );
+        let journaled = self.journal(&answer, true).instrument(span.clone()).await;
+        match journaled {
+            Ok(settled) => {
+                span.in_scope(|| record(&self.claim.scope, &settled));
+                Ok(settled)
+            }
+            Err(error) => Err(Refused { held: self, error }),
+        }
+    }
+
     /// Journals `answer` in its stored form; once more with the output by
-    /// reference when the database refuses the full form.
-    async fn journal(&self, answer: &Answer) -> Settled {
+    /// reference when the database refuses the full form, unless `exact`:
+    /// then the refusal is answered.
+    async fn journal(&self, answer: &Answer, exact: bool) -> Result<Settled, Error> {
         let limit = self.service.response_limit();
         let mut refused = false;
         let mut backoff = FIRST_ENDING_BACKOFF;
@@ -332,18 +374,21 @@ impl<R: IdempotencyRepository> Held<R> {
             let completion = Completion { response: Some(stored.response), resource: stored.resource };
             let attempt = tokio::time::timeout_at(self.ending_deadline, self.service.complete(&self.claim, completion));
             let error = match attempt.await {
-                Ok(Ok(Ending::Recorded)) => return Settled::Journaled { stand_in: stored.stand_in },
-                Ok(Ok(Ending::LeaseMovedOn)) => return Settled::LeaseMovedOn,
-                Err(_elapsed) => return Settled::LeftToLease(LeftToLease::Deadline { ending: "journal" }),
+                Ok(Ok(Ending::Recorded)) => return Ok(Settled::Journaled { stand_in: stored.stand_in }),
+                Ok(Ok(Ending::LeaseMovedOn)) => return Ok(Settled::LeaseMovedOn),
+                Err(_elapsed) => return Ok(Settled::LeftToLease(LeftToLease::Deadline { ending: "journal" })),
                 Ok(Err(error)) => error,
             };
+            if error.is_unstorable_answer() && exact {
+                return Err(error);
+            }
             if error.is_unstorable_answer() && !refused {
                 tracing::warn!(%error, "the store refused the answer; journaling its output by reference");
                 refused = true;
                 continue;
             }
             if !self.wait_to_retry(&error, &mut backoff).await {
-                return Settled::LeftToLease(LeftToLease::Failed { ending: "journal", error });
+                return Ok(Settled::LeftToLease(LeftToLease::Failed { ending: "journal", error }));
             }
         }
     }

@@ -28,7 +28,7 @@ use crate::repo::{
 };
 
 pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
-pub use driver::{Attempt, Begun, Cut, Effect, EffectDriver, Held, LeftToLease, Settle, Settled};
+pub use driver::{Attempt, Begun, Cut, Effect, EffectDriver, Held, LeftToLease, Refused, Settle, Settled};
 pub use hash::{canonical_json, RequestHash};
 pub use journal::{Elided, Unstorable, MAX_POLICY_RESPONSE_BYTES, MAX_RESPONSE_DEPTH};
 pub use outcome::{
@@ -322,14 +322,6 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         }
         tracing::info!(size, limit = self.response_limit, "response above the store limit; storing a reference");
         Ok(Some(journal::stand_in(response, too_large, resource)))
-    }
-
-    /// Releases `claim` where the caller has nothing better to do with a
-    /// failure than log it: the claim frees itself when its lease passes.
-    pub(crate) async fn release_or_log(&self, claim: &Claim) {
-        if let Err(error) = self.release(claim).await {
-            tracing::error!(%error, "could not release; the claim frees itself when its lease passes");
-        }
     }
 
     /// Releases `claim` without an answer, so the next attempt executes. For

@@ -370,20 +370,22 @@ fn digest(value: &Value) -> (u64, String) {
     (bytes.len() as u64, hex::encode(Sha256::digest(&bytes)))
 }
 
-/// The claim keeps the Run key and a reference to the Run that holds `snapshot`.
-fn assert_kept_by_reference(stored: &Stored, run: Uuid, snapshot: &Value) {
+/// The claim keeps a reference to the Run that holds `snapshot` (its id,
+/// and the size and digest of the Run key with the snapshot), and names the
+/// Run as its resource.
+fn assert_kept_by_reference(stored: &Stored, run: &idempotency_plane::callers::runs::AdmittedRun, snapshot: &Value) {
     let (status, response, resource_type, resource_id) = stored;
     assert_eq!(status, "completed");
     let response = response.as_ref().expect("a response");
     assert_eq!(resource_type.as_deref(), Some(SNAPSHOT_RESOURCE_TYPE));
-    assert_eq!(resource_id.as_deref(), Some(&*run.to_string()));
-    assert!(response.get("snapshot").is_none(), "no body in the claim: {response}");
-    let (size, sha256) = digest(snapshot);
+    assert_eq!(resource_id.as_deref(), Some(&*run.id.to_string()));
+    assert_eq!(response["ok"], json!(true), "{response}");
+    let (size, sha256) = digest(&json!({"run_key": run.start_key, "snapshot": snapshot}));
     assert_eq!(
-        response["snapshot_ref"],
-        json!({"resource_type": SNAPSHOT_RESOURCE_TYPE, "resource_id": run, "size": size, "sha256": sha256})
+        response["output"],
+        json!({"$response_ref": {"resource_type": SNAPSHOT_RESOURCE_TYPE, "resource_id": run.id, "size": size, "sha256": sha256}}),
+        "no body in the claim, a reference to the Run"
     );
-    assert!(response["run_key"].as_str().is_some_and(|key| key.starts_with("saved_search:")));
     assert!(serde_json::to_vec(response).unwrap().len() < 1024, "the claim keeps a small answer");
 }
 
@@ -395,7 +397,7 @@ async fn a_200_kib_snapshot_starts_a_run_that_keeps_it_and_every_replay_answers_
     assert!(first.run.admitted && !first.replayed);
     assert!(digest(&first.snapshot).0 > 200 * 1024, "above the 64 KiB a claim keeps");
     assert_eq!(first.run.input, first.snapshot);
-    assert_kept_by_reference(&stored(&stack).await, first.run.id, &first.snapshot);
+    assert_kept_by_reference(&stored(&stack).await, &first.run, &first.snapshot);
 
     // The product tables changed; a repeat answers the frozen snapshot, read back from the Run.
     let later = ProductTables::open().padded(200).starting_at(5);
@@ -410,7 +412,7 @@ async fn a_200_kib_snapshot_starts_a_run_that_keeps_it_and_every_replay_answers_
     assert_eq!(later.freezes(), 1, "a new claim froze again");
     assert!(again.replayed, "but the Run predates it");
     assert_eq!((again.run.id, &again.snapshot), (first.run.id, &first.snapshot), "the first snapshot wins");
-    assert_kept_by_reference(&stored(&stack).await, first.run.id, &first.snapshot);
+    assert_kept_by_reference(&stored(&stack).await, &first.run, &first.snapshot);
     assert_eq!(count_runs(&stack).await, 1);
     stack.stop().await.unwrap();
 }
@@ -443,7 +445,7 @@ async fn twenty_concurrent_starts_with_a_large_snapshot_produce_one_run_and_one_
     let replay = starter.start(org, "search-large-20", "tick-1").await.unwrap();
     assert!(replay.replayed && replay.run.admitted);
     assert_eq!(replay.snapshot["brief"], "brief v1");
-    assert_kept_by_reference(&stored(&stack).await, replay.run.id, &replay.snapshot);
+    assert_kept_by_reference(&stored(&stack).await, &replay.run, &replay.snapshot);
     stack.stop().await.unwrap();
 }
 
@@ -481,7 +483,7 @@ async fn a_large_snapshot_preparation_whose_fence_was_lost_starts_no_run() {
     assert!(won.run.admitted && !won.replayed);
     assert_eq!(won.snapshot["brief"], "brief v2");
     assert_eq!(count_runs(&stack).await, 1);
-    assert_kept_by_reference(&stored(&stack).await, won.run.id, &won.snapshot);
+    assert_kept_by_reference(&stored(&stack).await, &won.run, &won.snapshot);
     // A's retry answers B's Run.
     let retried = starter(&stack, ProductTables::open()).start(org, "search-fenced", "tick-1").await.unwrap();
     assert!(retried.replayed);
@@ -540,7 +542,7 @@ async fn a_start_that_died_between_a_large_admission_and_its_completion_is_compl
     assert_eq!(tables.freezes(), 1);
     assert!(next.replayed && next.run.admitted);
     assert_eq!((next.run.id, &next.snapshot), (first.run.id, &first.snapshot), "the first snapshot wins");
-    assert_kept_by_reference(&stored(&stack).await, first.run.id, &first.snapshot);
+    assert_kept_by_reference(&stored(&stack).await, &first.run, &first.snapshot);
     let replay = starter(&stack, ProductTables::open()).start(org, "search-crash", "tick-1").await.unwrap();
     assert_eq!(replay.snapshot, first.snapshot);
     assert_eq!(count_runs(&stack).await, 1);
