@@ -17,6 +17,7 @@
 #[cfg(feature = "local")]
 mod cli;
 mod conformance;
+mod faults;
 mod gate_deadlines;
 #[cfg(feature = "local")]
 mod harness;
