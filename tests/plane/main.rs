@@ -17,6 +17,7 @@
 #[cfg(feature = "local")]
 mod cli;
 mod conformance;
+mod endings;
 mod faults;
 mod gate_deadlines;
 #[cfg(feature = "local")]
