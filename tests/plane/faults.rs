@@ -88,6 +88,9 @@ pub enum Fault {
     /// is unknown, and the error is transient ([`Error::is_transient`]), as
     /// when a response is lost on its way back beyond the client's retries.
     LoseAnswer,
+    /// [`LoseAnswer`](Self::LoseAnswer), after waiting this long: a slow
+    /// answer that never arrives.
+    LoseAnswerAfter(Duration),
     /// Makes no inner call and answers a refusal by the database with this
     /// HTTP status and code, e.g. [`Fault::refuse_journal`]'s IDEM2.
     Refuse {
@@ -290,6 +293,10 @@ impl<R> Faulty<R> {
         match fault {
             Some(Fault::DelayAfter(wait)) => tokio::time::sleep(wait).await,
             Some(Fault::LoseAnswer) => return Err(lost(op, started.elapsed())),
+            Some(Fault::LoseAnswerAfter(wait)) => {
+                tokio::time::sleep(wait).await;
+                return Err(lost(op, started.elapsed()));
+            }
             _ => {}
         }
         answered

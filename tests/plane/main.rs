@@ -20,6 +20,7 @@ mod conformance;
 mod endings;
 mod faults;
 mod gate_deadlines;
+mod gate_endings;
 #[cfg(feature = "local")]
 mod harness;
 mod hostile;
