@@ -33,6 +33,8 @@ mod hostile_servers;
 mod hostile_validation;
 mod migrations_drift;
 mod on_memory;
+#[cfg(feature = "local")]
+mod random_endings;
 mod readme_surface;
 mod request_hash;
 #[cfg(feature = "local")]
