@@ -18,7 +18,10 @@
 #[cfg(feature = "local")]
 mod cli;
 mod conformance;
+mod endings;
+mod faults;
 mod gate_deadlines;
+mod gate_endings;
 #[cfg(feature = "local")]
 mod harness;
 mod hostile;
@@ -32,6 +35,8 @@ mod hostile_validation;
 mod migrations_drift;
 mod on_memory;
 mod proxy;
+#[cfg(feature = "local")]
+mod random_endings;
 mod readme_surface;
 mod request_hash;
 #[cfg(feature = "local")]

@@ -1,0 +1,786 @@
+//! Randomized endings on the real stack: many concurrent attempts of the
+//! tool guard and of the webhook gate, through [`Faulty`] with faults a
+//! seeded generator chooses, and the invariants each caller promises
+//! checked on what the store holds at the end.
+//!
+//! Each test prints its seed; set `IDEM_RANDOM_SEED` to run one again. The
+//! seed decides every choice made for a key (the store's faults on its
+//! calls, what each attempt's tool or processing does, when attempts start),
+//! but not how the tasks interleave, so a run is reproduced in kind, not to
+//! the millisecond.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotency_plane::callers::tool::{
+    Checkpoint, RepeatSafety, RetryHorizon, ToolCall, ToolError, ToolGuard, ToolKey, ToolResult, ToolRun, ToolSpec,
+};
+use idempotency_plane::callers::webhook::{Ack, Delivery, DropReason, ProcessingError, ProviderJobs, WebhookGate};
+use idempotency_plane::service::{Answer, Elided, ResponseRef};
+use idempotency_plane::{IdempotencyService, PostgrestRepository, ReadOutcome, RequestHash};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::faults::{Call, Fault, Faulty, Op};
+use crate::harness::{client, stack, WAIT};
+
+const fn ms(millis: u64) -> Duration {
+    Duration::from_millis(millis)
+}
+
+/// The run's seed: `IDEM_RANDOM_SEED` when set, else a fresh one; printed.
+fn seed(test: &str) -> u64 {
+    let seed = match std::env::var("IDEM_RANDOM_SEED") {
+        Ok(text) => text.trim().parse().unwrap_or_else(|_| panic!("IDEM_RANDOM_SEED={text:?} is not a u64")),
+        Err(_) => rand::random(),
+    };
+    println!("{test}: seed {seed} (IDEM_RANDOM_SEED={seed} runs it again)");
+    seed
+}
+
+/// A generator for one decision, from the seed and the decision's
+/// coordinates (SplitMix64 over them).
+fn rng(seed: u64, coordinates: &[u64]) -> StdRng {
+    let mut state = seed;
+    for &part in coordinates {
+        state = state.wrapping_add(part).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        state = (state ^ (state >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        state = (state ^ (state >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        state ^= state >> 31;
+    }
+    StdRng::seed_from_u64(state)
+}
+
+/// The store's faults on the calls of each key, each drawn from a
+/// generator of the key's own, so the faults a key meets do not depend on
+/// how the other keys' calls interleave with its own.
+#[derive(Clone)]
+struct KeyedFaults {
+    generators: Arc<Mutex<HashMap<String, StdRng>>>,
+}
+
+impl KeyedFaults {
+    fn new(seed: u64, keys: &[String]) -> Self {
+        let generators =
+            keys.iter().enumerate().map(|(n, key)| (key.clone(), rng(seed, &[0xFA17, n as u64]))).collect();
+        KeyedFaults { generators: Arc::new(Mutex::new(generators)) }
+    }
+
+    /// Sets `op`'s chooser on `faulty`: `choose` gets the key's generator.
+    fn aim<R>(&self, faulty: &Faulty<R>, op: Op, choose: fn(&mut StdRng, &str) -> Option<Fault>) {
+        let generators = self.generators.clone();
+        faulty.choose_with(op, move |call: &Call<'_>| {
+            let key = call.key?;
+            let mut generators = generators.lock().unwrap();
+            choose(generators.get_mut(key)?, key)
+        });
+    }
+}
+
+/// Moves the lease of `key`'s processing claim into the past, as if its
+/// worker had stalled past it.
+async fn pass_lease_of(db: &PgPool, org: Uuid, scope: &str, key: &str) {
+    sqlx::query(
+        "update agent.idempotency_keys
+            set lease_expires_at = now() - interval '1 second',
+                claimed_at = claimed_at - (lease_expires_at - now()) - interval '1 second'
+          where organization_id = $1 and scope = $2 and key = $3 and status = 'processing'",
+    )
+    .bind(org)
+    .bind(scope)
+    .bind(key)
+    .execute(db)
+    .await
+    .expect("pass the lease");
+}
+
+/// Size and lowercase hex SHA-256 of `value` as compact JSON.
+fn digest(value: &Value) -> (u64, String) {
+    let bytes = serde_json::to_vec(value).expect("serializable");
+    (bytes.len() as u64, hex::encode(Sha256::digest(&bytes)))
+}
+
+/// Whether `journaled` is `output` as the journal keeps it: itself, or a
+/// reference or summary carrying its size and digest.
+fn stands_for(journaled: &Value, output: &Value) -> bool {
+    if journaled == output {
+        return true;
+    }
+    let (size, sha256) = digest(output);
+    let reference = journaled.get("$response_ref").cloned().and_then(|r| serde_json::from_value::<ResponseRef>(r).ok());
+    if let Some(reference) = reference.filter(|_| journaled.as_object().is_some_and(|m| m.len() == 1)) {
+        return (reference.size, reference.sha256) == (size, sha256);
+    }
+    Elided::from_stored(journaled).is_some_and(|elided| (elided.size, elided.sha256) == (Some(size), Some(sha256)))
+}
+
+// ---------------------------------------------------------------------------
+// The tool guard
+// ---------------------------------------------------------------------------
+
+const TOOL_SCOPE: &str = "tool.email.send";
+const TOOL_KEYS: usize = 12;
+const TOOL_ATTEMPTS: usize = 4;
+const TOOL_TIMEOUT: Duration = ms(400);
+/// How many times one attempt (an orchestrator step) is retried at most.
+const STEP_TRIES: usize = 40;
+
+/// What the vendor answers for a key's call, fixed per key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ToolKind {
+    /// A message, answered small.
+    Small,
+    /// A message whose answer is above the store limit: journaled by
+    /// reference to the message.
+    Large,
+    /// A business failure (no message): journaled as the failure.
+    Failure,
+    /// A business failure with a 100 KiB error and no resource.
+    LargeFailure,
+}
+
+/// A vendor that dedupes on the idempotency key it is handed: the same key
+/// answers the same message, a new key makes one. Remembers which tool key
+/// each message was made for, so a key with two messages is seen.
+#[derive(Default)]
+struct Vendor {
+    messages: Mutex<HashMap<String, (usize, String)>>,
+    calls: AtomicUsize,
+}
+
+impl Vendor {
+    fn send(&self, tool_key: usize, kind: ToolKind, call: &ToolCall) -> ToolResult {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        match kind {
+            ToolKind::Failure => {
+                return ToolResult::business_failure("invalid_recipient", json!({"key": tool_key}));
+            }
+            ToolKind::LargeFailure => {
+                let error = format!("invalid_recipient: {}", "r".repeat(100 * 1024));
+                return ToolResult::business_failure(error, json!({"key": tool_key}));
+            }
+            ToolKind::Small | ToolKind::Large => {}
+        }
+        let id = {
+            let mut messages = self.messages.lock().unwrap();
+            let next = format!("msg-{}", messages.len() + 1);
+            messages.entry(call.idempotency_key().to_owned()).or_insert((tool_key, next)).1.clone()
+        };
+        let body = match kind {
+            ToolKind::Large => json!({"id": id, "body": "b".repeat(70_000)}),
+            _ => json!({"id": id}),
+        };
+        ToolResult::success(body).with_resource("email.message", id)
+    }
+
+    /// The messages made for `tool_key`.
+    fn messages_for(&self, tool_key: usize) -> Vec<String> {
+        let messages = self.messages.lock().unwrap();
+        messages.values().filter(|(key, _)| *key == tool_key).map(|(_, id)| id.clone()).collect()
+    }
+}
+
+/// What one try of a tool does, drawn per try.
+#[derive(Debug, Clone, Copy)]
+enum ToolTry {
+    /// Calls the vendor and answers it.
+    Normal,
+    /// The vendor answers 429 before doing anything.
+    RateLimited,
+    /// The worker stalls past the tool's timeout before reaching the vendor.
+    StallBefore,
+    /// The worker reaches the vendor, then stalls past the timeout.
+    StallAfter,
+    /// The worker reaches the vendor, then panics.
+    PanicAfter,
+}
+
+fn tool_try(rng: &mut StdRng) -> ToolTry {
+    match rng.random_range(0..100) {
+        0..12 => ToolTry::RateLimited,
+        12..20 => ToolTry::StallBefore,
+        20..30 => ToolTry::StallAfter,
+        30..34 => ToolTry::PanicAfter,
+        _ => ToolTry::Normal,
+    }
+}
+
+fn tool_claim_fault(rng: &mut StdRng, _: &str) -> Option<Fault> {
+    match rng.random_range(0..100) {
+        0..10 => Some(Fault::LoseAnswer),
+        10..20 => Some(Fault::DelayBefore(ms(rng.random_range(50..300)))),
+        20..25 => Some(Fault::DelayAfter(ms(rng.random_range(50..300)))),
+        _ => None,
+    }
+}
+
+/// A journal's deadline is 1 s after the tool's 400 ms timeout: 200–500 ms
+/// is within it, 1.8 s beyond it whenever the tool answered.
+fn tool_complete_fault(rng: &mut StdRng, _: &str) -> Option<Fault> {
+    match rng.random_range(0..100) {
+        0..12 => Some(Fault::LoseAnswer),
+        12..22 => Some(Fault::DelayBefore(ms(rng.random_range(200..500)))),
+        22..28 => Some(Fault::DelayBefore(ms(1800))),
+        28..34 => Some(Fault::DelayAfter(ms(1800))),
+        34..38 => Some(Fault::refuse_journal()),
+        _ => None,
+    }
+}
+
+fn tool_release_fault(rng: &mut StdRng, _: &str) -> Option<Fault> {
+    match rng.random_range(0..100) {
+        0..15 => Some(Fault::LoseAnswer),
+        15..25 => Some(Fault::DelayBefore(ms(rng.random_range(100..400)))),
+        _ => None,
+    }
+}
+
+/// What the attempts of one key saw.
+#[derive(Default)]
+struct Seen {
+    executed: Vec<ToolResult>,
+    replayed: Vec<ToolResult>,
+}
+
+type Guard = ToolGuard<Faulty<PostgrestRepository>>;
+
+/// Everything one orchestrator step needs, owned.
+#[derive(Clone)]
+struct Step {
+    guard: Guard,
+    spec: ToolSpec,
+    vendor: Arc<Vendor>,
+    db: PgPool,
+    org: Uuid,
+    seed: u64,
+    tally: Tally,
+}
+
+/// How often each ending of a try was seen, for the log.
+#[derive(Clone, Default)]
+struct Tally(Arc<Mutex<std::collections::BTreeMap<&'static str, usize>>>);
+
+impl Tally {
+    fn add(&self, what: &'static str) {
+        *self.0.lock().unwrap().entry(what).or_default() += 1;
+    }
+}
+
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.0.lock().unwrap())
+    }
+}
+
+/// A retryable failure's name, for the tally.
+fn ending(error: &ToolError) -> &'static str {
+    match error {
+        ToolError::ClaimInFlight { .. } => "in_flight",
+        ToolError::TimedOut { .. } => "timed_out",
+        ToolError::Panicked { .. } => "panicked",
+        ToolError::NotJournaled { .. } => "not_journaled",
+        ToolError::Plane(_) => "plane",
+        _ => "other",
+    }
+}
+
+impl Step {
+    /// Runs the step for key `n`, retrying it the way an orchestrator
+    /// would, until it has an answer or `STEP_TRIES` ran out; `chaos`
+    /// draws what each try does, else every try is normal.
+    async fn run(self, n: usize, key: ToolKey, kind: ToolKind, attempt: usize, chaos: bool, seen: Arc<Mutex<Seen>>) {
+        let arguments = json!({"to": format!("user-{n}@example.com")});
+        let mut waits = rng(self.seed, &[0x57E9, n as u64, attempt as u64]);
+        for try_number in 0..STEP_TRIES {
+            let mut draw = rng(self.seed, &[0x7001, n as u64, attempt as u64, try_number as u64]);
+            let behaviour = if chaos { tool_try(&mut draw) } else { ToolTry::Normal };
+            let vendor = self.vendor.clone();
+            let tool = move |call: ToolCall| async move {
+                match behaviour {
+                    ToolTry::Normal => vendor.send(n, kind, &call),
+                    ToolTry::RateLimited => ToolResult::retryable_failure("rate_limited", json!({})),
+                    ToolTry::StallBefore => {
+                        tokio::time::sleep(TOOL_TIMEOUT * 3).await;
+                        vendor.send(n, kind, &call)
+                    }
+                    ToolTry::StallAfter => {
+                        let sent = vendor.send(n, kind, &call);
+                        tokio::time::sleep(TOOL_TIMEOUT * 3).await;
+                        sent
+                    }
+                    ToolTry::PanicAfter => {
+                        vendor.send(n, kind, &call);
+                        panic!("the worker dies after the vendor answered (this test expects it)");
+                    }
+                }
+            };
+            let ran =
+                self.guard.run(self.org, &self.spec, &key, &arguments, || async { Checkpoint::Allow }, tool).await;
+            match ran {
+                Ok(ToolRun::Executed(result)) if result.retryable => self.tally.add("retryable"),
+                Ok(ToolRun::Executed(result)) => {
+                    self.tally.add("executed");
+                    return seen.lock().unwrap().executed.push(result);
+                }
+                Ok(ToolRun::Replayed(result)) => {
+                    self.tally.add("replayed");
+                    return seen.lock().unwrap().replayed.push(result);
+                }
+                Ok(other) => panic!("seed {}: key {n}: a VendorKey tool never ends {other:?}", self.seed),
+                Err(ToolError::ClaimInFlight { .. }) if waits.random_bool(0.5) => {
+                    // The holder is taken for stalled: its lease passes.
+                    self.tally.add("in_flight, lease passed");
+                    pass_lease_of(&self.db, self.org, TOOL_SCOPE, key.as_str()).await;
+                }
+                Err(error) if error.is_retryable() => {
+                    self.tally.add(ending(&error));
+                    tokio::time::sleep(ms(waits.random_range(10..120))).await;
+                }
+                Err(error) => panic!("seed {}: key {n}: the step failed for good: {error}", self.seed),
+            }
+        }
+    }
+}
+
+/// Many attempts of the tool guard over a store with faults: per key, at
+/// most one message at the vendor (a key whose journal is a success has
+/// exactly that one), every replay equals the journaled answer, and every
+/// answer a step executed is the one journaled (or what the journal keeps
+/// in its place).
+#[tokio::test]
+async fn randomized_tool_calls_make_at_most_one_vendor_effect_per_key_and_replay_the_journal() {
+    let seed = seed("tool calls");
+    let stack = stack().await;
+    let faulty = Faulty::new(PostgrestRepository::new(client(&stack)));
+    let horizon = RetryHorizon::until_last_attempt(Duration::from_secs(600));
+    let guard = ToolGuard::new(IdempotencyService::new(faulty.clone()), horizon)
+        .with_journal_deadline(ms(1000))
+        .and_then(|guard| guard.with_lease_margin(ms(1000)))
+        .expect("a guard");
+    let spec = ToolSpec::new(TOOL_SCOPE, TOOL_TIMEOUT, RepeatSafety::VendorKey).expect("a spec");
+    let step = Step {
+        guard,
+        spec,
+        vendor: Arc::default(),
+        db: stack.db().clone(),
+        org: Uuid::new_v4(),
+        seed,
+        tally: Tally::default(),
+    };
+
+    let keys: Vec<ToolKey> = (0..TOOL_KEYS).map(|n| ToolKey::for_step(Uuid::new_v4(), &format!("send-{n}"))).collect();
+    let kinds: Vec<ToolKind> = (0..TOOL_KEYS)
+        .map(|n| match rng(seed, &[0x5EED, n as u64]).random_range(0..10) {
+            0..5 => ToolKind::Small,
+            5..7 => ToolKind::Large,
+            7..9 => ToolKind::Failure,
+            _ => ToolKind::LargeFailure,
+        })
+        .collect();
+    let names: Vec<String> = keys.iter().map(|key| key.as_str().to_owned()).collect();
+    let aimed = KeyedFaults::new(seed, &names);
+    aimed.aim(&faulty, Op::Claim, tool_claim_fault);
+    aimed.aim(&faulty, Op::Complete, tool_complete_fault);
+    aimed.aim(&faulty, Op::Release, tool_release_fault);
+
+    let seen: Vec<Arc<Mutex<Seen>>> = (0..TOOL_KEYS).map(|_| Arc::default()).collect();
+    let mut attempts = Vec::new();
+    for n in 0..TOOL_KEYS {
+        for attempt in 0..TOOL_ATTEMPTS {
+            let start = ms(rng(seed, &[0x57A7, n as u64, attempt as u64]).random_range(0..400));
+            let (step, key, kind, seen) = (step.clone(), keys[n].clone(), kinds[n], seen[n].clone());
+            attempts.push(tokio::spawn(async move {
+                tokio::time::sleep(start).await;
+                step.run(n, key, kind, attempt, true, seen).await;
+            }));
+        }
+    }
+    for attempt in attempts {
+        attempt.await.expect("an attempt panicked outside the tool");
+    }
+
+    // The faults stop; one more attempt per key, until it has an answer.
+    faulty.clear_all();
+    for n in 0..TOOL_KEYS {
+        step.clone().run(n, keys[n].clone(), kinds[n], TOOL_ATTEMPTS, false, seen[n].clone()).await;
+    }
+    println!(
+        "tool calls: {} vendor calls; tries {}; faults injected: claim {}, complete {}, release {}",
+        step.vendor.calls.load(Ordering::SeqCst),
+        step.tally,
+        faulty.injected(Op::Claim),
+        faulty.injected(Op::Complete),
+        faulty.injected(Op::Release)
+    );
+    assert!(faulty.injected(Op::Claim) + faulty.injected(Op::Complete) > 0, "seed {seed}: no fault was injected");
+
+    let service = IdempotencyService::new(PostgrestRepository::new(client(&stack)));
+    for n in 0..TOOL_KEYS {
+        let context = format!("seed {seed}, key {n} ({:?})", kinds[n]);
+        let arguments = json!({"to": format!("user-{n}@example.com")});
+        let read = service.read(step.org, TOOL_SCOPE, keys[n].as_str(), &RequestHash::of_json(&arguments)).await;
+        let journal = match read {
+            Ok(ReadOutcome::Completed { response, resource, response_ref }) => {
+                Answer::from_stored(response, resource, response_ref)
+            }
+            other => panic!("{context}: the final attempt left no journal: {other:?}"),
+        };
+        let messages = step.vendor.messages_for(n);
+        assert!(messages.len() <= 1, "{context}: {} messages at the vendor: {messages:?}", messages.len());
+        match kinds[n] {
+            ToolKind::Small | ToolKind::Large => {
+                assert!(journal.ok, "{context}: journaled {journal:?}");
+                let message = journal.resource.as_ref().map(|r| r.resource_id.clone());
+                assert_eq!(message.as_ref(), messages.first(), "{context}: the journal names the one message");
+            }
+            ToolKind::Failure | ToolKind::LargeFailure => {
+                assert!(!journal.ok && journal.resource.is_none(), "{context}: journaled {journal:?}");
+                assert!(messages.is_empty(), "{context}: a business failure made a message");
+            }
+        }
+        let seen = seen[n].lock().unwrap();
+        assert!(!seen.executed.is_empty() || !seen.replayed.is_empty(), "{context}: no attempt got an answer");
+        for replay in &seen.replayed {
+            let replayed = (replay.ok, &replay.error, &replay.output, &replay.resource);
+            assert_eq!(replayed, (journal.ok, &journal.error, &journal.output, &journal.resource), "{context}");
+        }
+        for executed in &seen.executed {
+            assert_eq!((executed.ok, &executed.resource), (journal.ok, &journal.resource), "{context}: {executed:?}");
+            let error_kept = match (&executed.error, &journal.error) {
+                (Some(error), Some(kept)) => error.starts_with(kept.as_str()) && !kept.is_empty(),
+                (error, kept) => error == kept,
+            };
+            assert!(error_kept, "{context}: executed {:?}, journaled {:?}", executed.error, journal.error);
+            assert!(stands_for(&journal.output, &executed.output), "{context}: journaled {}", journal.output);
+        }
+    }
+    stack.stop().await.unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// The webhook gate
+// ---------------------------------------------------------------------------
+
+const WEBHOOK_SCOPE: &str = "webhook.nylas";
+const EVENTS: usize = 10;
+const PROCESSING_TIMEOUT: Duration = ms(800);
+
+/// What processing an event does, fixed per event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EventKind {
+    /// Stores the event.
+    Stores,
+    /// Fails without an effect this many times, then stores it.
+    Flaky(usize),
+    /// Fails for good: the failure is the event's answer.
+    Rejects,
+    /// Stalls past the processing timeout.
+    Stalls,
+    /// Panics.
+    Panics,
+}
+
+/// One event: its kind, how often processing ran, and how often it stored
+/// the event (the effect that must happen at most once).
+struct Event {
+    id: String,
+    kind: EventKind,
+    runs: AtomicUsize,
+    effects: AtomicUsize,
+    acks: Mutex<Vec<Ack>>,
+}
+
+impl Event {
+    fn output(n: usize) -> Value {
+        json!({"event": n})
+    }
+
+    /// Processing for event `n`, as the gate calls it (again after a
+    /// retryable failure).
+    fn processing(
+        self: &Arc<Self>,
+        n: usize,
+        seed: u64,
+    ) -> impl Fn() -> futures_util::future::BoxFuture<'static, Result<Value, ProcessingError>> + Send + Sync + 'static
+    {
+        let event = self.clone();
+        move || {
+            let event = event.clone();
+            let run = event.runs.fetch_add(1, Ordering::SeqCst);
+            let work = ms(rng(seed, &[0x3011, n as u64, run as u64]).random_range(5..60));
+            Box::pin(async move {
+                match event.kind {
+                    EventKind::Panics => panic!("processing panics (this test expects it)"),
+                    EventKind::Stalls => {
+                        tokio::time::sleep(PROCESSING_TIMEOUT * 4).await;
+                        return Err(ProcessingError::permanent("stalled"));
+                    }
+                    _ => tokio::time::sleep(work).await,
+                }
+                match event.kind {
+                    EventKind::Rejects => Err(ProcessingError::permanent(format!("rejected:{n}"))),
+                    EventKind::Flaky(failures) if run < failures => {
+                        Err(ProcessingError::retryable(format!("flaky:{n}")))
+                    }
+                    _ => {
+                        event.effects.fetch_add(1, Ordering::SeqCst);
+                        Ok(Event::output(n))
+                    }
+                }
+            })
+        }
+    }
+}
+
+/// A claim's answer lost (at most once per event: the test's chooser keeps
+/// the count), slow before the call, or slow after it; some slower than
+/// the gate's 500 ms answer deadline. The gate asks again as the same
+/// attempt while its processing timeout allows, so one quick loss is
+/// carried; a loss late in the timeout is not (see `gate_endings`), nor is
+/// a claim whose every answer is lost.
+fn webhook_claim_fault(rng: &mut StdRng, _: &str) -> Option<Fault> {
+    match rng.random_range(0..100) {
+        0..15 => Some(Fault::LoseAnswer),
+        15..30 => Some(Fault::DelayBefore(ms(rng.random_range(100..700)))),
+        30..40 => Some(Fault::DelayAfter(ms(rng.random_range(100..700)))),
+        _ => None,
+    }
+}
+
+/// The journal: lost after commit, slow within its deadline, or slow beyond
+/// it after it committed. The deadlines count from before the claim (the
+/// processing timeout, 800 ms, then the journal's 1 s), and a claim may take
+/// 700 ms of them: a journal starts by 800 ms, and 300 ms leaves it time.
+/// Never slow beyond the deadline before the write: a journal that never
+/// lands leaves the claim to its lease, as a worker that died would, and
+/// only a delivery after the lease would carry the event on.
+fn webhook_complete_fault(rng: &mut StdRng, _: &str) -> Option<Fault> {
+    match rng.random_range(0..100) {
+        0..15 => Some(Fault::LoseAnswer),
+        15..30 => Some(Fault::DelayBefore(ms(rng.random_range(50..300)))),
+        30..40 => Some(Fault::DelayAfter(ms(2000))),
+        _ => None,
+    }
+}
+
+/// Whether `ack` reports a failure the gate journaled.
+fn gate_failed(ack: &Ack) -> bool {
+    matches!(ack, Ack::Dropped(DropReason::ProcessingFailed | DropReason::ProcessingAborted))
+}
+
+/// Delivers `event` as the vendor does: again after a 503, until an ACK or
+/// `tries` ran out; records every answer.
+async fn deliver(
+    gate: &WebhookGate<Faulty<PostgrestRepository>>,
+    org: Uuid,
+    n: usize,
+    event: &Arc<Event>,
+    seed: u64,
+    tries: usize,
+    chain: u64,
+) {
+    let body = serde_json::to_vec(&json!({"type": "message.created", "event": n})).expect("a body");
+    for try_number in 0..tries {
+        let delivery = Delivery { organization_id: org, scope: WEBHOOK_SCOPE, delivery_id: &event.id, body: &body };
+        let ack = gate.handle(delivery, event.processing(n, seed)).await;
+        event.acks.lock().unwrap().push(ack.clone());
+        if ack.status() != 503 {
+            return;
+        }
+        let wait = rng(seed, &[0x8E7, n as u64, chain, try_number as u64]).random_range(100..300);
+        tokio::time::sleep(ms(wait)).await;
+    }
+}
+
+/// Many deliveries of each event, concurrent and over time, through a store
+/// with faults: every event ends with a completed row; an event stored is
+/// stored exactly once and its row holds its output; an event not stored
+/// has its failure journaled, and the gate's failures are counted as drop
+/// reasons, one per event.
+// Two workers: a panic's backtrace, printed while the worker holds the
+// processing, must not stall every delivery's deadline with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_deliveries_process_each_acknowledged_event_exactly_once_or_journal_its_failure() {
+    let seed = seed("webhook deliveries");
+    let stack = stack().await;
+    let faulty = Faulty::new(PostgrestRepository::new(client(&stack)));
+    let gate = WebhookGate::new(IdempotencyService::new(faulty.clone()), ProviderJobs::new(client(&stack)))
+        .with_processing_timeout(PROCESSING_TIMEOUT)
+        .and_then(|gate| gate.with_journal_deadline(ms(1000)))
+        .expect("a gate")
+        .with_deadline(ms(500));
+    let org = Uuid::new_v4();
+    let events: Vec<Arc<Event>> = (0..EVENTS)
+        .map(|n| {
+            let kind = match rng(seed, &[0xE7E, n as u64]).random_range(0..10) {
+                0..4 => EventKind::Stores,
+                4..6 => EventKind::Flaky(1 + n % 2),
+                6..8 => EventKind::Rejects,
+                8 => EventKind::Stalls,
+                _ => EventKind::Panics,
+            };
+            Arc::new(Event {
+                id: format!("evt-{n}-{}", Uuid::new_v4()),
+                kind,
+                runs: AtomicUsize::new(0),
+                effects: AtomicUsize::new(0),
+                acks: Mutex::default(),
+            })
+        })
+        .collect();
+    let names: Vec<String> = events.iter().map(|event| event.id.clone()).collect();
+    let aimed = KeyedFaults::new(seed, &names);
+    // At most one lost claim answer per event (see webhook_claim_fault).
+    let lost_claims: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    {
+        let (generators, lost_claims) = (aimed.generators.clone(), lost_claims.clone());
+        faulty.choose_with(Op::Claim, move |call: &Call<'_>| {
+            let key = call.key?;
+            let fault = webhook_claim_fault(generators.lock().unwrap().get_mut(key)?, key);
+            if fault == Some(Fault::LoseAnswer) {
+                let mut lost = lost_claims.lock().unwrap();
+                let count = lost.entry(key.to_owned()).or_default();
+                *count += 1;
+                if *count > 1 {
+                    return None;
+                }
+            }
+            fault
+        });
+    }
+    aimed.aim(&faulty, Op::Complete, webhook_complete_fault);
+
+    let mut chains = Vec::new();
+    for (n, event) in events.iter().enumerate() {
+        let deliveries = rng(seed, &[0xDE1, n as u64]).random_range(3..=5);
+        for chain in 0..deliveries {
+            let start = ms(rng(seed, &[0x57A7, n as u64, chain]).random_range(0..1500));
+            let (gate, event) = (gate.clone(), event.clone());
+            chains.push(tokio::spawn(async move {
+                tokio::time::sleep(start).await;
+                deliver(&gate, org, n, &event, seed, 8, chain).await;
+            }));
+        }
+    }
+    for chain in chains {
+        chain.await.expect("a delivery panicked");
+    }
+
+    // The faults stop; the vendor delivers each event once more, until ACKed.
+    faulty.clear_all();
+    for (n, event) in events.iter().enumerate() {
+        deliver(&gate, org, n, event, seed, 20, 99).await;
+        let acked = event.acks.lock().unwrap().iter().any(|ack| ack.status() == 200);
+        assert!(acked, "seed {seed}: event {n} was never acknowledged: {:?}", event.acks.lock().unwrap());
+    }
+
+    // Work carried past an answer finishes on its own: wait for every row.
+    let rows = async {
+        loop {
+            let rows: Vec<(String, String, Option<Value>)> = sqlx::query_as(
+                "select key, status, response from agent.idempotency_keys where organization_id = $1 and scope = $2",
+            )
+            .bind(org)
+            .bind(WEBHOOK_SCOPE)
+            .fetch_all(stack.db())
+            .await
+            .expect("read the rows");
+            if rows.len() == EVENTS && rows.iter().all(|(_, status, _)| status == "completed") {
+                return rows.into_iter().map(|(key, _, response)| (key, response)).collect::<HashMap<_, _>>();
+            }
+            tokio::time::sleep(ms(20)).await;
+        }
+    };
+    let rows = match tokio::time::timeout(WAIT, rows).await {
+        Ok(rows) => rows,
+        Err(_) => {
+            let rows: Vec<(String, String, bool)> = sqlx::query_as(
+                "select key, status, lease_expires_at > now() from agent.idempotency_keys
+                  where organization_id = $1 and scope = $2",
+            )
+            .bind(org)
+            .bind(WEBHOOK_SCOPE)
+            .fetch_all(stack.db())
+            .await
+            .expect("read the rows");
+            let unfinished: Vec<String> = events
+                .iter()
+                .enumerate()
+                .filter_map(|(n, event)| {
+                    let row = rows.iter().find(|(key, _, _)| *key == event.id);
+                    if row.is_some_and(|(_, status, _)| status == "completed") {
+                        return None;
+                    }
+                    Some(format!(
+                        "event {n} ({:?}): row {row:?}, {} runs, acks {:?}",
+                        event.kind,
+                        event.runs.load(Ordering::SeqCst),
+                        event.acks.lock().unwrap()
+                    ))
+                })
+                .collect();
+            panic!("seed {seed}: rows not completed within {WAIT:?}:\n{}", unfinished.join("\n"));
+        }
+    };
+    println!(
+        "webhook deliveries: faults injected: claim {}, complete {}; drops: duplicate {}, failed {}, aborted {}",
+        faulty.injected(Op::Claim),
+        faulty.injected(Op::Complete),
+        gate.drops().get(DropReason::Duplicate),
+        gate.drops().get(DropReason::ProcessingFailed),
+        gate.drops().get(DropReason::ProcessingAborted),
+    );
+
+    let mut gate_failures = 0;
+    for (n, event) in events.iter().enumerate() {
+        let context = format!("seed {seed}, event {n} ({:?})", event.kind);
+        let response =
+            rows[&event.id].clone().unwrap_or_else(|| panic!("{context}: a completed row without a response"));
+        let effects = event.effects.load(Ordering::SeqCst);
+        let acks = event.acks.lock().unwrap().clone();
+        if response["ok"] == json!(true) {
+            assert_eq!(response, json!({"ok": true, "output": Event::output(n)}), "{context}");
+            assert_eq!(effects, 1, "{context}: stored {effects} times");
+            assert!(matches!(event.kind, EventKind::Stores | EventKind::Flaky(_)), "{context}: {response}");
+            assert!(!acks.iter().any(gate_failed), "{context}: stored, yet answered a gate failure: {acks:?}");
+            continue;
+        }
+        assert_eq!(effects, 0, "{context}: journaled as a failure, yet stored {effects} times: {response}");
+        let error = response["error"].as_str().unwrap_or_else(|| panic!("{context}: no error in {response}"));
+        assert_eq!(response.as_object().map(|m| m.len()), Some(3), "{context}: ok, error, output: {response}");
+        let by_the_gate = match error {
+            "processing_timed_out" => true,
+            "processing_panicked" => event.kind == EventKind::Panics,
+            flaky if flaky == format!("flaky:{n}") => matches!(event.kind, EventKind::Flaky(_)),
+            rejected if rejected == format!("rejected:{n}") => {
+                assert_eq!(event.kind, EventKind::Rejects, "{context}");
+                false
+            }
+            other => panic!("{context}: journaled an error no processing gave: {other:?}"),
+        };
+        assert!(by_the_gate || event.kind == EventKind::Rejects, "{context}: {error}");
+        if by_the_gate {
+            gate_failures += 1;
+            assert!(!acks.contains(&Ack::Processed), "{context}: answered processed, journaled {error}: {acks:?}");
+        } else {
+            assert!(!acks.iter().any(gate_failed), "{context}: answered a gate failure, journaled {error}: {acks:?}");
+        }
+    }
+    // A journal whose answer was slow lands before the gate counts its drop
+    // reason: wait for the count, then check it.
+    let counted = || gate.drops().get(DropReason::ProcessingFailed) + gate.drops().get(DropReason::ProcessingAborted);
+    let settled = async {
+        while counted() < gate_failures {
+            tokio::time::sleep(ms(20)).await;
+        }
+    };
+    let _ = tokio::time::timeout(WAIT, settled).await;
+    assert_eq!(counted(), gate_failures, "seed {seed}: one drop reason counted per failure the gate journaled");
+    stack.stop().await.unwrap();
+}
