@@ -583,7 +583,11 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
     /// the delivery was answered without a claim of ours.
     async fn claim(&self, effect: &Effect<'_>, say: &mut impl FnMut(Ack)) -> Option<Held<R>> {
         let attempt = Attempt::new();
-        let ask_until = attempt.started() + self.timing.effect();
+        // Ask while an answer could still be journaled before the lease
+        // passes: a claim confirmed after the processing timeout is
+        // journaled as aborted rather than left for a redelivery that was
+        // already ACKed.
+        let ask_until = attempt.started() + self.timing.effect() + self.timing.journal() / 2;
         let mut backoff = FIRST_PROCESSING_BACKOFF;
         loop {
             let error = match self.driver.begin_as(effect, &attempt).await {

@@ -161,27 +161,28 @@ pub(crate) fn store(answer: &Answer, limit: u64, refused: bool) -> StoredAnswer 
     }
     envelope.insert("output".into(), storable(&answer.output, 1));
     let mut stored = Value::Object(envelope);
-    let over = |stored: &Value| journal::json_size(stored) > limit;
     // A long error is what makes the answer too large: keep its start first,
     // so the output (the body) stays whole when that is enough.
     if let Some(error) = answer.error.as_deref() {
-        if refused || over(&stored) {
-            shorten_error(&mut stored, error);
+        let size = journal::json_size(&stored);
+        if (refused || size > limit) && shorten_error(&mut stored, error) {
+            stand_in = Some(Unstorable::TooLarge { size, limit });
         }
     }
     let reason = if refused {
-        Some(match resource {
-            // A refused answer with a resource goes by reference, like a large one.
-            Some(_) => Unstorable::TooLarge { size: journal::json_size(&answer.output), limit },
-            None => Unstorable::Refused,
-        })
+        Some(Unstorable::Refused)
     } else {
         let size = journal::json_size(&stored);
         (size > limit).then_some(Unstorable::TooLarge { size, limit })
     };
     if let Some(reason) = reason {
         stand_in = Some(reason);
-        stored["output"] = journal::stand_in(&answer.output, reason, resource.as_ref());
+        // A refused answer with a resource goes by reference, like a large one.
+        let form = match (reason, &resource) {
+            (Unstorable::Refused, Some(_)) => Unstorable::TooLarge { size: journal::json_size(&answer.output), limit },
+            (reason, _) => reason,
+        };
+        stored["output"] = journal::stand_in(&answer.output, form, resource.as_ref());
     }
     StoredAnswer { response: stored, resource, stand_in }
 }
@@ -192,10 +193,11 @@ pub(crate) fn stored_size(answer: &Answer) -> u64 {
 }
 
 /// Keeps the first [`MAX_STORED_ERROR_BYTES`] of `error` (at a character
-/// boundary), and an `error_elided` summary of the whole.
-fn shorten_error(stored: &mut Value, error: &str) {
+/// boundary), and an `error_elided` summary of the whole; false when the
+/// error is short enough to keep whole.
+fn shorten_error(stored: &mut Value, error: &str) -> bool {
     if error.len() <= MAX_STORED_ERROR_BYTES && !error.contains('\0') {
-        return;
+        return false;
     }
     let mut end = MAX_STORED_ERROR_BYTES.min(error.len());
     while !error.is_char_boundary(end) {
@@ -205,6 +207,7 @@ fn shorten_error(stored: &mut Value, error: &str) {
     let whole = Value::String(error.to_owned());
     stored["error"] = Value::String(prefix);
     stored["error_elided"] = Elided::of(&whole, Unstorable::TooLarge { size: 0, limit: 0 }).to_stored();
+    true
 }
 
 #[cfg(test)]

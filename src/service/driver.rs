@@ -303,6 +303,11 @@ impl<R: IdempotencyRepository> Held<R> {
     /// Either cut leaves the outcome unknown, unless the caller knows
     /// better (settle with [`Settle::Unknown`] by default).
     pub async fn run<T>(&self, effect: impl Future<Output = T>) -> Result<T, Cut> {
+        // A deadline already past (a claim that answered late) never starts
+        // the effect: a first poll could begin it.
+        if Instant::now() >= self.effect_deadline {
+            return Err(Cut::TimedOut);
+        }
         match tokio::time::timeout_at(self.effect_deadline, AssertUnwindSafe(effect).catch_unwind()).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(_panic)) => Err(Cut::Panicked),

@@ -27,6 +27,8 @@ use crate::repo::{
     ClaimCall, ClaimDecision, ClaimRow, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository,
 };
 
+#[cfg(feature = "axum")]
+pub(crate) use answer::stored_size;
 pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
 pub use driver::{Attempt, Begun, Cut, Effect, EffectDriver, Held, LeftToLease, Refused, Settle, Settled};
 pub use hash::{canonical_json, RequestHash};

@@ -791,7 +791,7 @@ async fn a_replay_never_carries_a_credential_header_even_when_one_was_journaled(
     // A journal written by an older layer that kept them.
     sqlx::query(
         "update agent.idempotency_keys
-            set response = jsonb_set(response, '{headers}', response->'headers'
+            set response = jsonb_set(response, '{output,headers}', response->'output'->'headers'
                 || '[[\"set-cookie\",\"session=alice\"],[\"authorization\",\"Bearer alice\"],[\"www-authenticate\",\"Basic\"]]'::jsonb)",
     )
     .execute(stack.db())

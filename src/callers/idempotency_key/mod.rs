@@ -77,10 +77,8 @@ use axum::body::{Body, Bytes};
 use axum::extract::MatchedPath;
 use axum::http::request::Parts;
 use axum::http::{HeaderName, Method, Request, Response, StatusCode};
-use futures_util::FutureExt;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
-use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{field, Instrument};
@@ -92,7 +90,9 @@ pub use stored::CREDENTIAL_HEADERS;
 
 use crate::error::{Error, InvalidInput};
 use crate::repo::IdempotencyRepository;
-use crate::service::{ClaimOutcome, Completion, Ending, IdempotencyService};
+use crate::service::{
+    stored_size, Answer, Begun, Cut, Effect, EffectDriver, IdempotencyService, Refused, Settle, Settled, Timing,
+};
 
 /// The request header the key is read from.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -239,8 +239,10 @@ impl<R> Clone for Config<R> {
 }
 
 impl<R> Config<R> {
-    fn lease(&self) -> Duration {
-        self.handler_timeout.saturating_add(self.journal_deadline).saturating_add(self.lease_margin)
+    /// The handler's timeout, the journal's deadline and the margin: the
+    /// lease is their sum. Checked when they are set.
+    fn timing(&self) -> Result<Timing, InvalidInput> {
+        Timing::new(self.handler_timeout, self.journal_deadline, self.lease_margin)
     }
 }
 
@@ -248,13 +250,7 @@ impl<R> Config<R> {
 /// when a part that must take time is zero or the whole is outside what
 /// the plane accepts (1 s to 24 h).
 fn validate_lease(handler_timeout: Duration, journal_deadline: Duration, margin: Duration) -> Result<(), InvalidInput> {
-    crate::service::validate::lease(handler_timeout.saturating_add(journal_deadline).saturating_add(margin))?;
-    for part in [handler_timeout, journal_deadline] {
-        if part.is_zero() {
-            return Err(InvalidInput::LeaseTooShort { lease: part, min: crate::service::MIN_LEASE });
-        }
-    }
-    Ok(())
+    Timing::new(handler_timeout, journal_deadline, margin).map(|_| ())
 }
 
 impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
@@ -551,18 +547,20 @@ where
         outcome = field::Empty, replayed = field::Empty, ending = field::Empty
     );
     async move {
-        // The handler's time counts from before the claim, whose lease starts
-        // when the database stamps it: the handler is cut before its lease
-        // can pass, however long the claim took, and so is the journal write
-        // that follows it.
-        let cut_at = Instant::now() + config.handler_timeout;
-        let journal_cut_at = cut_at + config.journal_deadline;
-        let claimed = config.service.claim(organization_id, &scope, &plane_key, &hash, config.lease()).await;
-        let claim = match claimed {
-            Ok(ClaimOutcome::Claimed(claim)) => claim,
-            Ok(ClaimOutcome::Completed { response, .. }) => {
+        // The driver counts the handler's time and the journal's from before
+        // the claim, whose lease the database stamps later: both are cut
+        // before the lease can pass, however long the claim took.
+        let timing = match config.timing() {
+            Ok(timing) => timing,
+            Err(refused) => return Ok(not_configured(&refused.to_string())),
+        };
+        let driver = EffectDriver::shared(config.service.clone());
+        let effect = Effect { organization_id, scope: &scope, key: &plane_key, request_hash: &hash, timing };
+        let held = match driver.begin(&effect).await {
+            Ok(Begun::Held(held)) => held,
+            Ok(Begun::Replayed(answer)) => {
                 tracing::Span::current().record("outcome", "replayed").record("replayed", true);
-                let replay = response.and_then(|v| serde_json::from_value::<StoredResponse>(v).ok()).and_then(|s| s.replay());
+                let replay = serde_json::from_value::<StoredResponse>(answer.output).ok().and_then(|s| s.replay());
                 return Ok(replay.unwrap_or_else(|| {
                     tracing::error!("the journaled answer is not one this layer wrote");
                     Problem::new(
@@ -572,7 +570,7 @@ where
                     .into_response()
                 }));
             }
-            Ok(ClaimOutcome::Processing { .. }) => {
+            Ok(Begun::InFlight { .. }) => {
                 tracing::Span::current().record("outcome", "in_flight");
                 return Ok(Problem::new(
                     ProblemType::InFlight,
@@ -581,7 +579,7 @@ where
                 .retry_after(config.in_flight_retry_after)
                 .into_response());
             }
-            Ok(ClaimOutcome::Conflict) => {
+            Ok(Begun::Conflict) => {
                 tracing::Span::current().record("outcome", "key_reused");
                 return Ok(Problem::new(
                     ProblemType::KeyReused,
@@ -594,28 +592,32 @@ where
         tracing::Span::current().record("outcome", "claimed");
 
         // `call` itself may panic, before any future exists: caught like a
-        // panic of the future, so the claim is released either way.
+        // panic of the future (which the driver catches), so the claim is
+        // released either way.
         let request = Request::from_parts(parts, Body::from(body));
         let ran = async {
             match std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request))) {
-                Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
+                Ok(future) => Ok(future.await),
                 Err(panic) => Err(panic),
             }
         };
-        let response = match tokio::time::timeout_at(cut_at, ran).await {
+        // A failed, panicked or timed-out handler gave no answer to anyone:
+        // released, like any failed request, so the client's retry runs it
+        // (see the module docs for what that assumes of the handler).
+        let response = match held.run(ran).await {
             Ok(Ok(Ok(response))) => response,
             Ok(Ok(Err(error))) => {
-                config.service.release_or_log(&claim).await;
+                release(held).await;
                 return Err(error);
             }
-            Ok(Err(_panic)) => {
+            Ok(Err(_)) | Err(Cut::Panicked) => {
                 tracing::error!("the handler panicked; its claim is released");
-                config.service.release_or_log(&claim).await;
+                release(held).await;
                 return Ok(handler_failed().into_response());
             }
-            Err(_elapsed) => {
+            Err(Cut::TimedOut) => {
                 tracing::warn!(timeout_ms = config.handler_timeout.as_millis() as u64, "the handler timed out; its claim is released");
-                config.service.release_or_log(&claim).await;
+                release(held).await;
                 return Ok(Problem::new(
                     ProblemType::HandlerTimeout,
                     "the request was cut off before it finished; retry with the same key",
@@ -626,12 +628,11 @@ where
         let status = response.status();
         if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
             // Retryable: not the answer to this key, so the next try runs again.
-            config.service.release_or_log(&claim).await;
-            tracing::Span::current().record("ending", "released");
+            release(held).await;
             return Ok(response);
         }
         let (parts, body) = response.into_parts();
-        let buffered = tokio::time::timeout_at(cut_at, buffer(body, config.response_body_limit)).await;
+        let buffered = tokio::time::timeout_at(held.effect_deadline(), buffer(body, config.response_body_limit)).await;
         let (answer, stored, body_bytes) = match buffered {
             Ok(Ok(bytes)) => {
                 let stored = StoredResponse::of(status, &parts.headers, &config.kept_headers, &bytes);
@@ -655,18 +656,10 @@ where
                 (problem.into_response(), stored, config.response_body_limit as u64)
             }
         };
-        match journal(&config, &claim, stored, body_bytes, journal_cut_at).await {
-            Ok(Ending::Recorded) => {
-                tracing::Span::current().record("ending", "recorded");
-            }
-            Ok(Ending::LeaseMovedOn) => {
-                tracing::Span::current().record("ending", "lease_moved_on");
-                tracing::warn!("the lease passed before the handler finished; another request took the key over");
-            }
-            Err(error) => {
-                tracing::Span::current().record("ending", "not_journaled");
-                tracing::error!(%error, "the answer could not be journaled; the claim frees itself when its lease passes");
-            }
+        let settled = journal(held, stored, body_bytes).await;
+        tracing::Span::current().record("ending", settled.as_str());
+        if let Settled::LeftToLease(why) = &settled {
+            tracing::error!(reason = %why, "the answer could not be journaled; the claim frees itself when its lease passes");
         }
         Ok(answer)
     }
@@ -674,61 +667,38 @@ where
     .await
 }
 
-/// Why an answer was not journaled.
-#[derive(Debug, thiserror::Error)]
-enum JournalError {
-    /// The store failed in a way a retry would not mend, or kept failing.
-    #[error(transparent)]
-    Store(#[from] Error),
-    /// The journal deadline passed first.
-    #[error("the journal deadline passed after {attempts} attempt(s)")]
-    Deadline {
-        /// Writes sent, the cut one included.
-        attempts: u32,
-    },
+/// Releases a claim whose handler gave no answer; the span records how.
+async fn release<R: IdempotencyRepository>(held: crate::service::Held<R>) {
+    let settled = held.settle(Settle::Release).await;
+    tracing::Span::current().record("ending", settled.as_str());
 }
 
-/// The first wait before writing a journal entry again, doubled up to
-/// [`JOURNAL_MAX_BACKOFF`].
-const JOURNAL_BACKOFF: Duration = Duration::from_millis(50);
-const JOURNAL_MAX_BACKOFF: Duration = Duration::from_secs(1);
-
-/// Completes `claim` with `stored` before `cut_at`: a write that fails
-/// transiently is sent again (the same lease token: a repeat answers the
-/// same row) while a retry can start before the cut, and one in flight at
-/// the cut is abandoned. An answer the store refuses (above the scope's own
-/// limit, which may be lower than this service's) is journaled again
-/// without its body, so that a repeat replays instead of running the
+/// Journals `stored` through the driver (within the journal's deadline,
+/// retried on transient failures). An answer the store refuses (above the
+/// scope's own limit, which may be lower than this service's) is journaled
+/// again without its body, so that a repeat replays instead of running the
 /// handler again.
 async fn journal<R: IdempotencyRepository>(
-    config: &Config<R>,
-    claim: &crate::service::Claim,
-    mut stored: StoredResponse,
+    held: crate::service::Held<R>,
+    stored: StoredResponse,
     body_bytes: u64,
-    cut_at: Instant,
-) -> Result<Ending, JournalError> {
-    let complete = |stored: &StoredResponse| match serde_json::to_value(stored) {
-        Ok(value) => Ok(Completion::response(value)),
-        Err(error) => Err(Error::Inconsistent(format!("the answer does not serialize: {error}"))),
+) -> Settled {
+    let as_answer = |stored: &StoredResponse| serde_json::to_value(stored).map(Answer::success);
+    let answer = match as_answer(&stored) {
+        Ok(answer) => answer,
+        Err(error) => {
+            tracing::error!(%error, "the answer does not serialize");
+            return held.settle(Settle::Unknown("the answer does not serialize")).await;
+        }
     };
-    let mut attempts = 0u32;
-    let mut backoff = JOURNAL_BACKOFF;
-    loop {
-        attempts += 1;
-        let written = tokio::time::timeout_at(cut_at, config.service.complete(claim, complete(&stored)?)).await;
-        match written {
-            Err(_cut) => return Err(JournalError::Deadline { attempts }),
-            Ok(Ok(ending)) => return Ok(ending),
-            Ok(Err(refused)) if refused.is_unstorable_answer() && stored.body_omitted.is_none() => {
-                tracing::warn!(%refused, "the store refused the answer; journaling it without its body");
-                stored = stored.without_body(body_bytes);
+    match held.journal_exact(answer).await {
+        Ok(settled) => settled,
+        Err(Refused { held, error }) => {
+            tracing::warn!(%error, "the store refused the answer; journaling it without its body");
+            match as_answer(&stored.without_body(body_bytes)) {
+                Ok(answer) => held.settle(Settle::Journal(answer)).await,
+                Err(_) => held.settle(Settle::Unknown("the answer does not serialize")).await,
             }
-            Ok(Err(error)) if error.is_transient() && Instant::now() + backoff < cut_at => {
-                tracing::warn!(%error, attempts, "journaling the answer failed; retrying within the journal deadline");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(JOURNAL_MAX_BACKOFF);
-            }
-            Ok(Err(error)) => return Err(error.into()),
         }
     }
 }
@@ -778,7 +748,7 @@ async fn buffer(body: Body, limit: usize) -> Result<Bytes, Problem> {
 /// long, when it is above the scope's response limit: the journal keeps its
 /// status and headers only, or a refusal that the caller gets as well.
 fn fit<R: IdempotencyRepository>(config: &Config<R>, stored: StoredResponse, body_bytes: u64) -> StoredResponse {
-    let size = serde_json::to_vec(&stored).map_or(u64::MAX, |v| v.len() as u64);
+    let size = serde_json::to_value(&stored).map_or(u64::MAX, |value| stored_size(&Answer::success(value)));
     if size <= config.service.response_limit() {
         return stored;
     }
@@ -870,13 +840,13 @@ mod tests {
     #[test]
     fn the_lease_covers_the_handler_the_journal_and_the_margin_and_each_setting_is_validated() {
         let defaults = layer();
-        assert_eq!(defaults.config.lease(), Duration::from_secs(45));
+        assert_eq!(defaults.config.timing().unwrap().lease(), Duration::from_secs(45));
         let set = layer()
             .handler_timeout(Duration::from_secs(2), Duration::from_secs(1))
             .unwrap()
             .journal_deadline(Duration::from_secs(3))
             .unwrap();
-        assert_eq!(set.config.lease(), Duration::from_secs(6));
+        assert_eq!(set.config.timing().unwrap().lease(), Duration::from_secs(6));
         assert!(matches!(layer().journal_deadline(Duration::ZERO), Err(InvalidInput::LeaseTooShort { .. })));
         assert!(matches!(
             layer().handler_timeout(Duration::ZERO, Duration::from_secs(1)),
