@@ -14,11 +14,13 @@
 //!   knows the SQL functions' names ([`repo::SQL_SURFACE`]).
 //! - [`service`]: the duplicate semantics over any repository: what a read
 //!   finds ([`ReadOutcome`]), how a claim ended ([`ClaimOutcome`]), request
-//!   hashes (RFC 8785), what the journal can hold, input validation.
+//!   hashes (RFC 8785), what the journal can hold, input validation; and
+//!   the [`EffectDriver`](service::EffectDriver), the one road from claim
+//!   to journal every caller takes, with exactly three endings.
 //! - [`callers`] and [`sweeper`]: the tool guard, the webhook gate (with
 //!   provider callbacks), saved-search start, Run admission, the
 //!   `Idempotency-Key` layer for any HTTP API (feature `axum`), and the
-//!   retention sweeper, each over the service or a repository trait.
+//!   retention sweeper, each over the driver or a repository trait.
 //!
 //! [`telemetry`] names every metric these emit. Features: `cli` (default)
 //! builds the `idem` operator tool; `axum` the HTTP integrations; `local`

@@ -34,8 +34,16 @@ const MARKERS: [&str; 3] = [JSON_TEXT_KEY, RESPONSE_REF_KEY, "$elided"];
 pub const MAX_STORED_ERROR_BYTES: usize = 1024;
 
 /// What an effect answered: success or business failure, with its output
-/// and the resource it made. Journaled as given and replayed equal (see the
-/// [module documentation](self) for the few cases a stand-in is stored).
+/// and the resource it made. Journaled so that a replay equals it.
+///
+/// Stored as an envelope, `{"ok": bool, "error": …, "output": …}`, with the
+/// resource in the row's own columns. A field holding U+0000 (which `jsonb`
+/// cannot hold) or nested too deep is stored as its JSON text,
+/// `{"$json": "…"}`, and read back as itself. Above the store limit the
+/// output goes by reference to the resource (a [`ResponseRef`]), or as an
+/// [`Elided`] summary without one, and an error longer than
+/// [`MAX_STORED_ERROR_BYTES`] keeps its start: `ok` always survives, so a
+/// business failure replays as one.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Answer {
     /// True on success.
