@@ -22,8 +22,8 @@ use uuid::Uuid;
 use crate::error::Error;
 use crate::repo::IdempotencyRepository;
 use crate::service::{
-    Answer, Begun, Cut, Effect, EffectDriver, IdempotencyService, LeftToLease, ReadOutcome, RequestHash, ResourceRef,
-    Settle, Settled, Timing, DEFAULT_JOURNAL_DEADLINE, TOOL_RETENTION,
+    Answer, Attempt, Begun, Cut, Effect, EffectDriver, IdempotencyService, LeftToLease, ReadOutcome, RequestHash,
+    ResourceRef, Settle, Settled, Timing, DEFAULT_JOURNAL_DEADLINE, TOOL_RETENTION,
 };
 
 /// The longest a tool call may run: the orchestrator's step budget.
@@ -565,7 +565,12 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
             self.check_after(spec, started.elapsed())?;
             let effect =
                 Effect { organization_id, scope, key: key.as_str(), request_hash: &hash, timing: self.timing(spec)? };
-            let held = match self.driver.begin(&effect).await? {
+            // A claim whose answer was lost is asked again as the same
+            // attempt, for up to half the tool's time: otherwise the step's
+            // retry would meet its own claim, in flight until its lease passes.
+            let attempt = Attempt::new();
+            let ask_until = attempt.started() + spec.timeout / 2;
+            let held = match self.driver.begin_until(&effect, &attempt, ask_until).await? {
                 Begun::Held(held) => held,
                 Begun::Replayed(answer) => return Ok(replayed(answer)),
                 Begun::InFlight { lease_expires_at } => return Err(in_flight(spec, key, lease_expires_at)),

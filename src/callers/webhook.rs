@@ -85,8 +85,7 @@ pub const DEFAULT_VENDOR_HORIZON: RetryHorizon = RetryHorizon::until_last_attemp
 /// failure; doubled each time up to [`MAX_PROCESSING_BACKOFF`].
 const FIRST_PROCESSING_BACKOFF: Duration = Duration::from_millis(100);
 
-/// The longest wait between two tries of processing, or of a claim whose
-/// answer was lost.
+/// The longest wait between two tries of processing.
 const MAX_PROCESSING_BACKOFF: Duration = Duration::from_secs(2);
 
 /// How long the gate takes to answer a delivery unless set otherwise: 2.5 s,
@@ -588,46 +587,42 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
         // journaled as aborted rather than left for a redelivery that was
         // already ACKed.
         let ask_until = attempt.started() + self.timing.effect() + self.timing.journal() / 2;
-        let mut backoff = FIRST_PROCESSING_BACKOFF;
-        loop {
-            let error = match self.driver.begin_as(effect, &attempt).await {
-                Ok(Begun::Held(held)) => return Some(held),
-                Ok(Begun::Replayed(_)) => {
-                    tracing::Span::current().record("replayed", true);
-                    say(drop_delivery(&self.drops, DropReason::Duplicate));
-                    return None;
-                }
-                Ok(Begun::InFlight { .. }) => {
-                    say(drop_delivery(&self.drops, DropReason::Duplicate));
-                    return None;
-                }
-                Ok(Begun::Conflict) => {
-                    say(drop_delivery(&self.drops, DropReason::HashMismatch));
-                    return None;
-                }
-                Err(error) => error,
-            };
-            match &error {
-                // Only the delivery's own id can make it unclaimable for
-                // good; any other refusal is the gate's configuration, and
-                // answering 503 keeps the delivery until that is fixed.
-                Error::Invalid(
-                    refused @ (InvalidInput::EmptyKey | InvalidInput::KeyTooLong { .. } | InvalidInput::KeyHasNul),
-                ) => {
-                    tracing::warn!(%refused, "the delivery id cannot be claimed");
-                    say(drop_delivery(&self.drops, DropReason::InvalidDelivery));
-                    return None;
-                }
-                error if error.is_transient() && Instant::now() + backoff < ask_until => {
-                    say(unavailable(error));
-                    tracing::info!(%error, "the claim's outcome is unknown; asking again as the same attempt");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(MAX_PROCESSING_BACKOFF);
-                }
-                error => {
-                    say(unavailable(error));
-                    return None;
-                }
+        let mut begun = self.driver.begin_as(effect, &attempt).await;
+        if let Err(error) = &begun {
+            if error.is_transient() {
+                // The vendor hears now; the gate keeps asking.
+                say(unavailable(error));
+                begun = self.driver.begin_until(effect, &attempt, ask_until).await;
+            }
+        }
+        match begun {
+            Ok(Begun::Held(held)) => Some(held),
+            Ok(Begun::Replayed(_)) => {
+                tracing::Span::current().record("replayed", true);
+                say(drop_delivery(&self.drops, DropReason::Duplicate));
+                None
+            }
+            Ok(Begun::InFlight { .. }) => {
+                say(drop_delivery(&self.drops, DropReason::Duplicate));
+                None
+            }
+            Ok(Begun::Conflict) => {
+                say(drop_delivery(&self.drops, DropReason::HashMismatch));
+                None
+            }
+            // Only the delivery's own id can make it unclaimable for good;
+            // any other refusal is the gate's configuration, and answering
+            // 503 keeps the delivery until that is fixed.
+            Err(Error::Invalid(
+                refused @ (InvalidInput::EmptyKey | InvalidInput::KeyTooLong { .. } | InvalidInput::KeyHasNul),
+            )) => {
+                tracing::warn!(%refused, "the delivery id cannot be claimed");
+                say(drop_delivery(&self.drops, DropReason::InvalidDelivery));
+                None
+            }
+            Err(error) => {
+                say(unavailable(&error));
+                None
             }
         }
     }

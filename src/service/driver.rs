@@ -256,6 +256,26 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
     }
 }
 
+impl<R: IdempotencyRepository> EffectDriver<R> {
+    /// [`begin_as`](Self::begin_as), asked again as the same attempt after
+    /// a transient failure (the claim may have been made, its answer lost),
+    /// with backoff, while another try can start before `until`. The last
+    /// failure is answered when none can.
+    pub async fn begin_until(&self, effect: &Effect<'_>, attempt: &Attempt, until: Instant) -> Result<Begun<R>, Error> {
+        let mut backoff = FIRST_ENDING_BACKOFF;
+        loop {
+            match self.begin_as(effect, attempt).await {
+                Err(error) if error.is_transient() && Instant::now() + backoff < until => {
+                    tracing::info!(%error, backoff_ms = backoff.as_millis() as u64, "the claim's outcome is unknown; asking again as the same attempt");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_ENDING_BACKOFF);
+                }
+                answered => return answered,
+            }
+        }
+    }
+}
+
 /// One attempt at a claim: the lease token it carries and when it started.
 /// Reuse it to ask again after an unknown outcome.
 #[derive(Debug, Clone, Copy)]
