@@ -194,3 +194,37 @@ async fn tool_a_slow_journal_lands_inside_the_lease_and_a_second_worker_never_ru
     assert_eq!(charges.load(Ordering::SeqCst), 1, "charged once");
     stack.stop().await.unwrap();
 }
+
+/// A claim the database made whose answers were all lost, beyond the
+/// client's own retries: the tool guard asks again as the same attempt, so
+/// the step runs its tool now instead of meeting its own claim, in flight
+/// until its lease passes.
+#[tokio::test]
+async fn tool_a_claim_whose_answers_are_lost_beyond_the_clients_retries_is_asked_again_and_runs_once() {
+    let stack = stack().await;
+    let proxy = RpcProxy::start(stack.url()).await;
+    proxy.drop_next("idempotency_claim", 4);
+    let guard = ToolGuard::new(proxied(&stack, &proxy), RetryHorizon::until_last_attempt(Duration::from_secs(600)));
+    let spec = ToolSpec::new("tool.email.send", Duration::from_secs(10), RepeatSafety::VendorKey).unwrap();
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({"to": "a@b.c"}));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let counter = sent.clone();
+    let ran = guard
+        .run(
+            org,
+            &spec,
+            &key,
+            &args,
+            || async { Checkpoint::Allow },
+            move |_| async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                ToolResult::success(json!({"sent": true}))
+            },
+        )
+        .await;
+    assert!(matches!(ran, Ok(ToolRun::Executed(_))), "{ran:?}");
+    assert!(proxy.requests("idempotency_claim") >= 5, "the client's 4 requests, then the guard's");
+    assert_eq!(sent.load(Ordering::SeqCst), 1);
+    assert_eq!(status_of(&stack, key.as_str()).await.as_deref(), Some("completed"));
+    stack.stop().await.unwrap();
+}
