@@ -847,10 +847,10 @@ mod tests {
             .journal_deadline(Duration::from_secs(3))
             .unwrap();
         assert_eq!(set.config.timing().unwrap().lease(), Duration::from_secs(6));
-        assert!(matches!(layer().journal_deadline(Duration::ZERO), Err(InvalidInput::LeaseTooShort { .. })));
+        assert!(matches!(layer().journal_deadline(Duration::ZERO), Err(InvalidInput::ZeroDuration { .. })));
         assert!(matches!(
             layer().handler_timeout(Duration::ZERO, Duration::from_secs(1)),
-            Err(InvalidInput::LeaseTooShort { .. })
+            Err(InvalidInput::ZeroDuration { .. })
         ));
         // Each is validated with the others: the whole lease stays within 24 h.
         let day = crate::service::MAX_LEASE;
