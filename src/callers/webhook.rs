@@ -588,15 +588,26 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
         // already ACKed.
         let ask_until = attempt.started() + self.timing.effect() + self.timing.journal() / 2;
         let mut begun = self.driver.begin_as(effect, &attempt).await;
+        let mut answered = false;
         if let Err(error) = &begun {
             if error.is_transient() {
                 // The vendor hears now; the gate keeps asking.
                 say(unavailable(error));
+                answered = true;
                 begun = self.driver.begin_until(effect, &attempt, ask_until).await;
             }
         }
         match begun {
             Ok(Begun::Held(held)) => Some(held),
+            // Answered 503 already: a late answer that holds no claim of ours
+            // is no drop of this delivery, and nothing is left to do.
+            Ok(late) if answered => {
+                tracing::info!(
+                    outcome = late_outcome(&late),
+                    "the claim asked again holds no claim of ours; nothing to carry"
+                );
+                None
+            }
             Ok(Begun::Replayed(_)) => {
                 tracing::Span::current().record("replayed", true);
                 say(drop_delivery(&self.drops, DropReason::Duplicate));
@@ -625,6 +636,16 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
                 None
             }
         }
+    }
+}
+
+/// What a claim answered, for the log.
+fn late_outcome<R>(begun: &Begun<R>) -> &'static str {
+    match begun {
+        Begun::Held(_) => "held",
+        Begun::Replayed(_) => "completed",
+        Begun::InFlight { .. } => "processing",
+        Begun::Conflict => "conflict",
     }
 }
 
