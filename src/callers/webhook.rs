@@ -526,13 +526,10 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
     }
 }
 
-/// The gate's default timing: processing 15 s, journal 10 s, margin 5 s.
+/// The gate's default timing: processing 15 s, journal 10 s, margin 5 s, a
+/// 30 s lease (checked by a test).
 fn default_timing() -> Timing {
-    match Timing::new(DEFAULT_PROCESSING_TIMEOUT, DEFAULT_JOURNAL_DEADLINE, LEASE_MARGIN) {
-        Ok(timing) => timing,
-        // The constants make a 30 s lease, which the store accepts.
-        Err(_) => unreachable!("the default webhook timing is valid"),
-    }
+    Timing::from_checked_constants(DEFAULT_PROCESSING_TIMEOUT, DEFAULT_JOURNAL_DEADLINE, LEASE_MARGIN)
 }
 
 impl<R: IdempotencyRepository + 'static> Carried<R> {
@@ -703,4 +700,17 @@ fn drop_delivery(counters: &DropCounters, reason: DropReason) -> Ack {
 fn unavailable(error: &Error) -> Ack {
     tracing::error!(%error, "the plane could not decide; not acknowledged so the vendor redelivers");
     Ack::Retry(RetryReason::PlaneUnavailable)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_timing_is_one_the_store_accepts_and_makes_the_specs_30_second_lease() {
+        let checked = Timing::new(DEFAULT_PROCESSING_TIMEOUT, DEFAULT_JOURNAL_DEADLINE, LEASE_MARGIN);
+        assert_eq!(checked, Ok(default_timing()));
+        assert_eq!(default_timing().lease(), Duration::from_secs(30));
+        assert!(default_timing().check(DEFAULT_VENDOR_HORIZON, Duration::ZERO).is_ok());
+    }
 }

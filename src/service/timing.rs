@@ -42,6 +42,12 @@ impl Timing {
         Ok(Timing { effect, journal, margin })
     }
 
+    /// A timing from constants a test checks against [`Timing::new`]: for
+    /// defaults, which cannot fail.
+    pub(crate) const fn from_checked_constants(effect: Duration, journal: Duration, margin: Duration) -> Self {
+        Timing { effect, journal, margin }
+    }
+
     /// How long the effect may run.
     pub fn effect(&self) -> Duration {
         self.effect
