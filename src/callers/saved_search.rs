@@ -48,9 +48,9 @@ use crate::error::{Error, InvalidInput};
 use crate::repo::{IdempotencyRepository, PostgrestRepository, RunRepository};
 use crate::service::journal;
 use crate::service::{
-    Answer, Begun, Effect, EffectDriver, Held, IdempotencyService, LeaseOutlastsRetries, Refused, RequestHash,
-    ResourceRef, ResponseRef, RetryHorizon, Settle, Settled, Timing, DAY, DEFAULT_JOURNAL_DEADLINE, MAX_LEASE,
-    MAX_POLICY_RESPONSE_BYTES, MIN_LEASE,
+    may_have_written, Answer, Begun, Effect, EffectDriver, Held, IdempotencyService, LeaseOutlastsRetries, Refused,
+    RequestHash, ResourceRef, ResponseRef, RetryHorizon, Settle, Settled, Timing, DAY, DEFAULT_JOURNAL_DEADLINE,
+    MAX_LEASE, MAX_POLICY_RESPONSE_BYTES, MIN_LEASE,
 };
 
 /// The scope of saved-search input preparation.
@@ -426,10 +426,11 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
             // The claim is another start's now; ours writes nothing more.
             Err(AdmissionError::FenceLost { .. }) => return Err(start.fence_lost()),
             Err(AdmissionError::Plane(error)) => {
-                // Refused for good: no Run was admitted, so release and let
-                // the next start freeze again. A transient failure leaves the
-                // claim to its lease (a Run may have been admitted).
-                let ending = if error.is_transient() {
+                // Refused before anything was written: no Run, so release and
+                // let the next start freeze again. Any other failure may have
+                // admitted the Run: left to the lease, whose next holder
+                // finds that Run and journals its input.
+                let ending = if may_have_written(&error) {
                     Settle::Unknown("the admission's outcome is unknown")
                 } else {
                     Settle::Release
@@ -439,8 +440,16 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
             }
         };
         // The Run is admitted, under our fence: it is the answer now, however
-        // the journal ends. Its input goes inline when it fits, else by
-        // reference to the Run (the resource the claim names).
+        // the journal ends.
+        self.journal_run(start, held, &run).await;
+        Ok(self.started(run, false, Some(claimed_at)))
+    }
+
+    /// Journals `run`'s input as the claim's answer, with the Run as its
+    /// resource: inline when it fits, else by reference to the Run. A
+    /// journal that does not land leaves the claim to its lease; its next
+    /// holder finds the Run and journals it.
+    async fn journal_run(&self, start: &Start<'_>, held: Held<R>, run: &AdmittedRun) {
         let resource =
             ResourceRef { resource_type: SNAPSHOT_RESOURCE_TYPE.to_owned(), resource_id: run.id.to_string() };
         let answer = Answer::success(Prepared::inline(&start.run_key, &run.input)).with_resource(Some(resource));
@@ -456,7 +465,6 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
                 "the Run is admitted, its claim not completed; the next start after the lease completes it"
             ),
         }
-        Ok(self.started(run, false, Some(claimed_at)))
     }
 
     /// An earlier start completed the claim: answer its Run, admitting it

@@ -63,8 +63,8 @@ use crate::repo::{IdempotencyRepository, PostgrestRepository, ProviderJobReposit
 
 pub use crate::repo::ProviderJob;
 use crate::service::{
-    Answer, Attempt, Begun, Cut, Effect, EffectDriver, Held, IdempotencyService, LeaseOutlastsRetries, RequestHash,
-    RetryHorizon, Settle, Timing, DEFAULT_JOURNAL_DEADLINE,
+    may_have_written, Answer, Attempt, Begun, Cut, Effect, EffectDriver, Held, IdempotencyService,
+    LeaseOutlastsRetries, RequestHash, RetryHorizon, Settle, Timing, DEFAULT_JOURNAL_DEADLINE,
 };
 
 /// How long processing one delivery may take, in-process retries of
@@ -453,6 +453,11 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
         let (answer, answered) = oneshot::channel();
         tokio::spawn(carried.carry(process, answer).instrument(span.clone()));
         let ack = match within(answer_by, answered).await {
+            // A duplicate's drop is counted here, where it is answered; a
+            // failure journaled with its reason was counted by its carrier.
+            Some(Ok(Ack::Dropped(
+                reason @ (DropReason::Duplicate | DropReason::HashMismatch | DropReason::InvalidDelivery),
+            ))) => span.in_scope(|| drop_delivery(&self.drops, reason)),
             Some(Ok(ack)) => ack,
             Some(Err(_task_failed)) => {
                 span.in_scope(|| tracing::error!("the delivery's task ended without an answer; not acknowledged"));
@@ -541,11 +546,11 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
         Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
     {
         let mut answer = Some(answer);
-        let mut say = |ack: Ack| {
-            if let Some(answer) = answer.take() {
-                // The caller may have answered already (its deadline came).
-                let _ = answer.send(ack);
-            }
+        // Sends the answer, once: false when the caller had answered
+        // already (its deadline came), so a drop it never heard is not counted.
+        let mut say = |ack: Ack| match answer.take() {
+            Some(answer) => answer.send(ack).is_ok(),
+            None => false,
         };
         let effect = Effect {
             organization_id: self.organization_id,
@@ -567,6 +572,8 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
                 "processed, but the answer is not journaled; the vendor is not asked to redeliver"
             );
         }
+        // A failure journaled with its reason is counted whether or not the
+        // vendor still hears the answer: it is the event's record.
         say(match dropped {
             None => Ack::Processed,
             Some(reason) => drop_delivery(&self.drops, reason),
@@ -577,17 +584,20 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
     /// token after an answer that did not come (a claim the database may
     /// have made), while there would be time left to process. `None` when
     /// the delivery was answered without a claim of ours.
-    async fn claim(&self, effect: &Effect<'_>, say: &mut impl FnMut(Ack)) -> Option<Held<R>> {
+    async fn claim(&self, effect: &Effect<'_>, say: &mut impl FnMut(Ack) -> bool) -> Option<Held<R>> {
         let attempt = Attempt::new();
         // Ask while an answer could still be journaled before the lease
         // passes: a claim confirmed after the processing timeout is
         // journaled as aborted rather than left for a redelivery that was
         // already ACKed.
         let ask_until = attempt.started() + self.timing.effect() + self.timing.journal() / 2;
-        let mut begun = self.driver.begin_as(effect, &attempt).await;
+        let mut begun = match tokio::time::timeout_at(ask_until, self.driver.begin_as(effect, &attempt)).await {
+            Ok(begun) => begun,
+            Err(_cut) => Err(Error::Inconsistent("the claim did not answer before its asking deadline".into())),
+        };
         let mut answered = false;
         if let Err(error) = &begun {
-            if error.is_transient() {
+            if may_have_written(error) {
                 // The vendor hears now; the gate keeps asking.
                 say(unavailable(error));
                 answered = true;
@@ -607,15 +617,15 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
             }
             Ok(Begun::Replayed(_)) => {
                 tracing::Span::current().record("replayed", true);
-                say(drop_delivery(&self.drops, DropReason::Duplicate));
+                say_drop(say, DropReason::Duplicate);
                 None
             }
             Ok(Begun::InFlight { .. }) => {
-                say(drop_delivery(&self.drops, DropReason::Duplicate));
+                say_drop(say, DropReason::Duplicate);
                 None
             }
             Ok(Begun::Conflict) => {
-                say(drop_delivery(&self.drops, DropReason::HashMismatch));
+                say_drop(say, DropReason::HashMismatch);
                 None
             }
             // Only the delivery's own id can make it unclaimable for good;
@@ -625,7 +635,7 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
                 refused @ (InvalidInput::EmptyKey | InvalidInput::KeyTooLong { .. } | InvalidInput::KeyHasNul),
             )) => {
                 tracing::warn!(%refused, "the delivery id cannot be claimed");
-                say(drop_delivery(&self.drops, DropReason::InvalidDelivery));
+                say_drop(say, DropReason::InvalidDelivery);
                 None
             }
             Err(error) => {
@@ -633,6 +643,15 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
                 None
             }
         }
+    }
+}
+
+/// Answers a drop for `reason`; the gate counts it when the answer is
+/// given (a claim that answered after the deadline is no drop the vendor
+/// heard).
+fn say_drop(say: &mut impl FnMut(Ack) -> bool, reason: DropReason) {
+    if !say(Ack::Dropped(reason)) {
+        tracing::info!(drop_reason = reason.as_str(), "the claim answered after the deadline; no drop was answered");
     }
 }
 

@@ -10,7 +10,8 @@
 //! - [`Settle::Journal`]: success or business failure, stored so that a
 //!   replay is indistinguishable from the first answer, whatever its size
 //!   or bytes (see [`Answer`]). A database refusal of the answer falls back
-//!   to a reference to the effect's resource, never to a bare summary.
+//!   to a reference to the effect's resource (a summary when it names
+//!   none), keeping `ok`, the error and the resource.
 //! - [`Settle::Release`]: only when the caller knows no effect happened
 //!   *and* no success can have been answered to anyone on the strength of
 //!   this claim. The next attempt runs the effect.
@@ -23,7 +24,8 @@
 //! margin ([`Timing`]). The journal (and a release) is cut at its deadline,
 //! which ends before the lease does, and retried within it on transient
 //! failures: a slow journal lands while the key is still ours, and once the
-//! deadline passes this worker writes nothing more.
+//! deadline passes this worker starts no other write (each is fenced by its
+//! lease token besides).
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -258,14 +260,18 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
 
 impl<R: IdempotencyRepository> EffectDriver<R> {
     /// [`begin_as`](Self::begin_as), asked again as the same attempt after
-    /// a transient failure (the claim may have been made, its answer lost),
-    /// with backoff, while another try can start before `until`. The last
-    /// failure is answered when none can.
+    /// any failure that may have followed the claim's commit (see
+    /// [`may_have_written`]), with backoff, each request cut at `until`. The
+    /// last failure is answered when no try can start before `until`.
     pub async fn begin_until(&self, effect: &Effect<'_>, attempt: &Attempt, until: Instant) -> Result<Begun<R>, Error> {
         let mut backoff = FIRST_ENDING_BACKOFF;
         loop {
-            match self.begin_as(effect, attempt).await {
-                Err(error) if error.is_transient() && Instant::now() + backoff < until => {
+            let asked = match tokio::time::timeout_at(until, self.begin_as(effect, attempt)).await {
+                Ok(asked) => asked,
+                Err(_cut) => Err(Error::Inconsistent("the claim did not answer before its asking deadline".into())),
+            };
+            match asked {
+                Err(error) if may_have_written(&error) && Instant::now() + backoff < until => {
                     tracing::info!(%error, backoff_ms = backoff.as_millis() as u64, "the claim's outcome is unknown; asking again as the same attempt");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_ENDING_BACKOFF);
@@ -274,6 +280,22 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
             }
         }
     }
+}
+
+/// Whether a call that failed with `error` (a claim, an admission) may have
+/// written all the same: anything but a refusal sent back before the
+/// database wrote (input the plane refuses, a scope without policy, a 4xx
+/// answer, a client that could not be configured). A lost or garbled
+/// answer, a gateway's 5xx or a cut request may each follow the commit.
+pub fn may_have_written(error: &Error) -> bool {
+    use crate::postgrest::ClientError;
+    !matches!(
+        error,
+        Error::Invalid(_)
+            | Error::UnknownScope { .. }
+            | Error::Store(ClientError::Api { status: 400..=499, .. })
+            | Error::Store(ClientError::Config(_) | ClientError::Key(_))
+    )
 }
 
 /// One attempt at a claim: the lease token it carries and when it started.
@@ -395,6 +417,11 @@ impl<R: IdempotencyRepository> Held<R> {
         let mut refused = false;
         let mut backoff = FIRST_ENDING_BACKOFF;
         loop {
+            // A write is never started once the deadline passed (a first
+            // poll could send it).
+            if Instant::now() >= self.ending_deadline {
+                return Ok(Settled::LeftToLease(LeftToLease::Deadline { ending: "journal" }));
+            }
             let stored = answer::store(answer, limit, refused);
             let completion = Completion { response: Some(stored.response), resource: stored.resource };
             let attempt = tokio::time::timeout_at(self.ending_deadline, self.service.complete(&self.claim, completion));
@@ -422,6 +449,9 @@ impl<R: IdempotencyRepository> Held<R> {
     async fn release(&self) -> Settled {
         let mut backoff = FIRST_ENDING_BACKOFF;
         loop {
+            if Instant::now() >= self.ending_deadline {
+                return Settled::LeftToLease(LeftToLease::Deadline { ending: "release" });
+            }
             let attempt = tokio::time::timeout_at(self.ending_deadline, self.service.release(&self.claim));
             let error = match attempt.await {
                 Ok(Ok(Ending::Recorded)) => return Settled::Released,

@@ -30,7 +30,9 @@ use crate::repo::{
 #[cfg(feature = "axum")]
 pub(crate) use answer::stored_size;
 pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
-pub use driver::{Attempt, Begun, Cut, Effect, EffectDriver, Held, LeftToLease, Refused, Settle, Settled};
+pub use driver::{
+    may_have_written, Attempt, Begun, Cut, Effect, EffectDriver, Held, LeftToLease, Refused, Settle, Settled,
+};
 pub use hash::{canonical_json, RequestHash};
 pub use journal::{Elided, Unstorable, MAX_POLICY_RESPONSE_BYTES, MAX_RESPONSE_DEPTH};
 pub use outcome::{
