@@ -364,6 +364,17 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         saved_search_id: &str,
         held: Held<R>,
     ) -> Result<StartedRun, SavedSearchError> {
+        // A reclaimed preparation's earlier holder may have admitted a Run
+        // under this claim before it died: that Run's input is the
+        // snapshot, and nothing is frozen again.
+        if held.claim().reclaimed() {
+            if let Some(run) = self.runs.find(start.organization_id, &start.run_key, Some(start.token)).await? {
+                tracing::info!(run_id = %run.id, "an earlier holder admitted the Run; journaling its input");
+                self.journal_run(start, held, &run).await;
+                // This start froze nothing: the input is an earlier one's.
+                return Ok(self.started(run, true, None));
+            }
+        }
         let frozen = match held.run(self.source.freeze(start.organization_id, saved_search_id)).await {
             Ok(Ok(snapshot)) if snapshot.is_null() => Err(SnapshotError("the source froze a null snapshot".into())),
             Ok(frozen) => frozen,

@@ -593,7 +593,7 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
         let ask_until = attempt.started() + self.timing.effect() + self.timing.journal() / 2;
         let mut begun = match tokio::time::timeout_at(ask_until, self.driver.begin_as(effect, &attempt)).await {
             Ok(begun) => begun,
-            Err(_cut) => Err(Error::Inconsistent("the claim did not answer before its asking deadline".into())),
+            Err(_cut) => Err(crate::service::asking_cut(&attempt)),
         };
         let mut answered = false;
         if let Err(error) = &begun {

@@ -268,7 +268,7 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
         loop {
             let asked = match tokio::time::timeout_at(until, self.begin_as(effect, attempt)).await {
                 Ok(asked) => asked,
-                Err(_cut) => Err(Error::Inconsistent("the claim did not answer before its asking deadline".into())),
+                Err(_cut) => Err(asking_cut(attempt)),
             };
             match asked {
                 Err(error) if may_have_written(&error) && Instant::now() + backoff < until => {
@@ -280,6 +280,20 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
             }
         }
     }
+}
+
+/// A claim cut at its asking deadline: a request in flight, whose outcome
+/// is unknown (transient, as the client's own deadline is).
+pub(crate) fn asking_cut(attempt: &Attempt) -> Error {
+    let elapsed = attempt.started.elapsed();
+    Error::Store(crate::postgrest::ClientError::DeadlineExceeded {
+        function: "idempotency_claim",
+        deadline: elapsed,
+        elapsed,
+        attempts: 1,
+        in_flight: true,
+        last_error: None,
+    })
 }
 
 /// Whether a call that failed with `error` (a claim, an admission) may have

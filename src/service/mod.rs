@@ -30,6 +30,7 @@ use crate::repo::{
 #[cfg(feature = "axum")]
 pub(crate) use answer::stored_size;
 pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
+pub(crate) use driver::asking_cut;
 pub use driver::{
     may_have_written, Attempt, Begun, Cut, Effect, EffectDriver, Held, LeftToLease, Refused, Settle, Settled,
 };
