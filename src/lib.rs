@@ -28,7 +28,8 @@
 //! tree to the client, the service and the callers.
 //!
 //! Every atomic decision is one SQL function in the database, whatever
-//! client calls it; the crate decides nothing with its own clock.
+//! client calls it; the crate decides no lease with its own clock (its
+//! timers only bound how long it waits, and end before the lease does).
 //!
 //! The database owns every clock: callers pass lease durations, and the
 //! functions compute instants from the database's clock.

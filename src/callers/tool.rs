@@ -345,8 +345,8 @@ pub enum ToolError {
     },
     /// The tool did not return within its timeout. Its effect is unknown, so
     /// the claim is neither completed nor released: it becomes reclaimable
-    /// when its lease (timeout + margin) passes, and the retry reaches the
-    /// vendor with the same idempotency key.
+    /// when its lease (timeout + journal deadline + margin) passes, and the
+    /// retry reaches the vendor with the same idempotency key.
     #[error("tool call {scope}/{key} did not return within {timeout:?}")]
     TimedOut {
         /// The scope.

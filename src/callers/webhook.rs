@@ -25,9 +25,12 @@
 //!   restarted on every redelivery;
 //! - a claim that does not answer within the deadline is answered 503 (the
 //!   plane could not decide), and the gate keeps asking with the same lease
-//!   token in the background: if the database did make the claim, the gate
-//!   processes the event, so the vendor's redelivery, which meets that claim
-//!   and is ACKed as a duplicate, is not a loss.
+//!   token in the background (after any failure that may have followed the
+//!   claim's commit, while an answer could still be journaled): if the
+//!   database did make the claim, the gate processes the event (or journals
+//!   it as aborted when confirmed too late to process), so the vendor's
+//!   redelivery, which meets that claim and is ACKed as a duplicate, is not
+//!   a loss. A plane silent for that whole time leaves it to its lease.
 //!
 //! The only non-2xx answer is [`Ack::Retry`]: the gate holds no claim (the
 //! plane could not be reached, or did not answer in time). Background work
