@@ -192,7 +192,30 @@ pub(crate) fn store(answer: &Answer, limit: u64, refused: bool) -> StoredAnswer 
         };
         stored["output"] = journal::stand_in(&answer.output, form, resource.as_ref());
     }
+    // Still above a small limit (a scope that keeps 1 KiB): the error keeps
+    // only its first bytes, so `ok` and the reference always fit.
+    if let Some(error) = answer.error.as_deref() {
+        if journal::json_size(&stored) > limit {
+            stored["error"] = Value::String(prefix(error, LAST_RESORT_ERROR_BYTES).replace('\0', "\u{FFFD}"));
+            if let Some(members) = stored.as_object_mut() {
+                members.remove("error_elided");
+            }
+            stand_in = stand_in.or(Some(Unstorable::TooLarge { size: journal::json_size(&stored), limit }));
+        }
+    }
     StoredAnswer { response: stored, resource, stand_in }
+}
+
+/// The error kept when even a shortened one does not fit, in bytes.
+const LAST_RESORT_ERROR_BYTES: usize = 64;
+
+/// The first `max` bytes of `text`, at a character boundary.
+fn prefix(text: &str, max: usize) -> &str {
+    let mut end = max.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 /// The size of `answer`'s stored form before any stand-in, as compact JSON.
@@ -207,11 +230,7 @@ fn shorten_error(stored: &mut Value, error: &str) -> bool {
     if error.len() <= MAX_STORED_ERROR_BYTES && !error.contains('\0') {
         return false;
     }
-    let mut end = MAX_STORED_ERROR_BYTES.min(error.len());
-    while !error.is_char_boundary(end) {
-        end -= 1;
-    }
-    let prefix = error[..end].replace('\0', "\u{FFFD}");
+    let prefix = prefix(error, MAX_STORED_ERROR_BYTES).replace('\0', "\u{FFFD}");
     let whole = Value::String(error.to_owned());
     stored["error"] = Value::String(prefix);
     stored["error_elided"] = Elided::of(&whole, Unstorable::TooLarge { size: 0, limit: 0 }).to_stored();
@@ -280,6 +299,18 @@ mod tests {
         assert!(!back.ok);
         let kept = back.error.expect("an error");
         assert!(error.starts_with(&kept) && kept.len() <= MAX_STORED_ERROR_BYTES && !kept.is_empty());
+    }
+
+    #[test]
+    fn under_the_smallest_policy_a_failure_with_a_long_error_and_a_long_resource_still_fits_and_stays_a_failure() {
+        let resource = ResourceRef { resource_type: "t".repeat(128), resource_id: "i".repeat(512) };
+        let answer = Answer::failure("é".repeat(20_000), json!("x".repeat(5_000))).with_resource(Some(resource));
+        for refused in [false, true] {
+            let stored = store(&answer, 1024, refused);
+            assert!(journal::json_size(&stored.response) <= 1024, "{}", stored.response);
+            let back = Answer::from_stored(Some(stored.response), stored.resource, None);
+            assert!(!back.ok && back.error.is_some_and(|e| !e.is_empty()));
+        }
     }
 
     #[test]
