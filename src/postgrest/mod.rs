@@ -9,6 +9,7 @@ mod config;
 mod error;
 mod range;
 mod retry;
+mod rpc_policy;
 
 pub use client::{PostgrestClient, Repeat};
 pub use config::{
@@ -18,3 +19,5 @@ pub use config::{
 pub use error::{codes, ClientError, KeyError, PostgrestError, TransportKind};
 pub use range::{ContentRange, ContentRangeError};
 pub use retry::RetryConfig;
+#[cfg(test)]
+pub(crate) use rpc_policy::functions as rpc_policy_functions;

@@ -17,10 +17,12 @@ use crate::Error;
 
 /// Every repository trait over the plane's SQL functions, through PostgREST.
 ///
-/// `try_claim`, `reclaim`, `get` and `complete` are safe to repeat after a
-/// lost response (the functions answer the caller's own row to a repeat with
-/// the same token), so the client retries their transient failures. `release`
-/// is not: a repeat of a release that did happen answers `false`, which would
+/// Which calls are retried after a lost answer is the shared retry-safety
+/// table's ([`Repeat::of`]), the one the TypeScript client reads too:
+/// `try_claim`, `reclaim`, `get` and `complete` are safe to repeat (the
+/// functions answer the caller's own row to a repeat with the same token),
+/// so the client retries their transient failures. `release` is not: a
+/// repeat of a release that did happen answers `false`, which would
 /// misreport a recorded ending as a lost fence. It is retried only when the
 /// server proves the first attempt never ran.
 #[derive(Debug, Clone)]
@@ -39,12 +41,21 @@ impl PostgrestRepository {
         &self.client
     }
 
+    /// Calls `function`, retrying as the shared retry-safety table allows.
+    async fn rpc<T: serde::de::DeserializeOwned>(
+        &self,
+        function: &'static str,
+        args: &impl Serialize,
+    ) -> Result<T, ClientError> {
+        self.client.rpc(function, args, Repeat::of(function)).await
+    }
+
     async fn at_most_one(
         &self,
         function: &'static str,
         args: &impl Serialize,
     ) -> Result<Option<IdempotencyRecord>, Error> {
-        let mut rows: Vec<IdempotencyRecord> = self.client.rpc(function, args, Repeat::Safe).await?;
+        let mut rows: Vec<IdempotencyRecord> = self.rpc(function, args).await?;
         match rows.len() {
             0 | 1 => Ok(rows.pop()),
             n => Err(Error::Inconsistent(format!("{function} answered {n} rows, at most 1 expected"))),
@@ -141,7 +152,7 @@ impl IdempotencyRepository for PostgrestRepository {
             p_lease_token: call.lease_token,
             p_lease_ms: millis(call.lease),
         };
-        let rows: Result<Vec<ClaimRow>, _> = self.client.rpc(CLAIM.name, &args, Repeat::Safe).await;
+        let rows: Result<Vec<ClaimRow>, _> = self.rpc(CLAIM.name, &args).await;
         let mut rows = rows.map_err(|error| unknown_scope(error.into(), call.scope))?;
         match (rows.pop(), rows.is_empty()) {
             (Some(row), true) => Ok(row),
@@ -182,7 +193,7 @@ impl IdempotencyRepository for PostgrestRepository {
 
     async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
         let args = FenceArgs { p_claim_id: claim_id, p_lease_token: lease_token };
-        Ok(self.client.rpc(RELEASE.name, &args, Repeat::Unsafe).await?)
+        Ok(self.rpc(RELEASE.name, &args).await?)
     }
 }
 
@@ -210,7 +221,7 @@ struct RunKeyArgs<'a> {
 
 impl PostgrestRepository {
     async fn run_admit(&self, args: &AdmitArgs<'_>) -> Result<AdmittedRun, Error> {
-        let mut rows: Vec<AdmittedRun> = self.client.rpc(RUN_ADMIT.name, args, Repeat::Safe).await?;
+        let mut rows: Vec<AdmittedRun> = self.rpc(RUN_ADMIT.name, args).await?;
         match (rows.pop(), rows.is_empty()) {
             (Some(run), true) => Ok(run),
             _ => Err(Error::Inconsistent(format!("{} must answer exactly one row", RUN_ADMIT.name))),
@@ -277,7 +288,7 @@ impl RunRepository for PostgrestRepository {
             p_start_key: start_key,
             p_admission_token: admission_token,
         };
-        let mut rows: Vec<AdmittedRun> = self.client.rpc(RUN_GET.name, &args, Repeat::Safe).await?;
+        let mut rows: Vec<AdmittedRun> = self.rpc(RUN_GET.name, &args).await?;
         match rows.len() {
             0 | 1 => Ok(rows.pop()),
             n => Err(Error::Inconsistent(format!("{} answered {n} rows, at most 1 expected", RUN_GET.name))),
@@ -296,7 +307,7 @@ struct JobArgs<'a> {
 impl ProviderJobRepository for PostgrestRepository {
     async fn register(&self, organization_id: Uuid, provider: &str, job_id: &str) -> Result<ProviderJob, Error> {
         let args = JobArgs { p_organization_id: Some(organization_id), p_provider: provider, p_job_id: job_id };
-        let mut rows: Vec<ProviderJob> = self.client.rpc(PROVIDER_JOB_REGISTER.name, &args, Repeat::Safe).await?;
+        let mut rows: Vec<ProviderJob> = self.rpc(PROVIDER_JOB_REGISTER.name, &args).await?;
         match (rows.pop(), rows.is_empty()) {
             (Some(job), true) => Ok(job),
             _ => Err(Error::Inconsistent(format!("{} must answer exactly one row", PROVIDER_JOB_REGISTER.name))),
@@ -305,7 +316,7 @@ impl ProviderJobRepository for PostgrestRepository {
 
     async fn lookup(&self, provider: &str, job_id: &str) -> Result<Option<ProviderJob>, Error> {
         let args = JobArgs { p_organization_id: None, p_provider: provider, p_job_id: job_id };
-        let mut rows: Vec<ProviderJob> = self.client.rpc(PROVIDER_JOB_LOOKUP.name, &args, Repeat::Safe).await?;
+        let mut rows: Vec<ProviderJob> = self.rpc(PROVIDER_JOB_LOOKUP.name, &args).await?;
         match rows.len() {
             0 | 1 => Ok(rows.pop()),
             n => {
@@ -336,11 +347,14 @@ impl ExpiredClaims for PostgrestRepository {
 
     async fn expired(&self, bound: u64) -> Result<Vec<ExpiredClaim>, Error> {
         let args = LimitArgs { p_limit: bound };
-        Ok(self.client.rpc_bounded(EXPIRED.name, &args, bound, Some("id,retain_until"), Repeat::Safe).await?)
+        Ok(self
+            .client
+            .rpc_bounded(EXPIRED.name, &args, bound, Some("id,retain_until"), Repeat::of(EXPIRED.name))
+            .await?)
     }
 
     async fn delete_expired(&self, ids: &[Uuid]) -> Result<u64, Error> {
-        let deleted: i64 = self.client.rpc(DELETE_EXPIRED.name, &IdsArgs { p_ids: ids }, Repeat::Safe).await?;
+        let deleted: i64 = self.rpc(DELETE_EXPIRED.name, &IdsArgs { p_ids: ids }).await?;
         u64::try_from(deleted).map_err(|_| {
             Error::Store(ClientError::Decode { function: DELETE_EXPIRED.name, reason: format!("answered {deleted}") })
         })

@@ -84,4 +84,11 @@ mod tests {
         let names: std::collections::BTreeSet<_> = SQL_SURFACE.iter().map(|f| f.name).collect();
         assert_eq!(names.len(), SQL_SURFACE.len(), "each function once");
     }
+
+    #[test]
+    fn the_shared_retry_table_lists_exactly_the_sql_surface() {
+        let listed = crate::postgrest::rpc_policy_functions().expect("rpc_policy.json parses");
+        let surface: std::collections::BTreeSet<&str> = SQL_SURFACE.iter().map(|f| f.name).collect();
+        assert_eq!(listed.collect::<std::collections::BTreeSet<_>>(), surface);
+    }
 }
