@@ -1,0 +1,78 @@
+// The idempotency plane for Supabase Edge Functions (and any runtime with
+// fetch and crypto.subtle: Deno 2, Node 20+, Cloudflare Workers). No build
+// step and no dependency: import this file.
+//
+//   import { IdempotencyPlane, idempotent, success } from "../_shared/idempotency/mod.ts";
+//   const plane = IdempotencyPlane.fromEnv(Deno.env.get);
+//
+// The plane itself (the SQL functions in schema `agent`) holds every
+// guarantee; this client checks input, mints lease tokens, retries only what
+// the shared retry-safety table (rpc_policy.json) allows, and ends every
+// effect in one of three ways (driver.ts).
+
+export { codes, PlaneError } from "./errors.ts";
+export type { InvalidReason, PlaneErrorKind, TransportFailure } from "./errors.ts";
+export {
+  DEFAULT_DEADLINE_MS,
+  DEFAULT_RETRY,
+  FetchTransport,
+  PLANE_SCHEMA,
+  PlaneClient,
+  repeatSafe,
+  SupabaseTransport,
+} from "./client.ts";
+export type { ClientOptions, ConnectOptions, RetryConfig, Sent, SupabaseLike, Transport } from "./client.ts";
+export { canonicalize, isRequestHash, requestHash, sha256Hex } from "./hash.ts";
+export {
+  answerFromStored,
+  elidedOf,
+  failure,
+  MAX_RESPONSE_DEPTH,
+  MAX_STORED_ERROR_BYTES,
+  responseRefOf,
+  store,
+  success,
+} from "./answer.ts";
+export type { Answer, Elided, ResourceRef, ResponseRef, StoredAnswer } from "./answer.ts";
+export {
+  DEFAULT_RESPONSE_LIMIT_BYTES,
+  IdempotencyPlane,
+  MAX_KEY_CHARS,
+  MAX_LEASE_MS,
+  MAX_SCOPE_CHARS,
+  MIN_LEASE_MS,
+} from "./plane.ts";
+export type {
+  CallOptions,
+  Claim,
+  ClaimOutcome,
+  Completion,
+  Ending,
+  PlaneOptions,
+  PlaneSource,
+  ReadOutcome,
+} from "./plane.ts";
+export {
+  Attempt,
+  DEFAULT_JOURNAL_DEADLINE_MS,
+  DEFAULT_MARGIN_MS,
+  EffectDriver,
+  Held,
+  idempotent,
+  makeIdempotent,
+  NothingHappened,
+  Timing,
+  vendorKey,
+} from "./driver.ts";
+export type {
+  Begun,
+  Cut,
+  EffectContext,
+  EffectSpec,
+  IdempotentOptions,
+  IdempotentResult,
+  Settle,
+  Settled,
+} from "./driver.ts";
+export { consoleLogger, silent } from "./log.ts";
+export type { Logger, PlaneEvent } from "./log.ts";

@@ -1,0 +1,419 @@
+// The plane's four operations — claim, complete, release, read — over the SQL
+// surface, with the spec's semantics. Every decision (who holds a key, whether
+// a lease is live, retention, size limits) is the database's, made in one SQL
+// statement by its own clock; this module checks input, mints lease tokens and
+// reads the answers, exactly as the Rust crate's `IdempotencyService` does.
+
+import {
+  type ClientOptions,
+  type ConnectOptions,
+  FetchTransport,
+  PlaneClient,
+  type SupabaseLike,
+  SupabaseTransport,
+} from "./client.ts";
+import { codes, PlaneError } from "./errors.ts";
+import { isRequestHash, sha256Hex } from "./hash.ts";
+import {
+  type Answer,
+  answerFromStored,
+  jsonSize,
+  resourceProblem,
+  type ResourceRef,
+  responseRefOf,
+  unstorable,
+} from "./answer.ts";
+
+/** Longest key the table accepts, in characters. */
+export const MAX_KEY_CHARS = 512;
+/** Longest scope, in characters (`a-z 0-9 . _ -`). */
+export const MAX_SCOPE_CHARS = 128;
+/** Shortest lease the store accepts. */
+export const MIN_LEASE_MS = 1_000;
+/** Longest lease the store accepts. */
+export const MAX_LEASE_MS = 24 * 60 * 60 * 1_000;
+/** The store limit a scope's policy sets unless told otherwise (65536 bytes). */
+export const DEFAULT_RESPONSE_LIMIT_BYTES = 64 * 1024;
+
+/** A claim this caller holds: the fence every ending is checked against. */
+export interface Claim {
+  readonly id: string;
+  readonly organizationId: string;
+  readonly scope: string;
+  readonly key: string;
+  /** The caller's own secret: proves the claim is still theirs. */
+  readonly leaseToken: string;
+  /** By the database clock. */
+  readonly leaseExpiresAt: string;
+  /** Taken over from a worker whose lease had passed. */
+  readonly reclaimed: boolean;
+}
+
+/** What a claim decided: exactly one of five endings. */
+export type ClaimOutcome =
+  /** The key is ours: run the effect, then complete or release. */
+  | { outcome: "claimed"; claim: Claim }
+  /** The key is ours, taken over from a worker whose lease passed: the effect may have run. */
+  | { outcome: "reclaimed"; claim: Claim }
+  /** The effect already happened: return this answer, do not run it. */
+  | { outcome: "completed"; answer: Answer }
+  /** Another worker holds a live lease: answer "in progress", retry later. */
+  | { outcome: "processing"; leaseExpiresAt: string }
+  /** The key was used with another request: refuse. */
+  | { outcome: "conflict" };
+
+/** What the journal holds for a key, read without writing. */
+export type ReadOutcome =
+  /** No answer: no row, or a processing row whose lease has passed. */
+  | { outcome: "absent" }
+  | { outcome: "completed"; answer: Answer }
+  | { outcome: "processing"; leaseExpiresAt: string }
+  | { outcome: "conflict" };
+
+/** How an ending landed. */
+export type Ending =
+  /** Written under our fence. */
+  | "recorded"
+  /** The fence moved on (our lease passed and someone reclaimed, or the row is gone): nothing written. */
+  | "lease_moved_on";
+
+/** What a completion stores: a response, a resource, or both. */
+export interface Completion {
+  response?: unknown;
+  resource?: ResourceRef;
+}
+
+/** Options of one call. */
+export interface CallOptions {
+  /** This call's deadline instead of the client's (every attempt and retry together). */
+  deadlineMs?: number;
+}
+
+/** Options of a plane. */
+export interface PlaneOptions extends ClientOptions {
+  /** The scope policies' store limit this client journals within. Default 65536 bytes. */
+  responseLimitBytes?: number;
+}
+
+/** What `IdempotencyPlane.connect` takes: a supabase-js client, or a URL and key. */
+export type PlaneSource = SupabaseLike | ConnectOptions;
+
+/** The idempotency plane, over one PostgREST (or Supabase) project. */
+export class IdempotencyPlane {
+  readonly client: PlaneClient;
+  readonly responseLimitBytes: number;
+
+  constructor(client: PlaneClient, options: { responseLimitBytes?: number } = {}) {
+    this.client = client;
+    this.responseLimitBytes = options.responseLimitBytes ?? DEFAULT_RESPONSE_LIMIT_BYTES;
+  }
+
+  /**
+   * A plane over a supabase-js client (`createClient(SUPABASE_URL, key)`;
+   * the plane calls `.schema('agent')` itself) or over `{ url, key }`, where
+   * `url` is PostgREST's root or Supabase's `…/rest/v1`.
+   */
+  static connect(source: PlaneSource, options: PlaneOptions = {}): IdempotencyPlane {
+    const transport = "schema" in source && typeof source.schema === "function"
+      ? new SupabaseTransport(source as SupabaseLike)
+      : new FetchTransport(source as ConnectOptions);
+    return new IdempotencyPlane(new PlaneClient(transport, options), options);
+  }
+
+  /**
+   * A plane from the environment a deployed Edge Function has: `SUPABASE_URL`
+   * (`/rest/v1` is added) and the first key set of `IDEM_SERVICE_KEY`,
+   * `SUPABASE_SECRET_KEY`, `SUPABASE_SERVICE_ROLE_KEY`. `IDEM_POSTGREST_URL`,
+   * when set, is used as the PostgREST root instead.
+   */
+  static fromEnv(env: (name: string) => string | undefined, options: PlaneOptions = {}): IdempotencyPlane {
+    const rest = env("IDEM_POSTGREST_URL");
+    const project = env("SUPABASE_URL");
+    const url = rest || (project ? `${project.replace(/\/+$/, "")}/rest/v1` : "");
+    const key = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
+    if (!url) throw PlaneError.invalid("bad_configuration", "set SUPABASE_URL (or IDEM_POSTGREST_URL)");
+    if (!key) {
+      throw PlaneError.invalid(
+        "bad_configuration",
+        "set SUPABASE_SECRET_KEY or SUPABASE_SERVICE_ROLE_KEY (or IDEM_SERVICE_KEY): the plane takes the service role only",
+      );
+    }
+    return IdempotencyPlane.connect({ url, key }, options);
+  }
+
+  /**
+   * Claims `key` in `scope` for this request, by the database's decision in
+   * one statement. `leaseToken` defaults to a fresh one; pass the same token
+   * again after an answer was lost (a timeout, a reset, a 503): the repeat
+   * answers this caller's own row (`claimed`, or `completed` once it
+   * completed) rather than `processing`. The client already does so for the
+   * retries it makes itself.
+   */
+  async claim(request: {
+    organizationId: string;
+    scope: string;
+    key: string;
+    requestHash: string;
+    leaseMs: number;
+    leaseToken?: string;
+  }, call: CallOptions = {}): Promise<ClaimOutcome> {
+    request = { ...request, organizationId: checkOrganization(request.organizationId) };
+    checkScope(request.scope);
+    checkKey(request.key);
+    checkHash(request.requestHash);
+    checkLease(request.leaseMs);
+    const leaseToken = request.leaseToken ?? crypto.randomUUID();
+    const data = await this.client.rpc("idempotency_claim", {
+      p_organization_id: request.organizationId,
+      p_scope: request.scope,
+      p_key: request.key,
+      p_request_hash: request.requestHash,
+      p_lease_token: leaseToken,
+      p_lease_ms: Math.ceil(request.leaseMs),
+    }, call);
+    const row = oneRow("idempotency_claim", data);
+    if (row.organization_id !== request.organizationId || row.scope !== request.scope || row.key !== request.key) {
+      throw inconsistent("idempotency_claim answered another row");
+    }
+    switch (row.outcome) {
+      case "claimed":
+      case "reclaimed": {
+        if (row.request_hash !== request.requestHash || row.lease_token !== leaseToken || row.status !== "processing") {
+          throw inconsistent("idempotency_claim answered a claim that is not under this call's hash and token");
+        }
+        if (row.lease_live !== true) {
+          throw new PlaneError(
+            "lease_lapsed",
+            `the store answered a claim whose lease had passed at ${row.lease_expires_at}`,
+          );
+        }
+        const claim: Claim = Object.freeze({
+          id: text(row.id, "id"),
+          organizationId: request.organizationId,
+          scope: request.scope,
+          key: request.key,
+          leaseToken,
+          leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at"),
+          reclaimed: row.outcome === "reclaimed",
+        });
+        return { outcome: row.outcome, claim };
+      }
+      case "completed":
+        if (row.request_hash !== request.requestHash) throw inconsistent("a completed row under another hash");
+        return { outcome: "completed", answer: storedAnswer(row) };
+      case "processing":
+        return { outcome: "processing", leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at") };
+      case "conflict":
+        return { outcome: "conflict" };
+      default:
+        throw new PlaneError("decode", `idempotency_claim answered an unknown outcome ${JSON.stringify(row.outcome)}`);
+    }
+  }
+
+  /**
+   * Journals the effect's answer under the claim's fence. A response above
+   * the store limit is stored by reference to `resource` (refused without
+   * one). Safe to repeat with the same claim after a lost answer.
+   */
+  async complete(claim: Claim, completion: Completion, call: CallOptions = {}): Promise<Ending> {
+    const response = completion.response === null ? undefined : completion.response;
+    if (response === undefined && completion.resource === undefined) {
+      throw PlaneError.invalid("empty_completion", "a completion must carry a response or a resource");
+    }
+    if (completion.resource) {
+      const problem = resourceProblem(completion.resource);
+      if (problem) {
+        throw PlaneError.invalid(
+          completion.resource.resourceType && completion.resource.resourceId ? "resource_too_long" : "empty_resource",
+          problem,
+        );
+      }
+    }
+    let stored = response;
+    if (response !== undefined) {
+      if (responseRefOf(response)) {
+        throw PlaneError.invalid(
+          "reserved_response_shape",
+          'a response may not be an object whose only key is "$response_ref"',
+        );
+      }
+      const problem = unstorable(response, 0, Number.MAX_SAFE_INTEGER);
+      if (problem) {
+        throw PlaneError.invalid(
+          "unstorable_response",
+          `the response cannot be stored (${problem.reason}): PostgreSQL cannot hold U+0000, and a replay cannot read back more than 64 levels of nesting`,
+        );
+      }
+      const size = jsonSize(response);
+      if (size > this.responseLimitBytes) {
+        if (!completion.resource) {
+          throw PlaneError.invalid(
+            "response_too_large",
+            `the response is ${size} bytes, above the ${this.responseLimitBytes}-byte store limit, and names no resource to point at`,
+          );
+        }
+        stored = {
+          $response_ref: {
+            resource_type: completion.resource.resourceType,
+            resource_id: completion.resource.resourceId,
+            size,
+            sha256: await sha256Hex(JSON.stringify(response)),
+          },
+        };
+      }
+    }
+    const args: Record<string, unknown> = { p_claim_id: claim.id, p_lease_token: claim.leaseToken };
+    // Absent values are left out, never sent as null (PostgREST-compatible
+    // servers differ on null; every one reads a missing argument as its DEFAULT).
+    if (completion.resource) {
+      args.p_resource_type = completion.resource.resourceType;
+      args.p_resource_id = completion.resource.resourceId;
+    }
+    if (stored !== undefined) args.p_response = stored;
+    const data = await this.client.rpc("idempotency_complete", args, call);
+    const rows = rowsOf("idempotency_complete", data);
+    if (rows.length === 0) return "lease_moved_on";
+    const row = rows[0];
+    if (row.id !== claim.id || row.lease_token !== claim.leaseToken || row.status !== "completed") {
+      throw inconsistent(`completing claim ${claim.id} answered another row or state`);
+    }
+    return "recorded";
+  }
+
+  /**
+   * Gives the claim back: the row is removed and the next attempt runs the
+   * effect. Only when no effect happened and no success was answered on the
+   * strength of this claim. Not safe to repeat after a lost answer (a repeat
+   * answers `lease_moved_on`), so the client retries it only when the server
+   * proves it never ran.
+   */
+  async release(claim: Claim, call: CallOptions = {}): Promise<Ending> {
+    const data = await this.client.rpc("idempotency_release", {
+      p_claim_id: claim.id,
+      p_lease_token: claim.leaseToken,
+    }, call);
+    if (typeof data !== "boolean") throw new PlaneError("decode", "idempotency_release answered a non-boolean");
+    return data ? "recorded" : "lease_moved_on";
+  }
+
+  /** What the journal holds for this request, without writing anything. */
+  async read(
+    request: { organizationId: string; scope: string; key: string; requestHash: string },
+    call: CallOptions = {},
+  ): Promise<ReadOutcome> {
+    request = { ...request, organizationId: checkOrganization(request.organizationId) };
+    checkScope(request.scope);
+    checkKey(request.key);
+    checkHash(request.requestHash);
+    const data = await this.client.rpc("idempotency_get", {
+      p_organization_id: request.organizationId,
+      p_scope: request.scope,
+      p_key: request.key,
+    }, call);
+    const rows = rowsOf("idempotency_get", data);
+    if (rows.length === 0) return { outcome: "absent" };
+    const row = rows[0];
+    if (row.organization_id !== request.organizationId || row.scope !== request.scope || row.key !== request.key) {
+      throw inconsistent("idempotency_get answered another row");
+    }
+    if (row.request_hash !== request.requestHash) return { outcome: "conflict" };
+    if (row.status === "completed") return { outcome: "completed", answer: storedAnswer(row) };
+    if (row.lease_live === true) {
+      return { outcome: "processing", leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at") };
+    }
+    return { outcome: "absent" };
+  }
+}
+
+type Row = Record<string, unknown>;
+
+function rowsOf(fn: string, data: unknown): Row[] {
+  if (!Array.isArray(data) || data.some((row) => row === null || typeof row !== "object")) {
+    throw new PlaneError("decode", `${fn} answered something other than a set of rows`, { fn });
+  }
+  if (data.length > 1) throw inconsistent(`${fn} answered ${data.length} rows, at most 1 expected`);
+  return data as Row[];
+}
+
+function oneRow(fn: string, data: unknown): Row {
+  const rows = rowsOf(fn, data);
+  if (rows.length !== 1) throw inconsistent(`${fn} answered no row, exactly 1 expected`);
+  return rows[0];
+}
+
+function text(value: unknown, field: string): string {
+  if (typeof value !== "string") throw new PlaneError("decode", `the row's ${field} is not a string`);
+  return value;
+}
+
+function storedAnswer(row: Row): Answer {
+  const resource = typeof row.resource_type === "string" && typeof row.resource_id === "string"
+    ? { resourceType: row.resource_type, resourceId: row.resource_id }
+    : undefined;
+  return answerFromStored(row.response, resource);
+}
+
+function inconsistent(message: string): PlaneError {
+  return new PlaneError("inconsistent", `the store answered inconsistently: ${message}`);
+}
+
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+
+/** The organization id as the database prints it (lowercase); refuses what is not a UUID. */
+export function checkOrganization(organizationId: string): string {
+  if (typeof organizationId !== "string" || !UUID.test(organizationId)) {
+    throw PlaneError.invalid("malformed_organization", "the organization id must be a UUID");
+  }
+  return organizationId.toLowerCase();
+}
+
+export function checkScope(scope: string): void {
+  if (!scope) throw PlaneError.invalid("empty_scope", "the scope is empty");
+  if ([...scope].length > MAX_SCOPE_CHARS) {
+    throw PlaneError.invalid("scope_too_long", `the scope has more than ${MAX_SCOPE_CHARS} characters`);
+  }
+  if (!/^[a-z0-9._-]+$/.test(scope)) {
+    throw PlaneError.invalid(
+      "malformed_scope",
+      `the scope ${JSON.stringify(scope)} may hold only a-z, 0-9, '.', '_' and '-'`,
+    );
+  }
+}
+
+export function checkKey(key: string): void {
+  if (!key) throw PlaneError.invalid("empty_key", "the idempotency key is empty");
+  const chars = [...key].length;
+  if (chars > MAX_KEY_CHARS) {
+    throw PlaneError.invalid(
+      "key_too_long",
+      `the idempotency key has ${chars} characters, at most ${MAX_KEY_CHARS} are accepted`,
+    );
+  }
+  if (key.includes("\0")) throw PlaneError.invalid("key_has_nul", "the idempotency key holds a NUL character");
+}
+
+function checkHash(hash: string): void {
+  if (!isRequestHash(hash)) {
+    throw PlaneError.invalid(
+      "malformed_hash",
+      `the request hash ${JSON.stringify(hash)} is not a lowercase hex SHA-256`,
+    );
+  }
+}
+
+export function checkLease(leaseMs: number): void {
+  if (!(leaseMs >= MIN_LEASE_MS)) {
+    throw PlaneError.invalid(
+      "lease_too_short",
+      `the lease ${leaseMs} ms is shorter than the ${MIN_LEASE_MS} ms the store accepts`,
+    );
+  }
+  if (leaseMs > MAX_LEASE_MS) {
+    throw PlaneError.invalid(
+      "lease_too_long",
+      `the lease ${leaseMs} ms is longer than the ${MAX_LEASE_MS} ms the store accepts`,
+    );
+  }
+}
+
+export { codes };
