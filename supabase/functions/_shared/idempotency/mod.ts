@@ -76,3 +76,14 @@ export type {
 } from "./driver.ts";
 export { consoleLogger, silent } from "./log.ts";
 export type { Logger, PlaneEvent } from "./log.ts";
+export {
+  DEFAULT_GATE_DEADLINE_MS,
+  DEFAULT_PROCESSING_TIMEOUT_MS,
+  DEFAULT_VENDOR_HORIZON_MS,
+  DEFAULT_WEBHOOK_JOURNAL_MS,
+  ProcessingError,
+  WEBHOOK_LEASE_MARGIN_MS,
+  WebhookGate,
+  webhookHandler,
+} from "./webhook.ts";
+export type { Ack, Delivery, DropReason, GateOptions, ProviderCallback, ProviderJob, WebhookRoute } from "./webhook.ts";

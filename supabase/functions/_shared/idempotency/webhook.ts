@@ -1,0 +1,483 @@
+// The webhook gate: the edge adapter at an HTTP boundary, with the Rust
+// gate's rules.
+//
+// A webhook handler is the outermost frame, and a 5xx tells the vendor that a
+// delivery which succeeded failed (Slack disables a subscription that answers
+// 5xx often enough). So every duplicate ending is an ACK with a counted,
+// logged drop reason; none is silent.
+//
+// The invariant. Once any delivery of an event has been answered 2xx
+// (processed, or dropped as a duplicate of a claim in flight or done), the
+// event is processed to completion exactly once, or its failure is journaled
+// and counted as a drop reason (`processing_failed`, `processing_aborted`);
+// it is never silently lost. A redelivery that meets a live claim is ACKed as
+// a duplicate, so the gate never gives up a claim it holds: it never releases
+// one. It carries the event to a journaled ending itself:
+//
+// - processing runs to its own timeout (15 s by default), never cut by the
+//   answer's deadline; a retryable failure (`ProcessingError.retryable`) is
+//   retried in process, with backoff, within that timeout; what still fails
+//   at the end is journaled as a failure;
+// - the answer leaves within the gate's deadline (2.5 s by default, inside
+//   Slack's 3 s window): processing still running then is answered
+//   `accepted` (200) and finished after the answer — through the runtime's
+//   `waitUntil` (`EdgeRuntime.waitUntil` on Supabase, which keeps a worker up
+//   to its wall-clock limit: 150 s on the free plan, 400 s on paid plans;
+//   `ctx.waitUntil` on Cloudflare Workers), so the runtime does not stop the
+//   work when the response is sent;
+// - a claim that does not answer within the deadline is answered 503 (the
+//   plane could not decide), and the gate keeps asking with the same lease
+//   token: if the database did make the claim, the gate processes the event,
+//   so the vendor's redelivery, which meets that claim and is ACKed as a
+//   duplicate, is not a loss.
+//
+// The only non-2xx answer is `retry` (503): the gate holds no claim.
+// Background work lives as long as the worker: one that is stopped while
+// holding a claim leaves it `processing` past its lease (visible with
+// `idem get`), and the redeliveries meeting it meanwhile were ACKed. Keep the
+// processing timeout and lease well inside the runtime's wall-clock limit.
+
+import { type Answer, failure, success } from "./answer.ts";
+import { sleep } from "./client.ts";
+import { PlaneError } from "./errors.ts";
+import { Attempt, type Begun, EffectDriver, type EffectSpec, type Held, type Settle, Timing } from "./driver.ts";
+import type { IdempotencyPlane } from "./plane.ts";
+import { type Logger, silent } from "./log.ts";
+
+/** How long processing one delivery may take, in-process retries included. */
+export const DEFAULT_PROCESSING_TIMEOUT_MS = 15_000;
+/** How long the gate takes to answer a delivery: inside Slack's 3 s window. */
+export const DEFAULT_GATE_DEADLINE_MS = 2_500;
+/** The journal's deadline, as the Rust gate's. */
+export const DEFAULT_WEBHOOK_JOURNAL_MS = 10_000;
+/** Added to make the lease: 15 + 10 + 5 = the 30 s lease `webhook.*` scopes use. */
+export const WEBHOOK_LEASE_MARGIN_MS = 5_000;
+/** When the vendor makes its last redelivery: Slack's schedule (now, 1 min, 5 min). */
+export const DEFAULT_VENDOR_HORIZON_MS = 6 * 60_000;
+
+const FIRST_PROCESSING_BACKOFF_MS = 100;
+const MAX_PROCESSING_BACKOFF_MS = 2_000;
+
+/** Why a delivery was acknowledged without being processed now. */
+export type DropReason =
+  /** Handled already, or being handled right now by another worker. */
+  | "duplicate"
+  /** The delivery id was seen with a different body. */
+  | "hash_mismatch"
+  /** The callback path names a job this platform does not hold. */
+  | "unknown_job"
+  /** The body names a different job than the path. */
+  | "job_mismatch"
+  /** The delivery id cannot be claimed at all (empty, too long, NUL). */
+  | "invalid_delivery"
+  /** Processing kept failing retryably until its timeout; the failure is journaled. */
+  | "processing_failed"
+  /** Processing threw something other than a ProcessingError, or overran its timeout; journaled. */
+  | "processing_aborted";
+
+/** What the gate answers the vendor. */
+export type Ack =
+  /** Processed and journaled: 200. */
+  | { ack: "processed"; status: 200 }
+  /** Still processing at the deadline; it goes on after the answer: 200. */
+  | { ack: "accepted"; status: 200 }
+  /** Not processed now, with a counted reason: 200. */
+  | { ack: "dropped"; status: 200; reason: DropReason }
+  /** The gate holds no claim (the plane could not decide): 503, redeliver. */
+  | { ack: "retry"; status: 503; reason: "plane_unavailable" };
+
+/** A failure of processing. `retryable` ones are tried again in process, within the timeout. */
+export class ProcessingError extends Error {
+  override readonly name = "ProcessingError";
+  readonly retryable: boolean;
+
+  constructor(message: string, options: { retryable: boolean }) {
+    super(message);
+    this.retryable = options.retryable;
+  }
+
+  /** Nothing happened; trying again may help. */
+  static retryable(message: string): ProcessingError {
+    return new ProcessingError(message, { retryable: true });
+  }
+
+  /** Trying again will not help: journaled as the event's answer. */
+  static permanent(message: string): ProcessingError {
+    return new ProcessingError(message, { retryable: false });
+  }
+}
+
+/** One delivery: the tenant, the vendor's scope (`webhook.slack`), its delivery id and body. */
+export interface Delivery {
+  organizationId: string;
+  scope: string;
+  deliveryId: string;
+  body: Uint8Array | string;
+}
+
+/** A provider callback: the tenant is found from `agent.provider_jobs` before the claim. */
+export interface ProviderCallback {
+  provider: string;
+  /** The job id in the callback's path. */
+  pathJobId: string;
+  /** The job id the body names, if any: must match the path's. */
+  bodyJobId?: string;
+  deliveryId: string;
+  body: Uint8Array | string;
+}
+
+/** A provider job: which tenant a vendor's job belongs to. */
+export interface ProviderJob {
+  organizationId: string;
+  provider: string;
+  jobId: string;
+}
+
+/** Options of a gate. */
+export interface GateOptions {
+  /** How long the answer may take. Default 2.5 s. */
+  deadlineMs?: number;
+  processingTimeoutMs?: number;
+  journalDeadlineMs?: number;
+  marginMs?: number;
+  /** When the vendor redelivers for the last time; the lease must pass before. Default 6 min. */
+  vendorHorizonMs?: number;
+  /**
+   * Keeps work running after the response: `EdgeRuntime.waitUntil` on
+   * Supabase (found by itself when present), `ctx.waitUntil` on Workers.
+   * Without one (Deno, Node) the work simply goes on in the process.
+   */
+  waitUntil?: (work: Promise<unknown>) => void;
+  log?: Logger;
+}
+
+/** The webhook gate. One per process; it counts its drops. */
+export class WebhookGate {
+  readonly driver: EffectDriver;
+  readonly timing: Timing;
+  readonly deadlineMs: number;
+  readonly #waitUntil?: (work: Promise<unknown>) => void;
+  readonly #log: Logger;
+  readonly #drops = new Map<DropReason, number>();
+
+  constructor(plane: IdempotencyPlane, options: GateOptions = {}) {
+    this.#log = options.log ?? silent;
+    this.driver = new EffectDriver(plane, { log: this.#log });
+    this.timing = new Timing(
+      options.processingTimeoutMs ?? DEFAULT_PROCESSING_TIMEOUT_MS,
+      options.journalDeadlineMs ?? DEFAULT_WEBHOOK_JOURNAL_MS,
+      options.marginMs ?? WEBHOOK_LEASE_MARGIN_MS,
+    );
+    this.timing.check(options.vendorHorizonMs ?? DEFAULT_VENDOR_HORIZON_MS);
+    this.deadlineMs = options.deadlineMs ?? DEFAULT_GATE_DEADLINE_MS;
+    if (!(this.deadlineMs > 0)) throw PlaneError.invalid("zero_duration", "the gate's deadline must be above zero");
+    this.#waitUntil = options.waitUntil ?? edgeRuntimeWaitUntil();
+  }
+
+  /** The lease every claim takes: processing timeout + journal deadline + margin. */
+  get leaseMs(): number {
+    return this.timing.leaseMs;
+  }
+
+  /** How many deliveries were dropped for `reason`. */
+  drops(reason: DropReason): number {
+    return this.#drops.get(reason) ?? 0;
+  }
+
+  /**
+   * Claims the delivery and processes it once. `process` may be called again
+   * after a retryable ProcessingError; its value is journaled as the event's
+   * answer (as JSON).
+   */
+  async handle(delivery: Delivery, process: () => Promise<unknown>): Promise<Ack> {
+    return await this.#handleBy(Date.now() + this.deadlineMs, delivery, process);
+  }
+
+  /**
+   * A provider's callback: its tenant is the one `agent.provider_jobs` holds
+   * for the job (an unknown job is dropped, a body naming another job too),
+   * in scope `webhook.<provider>`.
+   */
+  async handleProviderCallback(
+    callback: ProviderCallback,
+    process: (job: ProviderJob) => Promise<unknown>,
+  ): Promise<Ack> {
+    const answerBy = Date.now() + this.deadlineMs;
+    let job: ProviderJob | undefined;
+    try {
+      job = await this.#lookup(callback.provider, callback.pathJobId, answerBy - Date.now());
+    } catch (error) {
+      return this.#unavailable(error);
+    }
+    if (!job) return this.#drop("unknown_job");
+    if (callback.bodyJobId !== undefined && callback.bodyJobId !== callback.pathJobId) {
+      return this.#drop("job_mismatch");
+    }
+    const found = job;
+    return await this.#handleBy(answerBy, {
+      organizationId: found.organizationId,
+      scope: `webhook.${callback.provider}`,
+      deliveryId: callback.deliveryId,
+      body: callback.body,
+    }, () => process(found));
+  }
+
+  async #lookup(provider: string, jobId: string, deadlineMs: number): Promise<ProviderJob | undefined> {
+    const data = await this.driver.plane.client.rpc("provider_job_lookup", { p_provider: provider, p_job_id: jobId }, {
+      deadlineMs: Math.max(1, deadlineMs),
+    });
+    if (!Array.isArray(data)) throw new PlaneError("decode", "provider_job_lookup answered something other than rows");
+    if (data.length === 0) return undefined;
+    const row = data[0] as Record<string, unknown>;
+    if (typeof row.organization_id !== "string") {
+      throw new PlaneError("decode", "provider_job_lookup: no organization_id");
+    }
+    return { organizationId: row.organization_id, provider, jobId };
+  }
+
+  async #handleBy(answerBy: number, delivery: Delivery, process: () => Promise<unknown>): Promise<Ack> {
+    let closed = false;
+    let resolve!: (ack: Ack) => void;
+    const answered = new Promise<Ack>((r) => (resolve = r));
+    // Sends the answer once; false when the answer had left already.
+    const say = (ack: Ack): boolean => {
+      if (closed) return false;
+      closed = true;
+      resolve(ack);
+      return true;
+    };
+    const state = { held: false };
+    const carried = this.#carry(delivery, process, say, state).catch((error) => {
+      this.#log({
+        event: "webhook.carry_failed",
+        level: "error",
+        scope: delivery.scope,
+        delivery_id: delivery.deliveryId,
+        error: String(error),
+      });
+      say(this.#unavailable(error));
+    });
+    this.#waitUntil?.(carried);
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const late = new Promise<undefined>((
+      r,
+    ) => (timer = setTimeout(() => r(undefined), Math.max(0, answerBy - Date.now()))));
+    const ack = await Promise.race([answered, late]);
+    clearTimeout(timer);
+    if (ack) return ack;
+    closed = true;
+    if (state.held) {
+      this.#log({
+        event: "webhook.accepted",
+        scope: delivery.scope,
+        delivery_id: delivery.deliveryId,
+        ack: "accepted",
+      });
+      return { ack: "accepted", status: 200 };
+    }
+    this.#log({
+      event: "webhook.undecided",
+      level: "warn",
+      scope: delivery.scope,
+      delivery_id: delivery.deliveryId,
+      ack: "retry",
+    });
+    return { ack: "retry", status: 503, reason: "plane_unavailable" };
+  }
+
+  async #carry(
+    delivery: Delivery,
+    process: () => Promise<unknown>,
+    say: (ack: Ack) => boolean,
+    state: { held: boolean },
+  ): Promise<void> {
+    const bytes = typeof delivery.body === "string" ? new TextEncoder().encode(delivery.body) : delivery.body;
+    const spec: EffectSpec = {
+      organizationId: delivery.organizationId,
+      scope: delivery.scope,
+      key: delivery.deliveryId,
+      requestHash: await sha256Bytes(bytes),
+      timing: this.timing,
+    };
+    const held = await this.#claim(spec, say);
+    if (!held) return;
+    state.held = true;
+    const [settle, dropped] = await this.#processToAnAnswer(held, process);
+    const settled = await held.settle(settle);
+    if (settled.ending !== "journaled") {
+      this.#log({
+        event: "webhook.not_journaled",
+        level: "error",
+        scope: spec.scope,
+        delivery_id: spec.key,
+        ending: settled.ending,
+      });
+    }
+    // A failure journaled with its reason is counted whether or not the
+    // vendor still hears the answer: it is the event's record.
+    say(dropped ? this.#drop(dropped) : { ack: "processed", status: 200 });
+  }
+
+  async #claim(spec: EffectSpec, say: (ack: Ack) => boolean): Promise<Held | undefined> {
+    const attempt = new Attempt();
+    // Ask while an answer could still be journaled before the lease passes.
+    const askUntil = attempt.startedAt + this.timing.effectMs + this.timing.journalMs / 2;
+    let begun: Begun | undefined;
+    let error: unknown;
+    try {
+      begun = await this.driver.begin(spec, attempt, Math.max(1, askUntil - Date.now()));
+    } catch (caught) {
+      error = caught;
+    }
+    let answered = false;
+    if (error instanceof PlaneError && error.mayHaveWritten) {
+      // The vendor hears now; the gate keeps asking as the same attempt.
+      say(this.#unavailable(error));
+      answered = true;
+      try {
+        begun = await this.driver.beginUntil(spec, attempt, askUntil);
+        error = undefined;
+      } catch (caught) {
+        error = caught;
+      }
+    }
+    if (begun) {
+      if (begun.kind === "held") return begun.held;
+      if (answered) {
+        this.#log({ event: "webhook.late_claim", scope: spec.scope, delivery_id: spec.key, outcome: begun.kind });
+        return undefined;
+      }
+      if (begun.kind === "replayed" || begun.kind === "in_flight") {
+        this.#sayDrop(say, "duplicate", begun.kind === "replayed");
+      } else this.#sayDrop(say, "hash_mismatch", false);
+      return undefined;
+    }
+    if (
+      error instanceof PlaneError && error.kind === "invalid_input" &&
+      ["empty_key", "key_too_long", "key_has_nul"].includes(error.reason ?? "")
+    ) {
+      this.#log({ event: "webhook.invalid_delivery", level: "warn", scope: spec.scope, error: error.message });
+      this.#sayDrop(say, "invalid_delivery", false);
+      return undefined;
+    }
+    if (!answered) say(this.#unavailable(error));
+    return undefined;
+  }
+
+  #sayDrop(say: (ack: Ack) => boolean, reason: DropReason, replayed: boolean): void {
+    // A drop is counted where it is answered: one the vendor never heard is none.
+    if (say({ ack: "dropped", status: 200, reason })) this.#drop(reason, replayed);
+  }
+
+  async #processToAnAnswer(held: Held, process: () => Promise<unknown>): Promise<[Settle, DropReason | undefined]> {
+    let backoff = FIRST_PROCESSING_BACKOFF_MS;
+    for (;;) {
+      const ran = await held.run(() => process());
+      if ("value" in ran) return [{ journal: success(ran.value === undefined ? null : ran.value) }, undefined];
+      if (ran.cut === "timed_out") {
+        this.#log({
+          event: "webhook.processing_cut",
+          level: "error",
+          scope: held.claim.scope,
+          delivery_id: held.claim.key,
+          why: "timed out",
+        });
+        return [{ journal: failure("processing_timed_out") }, "processing_aborted"];
+      }
+      const error = ran.error;
+      if (!(error instanceof ProcessingError)) {
+        this.#log({
+          event: "webhook.processing_cut",
+          level: "error",
+          scope: held.claim.scope,
+          delivery_id: held.claim.key,
+          why: String(error),
+        });
+        return [{ journal: failure("processing_threw") }, "processing_aborted"];
+      }
+      if (!error.retryable) return [{ journal: failure(error.message) }, undefined];
+      if (Date.now() + backoff < held.effectDeadline) {
+        this.#log({
+          event: "webhook.processing_retry",
+          level: "info",
+          scope: held.claim.scope,
+          delivery_id: held.claim.key,
+          error: error.message,
+          backoff_ms: backoff,
+        });
+        await sleep(backoff);
+        backoff = Math.min(backoff * 2, MAX_PROCESSING_BACKOFF_MS);
+        continue;
+      }
+      const answer: Answer = failure(error.message);
+      return [{ journal: answer }, "processing_failed"];
+    }
+  }
+
+  #drop(reason: DropReason, replayed = false): Ack {
+    this.#drops.set(reason, this.drops(reason) + 1);
+    this.#log({ event: "webhook.dropped", level: "info", drop_reason: reason, replayed });
+    return { ack: "dropped", status: 200, reason };
+  }
+
+  #unavailable(error: unknown): Ack {
+    this.#log({
+      event: "webhook.unavailable",
+      level: "error",
+      error: error instanceof Error ? error.message : String(error),
+    });
+    return { ack: "retry", status: 503, reason: "plane_unavailable" };
+  }
+}
+
+/** What a webhook endpoint takes from each request. */
+export interface WebhookRoute {
+  gate: WebhookGate;
+  /** The vendor's scope, e.g. `webhook.slack` (needs a policy row: `webhook.*` is seeded). */
+  scope: string;
+  /** The tenant the delivery belongs to (after you verified the vendor's signature). */
+  organizationOf: (request: Request, body: Uint8Array) => string | Promise<string>;
+  /** The vendor's delivery id (Slack's `event_id`, a header such as `webhook-id`). */
+  deliveryIdOf: (request: Request, body: Uint8Array) => string | Promise<string>;
+  /** Processes the event once; its value is journaled. Throw ProcessingError to fail. */
+  process: (event: { request: Request; body: Uint8Array }) => Promise<unknown>;
+}
+
+/**
+ * A `(Request) => Response` handler over the gate: 200 with
+ * `{"ack": …, "drop_reason"?: …}` for every ending the gate holds a claim on
+ * or drops, 503 with `Retry-After` when the plane could not decide.
+ */
+export function webhookHandler(route: WebhookRoute): (request: Request) => Promise<Response> {
+  return async (request: Request) => {
+    const body = new Uint8Array(await request.arrayBuffer());
+    let organizationId: string;
+    let deliveryId: string;
+    try {
+      organizationId = await route.organizationOf(request, body);
+      deliveryId = await route.deliveryIdOf(request, body);
+    } catch (error) {
+      return Response.json({ ack: "rejected", error: error instanceof Error ? error.message : String(error) }, {
+        status: 400,
+      });
+    }
+    const ack = await route.gate.handle(
+      { organizationId, scope: route.scope, deliveryId, body },
+      () => route.process({ request, body }),
+    );
+    const payload = ack.ack === "dropped" ? { ack: ack.ack, drop_reason: ack.reason } : { ack: ack.ack };
+    const headers: Record<string, string> = ack.status === 503 ? { "Retry-After": "1" } : {};
+    return Response.json(payload, { status: ack.status, headers });
+  };
+}
+
+async function sha256Bytes(bytes: Uint8Array): Promise<string> {
+  const digest = await crypto.subtle.digest("SHA-256", bytes as Uint8Array<ArrayBuffer>);
+  return Array.from(new Uint8Array(digest), (byte) => byte.toString(16).padStart(2, "0")).join("");
+}
+
+/** Supabase's `EdgeRuntime.waitUntil`, when this runs there. */
+function edgeRuntimeWaitUntil(): ((work: Promise<unknown>) => void) | undefined {
+  const runtime = (globalThis as { EdgeRuntime?: { waitUntil?: (work: Promise<unknown>) => void } }).EdgeRuntime;
+  return typeof runtime?.waitUntil === "function" ? (work) => runtime.waitUntil!(work) : undefined;
+}

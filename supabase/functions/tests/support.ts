@@ -1,0 +1,105 @@
+// What the tests share: the plane under test (a real `idem up`, from the
+// env its runner exports), fetch wrappers that lose or delay answers after
+// the server acted on them, and small helpers.
+
+import { IdempotencyPlane, type PlaneOptions, requestHash } from "../_shared/idempotency/mod.ts";
+
+export const URL_ = Deno.env.get("IDEM_POSTGREST_URL") ?? "";
+export const KEY = Deno.env.get("IDEM_SERVICE_KEY") ?? "";
+if (!URL_ || !KEY) {
+  throw new Error("set IDEM_POSTGREST_URL and IDEM_SERVICE_KEY (supabase/functions/tests/run.sh does, from `idem up`)");
+}
+
+/** A fresh tenant per test, so tests never meet each other's keys. */
+export function organization(): string {
+  return crypto.randomUUID();
+}
+
+export function uniqueKey(prefix = "k"): string {
+  return `${prefix}-${crypto.randomUUID()}`;
+}
+
+export async function hashOf(value: unknown): Promise<string> {
+  return await requestHash(value);
+}
+
+/** A plane over plain fetch (or `fetch` given). */
+export function plane(options: PlaneOptions & { fetch?: typeof fetch } = {}): IdempotencyPlane {
+  return IdempotencyPlane.connect({ url: URL_, key: KEY, fetch: options.fetch }, options);
+}
+
+/** Which functions were called, in order. */
+export function functionOf(input: RequestInfo | URL): string {
+  const url = typeof input === "string" ? input : input instanceof URL ? input.href : input.url;
+  return url.slice(url.lastIndexOf("/") + 1);
+}
+
+/**
+ * A fetch that, for the next `count` calls of `fn`, lets the server act and
+ * then loses its answer (a reset after the commit); every call is recorded.
+ */
+export class Lossy {
+  readonly calls: string[] = [];
+  #losses = new Map<string, number>();
+  #delays = new Map<string, number>();
+  #refuse = false;
+
+  loseNext(fn: string, count = 1): this {
+    this.#losses.set(fn, (this.#losses.get(fn) ?? 0) + count);
+    return this;
+  }
+
+  /** Delays every answer of `fn` by `ms`, after the server acted. */
+  delay(fn: string, ms: number): this {
+    this.#delays.set(fn, ms);
+    return this;
+  }
+
+  /** Every request fails before it leaves (a refused connection). */
+  refuseAll(refuse = true): this {
+    this.#refuse = refuse;
+    return this;
+  }
+
+  readonly fetch: typeof fetch = async (input, init) => {
+    const fn = functionOf(input);
+    this.calls.push(fn);
+    if (this.#refuse) throw new TypeError("error sending request: Connection refused (os error 111)");
+    const response = await fetch(input, init);
+    const body = await response.arrayBuffer();
+    const delay = this.#delays.get(fn);
+    if (delay) {
+      await new Promise<void>((resolve, reject) => {
+        const timer = setTimeout(resolve, delay);
+        init?.signal?.addEventListener("abort", () => {
+          clearTimeout(timer);
+          reject(init.signal?.reason ?? new DOMException("aborted", "AbortError"));
+        });
+      });
+    }
+    const losses = this.#losses.get(fn) ?? 0;
+    if (losses > 0) {
+      this.#losses.set(fn, losses - 1);
+      throw new TypeError("error reading a body from connection: connection reset");
+    }
+    return new Response(body, { status: response.status, headers: response.headers });
+  };
+
+  count(fn: string): number {
+    return this.calls.filter((call) => call === fn).length;
+  }
+}
+
+export function sleep(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/** Polls `check` until it is true or `ms` pass. */
+export async function eventually(what: string, check: () => Promise<boolean>, ms = 10_000): Promise<void> {
+  const until = Date.now() + ms;
+  while (Date.now() < until) {
+    if (await check()) return;
+    await sleep(50);
+  }
+  throw new Error(`not within ${ms} ms: ${what}`);
+}
