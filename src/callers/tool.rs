@@ -823,6 +823,12 @@ mod tests {
 
     #[test]
     fn the_vendor_key_is_stable_and_distinct_per_tenant() {
+        // The TypeScript client's tests pin the same value.
+        let pinned = Uuid::parse_str("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0").unwrap();
+        assert_eq!(
+            vendor_key(pinned, "tool.email.send", "run:1:step:2"),
+            "3aa05fba1bec70f2b5b4cda4819d67efe3d250b2e4970c266b7b9448155f71df"
+        );
         let org = Uuid::new_v4();
         let key = vendor_key(org, "tool.email.send", "run:1:step:2");
         assert_eq!(key, vendor_key(org, "tool.email.send", "run:1:step:2"));

@@ -1,0 +1,192 @@
+// The three endings through `idempotent`, as the Rust driver's: journaled
+// (success and business failure, any bytes, any size), released (only on
+// NothingHappened), left to its lease (a throw, a timeout, a journal that
+// does not land) — and a journal the database refuses after the effect.
+
+import assert from "node:assert/strict";
+import {
+  type Answer,
+  EffectDriver,
+  elidedOf,
+  failure,
+  idempotent,
+  type IdempotentOptions,
+  makeIdempotent,
+  NothingHappened,
+  responseRefOf,
+  success,
+  Timing,
+  vendorKey,
+} from "../_shared/idempotency/mod.ts";
+import { hashOf, Lossy, organization, plane, sleep, uniqueKey } from "./support.ts";
+
+const SCOPE = "tool.email.send";
+
+function options(extra: Partial<IdempotentOptions> = {}): IdempotentOptions {
+  return {
+    plane: plane(),
+    organizationId: organization(),
+    scope: SCOPE,
+    key: uniqueKey(),
+    request: { to: "a@example.com" },
+    timeoutMs: 2_000,
+    journalDeadlineMs: 2_000,
+    marginMs: 1_000,
+    ...extra,
+  };
+}
+
+Deno.test("a success is journaled once and replayed to every duplicate, equal to the first answer", async () => {
+  const opts = options();
+  let runs = 0;
+  const effect = () => {
+    runs += 1;
+    return success({ message_id: "m-1", text: "nul \0 inside" }, { resourceType: "email", resourceId: "m-1" });
+  };
+  const first = await idempotent(effect, opts);
+  assert.equal(first.status, "ran");
+  if (first.status !== "ran") return;
+  assert.deepEqual(first.settled, { ending: "journaled" });
+  const again = await idempotent(effect, opts);
+  assert.deepEqual(again, { status: "replayed", answer: first.answer });
+  assert.equal(runs, 1);
+  assert.equal((await idempotent(effect, { ...opts, request: { to: "b@example.com" } })).status, "conflict");
+});
+
+Deno.test("a business failure is journaled and replays as the same failure", async () => {
+  const opts = options();
+  const declined = failure("card_declined", { code: 51 });
+  const first = await idempotent(() => declined, opts);
+  assert.equal(first.status, "ran");
+  assert.deepEqual(await idempotent(() => success("never"), opts), { status: "replayed", answer: declined });
+});
+
+Deno.test("NothingHappened releases the claim, so the next attempt runs the effect", async () => {
+  const opts = options();
+  const first = await idempotent(() => {
+    throw new NothingHappened("the vendor refused the connection");
+  }, opts);
+  assert.equal(first.status, "failed");
+  if (first.status !== "failed") return;
+  assert.deepEqual(first.settled, { ending: "released" });
+  assert.equal((await idempotent(() => success(2), opts)).status, "ran");
+});
+
+Deno.test("any other throw, or a timeout, leaves the claim to its lease: a duplicate meanwhile is in flight", async () => {
+  for (
+    const effect of [
+      () => {
+        throw new Error("the vendor's answer was lost");
+      },
+      async () => {
+        await sleep(1_500);
+        return success("late");
+      },
+    ]
+  ) {
+    const opts = options({ timeoutMs: 500, journalDeadlineMs: 500, marginMs: 0 });
+    const first = await idempotent(effect, opts);
+    assert.equal(first.status, "failed");
+    if (first.status !== "failed") return;
+    assert.equal(first.settled.ending, "left_to_lease");
+    assert.equal((await idempotent(() => success("again"), opts)).status, "in_flight");
+    // After the lease, the next attempt reclaims and runs.
+    await sleep(1_100);
+    const after = await idempotent(() => success("again"), opts);
+    assert.equal(after.status, "ran");
+  }
+});
+
+Deno.test("a completion whose answer was lost is asked again inside the journal's deadline and lands once", async () => {
+  const lossy = new Lossy().loseNext("idempotency_complete", 2);
+  const opts = options({ plane: plane({ fetch: lossy.fetch }) });
+  const first = await idempotent(() => success("once"), opts);
+  assert.equal(first.status, "ran");
+  if (first.status !== "ran") return;
+  assert.deepEqual(first.settled, { ending: "journaled" });
+  assert.equal(lossy.count("idempotency_complete"), 3);
+  assert.deepEqual(await idempotent(() => success("twice"), { ...opts, plane: plane() }), {
+    status: "replayed",
+    answer: success("once"),
+  });
+});
+
+Deno.test("a journal the plane refuses after the effect goes by reference, keeping ok, error and resource", async () => {
+  // This client believes the limit is 1 MiB; the scope's policy keeps 64 KiB,
+  // so the database refuses the answer (IDEM2) after the effect happened.
+  const big = "x".repeat(200_000);
+  const resource = { resourceType: "report", resourceId: "r-7" };
+  const opts = options({ plane: plane({ responseLimitBytes: 1024 * 1024 }) });
+  const first = await idempotent(() => failure("partial", big, resource), opts);
+  assert.equal(first.status, "ran");
+  if (first.status !== "ran") return;
+  assert.deepEqual(first.settled, { ending: "journaled", standIn: "refused" });
+  const again = await idempotent(() => success("never"), opts);
+  assert.equal(again.status, "replayed");
+  if (again.status !== "replayed") return;
+  assert.equal(again.answer.ok, false);
+  assert.equal(again.answer.error, "partial");
+  assert.deepEqual(again.answer.resource, resource);
+  const reference = responseRefOf(again.answer.output);
+  assert.ok(reference, JSON.stringify(again.answer.output));
+  assert.equal(reference.size, big.length + 2);
+  // Without a resource: a summary, and still a failure.
+  const bare = options({ plane: plane({ responseLimitBytes: 1024 * 1024 }) });
+  await idempotent(() => failure("partial", big), bare);
+  const summary = await idempotent(() => success("never"), bare);
+  assert.ok(summary.status === "replayed" && elidedOf(summary.answer.output), JSON.stringify(summary));
+});
+
+Deno.test("an answer above the store limit goes by reference to its resource", async () => {
+  const opts = options();
+  const big = { rows: "y".repeat(100_000) };
+  const first = await idempotent(() => success(big, { resourceType: "export", resourceId: "e-1" }), opts);
+  assert.ok(first.status === "ran" && first.settled.ending === "journaled" && first.settled.standIn === "too_large");
+  const again = await idempotent(() => success("never"), opts);
+  assert.ok(again.status === "replayed" && responseRefOf(again.answer.output)?.resource_id === "e-1");
+});
+
+Deno.test("journalExact gives a refused answer back with the claim still held", async () => {
+  const p = plane({ responseLimitBytes: 1024 * 1024 });
+  const driver = new EffectDriver(p);
+  const spec = {
+    organizationId: organization(),
+    scope: SCOPE,
+    key: uniqueKey(),
+    requestHash: await hashOf(1),
+    timing: new Timing(2_000, 2_000, 1_000),
+  };
+  const begun = await driver.begin(spec);
+  assert.equal(begun.kind, "held");
+  if (begun.kind !== "held") return;
+  const refused = await begun.held.journalExact(success("z".repeat(100_000)));
+  assert.ok("refused" in refused && refused.refused.code === "IDEM2", JSON.stringify(refused));
+  assert.deepEqual(await begun.held.settle({ journal: success("small") }), { ending: "journaled" });
+  await assert.rejects(begun.held.settle("release"), /already settled/);
+});
+
+Deno.test("a lease that outlives the caller's retries is refused, and the vendor key is the Rust one", async () => {
+  assert.throws(() => new Timing(60_000).check(30_000), /outlasts/);
+  // The Rust tool guard's unit tests pin the same value.
+  assert.equal(
+    await vendorKey("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", "tool.email.send", "run:1:step:2"),
+    "3aa05fba1bec70f2b5b4cda4819d67efe3d250b2e4970c266b7b9448155f71df",
+  );
+});
+
+Deno.test("makeIdempotent wraps an effect whose key and tenant come from its input", async () => {
+  const org = organization();
+  let runs = 0;
+  const send = makeIdempotent(
+    (input: { id: string; to: string }): Answer => {
+      runs += 1;
+      return success({ sent: input.to });
+    },
+    { plane: plane(), scope: SCOPE, timeoutMs: 2_000, keyOf: (i) => i.id, organizationOf: () => org },
+  );
+  const id = uniqueKey();
+  assert.equal((await send({ id, to: "a" })).status, "ran");
+  assert.equal((await send({ id, to: "a" })).status, "replayed");
+  assert.equal((await send({ id, to: "b" })).status, "conflict");
+  assert.equal(runs, 1);
+});

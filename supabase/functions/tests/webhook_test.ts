@@ -1,0 +1,229 @@
+// The webhook gate's sequences, as the Rust gate's: every ending an ACK with
+// a counted reason, processing carried past the answer, and a claim cut by
+// the deadline carried to its end so an ACKed redelivery loses nothing.
+
+import assert from "node:assert/strict";
+import { ProcessingError, WebhookGate, webhookHandler } from "../_shared/idempotency/mod.ts";
+import { eventually, Lossy, organization, plane, sleep, uniqueKey } from "./support.ts";
+
+const SCOPE = "webhook.slack";
+
+function delivery(org: string, id: string, body = '{"event":"message"}') {
+  return { organizationId: org, scope: SCOPE, deliveryId: id, body };
+}
+
+/** Whether the plane journaled the delivery, and with what answer. */
+async function journaled(org: string, id: string, body = '{"event":"message"}') {
+  const bytes = new TextEncoder().encode(body);
+  const digest = await crypto.subtle.digest("SHA-256", bytes);
+  const hash = Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
+  return await plane().read({ organizationId: org, scope: SCOPE, key: id, requestHash: hash });
+}
+
+Deno.test("processed once; a redelivery is a counted duplicate; another body under the id is a hash mismatch", async () => {
+  const gate = new WebhookGate(plane());
+  const org = organization();
+  const id = uniqueKey("Ev");
+  let runs = 0;
+  const process = () => {
+    runs += 1;
+    return Promise.resolve({ handled: true });
+  };
+  assert.deepEqual(await gate.handle(delivery(org, id), process), { ack: "processed", status: 200 });
+  assert.deepEqual(await gate.handle(delivery(org, id), process), { ack: "dropped", status: 200, reason: "duplicate" });
+  assert.deepEqual(await gate.handle(delivery(org, id, '{"event":"other"}'), process), {
+    ack: "dropped",
+    status: 200,
+    reason: "hash_mismatch",
+  });
+  assert.equal(runs, 1);
+  assert.equal(gate.drops("duplicate"), 1);
+  assert.equal(gate.drops("hash_mismatch"), 1);
+  const read = await journaled(org, id);
+  assert.ok(read.outcome === "completed" && read.answer.ok, JSON.stringify(read));
+});
+
+Deno.test("slow processing is accepted at the deadline, carried through waitUntil, and journaled once", async () => {
+  const carried: Promise<unknown>[] = [];
+  const gate = new WebhookGate(plane(), { deadlineMs: 300, waitUntil: (work) => carried.push(work) });
+  const org = organization();
+  const id = uniqueKey("Ev");
+  let runs = 0;
+  const process = async () => {
+    runs += 1;
+    await sleep(1_000);
+    return { slow: true };
+  };
+  const started = Date.now();
+  assert.deepEqual(await gate.handle(delivery(org, id), process), { ack: "accepted", status: 200 });
+  assert.ok(Date.now() - started < 900, "answered within the deadline");
+  assert.equal(carried.length, 1, "the work was handed to waitUntil");
+  // A redelivery meanwhile meets the live claim: a duplicate, not a second run.
+  assert.equal((await gate.handle(delivery(org, id), process)).ack, "dropped");
+  await Promise.all(carried);
+  assert.equal(runs, 1);
+  const read = await journaled(org, id);
+  assert.ok(read.outcome === "completed" && read.answer.ok, JSON.stringify(read));
+});
+
+Deno.test("a retryable failure is retried in process; one that lasts to the timeout is journaled as processing_failed", async () => {
+  const gate = new WebhookGate(plane(), { processingTimeoutMs: 1_500, journalDeadlineMs: 2_000, marginMs: 1_000 });
+  const org = organization();
+  let tries = 0;
+  const flaky = () => {
+    tries += 1;
+    if (tries < 3) return Promise.reject(ProcessingError.retryable("vendor busy"));
+    return Promise.resolve({ third: true });
+  };
+  const id = uniqueKey("Ev");
+  assert.equal((await gate.handle(delivery(org, id), flaky)).ack, "processed");
+  assert.equal(tries, 3);
+
+  const stuck = uniqueKey("Ev");
+  const ack = await gate.handle(delivery(org, stuck), () => Promise.reject(ProcessingError.retryable("still busy")));
+  assert.deepEqual(ack, { ack: "dropped", status: 200, reason: "processing_failed" });
+  const read = await journaled(org, stuck);
+  assert.ok(
+    read.outcome === "completed" && !read.answer.ok && read.answer.error === "still busy",
+    JSON.stringify(read),
+  );
+  // A permanent failure is the event's answer, not a drop.
+  const permanent = uniqueKey("Ev");
+  assert.deepEqual(
+    await gate.handle(delivery(org, permanent), () => Promise.reject(ProcessingError.permanent("bad event"))),
+    {
+      ack: "processed",
+      status: 200,
+    },
+  );
+  assert.equal(gate.drops("processing_failed"), 1);
+});
+
+Deno.test("a throw or an overrun is journaled as processing_aborted, never released", async () => {
+  const gate = new WebhookGate(plane(), { processingTimeoutMs: 1_000, journalDeadlineMs: 2_000, marginMs: 1_000 });
+  const org = organization();
+  const threw = uniqueKey("Ev");
+  assert.deepEqual(await gate.handle(delivery(org, threw), () => Promise.reject(new Error("bug"))), {
+    ack: "dropped",
+    status: 200,
+    reason: "processing_aborted",
+  });
+  const overran = uniqueKey("Ev");
+  const carried: Promise<unknown>[] = [];
+  const slowGate = new WebhookGate(plane(), {
+    processingTimeoutMs: 1_000,
+    journalDeadlineMs: 2_000,
+    marginMs: 1_000,
+    deadlineMs: 2_000,
+    waitUntil: (work) => carried.push(work),
+  });
+  const ack = await slowGate.handle(delivery(org, overran), () => sleep(3_000).then(() => "late"));
+  assert.deepEqual(ack, { ack: "dropped", status: 200, reason: "processing_aborted" });
+  for (const [id, error] of [[threw, "processing_threw"], [overran, "processing_timed_out"]]) {
+    const read = await journaled(org, id);
+    assert.ok(read.outcome === "completed" && read.answer.error === error, JSON.stringify(read));
+  }
+  // Let the overrunning effect's timer end inside the test.
+  await sleep(2_100);
+});
+
+Deno.test("a claim cut by the deadline is answered 503, carried in the background, and the ACKed redelivery loses nothing", async () => {
+  const lossy = new Lossy().delay("idempotency_claim", 800);
+  const carried: Promise<unknown>[] = [];
+  const gate = new WebhookGate(plane({ fetch: lossy.fetch }), {
+    deadlineMs: 300,
+    waitUntil: (work) => carried.push(work),
+  });
+  const org = organization();
+  const id = uniqueKey("Ev");
+  let runs = 0;
+  const process = () => {
+    runs += 1;
+    return Promise.resolve({ carried: true });
+  };
+  assert.deepEqual(await gate.handle(delivery(org, id), process), {
+    ack: "retry",
+    status: 503,
+    reason: "plane_unavailable",
+  });
+  // The vendor redelivers at once, to another worker on a healthy path: the
+  // first worker's claim is live, so it is a duplicate — and not a loss,
+  // because the first worker carries the event.
+  const other = new WebhookGate(plane());
+  assert.deepEqual(await other.handle(delivery(org, id), process), {
+    ack: "dropped",
+    status: 200,
+    reason: "duplicate",
+  });
+  await Promise.all(carried);
+  assert.equal(runs, 1);
+  await eventually("the event is journaled", async () => (await journaled(org, id)).outcome === "completed");
+});
+
+Deno.test("a claim answer lost after the commit is asked again with the same token, and the event is processed", async () => {
+  const lossy = new Lossy().loseNext("idempotency_claim", 6);
+  const carried: Promise<unknown>[] = [];
+  const gate = new WebhookGate(plane({ fetch: lossy.fetch, retry: { maxRetries: 0 } }), {
+    waitUntil: (work) => carried.push(work),
+  });
+  const org = organization();
+  const id = uniqueKey("Ev");
+  let runs = 0;
+  const ack = await gate.handle(delivery(org, id), () => {
+    runs += 1;
+    return Promise.resolve("ok");
+  });
+  assert.equal(ack.ack, "retry", "the first answer was lost: the vendor is asked to redeliver");
+  await Promise.all(carried);
+  assert.equal(runs, 1, "the claim the database made was found again and processed");
+  assert.ok(lossy.count("idempotency_claim") >= 7);
+  assert.equal((await journaled(org, id)).outcome, "completed");
+});
+
+Deno.test("an unreachable plane is a 503; an unclaimable delivery id is a counted drop", async () => {
+  const down = new WebhookGate(plane({ fetch: new Lossy().refuseAll().fetch, retry: { maxRetries: 0 } }), {
+    deadlineMs: 500,
+  });
+  const org = organization();
+  assert.equal((await down.handle(delivery(org, uniqueKey("Ev")), () => Promise.resolve(1))).status, 503);
+  const gate = new WebhookGate(plane());
+  assert.deepEqual(await gate.handle(delivery(org, ""), () => Promise.resolve(1)), {
+    ack: "dropped",
+    status: 200,
+    reason: "invalid_delivery",
+  });
+  assert.equal(gate.drops("invalid_delivery"), 1);
+});
+
+Deno.test("a lease that outlives the vendor's redeliveries is refused when the gate is built", () => {
+  assert.throws(() => new WebhookGate(plane(), { processingTimeoutMs: 10 * 60_000 }), /outlasts/);
+});
+
+Deno.test("webhookHandler answers 200 with the ack, and 503 with Retry-After", async () => {
+  const org = organization();
+  const handler = webhookHandler({
+    gate: new WebhookGate(plane()),
+    scope: SCOPE,
+    organizationOf: () => org,
+    deliveryIdOf: (request) => request.headers.get("webhook-id") ?? "",
+    process: ({ body }) => Promise.resolve({ bytes: body.length }),
+  });
+  const id = uniqueKey("Ev");
+  const post = () =>
+    handler(new Request("http://gate/slack", { method: "POST", headers: { "webhook-id": id }, body: "{}" }));
+  const first = await post();
+  assert.equal(first.status, 200);
+  assert.deepEqual(await first.json(), { ack: "processed" });
+  assert.deepEqual(await (await post()).json(), { ack: "dropped", drop_reason: "duplicate" });
+  const down = webhookHandler({
+    gate: new WebhookGate(plane({ fetch: new Lossy().refuseAll().fetch, retry: { maxRetries: 0 } })),
+    scope: SCOPE,
+    organizationOf: () => org,
+    deliveryIdOf: () => uniqueKey("Ev"),
+    process: () => Promise.resolve(1),
+  });
+  const refused = await down(new Request("http://gate/slack", { method: "POST", body: "{}" }));
+  assert.equal(refused.status, 503);
+  assert.equal(refused.headers.get("retry-after"), "1");
+  await refused.body?.cancel();
+});
