@@ -43,3 +43,32 @@ fn the_readme_lists_every_function_of_the_sql_surface_and_no_other() {
         }
     }
 }
+
+/// The README's migration that adds a scope (under "A scope of your own")
+/// applies, and a claim in that scope is then taken, with its retention.
+#[tokio::test]
+async fn the_readme_migration_that_adds_a_scope_applies_and_the_scope_claims() {
+    let readme = include_str!("../../README.md");
+    let after = readme.split("**A scope of your own**").nth(1).expect("the README shows a scope migration");
+    let sql = after.split("```sql\n").nth(1).and_then(|block| block.split("```").next()).expect("an sql block");
+    let stack = crate::harness::stack().await;
+    let service = stack.service().expect("service");
+    let org = uuid::Uuid::new_v4();
+    let hash = idempotency_plane::RequestHash::of_json(&serde_json::json!({"event": "charge.succeeded"}));
+    let before = service.claim(org, "webhook.stripe", "evt_1", &hash, std::time::Duration::from_secs(30)).await;
+    // `webhook.*` covers it before the migration; the exact row lengthens its retention.
+    assert!(before.is_ok(), "{before:?}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(stack.db()).await.expect("the README's migration applies");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(stack.db()).await.expect("and applies again (on conflict)");
+    let claimed = service.claim(org, "webhook.stripe", "evt_2", &hash, std::time::Duration::from_secs(30)).await;
+    assert!(matches!(claimed, Ok(idempotency_plane::ClaimOutcome::Claimed(_))), "{claimed:?}");
+    let retained: f64 = sqlx::query_scalar(
+        "select extract(epoch from retain_until - claimed_at)::float8 from agent.idempotency_keys where key = 'evt_2'",
+    )
+    .fetch_one(stack.db())
+    .await
+    .expect("the row");
+    // 72 hours, counted from the claim or from its 30 s lease's end.
+    assert!((72.0 * 3600.0..72.0 * 3600.0 + 35.0).contains(&retained), "retained {retained} s");
+    stack.stop().await.expect("stop");
+}
