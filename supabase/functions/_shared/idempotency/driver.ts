@@ -27,7 +27,7 @@ import { sleep } from "./client.ts";
 import { PlaneError } from "./errors.ts";
 import { requestHash as hashOf } from "./hash.ts";
 import { checkLease, type Claim, type IdempotencyPlane } from "./plane.ts";
-import { type Logger, silent } from "./log.ts";
+import { consoleLogger, type Logger } from "./log.ts";
 
 /** How long the journal may take, retries included, unless told otherwise. */
 export const DEFAULT_JOURNAL_DEADLINE_MS = 10_000;
@@ -134,9 +134,10 @@ export class EffectDriver {
   readonly plane: IdempotencyPlane;
   readonly log: Logger;
 
+  /** Events go to `log`; by default the ones that need an operator's eye go to the console as JSON. */
   constructor(plane: IdempotencyPlane, options: { log?: Logger } = {}) {
     this.plane = plane;
-    this.log = options.log ?? silent;
+    this.log = options.log ?? consoleLogger("warn");
   }
 
   /** Claims the effect's key as `attempt` (a fresh one by default). */

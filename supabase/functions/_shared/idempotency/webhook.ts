@@ -42,7 +42,7 @@ import { sleep } from "./client.ts";
 import { PlaneError } from "./errors.ts";
 import { Attempt, type Begun, EffectDriver, type EffectSpec, type Held, type Settle, Timing } from "./driver.ts";
 import type { IdempotencyPlane } from "./plane.ts";
-import { type Logger, silent } from "./log.ts";
+import { consoleLogger, type Logger } from "./log.ts";
 
 /** How long processing one delivery may take, in-process retries included. */
 export const DEFAULT_PROCESSING_TIMEOUT_MS = 15_000;
@@ -161,7 +161,7 @@ export class WebhookGate {
   readonly #drops = new Map<DropReason, number>();
 
   constructor(plane: IdempotencyPlane, options: GateOptions = {}) {
-    this.#log = options.log ?? silent;
+    this.#log = options.log ?? consoleLogger("warn");
     this.driver = new EffectDriver(plane, { log: this.#log });
     this.timing = new Timing(
       options.processingTimeoutMs ?? DEFAULT_PROCESSING_TIMEOUT_MS,
