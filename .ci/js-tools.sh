@@ -26,4 +26,4 @@ export DENO TSX
 # Deno's own cache of npm: packages, beside the tools, unless one is chosen.
 export DENO_DIR="${DENO_DIR:-$js_tools_dir/deno-cache}"
 # No colour codes in CI logs.
-export NO_COLOR=1
+export NO_COLOR=1 DENO_NO_UPDATE_CHECK=1

@@ -4,7 +4,17 @@
 //!
 //! Used by the tests, `idem demo` and `idem up`. Needs a PostgreSQL it can
 //! create databases on: `DATABASE_URL`, else `postgres://postgres@127.0.0.1:5432/postgres`.
-//! The database is dropped by [`LocalStack::stop`], or on drop.
+//! The database is dropped by [`LocalStack::stop`], or on drop, unless it is
+//! a named one ([`LocalStackConfig::with_database`]), which is kept across
+//! starts.
+//!
+//! The server answers as Supabase's API does: at its root (as plain
+//! PostgREST, which the Rust client and `curl` use) and beneath
+//! [`SUPABASE_REST_PATH`] (`/rest/v1`, where supabase-js calls), exposing the
+//! schemas `supabase/config.toml` lists ([`exposed_schemas`]), the first of
+//! which (`public`) is the default: a request that names no schema
+//! (`Content-Profile` / `Accept-Profile`) does not reach `agent`, as on
+//! Supabase.
 //!
 //! The migrations are applied once per migration set, into a template
 //! database named after a digest of every embedded migration
@@ -31,7 +41,36 @@ use crate::migrations::MIGRATIONS;
 use crate::postgrest::{ClientConfig, ClientError, PostgrestClient};
 use crate::{IdempotencyService, PostgrestRepository};
 
-pub use jwt::mint_token;
+pub use jwt::{mint_stable_token, mint_token, STABLE_KEY_EXPIRES_AT, SUPABASE_CLI_JWT_SECRET};
+
+/// Where Supabase serves PostgREST beneath a project's URL: supabase-js
+/// calls `<SUPABASE_URL>/rest/v1/rpc/...`. The local server answers there
+/// exactly as at its root.
+pub const SUPABASE_REST_PATH: &str = "/rest/v1";
+
+/// The Supabase CLI's configuration of this project, embedded: the schemas
+/// the local server exposes are read from its `[api] schemas`, so the two
+/// cannot drift.
+const SUPABASE_CONFIG_TOML: &str = include_str!("../../supabase/config.toml");
+
+/// The shortest JWT secret PostgREST accepts for HS256.
+const MIN_JWT_SECRET_BYTES: usize = 32;
+
+/// How long the keys of a stack with a random JWT secret are valid.
+const THROWAWAY_KEY_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A named database's comment: this, then the template it was copied from
+/// (which names its migration set's digest).
+const NAMED_COMMENT: &str = "idempotency-plane local database, kept across starts; migrations ";
+
+/// The longest database name PostgreSQL keeps whole (NAMEDATALEN - 1).
+const MAX_DATABASE_NAME_BYTES: usize = 63;
+
+/// Names a named database may not take: the cluster's own databases.
+const RESERVED_DATABASE_NAMES: &[&str] = &["postgres", "template0", "template1"];
+
+/// SQLSTATE duplicate_database: created meanwhile by another start.
+const DUPLICATE_DATABASE: &str = "42P04";
 
 /// The maintenance database used when `DATABASE_URL` is unset.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -121,10 +160,131 @@ pub enum LocalError {
     /// Building the client against the stack failed.
     #[error(transparent)]
     Client(#[from] ClientError),
+    /// A name given for a kept database is not one the stack may use.
+    #[error(transparent)]
+    DatabaseName(#[from] DatabaseNameError),
+    /// The named database exists but was built from another migration set
+    /// than the one this build embeds: reusing it would serve stale
+    /// functions. Reset it (`idem up --database NAME --reset`, or
+    /// [`LocalStackConfig::with_reset`]) to drop and recreate it.
+    #[error(
+        "database {name} was built from another migration set ({found}, this build has {expected}); \
+         reset it to drop and recreate it, losing its rows (idem up --database {name} --reset), or pick another name"
+    )]
+    DatabaseOutdated {
+        /// The database.
+        name: String,
+        /// The template it records it was copied from.
+        found: String,
+        /// The template of this build's migrations.
+        expected: String,
+    },
+    /// The named database exists but was not created by a local stack (it
+    /// carries no comment of ours): it is neither reused nor reset.
+    #[error(
+        "database {name} exists but was not created by idem up (it carries no idempotency-plane comment); \
+         it is left alone, even with --reset: pick another name, or drop it yourself"
+    )]
+    DatabaseNotOurs {
+        /// The database.
+        name: String,
+    },
 }
 
-/// How to start a [`LocalStack`].
-#[derive(Debug, Clone)]
+/// Why a name cannot be a kept database's ([`DatabaseName::new`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DatabaseNameError {
+    /// The name is empty.
+    #[error("a database name cannot be empty")]
+    Empty,
+    /// The name is longer than PostgreSQL keeps.
+    #[error("database name {name:?} is {len} bytes; at most 63")]
+    TooLong {
+        /// The name.
+        name: String,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The name has a character other than a lowercase ASCII letter, a digit
+    /// or `_`.
+    #[error("database name {name:?} may hold only lowercase letters a-z, digits and _")]
+    Invalid {
+        /// The name.
+        name: String,
+    },
+    /// The name starts with a prefix the stack's own databases use: the
+    /// clean-up of stale throwaway databases, or of old templates, would
+    /// take it for one of them.
+    #[error("database name {name:?} starts with {prefix}, which the local stack's own databases use")]
+    ReservedPrefix {
+        /// The name.
+        name: String,
+        /// The prefix.
+        prefix: &'static str,
+    },
+    /// The name is one of the cluster's own databases.
+    #[error("database name {name:?} is one of the cluster's own databases")]
+    Reserved {
+        /// The name.
+        name: String,
+    },
+}
+
+/// The name of a database a stack keeps across starts
+/// ([`LocalStackConfig::with_database`]): 1 to 63 bytes of lowercase ASCII
+/// letters, digits and `_`, not starting with `idem_local_` (the stack's
+/// throwaway databases, which a start drops when no session uses them) or
+/// `idem_tpl_` (its templates), and not `postgres`, `template0` or
+/// `template1`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DatabaseName(String);
+
+impl DatabaseName {
+    /// Checks `name`.
+    pub fn new(name: &str) -> Result<DatabaseName, DatabaseNameError> {
+        let owned = || name.to_owned();
+        if name.is_empty() {
+            return Err(DatabaseNameError::Empty);
+        }
+        if name.len() > MAX_DATABASE_NAME_BYTES {
+            return Err(DatabaseNameError::TooLong { name: owned(), len: name.len() });
+        }
+        if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') {
+            return Err(DatabaseNameError::Invalid { name: owned() });
+        }
+        if let Some(prefix) = [DB_PREFIX, TEMPLATE_PREFIX].into_iter().find(|prefix| name.starts_with(prefix)) {
+            return Err(DatabaseNameError::ReservedPrefix { name: owned(), prefix });
+        }
+        if RESERVED_DATABASE_NAMES.contains(&name) {
+            return Err(DatabaseNameError::Reserved { name: owned() });
+        }
+        Ok(DatabaseName(owned()))
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for DatabaseName {
+    type Err = DatabaseNameError;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        DatabaseName::new(name)
+    }
+}
+
+impl std::fmt::Display for DatabaseName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// How to start a [`LocalStack`]. `Debug` never prints the JWT secret or
+/// the database URL's password.
+#[derive(Clone)]
 pub struct LocalStackConfig {
     /// A superuser URL of the cluster's maintenance database; the stack
     /// creates its own database beside it. Default: `DATABASE_URL`, else
@@ -137,6 +297,36 @@ pub struct LocalStackConfig {
     pub pool_size: u32,
     /// The port to bind on 127.0.0.1; 0 picks a free one. Default 0.
     pub port: u16,
+    /// The HS256 secret the server verifies tokens with
+    /// ([`with_jwt_secret`](Self::with_jwt_secret)). `None`, the default: a
+    /// random secret per start, and keys ([`LocalStack::service_key`],
+    /// [`LocalStack::anon_key`]) valid for 7 days that no other start
+    /// accepts.
+    pub jwt_secret: Option<String>,
+    /// A database kept across starts ([`with_database`](Self::with_database));
+    /// `None`, the default: a throwaway database, dropped on stop.
+    pub database: Option<DatabaseName>,
+    /// With [`database`](Self::database): drop and recreate it first
+    /// ([`with_reset`](Self::with_reset)). Default false.
+    pub reset_database: bool,
+}
+
+impl std::fmt::Debug for LocalStackConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let database_url = match Url::parse(&self.database_url) {
+            Ok(url) => redacted(&url),
+            Err(_) => "<not a URL>".to_owned(),
+        };
+        f.debug_struct("LocalStackConfig")
+            .field("database_url", &database_url)
+            .field("max_rows", &self.max_rows)
+            .field("pool_size", &self.pool_size)
+            .field("port", &self.port)
+            .field("jwt_secret", &self.jwt_secret.as_ref().map(|_| "<redacted>"))
+            .field("database", &self.database)
+            .field("reset_database", &self.reset_database)
+            .finish()
+    }
 }
 
 impl Default for LocalStackConfig {
@@ -149,6 +339,9 @@ impl Default for LocalStackConfig {
             max_rows: 1000,
             pool_size: 20,
             port: 0,
+            jwt_secret: None,
+            database: None,
+            reset_database: false,
         }
     }
 }
@@ -165,15 +358,57 @@ impl LocalStackConfig {
         self.port = port;
         self
     }
+
+    /// Verifies tokens with `secret` (at least 32 bytes, PostgREST's
+    /// minimum; [`LocalStack::start`] refuses a shorter one) instead of a
+    /// random secret, and hands out *stable* keys: [`mint_stable_token`]'s,
+    /// the same strings on every start with this secret, valid until
+    /// [`STABLE_KEY_EXPIRES_AT`] (2032), so a key written down once keeps
+    /// working across restarts. With [`SUPABASE_CLI_JWT_SECRET`] they are the
+    /// Supabase CLI's own demo keys.
+    ///
+    /// Anyone who knows the secret can mint any role's key, `service_role`
+    /// included: use a public one only where the server is reached by this
+    /// machine alone (the stack binds 127.0.0.1 only).
+    pub fn with_jwt_secret(mut self, secret: impl Into<String>) -> Self {
+        self.jwt_secret = Some(secret.into());
+        self
+    }
+
+    /// Serves the database `name` and keeps it across starts instead of a
+    /// throwaway one: created as a copy of the migrations' template when
+    /// absent, reused when present, never dropped by [`LocalStack::stop`]
+    /// (nor by the clean-up of stale throwaway databases, whose prefix its
+    /// name cannot carry). The database records which migration set it was
+    /// built from (`COMMENT ON DATABASE`); a start refuses one built from
+    /// another set ([`LocalError::DatabaseOutdated`]) unless
+    /// [`with_reset`](Self::with_reset), and always refuses one it did not
+    /// create ([`LocalError::DatabaseNotOurs`]).
+    pub fn with_database(mut self, name: DatabaseName) -> Self {
+        self.database = Some(name);
+        self
+    }
+
+    /// With [`with_database`](Self::with_database): drops the database (its
+    /// rows with it, and the sessions of any server still on it) and creates
+    /// it afresh from this build's migrations. Ignored without a named
+    /// database.
+    pub fn with_reset(mut self, reset: bool) -> Self {
+        self.reset_database = reset;
+        self
+    }
 }
 
 /// A running local plane. Stop it with [`LocalStack::stop`]; dropping it
-/// also drops its database, from a helper thread. `Debug` never prints the
-/// service key or the JWT secret.
+/// also drops its database (unless it is a named one), from a helper thread.
+/// `Debug` never prints the keys or the JWT secret.
 pub struct LocalStack {
     url: String,
     service_key: String,
+    anon_key: String,
     jwt_secret: String,
+    /// A named database: kept on stop and on drop.
+    keep_database: bool,
     config: LocalStackConfig,
     db_name: String,
     db_url: Url,
@@ -196,12 +431,91 @@ impl std::fmt::Debug for LocalStack {
         f.debug_struct("LocalStack")
             .field("url", &self.url)
             .field("service_key", &"<redacted>")
+            .field("anon_key", &"<redacted>")
             .field("jwt_secret", &"<redacted>")
+            .field("keeps_database", &self.keep_database)
             .field("max_rows", &self.config.max_rows)
             .field("database", &self.db_name)
             .field("admin_url", &redacted(&self.admin_url))
             .finish_non_exhaustive()
     }
+}
+
+/// A fresh name for a throwaway database: [`DB_PREFIX`], when (UTC, to the
+/// second; [`drop_unused_databases`] reads it), the process, a random part.
+fn throwaway_name() -> String {
+    format!(
+        "{DB_PREFIX}{}_{}_{:08x}",
+        chrono::Utc::now().format("%Y%m%d%H%M%S"),
+        std::process::id(),
+        rand::random::<u32>()
+    )
+}
+
+/// The schemas the local server exposes, in order, the first being the
+/// default one (the schema of a request without `Content-Profile` /
+/// `Accept-Profile`): `supabase/config.toml`'s `[api] schemas`, read from
+/// the copy embedded at build time, so local serves what Supabase is told
+/// to. Today `public`, `graphql_public`, `agent`: a client of the plane
+/// must name schema `agent`, as on Supabase. A listed schema that does not
+/// exist (`graphql_public` on plain PostgreSQL) is served as an empty one.
+pub fn exposed_schemas() -> Result<&'static [String], LocalError> {
+    static SCHEMAS: OnceLock<Result<Vec<String>, String>> = OnceLock::new();
+    match SCHEMAS.get_or_init(|| api_schemas(SUPABASE_CONFIG_TOML)) {
+        Ok(schemas) => Ok(schemas),
+        Err(error) => Err(LocalError::Config(format!("the embedded supabase/config.toml: {error}"))),
+    }
+}
+
+/// The `schemas` of the `[api]` table of a Supabase CLI `config.toml`: a
+/// one-line array of plain double-quoted strings, which is all this reads.
+fn api_schemas(toml: &str) -> Result<Vec<String>, String> {
+    let mut table = String::new();
+    for line in toml.lines().map(str::trim) {
+        if let Some(header) = line.strip_prefix('[') {
+            table = header.split_once(']').map(|(name, _)| name.trim().to_owned()).unwrap_or_default();
+            continue;
+        }
+        let Some(value) = line.strip_prefix("schemas").map(str::trim_start).and_then(|rest| rest.strip_prefix('='))
+        else {
+            continue;
+        };
+        if table != "api" {
+            continue;
+        }
+        let (items, after) = value
+            .trim()
+            .strip_prefix('[')
+            .and_then(|rest| rest.split_once(']'))
+            .ok_or("[api] schemas is not a one-line array")?;
+        if !(after.trim().is_empty() || after.trim_start().starts_with('#')) {
+            return Err(format!("[api] schemas: unexpected {:?} after the array", after.trim()));
+        }
+        let mut schemas = Vec::new();
+        for item in items.split(',').map(str::trim).filter(|item| !item.is_empty()) {
+            let schema = item
+                .strip_prefix('"')
+                .and_then(|rest| rest.strip_suffix('"'))
+                .filter(|name| !name.is_empty() && !name.contains(['"', '\\']))
+                .ok_or_else(|| format!("[api] schemas: {item} is not a plain double-quoted name"))?;
+            if schemas.iter().any(|known| known == schema) {
+                return Err(format!("[api] schemas lists {schema} twice"));
+            }
+            schemas.push(schema.to_owned());
+        }
+        if schemas.is_empty() {
+            return Err("[api] schemas is empty".into());
+        }
+        return Ok(schemas);
+    }
+    Err("no schemas in its [api] table".into())
+}
+
+/// The server's router at its root and again beneath
+/// [`SUPABASE_REST_PATH`]: the nested copy sees the path with the prefix
+/// taken off, so every route, layer and header answers there as at the root.
+fn with_supabase_path(router: axum::Router) -> axum::Router {
+    axum::Router::new().nest_service(SUPABASE_REST_PATH, router.clone()).fallback_service(router)
 }
 
 /// Serves `router` on `listener` until the returned sender fires.
@@ -222,18 +536,29 @@ impl LocalStack {
     /// Creates a database (a copy of the migration set's template, built
     /// first when missing) and serves it. Databases earlier stacks left
     /// behind are dropped first, but only those no session is connected to:
-    /// a live stack keeps one open on its database.
+    /// a live stack keeps one open on its database. With
+    /// [`LocalStackConfig::with_database`], serves that database instead,
+    /// created when absent and kept on stop.
     pub async fn start(config: LocalStackConfig) -> Result<LocalStack, LocalError> {
-        let db_name = format!(
-            "{DB_PREFIX}{}_{}_{:08x}",
-            chrono::Utc::now().format("%Y%m%d%H%M%S"),
-            std::process::id(),
-            rand::random::<u32>()
-        );
+        let db_name = match &config.database {
+            Some(name) => name.as_str().to_owned(),
+            None => throwaway_name(),
+        };
         Self::start_as(config, db_name).await
     }
 
     async fn start_as(config: LocalStackConfig, db_name: String) -> Result<LocalStack, LocalError> {
+        let keep_database = config.database.is_some();
+        if let Some(secret) = &config.jwt_secret {
+            if secret.len() < MIN_JWT_SECRET_BYTES {
+                return Err(LocalError::Config(format!(
+                    "the JWT secret is {} bytes; PostgREST needs at least {MIN_JWT_SECRET_BYTES}",
+                    secret.len()
+                )));
+            }
+        }
+        // Read before anything is created: a broken embedded config fails here.
+        exposed_schemas()?;
         let admin_url = Url::parse(&config.database_url)
             .map_err(|e| LocalError::Config(format!("DATABASE_URL is not a URL: {e}")))?;
         let admin_url = without_loopback_tls(admin_url);
@@ -249,7 +574,12 @@ impl LocalStack {
             .execute(&mut admin)
             .await
             .map_err(database_error)?;
-        create_from_template(&mut admin, &admin_url, MigrationSet::embedded(), &db_name).await?;
+        if keep_database {
+            open_named_database(&mut admin, &admin_url, MigrationSet::embedded(), &db_name, config.reset_database)
+                .await?;
+        } else {
+            create_from_template(&mut admin, &admin_url, MigrationSet::embedded(), &db_name).await?;
+        }
 
         let mut db_url = admin_url.clone();
         db_url.set_path(&format!("/{db_name}"));
@@ -262,7 +592,10 @@ impl LocalStack {
             let keeper = PgConnection::connect_with(&keeper_options).await.map_err(stack_error)?;
             let db = PgPool::connect(db_url.as_str()).await.map_err(stack_error)?;
             apply_cluster_wide_migrations(&db).await?;
-            let jwt_secret = hex::encode(rand::random::<[u8; 32]>());
+            let jwt_secret = match &config.jwt_secret {
+                Some(secret) => secret.clone(),
+                None => hex::encode(rand::random::<[u8; 32]>()),
+            };
             let router = build_router(&config, &db_url, &jwt_secret).await?;
             let listener = bind_listener(config.port, picked_port)?;
             Ok::<_, LocalError>((keeper, db, jwt_secret, listener, router))
@@ -271,7 +604,10 @@ impl LocalStack {
         let (keeper, db, jwt_secret, listener, router) = match stack_result {
             Ok(parts) => parts,
             Err(error) => {
-                let _ = drop_database(&mut admin, &db_name).await;
+                // A named database is complete as created, and may hold rows.
+                if !keep_database {
+                    let _ = drop_database(&mut admin, &db_name).await;
+                }
                 return Err(error);
             }
         };
@@ -280,12 +616,18 @@ impl LocalStack {
         let address =
             listener.local_addr().map_err(|e| LocalError::Server(format!("reading the bound address: {e}")))?;
         let (shutdown, server) = serve(listener, router);
-        let service_key = mint_token(&jwt_secret, "service_role", Duration::from_secs(7 * 24 * 3600));
-        tracing::info!(url = %format!("http://{address}"), database = %db_name, "local plane up");
+        let key = |role| match config.jwt_secret {
+            Some(_) => mint_stable_token(&jwt_secret, role),
+            None => mint_token(&jwt_secret, role, THROWAWAY_KEY_TTL),
+        };
+        let (service_key, anon_key) = (key("service_role"), key("anon"));
+        tracing::info!(url = %format!("http://{address}"), database = %db_name, kept = keep_database, "local plane up");
         Ok(LocalStack {
             url: format!("http://{address}"),
             service_key,
+            anon_key,
             jwt_secret,
+            keep_database,
             config: LocalStackConfig { port: address.port(), ..config },
             db_name,
             db_url,
@@ -299,14 +641,29 @@ impl LocalStack {
         })
     }
 
-    /// The server's root URL, e.g. `http://127.0.0.1:41234`.
+    /// The server's root URL, e.g. `http://127.0.0.1:41234`: PostgREST's
+    /// root, and a Supabase project URL (`SUPABASE_URL`) too, since the same
+    /// API answers beneath [`SUPABASE_REST_PATH`].
     pub fn url(&self) -> &str {
         &self.url
     }
 
-    /// A `service_role` JWT the server accepts.
+    /// A `service_role` JWT the server accepts: valid 7 days with a random
+    /// secret, or the stable key of [`LocalStackConfig::with_jwt_secret`].
     pub fn service_key(&self) -> &str {
         &self.service_key
+    }
+
+    /// An `anon` JWT the server accepts, as Supabase's anon key is one
+    /// (valid as long as [`service_key`](Self::service_key)). The `anon`
+    /// role may execute none of the plane's functions.
+    pub fn anon_key(&self) -> &str {
+        &self.anon_key
+    }
+
+    /// Whether the database is a named one, kept on stop.
+    pub fn keeps_database(&self) -> bool {
+        self.keep_database
     }
 
     /// A JWT for any `role`, signed with the server's secret.
@@ -372,12 +729,17 @@ impl LocalStack {
         Ok(IdempotencyService::new(PostgrestRepository::new(client)))
     }
 
-    /// Stops the server and drops the database.
+    /// Stops the server and drops the database, unless it is a named one
+    /// ([`keeps_database`](Self::keeps_database)), which is kept.
     pub async fn stop(mut self) -> Result<(), LocalError> {
         self.stop_server().await;
         self.db.close().await;
         if let Some(keeper) = self.keeper.take() {
             let _ = keeper.close().await;
+        }
+        if self.keep_database {
+            self.dropped = true;
+            return Ok(());
         }
         let mut admin = PgConnection::connect(self.admin_url.as_str())
             .await
@@ -391,13 +753,17 @@ impl LocalStack {
 
 impl Drop for LocalStack {
     /// A stack that was not stopped (a test that panicked) still drops its
-    /// database: from a thread of its own, since this may run inside a runtime.
+    /// database, unless it is a named one: from a thread of its own, since
+    /// this may run inside a runtime.
     fn drop(&mut self) {
         if self.dropped {
             return;
         }
         if let Some(shutdown) = self.shutdown.take() {
             let _ = shutdown.send(());
+        }
+        if self.keep_database {
+            return;
         }
         let admin_url = self.admin_url.clone();
         let db_name = self.db_name.clone();
@@ -487,8 +853,7 @@ async fn create_from_template(
     let (mut in_use, mut rebuilt) = (0, 0);
     loop {
         let template = ensure_template(admin, admin_url, set).await?;
-        // Both names are ours (ASCII letters, digits, '_'), so quoting them is safe.
-        let create = format!("create database \"{db_name}\" template \"{template}\"");
+        let create = format!("create database {} template {}", quote_ident(db_name), quote_ident(template));
         let Err(source) = admin.execute(AssertSqlSafe(create)).await else {
             return Ok(());
         };
@@ -504,6 +869,87 @@ async fn create_from_template(
             _ => return Err(LocalError::Database { url: redacted(admin_url), source }),
         }
     }
+}
+
+/// Makes the named database `name` ready to serve, under the shared set-up
+/// lock: reused when it records the template of `set` (its comment, see
+/// [`NAMED_COMMENT`]); created when absent; dropped and created again when
+/// `reset`. Refuses one that records another template
+/// ([`LocalError::DatabaseOutdated`]), and one without our comment
+/// ([`LocalError::DatabaseNotOurs`]), reset or not.
+///
+/// It is created whole under a throwaway name (so a start killed half-way
+/// leaves a database the stale clean-up drops), given its comment, then
+/// renamed: no start ever sees it under its name without its comment.
+async fn open_named_database(
+    admin: &mut PgConnection,
+    admin_url: &Url,
+    set: &MigrationSet,
+    name: &str,
+    reset: bool,
+) -> Result<(), LocalError> {
+    let database_error = |source| LocalError::Database { url: redacted(admin_url), source };
+    let expected = format!("{NAMED_COMMENT}{}", set.template);
+    let mut reset_pending = reset;
+    // A concurrent start of the same name can create or reset it between
+    // the look-up and the rename: look again, a few times.
+    for _ in 0..4 {
+        let comment: Option<Option<String>> = sqlx::query_scalar(
+            "select pg_catalog.shobj_description(oid, 'pg_database') from pg_catalog.pg_database where datname = $1",
+        )
+        .bind(name)
+        .fetch_optional(&mut *admin)
+        .await
+        .map_err(database_error)?;
+        match comment {
+            Some(comment) => {
+                let Some(found) = comment.as_deref().and_then(|c| c.strip_prefix(NAMED_COMMENT)) else {
+                    return Err(LocalError::DatabaseNotOurs { name: name.to_owned() });
+                };
+                if reset_pending {
+                    drop_database(admin, name).await.map_err(database_error)?;
+                    tracing::info!(database = %name, "named local database reset");
+                    reset_pending = false;
+                    continue;
+                }
+                if comment.as_deref() == Some(expected.as_str()) {
+                    return Ok(());
+                }
+                return Err(LocalError::DatabaseOutdated {
+                    name: name.to_owned(),
+                    found: found.to_owned(),
+                    expected: set.template.clone(),
+                });
+            }
+            None => {
+                let building = throwaway_name();
+                create_from_template(admin, admin_url, set, &building).await?;
+                let named = async {
+                    let comment =
+                        format!("comment on database {} is {}", quote_ident(&building), quote_literal(&expected));
+                    admin.execute(AssertSqlSafe(comment)).await?;
+                    let rename = format!("alter database {} rename to {}", quote_ident(&building), quote_ident(name));
+                    admin.execute(AssertSqlSafe(rename)).await
+                }
+                .await;
+                match named {
+                    Ok(_) => {
+                        tracing::info!(database = %name, "named local database created");
+                        return Ok(());
+                    }
+                    Err(source) => {
+                        let _ = drop_database(admin, &building).await;
+                        if sqlstate(&source).as_deref() != Some(DUPLICATE_DATABASE) {
+                            return Err(database_error(source));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Err(LocalError::Config(format!(
+        "database {name} kept being created or dropped by another start meanwhile; try again"
+    )))
 }
 
 /// Returns the template of `set`, building it when it is missing.
@@ -676,7 +1122,7 @@ async fn build_router(config: &LocalStackConfig, db_url: &Url, jwt_secret: &str)
         for uri in [&authenticator_url, db_url] {
             let mut server_config = postrust_core::AppConfig::default();
             server_config.db_uri = uri.to_string();
-            server_config.db_schemas = vec!["agent".into()];
+            server_config.db_schemas = exposed_schemas()?.to_vec();
             server_config.db_anon_role = Some("anon".into());
             server_config.db_pool_size = config.pool_size;
             server_config.db_max_rows = Some(i64::from(config.max_rows));
@@ -685,7 +1131,7 @@ async fn build_router(config: &LocalStackConfig, db_url: &Url, jwt_secret: &str)
             server_config.server_host = "127.0.0.1".into();
             server_config.server_port = config.port;
             match postrust_server::build(server_config, postrust_server::Host::SERVER).await {
-                Ok(app) => return Ok(app.router),
+                Ok(app) => return Ok(with_supabase_path(app.router)),
                 Err(error) => {
                     tracing::debug!(uri = %redacted(uri), %error, round, "local server could not start with this login");
                     last_error = format!("{error:#}");
@@ -755,8 +1201,23 @@ fn set_reuseport(_: &tokio::net::TcpSocket) -> std::io::Result<()> {
 }
 
 async fn drop_database(admin: &mut PgConnection, name: &str) -> Result<(), sqlx::Error> {
-    // `name` is one of ours, read back from pg_database or generated above.
-    admin.execute(AssertSqlSafe(format!("drop database if exists \"{name}\" with (force)"))).await.map(|_| ())
+    admin
+        .execute(AssertSqlSafe(format!("drop database if exists {} with (force)", quote_ident(name))))
+        .await
+        .map(|_| ())
+}
+
+/// `name` as a quoted SQL identifier: in double quotes, each one inside
+/// doubled. The names quoted here are ours or [`DatabaseName`]s, which hold
+/// no quote at all; the quoting holds whatever they hold.
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// `text` as a quoted SQL string literal (standard_conforming_strings, on
+/// since PostgreSQL 9.1: a backslash is an ordinary character).
+fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
 }
 
 /// Drops databases this module created in runs that were killed before they
@@ -836,6 +1297,68 @@ mod tests {
             assert!(digest.len() == 16 && digest.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
             assert!(!name.starts_with(DB_PREFIX), "never taken for a stack's database");
         }
+    }
+
+    #[test]
+    fn the_exposed_schemas_are_supabase_config_tomls_with_public_first() {
+        let schemas = exposed_schemas().expect("the embedded config.toml parses");
+        assert_eq!(schemas, ["public", "graphql_public", "agent"]);
+        // The client's schema is exposed, but only when named.
+        let client = ClientConfig::new("http://x", "k").expect("a config").schema;
+        assert!(schemas.contains(&client) && schemas[0] != client, "{client}");
+    }
+
+    #[test]
+    fn the_schemas_line_is_read_from_the_api_table_only_and_strictly() {
+        let read = |toml: &str| api_schemas(toml);
+        let toml = "[db]\nschemas = [\"db\"]\n[api] # the API\nenabled = true\n  schemas = [ \"a\" , \"b\", ] # x\n";
+        assert_eq!(read(toml), Ok(vec!["a".to_owned(), "b".to_owned()]));
+        assert_eq!(read("[api]\nschemas_x = [\"a\"]\nschemas=[\"c\"]"), Ok(vec!["c".to_owned()]));
+        for broken in [
+            "[db]\nschemas = [\"a\"]",
+            "[api]\nschemas = []",
+            "[api]\nschemas = [\n\"a\"]",
+            "[api]\nschemas = [\"a\"] extra",
+            "[api]\nschemas = ['a']",
+            "[api]\nschemas = [\"a\", \"a\"]",
+            "[api]\nschemas = [\"a\\\"b\"]",
+        ] {
+            assert!(read(broken).is_err(), "{broken:?} read as {:?}", read(broken));
+        }
+    }
+
+    #[test]
+    fn a_kept_database_name_is_plain_short_and_never_one_the_clean_ups_take() {
+        for good in ["idem_dev", "a", "x1_2", &"n".repeat(63), "idem_localx", "idem_tplx"] {
+            assert_eq!(DatabaseName::new(good).map(|n| n.as_str().to_owned()), Ok(good.to_owned()));
+        }
+        let refused = |name: &str| DatabaseName::new(name).expect_err(name);
+        assert_eq!(refused(""), DatabaseNameError::Empty);
+        assert!(matches!(refused(&"n".repeat(64)), DatabaseNameError::TooLong { len: 64, .. }));
+        for bad in ["Idem", "idem-dev", "idem dev", "idem\"; drop database postgres; --", "é", "a.b"] {
+            assert!(matches!(refused(bad), DatabaseNameError::Invalid { .. }), "{bad}");
+        }
+        for (bad, prefix) in [(format!("{DB_PREFIX}x"), DB_PREFIX), (format!("{TEMPLATE_PREFIX}x"), TEMPLATE_PREFIX)] {
+            assert_eq!(refused(&bad), DatabaseNameError::ReservedPrefix { name: bad.clone(), prefix });
+        }
+        for bad in ["postgres", "template0", "template1"] {
+            assert!(matches!(refused(bad), DatabaseNameError::Reserved { .. }), "{bad}");
+        }
+        // Quoting holds whatever a name holds.
+        assert_eq!(quote_ident(r#"a"b"#), r#""a""b""#);
+        assert_eq!(quote_literal("it's"), "'it''s'");
+    }
+
+    #[test]
+    fn debug_never_prints_the_jwt_secret_or_a_password() {
+        let config = LocalStackConfig {
+            database_url: "postgres://u:hunter2@127.0.0.1/postgres".into(),
+            ..LocalStackConfig::default()
+        }
+        .with_jwt_secret("a-secret-of-at-least-thirty-two-bytes-long");
+        let printed = format!("{config:?}");
+        assert!(!printed.contains("hunter2") && !printed.contains("a-secret-of"), "{printed}");
+        assert!(printed.contains("jwt_secret: Some(\"<redacted>\")"), "{printed}");
     }
 
     #[test]

@@ -17,6 +17,8 @@
 
 #[cfg(feature = "local")]
 mod cli;
+#[cfg(all(feature = "local", unix))]
+mod cli_up;
 mod conformance;
 mod endings;
 mod faults;
@@ -59,6 +61,8 @@ mod stack_load;
 mod stack_saved_search;
 #[cfg(feature = "local")]
 mod stack_security;
+#[cfg(feature = "local")]
+mod stack_supabase_paths;
 #[cfg(feature = "local")]
 mod stack_surface;
 #[cfg(feature = "local")]

@@ -1,35 +1,84 @@
 //! `idem up`: serve the embedded local stack until Ctrl-C.
+//!
+//! **Credentials.** `idem up` verifies tokens with the Supabase CLI's own
+//! local JWT secret (`super-secret-jwt-token-with-at-least-32-characters-long`,
+//! publicly known) and hands out the CLI's demo `service_role` and `anon`
+//! keys (`exp` 1983812996, 2032), exactly as `supabase start` does. The
+//! keys, and so the env file, are the same on every start: a key written
+//! into a `.env` keeps working across restarts, and code written against
+//! `supabase start` runs unchanged. A public secret protects nothing, which
+//! is acceptable here only because the server listens on 127.0.0.1 alone:
+//! whoever can reach it is a local user, who could reach the PostgreSQL
+//! beneath it anyway. (The tests, `idem demo` and `idem bench` keep a random
+//! secret per start.)
+//!
+//! **Database.** Without `--database`, a throwaway copy of the migrations'
+//! template, dropped on stop. With `--database NAME`, that database, kept
+//! across restarts; see `LocalStackConfig::with_database`.
 
 use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::local::{
+    DatabaseName, LocalStack, LocalStackConfig, SUPABASE_CLI_JWT_SECRET, SUPABASE_REST_PATH,
+};
 
 use crate::{signal, BoxError};
 
 /// Options of `idem up`.
 #[derive(Debug, clap::Args)]
+#[command(after_help = "The server listens on 127.0.0.1 only. It signs and accepts the Supabase CLI's \
+    public local JWT secret, so its service_role and anon keys are the CLI's demo keys: the same on \
+    every start, valid until 2032. Never expose the port beyond this machine.")]
 pub(crate) struct UpArgs {
-    /// The port to serve on, on 127.0.0.1; 0 picks a free one.
+    /// The port to serve on, on 127.0.0.1; 0 picks a free one. The REST
+    /// API answers at the root and at /rest/v1 (where supabase-js calls).
     #[arg(long, default_value_t = 0)]
     port: u16,
     /// The server's row cap (PostgREST's db-max-rows).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     max_rows: u32,
-    /// Once serving, also write the connection details to this file as
-    /// `IDEM_POSTGREST_URL=`, `IDEM_SERVICE_KEY=` and `IDEM_MAX_ROWS=` lines
-    /// (sourceable by a shell, readable as a dotenv file). The file appears
-    /// whole (written beside it as PATH.tmp, then renamed), readable by its
-    /// owner only, and is removed on stop.
+    /// Serve the database NAME and keep it across restarts, instead of a
+    /// throwaway one dropped on stop: created from the migrations when
+    /// absent, reused when present. Refused when it was built from other
+    /// migrations (use --reset) or not by idem up. NAME: lowercase letters,
+    /// digits and _, at most 63 bytes, not starting with idem_local_ or
+    /// idem_tpl_.
+    #[arg(long, value_name = "NAME")]
+    database: Option<DatabaseName>,
+    /// With --database: drop the database (and its rows) and create it
+    /// afresh from this build's migrations.
+    #[arg(long, requires = "database")]
+    reset: bool,
+    /// Once serving, also write the connection details to this file, one
+    /// NAME=value line each (sourceable by a shell, readable as a dotenv
+    /// file): IDEM_POSTGREST_URL (the root URL), IDEM_SERVICE_KEY and
+    /// IDEM_MAX_ROWS for the Rust client and `idem`; SUPABASE_URL (the same
+    /// root: supabase-js adds /rest/v1 itself), SUPABASE_SERVICE_ROLE_KEY
+    /// and SUPABASE_SECRET_KEY (both the service_role JWT: hosted Supabase's
+    /// secret key is an opaque sb_secret_… key, which only its gateway
+    /// understands; `idem` and the Rust client read IDEM_SERVICE_KEY first,
+    /// and refuse a JWT in SUPABASE_SECRET_KEY alone) and SUPABASE_ANON_KEY
+    /// (an anon JWT) for supabase-js.
+    /// The same on every start on the same port. The file appears whole
+    /// (written beside it as PATH.tmp, then renamed), readable by its owner
+    /// only, and is removed on stop.
     #[arg(long, value_name = "PATH")]
     env_file: Option<PathBuf>,
 }
 
 /// Starts the stack, prints how to reach it, serves until a signal, stops.
 pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
-    let config = LocalStackConfig::default().with_max_rows(args.max_rows).with_port(args.port);
+    let mut config = LocalStackConfig::default()
+        .with_max_rows(args.max_rows)
+        .with_port(args.port)
+        .with_jwt_secret(SUPABASE_CLI_JWT_SECRET)
+        .with_reset(args.reset);
+    if let Some(name) = args.database {
+        config = config.with_database(name);
+    }
     let stack = LocalStack::start(config).await?;
     if let Some(path) = &args.env_file {
         if let Err(error) = write_env_file(path, &stack) {
@@ -48,6 +97,7 @@ pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
         Err(error) => eprintln!("could not wait for a signal ({error}): stopping"),
     }
     let database = stack.database_name().to_owned();
+    let kept = stack.keeps_database();
     if let Some(path) = &args.env_file {
         // The details name a server that is going away.
         if let Err(error) = std::fs::remove_file(path) {
@@ -56,19 +106,35 @@ pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
     }
     stack.stop().await?;
     signal?;
-    println!("stopped; database {database} dropped");
+    match kept {
+        true => println!("stopped; database {database} kept"),
+        false => println!("stopped; database {database} dropped"),
+    }
     Ok(crate::exit::ok())
+}
+
+/// The env file's lines: what the Rust tools read, then what supabase-js
+/// code reads. Nothing in it depends on the start but the port.
+fn env_file_contents(stack: &LocalStack) -> String {
+    let (url, service_key) = (stack.url(), stack.service_key());
+    [
+        ("IDEM_POSTGREST_URL", url),
+        ("IDEM_SERVICE_KEY", service_key),
+        ("IDEM_MAX_ROWS", &stack.max_rows().to_string()),
+        ("SUPABASE_URL", url),
+        ("SUPABASE_SERVICE_ROLE_KEY", service_key),
+        ("SUPABASE_SECRET_KEY", service_key),
+        ("SUPABASE_ANON_KEY", stack.anon_key()),
+    ]
+    .iter()
+    .map(|(name, value)| format!("{name}={value}\n"))
+    .collect()
 }
 
 /// Writes the stack's connection details to `path` atomically: a reader that
 /// waits for the file never sees it half written.
 fn write_env_file(path: &Path, stack: &LocalStack) -> std::io::Result<()> {
-    let contents = format!(
-        "IDEM_POSTGREST_URL={}\nIDEM_SERVICE_KEY={}\nIDEM_MAX_ROWS={}\n",
-        stack.url(),
-        stack.service_key(),
-        stack.max_rows()
-    );
+    let contents = env_file_contents(stack);
     let mut tmp = OsString::from(path.as_os_str());
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
@@ -101,9 +167,14 @@ fn print_banner(stack: &LocalStack) {
     println!("idem up: the local idempotency plane is serving");
     println!();
     println!("  url          {url}");
+    println!("               (REST at the root and at {url}{SUPABASE_REST_PATH}; use it as SUPABASE_URL)");
     println!("  service key  {key}");
-    println!("               (a throwaway service_role key, signed by this stack only)");
-    println!("  database     {} (dropped on stop)", stack.database_name());
+    println!("  anon key     {}", stack.anon_key());
+    println!("               (the Supabase CLI's public demo keys: loopback only, the same on every start)");
+    match stack.keeps_database() {
+        true => println!("  database     {} (kept across restarts)", stack.database_name()),
+        false => println!("  database     {} (dropped on stop)", stack.database_name()),
+    }
     println!("  max rows     {}", stack.max_rows());
     println!();
     println!("try it:");
@@ -114,10 +185,11 @@ fn print_banner(stack: &LocalStack) {
     println!(
         "    -d '{{\"p_organization_id\":\"00000000-0000-0000-0000-000000000001\",\"p_scope\":\"tool.email.send\",\"p_key\":\"run-1:step-3\"}}'"
     );
+    println!("  (supabase-js: createClient('{url}', key).schema('agent').rpc('idempotency_get', {{...}}))");
     println!();
     println!("run the demo against it, from another terminal:");
     println!("  IDEM_POSTGREST_URL={url} IDEM_SERVICE_KEY={key} IDEM_MAX_ROWS={} \\", stack.max_rows());
-    println!("    cargo run --release --features local -- demo");
+    println!("    cargo run --release --features local -- demo --remote");
     println!();
     println!("serving; Ctrl-C to stop");
 }

@@ -255,7 +255,7 @@ export class WebhookGate {
         delivery_id: delivery.deliveryId,
         error: String(error),
       });
-      say(this.#unavailable(error));
+      say(this.#unavailable(error, { scope: delivery.scope, key: delivery.deliveryId }));
     });
     this.#waitUntil?.(carried);
     let timer: ReturnType<typeof setTimeout> | undefined;
@@ -332,7 +332,7 @@ export class WebhookGate {
     let answered = false;
     if (error instanceof PlaneError && error.mayHaveWritten) {
       // The vendor hears now; the gate keeps asking as the same attempt.
-      say(this.#unavailable(error));
+      say(this.#unavailable(error, spec));
       answered = true;
       try {
         begun = await this.driver.beginUntil(spec, attempt, askUntil);
@@ -360,7 +360,7 @@ export class WebhookGate {
       this.#sayDrop(say, "invalid_delivery", false);
       return undefined;
     }
-    if (!answered) say(this.#unavailable(error));
+    if (!answered) say(this.#unavailable(error, spec));
     return undefined;
   }
 
