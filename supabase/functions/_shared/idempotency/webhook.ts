@@ -420,10 +420,12 @@ export class WebhookGate {
     return { ack: "dropped", status: 200, reason };
   }
 
-  #unavailable(error: unknown): Ack {
+  #unavailable(error: unknown, where: { scope?: string; key?: string } = {}): Ack {
     this.#log({
       event: "webhook.unavailable",
       level: "error",
+      scope: where.scope,
+      delivery_id: where.key,
       error: error instanceof Error ? error.message : String(error),
     });
     return { ack: "retry", status: 503, reason: "plane_unavailable" };
