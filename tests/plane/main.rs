@@ -62,6 +62,8 @@ mod stack_security;
 #[cfg(feature = "local")]
 mod stack_surface;
 #[cfg(feature = "local")]
+mod stack_sql_sweep;
+#[cfg(feature = "local")]
 mod stack_sweeper;
 #[cfg(feature = "local")]
 mod stack_tool;
