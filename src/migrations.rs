@@ -12,4 +12,5 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0010_http_scopes.sql", include_str!("../sql/0010_http_scopes.sql")),
     ("0011_functions_only.sql", include_str!("../sql/0011_functions_only.sql")),
     ("0012_fenced_admission.sql", include_str!("../sql/0012_fenced_admission.sql")),
+    ("0013_sweep.sql", include_str!("../sql/0013_sweep.sql")),
 ];

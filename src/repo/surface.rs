@@ -42,6 +42,7 @@ pub(crate) const COMPLETE: SqlFunction = function(
 pub(crate) const RELEASE: SqlFunction = function("idempotency_release", "p_claim_id uuid, p_lease_token uuid");
 pub(crate) const EXPIRED: SqlFunction = function("idempotency_expired", "p_limit integer");
 pub(crate) const DELETE_EXPIRED: SqlFunction = function("idempotency_delete_expired", "p_ids uuid[]");
+pub(crate) const SWEEP: SqlFunction = function("idempotency_sweep", "p_bound integer, p_row_cap integer");
 pub(crate) const RUN_ADMIT: SqlFunction = function(
     "run_admit",
     "p_organization_id uuid, p_start_key text, p_input jsonb, p_admission_token uuid, p_claim_id uuid, \
@@ -65,6 +66,7 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     RELEASE,
     EXPIRED,
     DELETE_EXPIRED,
+    SWEEP,
     RUN_ADMIT,
     RUN_GET,
     PROVIDER_JOB_REGISTER,

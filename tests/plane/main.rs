@@ -5,9 +5,10 @@
 //! replay PostgREST's exact responses with wiremock; `hostile_*` feed hostile
 //! input to the pure parts, the stack and the client; `support` holds the
 //! helpers several of them share, and `proxy` a reverse proxy that delays
-//! or drops chosen RPC answers of a real server.
+//! or drops chosen RPC answers of a real server. `pg_cron` runs the README's
+//! Supabase Cron recipe through pg_cron, on a PostgreSQL cluster of its own.
 
-//! The `stack_*`, `hostile_keys`, `cli` and `harness` modules need the
+//! The `stack_*`, `hostile_keys`, `cli`, `pg_cron` and `harness` modules need the
 //! embedded stack (feature `local`): the README's test command, `cargo test
 //! --features local`, turns it on. Everything else — wiremock, property,
 //! conformance on the in-memory repository, callers on it, the drift and
@@ -36,6 +37,8 @@ mod hostile_servers;
 mod hostile_validation;
 mod migrations_drift;
 mod on_memory;
+#[cfg(feature = "local")]
+mod pg_cron;
 mod proxy;
 #[cfg(feature = "local")]
 mod random_endings;
@@ -62,6 +65,7 @@ mod stack_saved_search;
 #[cfg(feature = "local")]
 mod stack_security;
 #[cfg(feature = "local")]
+mod stack_sql_sweep;
 mod stack_supabase_paths;
 #[cfg(feature = "local")]
 mod stack_surface;

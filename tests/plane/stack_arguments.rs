@@ -88,6 +88,10 @@ fn surface() -> Vec<Call> {
             arguments: vec![("p_ids", format!("{{{CLAIM_ID}}}"), true)],
         },
         Call {
+            sql: "select * from agent.idempotency_sweep($1::integer, $2::integer)",
+            arguments: vec![("p_bound", "10".to_owned(), true), ("p_row_cap", "1000".to_owned(), true)],
+        },
+        Call {
             sql: "select * from agent.run_admit($1::uuid, $2, $3::jsonb, $4::uuid, $5::uuid, $6::uuid)",
             arguments: vec![
                 ("p_organization_id", ORG.to_owned(), true),
@@ -210,7 +214,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 48, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 50, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 

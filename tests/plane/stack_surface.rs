@@ -22,6 +22,7 @@ const SURFACE: &[(&str, &str)] = &[
     ("idempotency_release", "p_claim_id,p_lease_token"),
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
+    ("idempotency_sweep", "p_bound,p_row_cap"),
     ("run_admit", "p_organization_id,p_start_key,p_input,p_admission_token,p_claim_id,p_lease_token"),
     ("run_get", "p_organization_id,p_start_key,p_admission_token"),
     ("provider_job_register", "p_organization_id,p_provider,p_job_id"),
@@ -62,6 +63,7 @@ async fn every_function_runs_as_the_planes_owner_with_an_empty_search_path_for_s
                 | "idempotency_complete"
                 | "idempotency_release"
                 | "idempotency_delete_expired"
+                | "idempotency_sweep"
                 | "run_admit"
                 | "provider_job_register"
         );
