@@ -522,7 +522,7 @@ async function handle(config: Config, handler: Handler, req: Request): Promise<R
   const settled = await journal(config, held, stored, bodyBytes);
   config.log({
     event: "idempotency.http",
-    level: settled.ending === "journaled" ? "info" : "error",
+    level: settled.ending === "journaled" ? "info" : settled.ending === "left_to_lease" ? "error" : "warn",
     ...event,
     outcome: "claimed",
     ending: settled.ending,
