@@ -69,7 +69,9 @@ set +a
 
 cd "$functions"
 echo "ts-tests: $("$DENO" --version | head -n 1), against $IDEM_POSTGREST_URL"
-"$DENO" check --frozen _shared/idempotency/mod.ts
+"$DENO" fmt --check
+"$DENO" lint
+"$DENO" check --frozen _shared/idempotency/mod.ts orders/index.ts tests/
 "$DENO" test --frozen --allow-net --allow-env --allow-read tests/
 echo "ts-tests: node $(node --version), tsx $("$TSX" --version | sed -n 's/^tsx v//p')"
 "$TSX" tests/node_check.ts

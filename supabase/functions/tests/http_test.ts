@@ -1,0 +1,601 @@
+// The Idempotency-Key middleware (http.ts) and its parts. The fingerprint,
+// scope, key and stored-form tests need nothing; the rest run against a real
+// plane: IDEM_POSTGREST_URL and IDEM_SERVICE_KEY, as `idem up --env-file`
+// writes them (the runner starts one).
+//
+//   cd supabase/functions && deno test --allow-net --allow-env tests/http_test.ts
+
+import {
+  canonicalize,
+  fingerprint,
+  idempotencyKey,
+  IdempotencyPlane,
+  planeKey,
+  type PlaneOptions,
+  scopeOf,
+  silent,
+  withIdempotencyKey,
+} from "../_shared/idempotency/mod.ts";
+import type { IdempotencyKeyOptions } from "../_shared/idempotency/http.ts";
+import { exactNumber } from "../_shared/idempotency/fingerprint.ts";
+import { replay, storedOf } from "../_shared/idempotency/stored_response.ts";
+
+function assert(condition: unknown, message = "assertion failed"): asserts condition {
+  if (!condition) throw new Error(message);
+}
+
+function assertEquals(actual: unknown, expected: unknown, message = ""): void {
+  const a = canonicalize(actual ?? null);
+  const e = canonicalize(expected ?? null);
+  if (a !== e) throw new Error(`${message ? message + ": " : ""}expected ${e}, got ${a}`);
+}
+
+async function assertRejects(run: () => unknown, pattern: RegExp): Promise<void> {
+  try {
+    await run();
+  } catch (error) {
+    assert(pattern.test(String(error)), `${error} does not match ${pattern}`);
+    return;
+  }
+  throw new Error(`expected a throw matching ${pattern}`);
+}
+
+// --- Parts: no plane needed ------------------------------------------------
+
+const JSON_HEADERS = new Headers({ "content-type": "application/json; charset=utf-8" });
+
+function post(body: string, headers = JSON_HEADERS, target = "/o"): Promise<string> {
+  return fingerprint("POST", target, headers, new TextEncoder().encode(body));
+}
+
+Deno.test("fingerprint: the Rust layer's pinned hashes, byte for byte", async () => {
+  // src/callers/idempotency_key/fingerprint.rs,
+  // the_fingerprint_is_pinned_whatever_serde_json_keeps_of_numbers.
+  const pinned: [string, string][] = [
+    ['{"b":[1,2.50,1e2],"a":"x"}', "cae471138847311575707981c346025d5662427a7caac27c62552415b2e7fded"],
+    ['{"amount":9007199254740993.0}', "99e660e025e502b00271861de965b4dc8c7a9ca370a382cfa0c0c4268e11abcd"],
+    ['{"amount":123456789012345678901234567890}', "89af46f63d0a03bc9a1d361314074dc034aace01c63de820313bf760827c48ad"],
+    ['{"rate":1e400}', "a4cbb70b4d44ca926e6dfd9f549d010aebddc6d44455323a8eef4aa55af5ea83"],
+    ['{"a":1,"a":2}', "8c69134763ff553f4acf0d4f5c2443668dc5e69336f92c35a4c69690fa8fff05"],
+  ];
+  for (const [body, hash] of pinned) assertEquals(await post(body), hash, body);
+  assertEquals(await post('{"a":"x","b":[1,2.5,100]}'), pinned[0][1], "by its value");
+});
+
+Deno.test("fingerprint: numbers count by value only when the canonical form writes them exactly", async () => {
+  const same = [
+    ["[100]", "[1e2]"],
+    ["[100]", "[1E+2]"],
+    ["[0.1]", "[0.10]"],
+    ["[0.1]", "[1e-1]"],
+    ["[0]", "[0.0]"],
+    ["[1.5e-7]", "[0.00000015]"],
+    ["[1e21]", "[1000000000000000000000]"],
+    ["[123456789012]", "[1.23456789012e11]"],
+    ['{"a":1,"b":[1,2]}', '{ "b": [1,2], "a": 1.0 }'],
+  ];
+  for (const [a, b] of same) assertEquals(await post(a), await post(b), `${a} and ${b}`);
+  const different = [
+    ["[9007199254740993]", "[9007199254740992]"],
+    ["[9007199254740993.0]", "[9007199254740992.0]"],
+    ["[9007199254740993e0]", "[9007199254740992e0]"],
+    ["[90071992547409930e-1]", "[9007199254740992]"],
+    ["[0.1000000000000000000001]", "[0.1]"],
+    ["[0.30000000000000004441]", "[0.30000000000000004]"],
+    ["[1e-400]", "[0]"],
+    ["[-0]", "[0]"],
+    ["[-0.0]", "[0]"],
+    ["[1e400]", "[1e401]"],
+    ["[18446744073709551616]", "[18446744073709552000]"],
+    ['{"a":1,"a":2}', '{"a":2}'],
+    ['{"a":1,"\\u0061":2}', '{"a":2}'],
+    ['[{"x":{"a":1,"a":1}}]', '[{"x":{"a":1}}]'],
+    ['{"a":"\\ud800"}', '{ "a":"\\ud800"}'],
+    ["[" + "[".repeat(127) + "]".repeat(127) + "]", " [" + "[".repeat(127) + "]".repeat(127) + "]"],
+    ['\ufeff{"a":1}', '{"a":1}'],
+  ];
+  for (const [a, b] of different) assert(await post(a) !== await post(b), `${a} and ${b} are two requests`);
+  // 127 levels are read by value (serde_json's limit is 128).
+  const deep = "[".repeat(127) + "]".repeat(127);
+  assertEquals(await post(deep), await post(` ${deep} `), "127 levels");
+  assertEquals(
+    await post('{"a":{"a":"a"},"b":[{"a":1},{"a":1}]}'),
+    await post('{"b":[{"a":1},{"a":1}],"a":{"a":"a"}}'),
+  );
+  assert(exactNumber("0.1") && exactNumber("9007199254740992") && exactNumber("5e-324"));
+  assert(!exactNumber("9007199254740993") && !exactNumber("4e-324") && !exactNumber("-0"));
+  assert(!exactNumber("1e99999999999999999999"), "an exponent beyond i64");
+});
+
+Deno.test("fingerprint: content type, target and counted headers are part of the request", async () => {
+  const typed = (type: string) => post('{"a":1}', new Headers({ "content-type": type }));
+  const json = await typed("application/json");
+  assert(json !== await typed("application/vnd.api+json"));
+  assert(json !== await typed("text/plain"));
+  assert(json !== await post('{"a":1}', new Headers()), "no content type");
+  assertEquals(await typed("application/json"), json);
+  // Not declared JSON: bytes.
+  assert(await post('{"a":1}', new Headers()) !== await post('{ "a": 1 }', new Headers()));
+  assert(await post("{}", JSON_HEADERS, "/accounts/1") !== await post("{}", JSON_HEADERS, "/accounts/2"));
+  assert(await post("{}", JSON_HEADERS, "/a") !== await post("{}", JSON_HEADERS, "/a?currency=EUR"));
+  const counted = (currency: string, id: string) =>
+    fingerprint(
+      "POST",
+      "/o",
+      new Headers({ "content-type": "application/json", "x-currency": currency, "x-request-id": id }),
+      new TextEncoder().encode("{}"),
+      ["X-Currency"],
+    );
+  assert(await counted("EUR", "1") !== await counted("USD", "2"));
+  assertEquals(await counted("EUR", "1"), await counted("EUR", "3"));
+  assert(await fingerprint("PATCH", "/o", JSON_HEADERS, new Uint8Array()) !== await post(""));
+});
+
+Deno.test("scope: routes become the Rust layer's scopes, long ones hashed within the limit", async () => {
+  assertEquals(await scopeOf("POST", "/orders"), "http.post.orders");
+  assertEquals(await scopeOf("PATCH", "/orders/{id}/Items"), "http.patch.orders.id.items");
+  assertEquals(await scopeOf("POST", "/"), "http.post.root");
+  assertEquals(await scopeOf("POST", "/v1/café"), "http.post.v1.caf_");
+  assertEquals(await scopeOf("FROB!", "/orders"), "http.frob_.orders");
+  const base = `/v1/${"segment/".repeat(20)}`;
+  const routes = [`${base}{id}/a`, `${base}{id}/b`, `${base}{id}:b`, base];
+  const scopes = await Promise.all(routes.map((route) => scopeOf("POST", route)));
+  for (const scope of scopes) {
+    assertEquals(scope.length, 128);
+    assert(scope.startsWith("http.post.v1.segment.segment.") && /^[a-z0-9._-]+$/.test(scope), scope);
+  }
+  assertEquals(new Set(scopes).size, routes.length);
+  const atLimit = `/${"x".repeat(128 - "http.post.".length)}`;
+  assertEquals(await scopeOf("POST", atLimit), `http.post.${atLimit.slice(1)}`);
+  assertEquals((await scopeOf("POST", `${atLimit}y`)).length, 128);
+});
+
+Deno.test("keys: bare or quoted are read, bad ones refused; a caller's key is its own", async () => {
+  const read = (value: string | null) =>
+    idempotencyKey(new Headers(value === null ? {} : { "idempotency-key": value }));
+  assertEquals(read(null), undefined);
+  assertEquals(read("abc-1"), { key: "abc-1" });
+  assertEquals(read('"8e03978e-40d5"'), { key: "8e03978e-40d5" });
+  assertEquals(read('"'), { key: '"' });
+  for (const bad of ["", '""', "   ", '"a"b"', "caf\u00c3\u00a9", "k".repeat(256), '"one", "two"']) {
+    const refused = read(bad);
+    assert(refused !== undefined && "problem" in refused, `${JSON.stringify(bad)} was accepted`);
+    assertEquals([refused.problem.status, refused.problem.slug], [400, "malformed-key"]);
+  }
+  assertEquals(read("k".repeat(255)), { key: "k".repeat(255) });
+  assertEquals(await planeKey("k-1", undefined), "k-1");
+  const alice = await planeKey("k-1", "alice");
+  assert(alice !== await planeKey("k-1", "bob") && alice !== await planeKey("k-2", "alice"));
+  assert(alice.endsWith("\u00a7k-1") && !alice.includes("alice") && alice.length === 64 + 1 + 3, alice);
+});
+
+Deno.test("stored form: text and binary bodies replay byte for byte with the kept headers only", async () => {
+  const headers = new Headers({ "content-type": "application/json", location: "/orders/1", "set-cookie": "s=1" });
+  for (const body of [new TextEncoder().encode('{"id":1}'), new Uint8Array([0xff, 0x00, 0xfe]), new Uint8Array()]) {
+    const stored = storedOf(201, headers, ["content-type", "location", "set-cookie"], body);
+    assertEquals(stored.headers, [["content-type", "application/json"], ["location", "/orders/1"]]);
+    const back = replay(JSON.parse(JSON.stringify(stored)))!;
+    assertEquals(back.status, 201);
+    assertEquals(back.headers.get("idempotent-replayed"), "true");
+    assertEquals(back.headers.get("set-cookie"), null);
+    assertEquals([...new Uint8Array(await back.arrayBuffer())], [...body]);
+  }
+  assertEquals(storedOf(200, new Headers(), [], new Uint8Array([0x61, 0]))?.body_base64, "YQA=");
+  assertEquals(replay({ status: 1000, headers: [] }), undefined);
+  assertEquals(replay({ status: 200, headers: [], body_text: "a", body_base64: "YQ==" }), undefined);
+  assertEquals(replay({ status: 200, headers: [], body_base64: "YR==" }), undefined, "stray bits");
+  assertEquals(replay({ status: 200, headers: [["bad name", "x"]] }), undefined);
+  assertEquals(replay({ ok: true }), undefined);
+  const held = replay({ status: 200, headers: [["Set-Cookie", "s"], ["WWW-Authenticate", "x"], ["x-trace", "1"]] })!;
+  assertEquals([...held.headers.keys()], ["idempotent-replayed", "x-trace"]);
+});
+
+Deno.test("configuration: credential headers, both scopings and a bad timing are refused when made", async () => {
+  const plane = IdempotencyPlane.connect({ url: "http://127.0.0.1:1", key: "k" });
+  const base: IdempotencyKeyOptions = { plane, organizationId: crypto.randomUUID(), route: "/o", log: silent };
+  const ok = () => new Response("x");
+  for (const name of ["Set-Cookie", "authorization", "Proxy-Authorization", "cookie", "www-authenticate", "apikey"]) {
+    await assertRejects(() => withIdempotencyKey(ok, { ...base, keepHeaders: [name] }), /carries credentials/);
+  }
+  withIdempotencyKey(ok, { ...base, keepHeaders: ["x-request-cost"] });
+  await assertRejects(
+    () => withIdempotencyKey(ok, { ...base, principal: () => "a", sharedAcrossCallers: true }),
+    /not both/,
+  );
+  await assertRejects(() => withIdempotencyKey(ok, { ...base, handlerTimeoutMs: 0 }), /above zero/);
+  await assertRejects(() => withIdempotencyKey(ok, { ...base, journalDeadlineMs: 24 * 3600 * 1000 }), /longer/);
+});
+
+// --- Against the plane -----------------------------------------------------
+
+function env(name: string): string {
+  const value = Deno.env.get(name);
+  if (!value) throw new Error(`${name} is not set: run these tests against \`idem up --env-file\` (see the header)`);
+  return value;
+}
+
+function livePlane(options: PlaneOptions = {}): IdempotencyPlane {
+  return IdempotencyPlane.connect({ url: env("IDEM_POSTGREST_URL"), key: env("IDEM_SERVICE_KEY") }, options);
+}
+
+/** A counting handler behind the middleware, one fresh tenant per call. */
+function setup(
+  handler: (req: Request, n: number) => Promise<Response> | Response,
+  options: Partial<IdempotencyKeyOptions> = {},
+) {
+  let runs = 0;
+  const organizationId = crypto.randomUUID();
+  const serve = withIdempotencyKey(async (req) => await handler(req, ++runs), {
+    plane: options.plane ?? livePlane(),
+    organizationId,
+    principal: (req) => req.headers.get("x-user-id") ?? "alice",
+    route: "/orders",
+    log: silent,
+    ...options,
+  });
+  return { serve, organizationId, runs: () => runs };
+}
+
+function request(
+  key: string | null,
+  body = '{"sku":"A","qty":1}',
+  init: Record<string, string> = {},
+  path = "/orders",
+) {
+  const headers = new Headers({ "content-type": "application/json", ...init });
+  if (key !== null) headers.set("idempotency-key", key);
+  return new Request(`http://orders.test${path}`, { method: "POST", headers, body });
+}
+
+function created(req: Request, n: number): Response {
+  return new Response(JSON.stringify({ id: n, path: new URL(req.url).pathname }), {
+    status: 201,
+    headers: { "content-type": "application/json", location: `/orders/${n}`, "x-other": "no", "set-cookie": "s=1" },
+  });
+}
+
+async function problemOf(response: Response, status: number, slug: string): Promise<Record<string, unknown>> {
+  assertEquals(response.status, status, slug);
+  assertEquals(response.headers.get("content-type"), "application/problem+json");
+  const body = await response.json();
+  assertEquals(body.type, `https://github.com/idempotency-plane/idempotency-plane#idempotency-key-problems-${slug}`);
+  assertEquals(body.status, status);
+  return body;
+}
+
+/** The raw stored response of a key, as the table holds it. */
+async function storedRow(plane: IdempotencyPlane, organizationId: string, scope: string, key: string) {
+  const rows = await plane.client.rpc("idempotency_get", {
+    p_organization_id: organizationId,
+    p_scope: scope,
+    p_key: key,
+  }) as Record<string, unknown>[];
+  return rows[0];
+}
+
+Deno.test("plane: the first request runs (201), a repeat replays it byte for byte, marked", async () => {
+  const plane = livePlane();
+  const { serve, organizationId, runs } = setup(created, { plane });
+  const key = crypto.randomUUID();
+  const first = await serve(request(key));
+  assertEquals(first.status, 201);
+  assertEquals(first.headers.get("idempotent-replayed"), null);
+  assertEquals(first.headers.get("set-cookie"), "s=1", "the first caller gets the handler's answer whole");
+  const firstBody = await first.text();
+  const again = await serve(request(key, '{ "qty": 1.0, "sku": "A" }'));
+  assertEquals(again.status, 201);
+  assertEquals(again.headers.get("idempotent-replayed"), "true");
+  assertEquals(again.headers.get("location"), "/orders/1");
+  assertEquals(again.headers.get("content-type"), "application/json");
+  assertEquals(again.headers.get("x-other"), null, "only the kept headers");
+  assertEquals(again.headers.get("set-cookie"), null, "never a credential");
+  assertEquals(await again.text(), firstBody);
+  assertEquals(runs(), 1);
+  // The stored form is the Rust layer's: a success whose output is the StoredResponse.
+  const row = await storedRow(plane, organizationId, "http.post.orders", await planeKey(key, "alice"));
+  assertEquals(row.response, {
+    ok: true,
+    output: {
+      status: 201,
+      headers: [["content-type", "application/json"], ["location", "/orders/1"]],
+      body_text: firstBody,
+    },
+  });
+});
+
+Deno.test("plane: an answer the Rust layer journaled replays through this one", async () => {
+  const plane = livePlane();
+  const { serve, organizationId, runs } = setup(created, { plane });
+  const key = crypto.randomUUID();
+  const req = request(key);
+  const body = new Uint8Array(await req.clone().arrayBuffer());
+  const claimed = await plane.claim({
+    organizationId,
+    scope: await scopeOf("POST", "/orders"),
+    key: await planeKey(key, "alice"),
+    requestHash: await fingerprint("POST", "/orders", req.headers, body),
+    leaseMs: 5_000,
+  });
+  assert(claimed.outcome === "claimed");
+  // What serde writes for the Rust StoredResponse, a binary body and a credential a hand put there included.
+  await plane.complete(claimed.claim, {
+    response: {
+      ok: true,
+      output: {
+        status: 202,
+        headers: [["content-type", "application/octet-stream"], ["set-cookie", "s=1"], ["location", "/x"]],
+        body_base64: "AP8=",
+      },
+    },
+  });
+  const replayed = await serve(req);
+  assertEquals(replayed.status, 202);
+  assertEquals(replayed.headers.get("idempotent-replayed"), "true");
+  assertEquals(replayed.headers.get("set-cookie"), null);
+  assertEquals(replayed.headers.get("location"), "/x");
+  assertEquals([...new Uint8Array(await replayed.arrayBuffer())], [0, 255]);
+  assertEquals(runs(), 0);
+});
+
+Deno.test("plane: a journaled answer that is not an HTTP answer is 500 unreadable-answer", async () => {
+  const plane = livePlane();
+  const { serve, organizationId } = setup(created, { plane });
+  const key = crypto.randomUUID();
+  const req = request(key);
+  const claimed = await plane.claim({
+    organizationId,
+    scope: "http.post.orders",
+    key: await planeKey(key, "alice"),
+    requestHash: await fingerprint("POST", "/orders", req.headers, new Uint8Array(await req.clone().arrayBuffer())),
+    leaseMs: 5_000,
+  });
+  assert(claimed.outcome === "claimed");
+  await plane.complete(claimed.claim, { response: { ok: true, output: { order: 1 } } });
+  await problemOf(await serve(req), 500, "unreadable-answer");
+});
+
+Deno.test("plane: the key with another body is 422; another path or query too", async () => {
+  const { serve } = setup(created);
+  const key = crypto.randomUUID();
+  assertEquals((await serve(request(key))).status, 201);
+  await problemOf(await serve(request(key, '{"sku":"B"}')), 422, "key-reused");
+  await problemOf(await serve(request(key, undefined, {}, "/orders?x=1")), 422, "key-reused");
+  await problemOf(await serve(request(key, undefined, { "content-type": "text/plain" })), 422, "key-reused");
+});
+
+Deno.test("plane: a repeat while the first is in flight is 409 with Retry-After, then replays", async () => {
+  let entered!: () => void;
+  const inside = new Promise<void>((resolve) => (entered = resolve));
+  let open!: () => void;
+  const gate = new Promise<void>((resolve) => (open = resolve));
+  const { serve, runs } = setup(async (req, n) => {
+    entered();
+    await gate;
+    return created(req, n);
+  });
+  const key = crypto.randomUUID();
+  const first = serve(request(key));
+  await inside;
+  const busy = await serve(request(key));
+  await problemOf(busy, 409, "in-flight");
+  assertEquals(busy.headers.get("retry-after"), "1");
+  open();
+  assertEquals((await first).status, 201);
+  assertEquals((await serve(request(key))).headers.get("idempotent-replayed"), "true");
+  assertEquals(runs(), 1);
+});
+
+Deno.test("plane: no key, an empty or over-long key is 400; optional passes a keyless request through", async () => {
+  const { serve, runs } = setup(created);
+  await problemOf(await serve(request(null)), 400, "missing-key");
+  await problemOf(await serve(request("")), 400, "malformed-key");
+  await problemOf(await serve(request("k".repeat(256))), 400, "malformed-key");
+  assertEquals((await serve(request("k".repeat(255)))).status, 201);
+  assertEquals(runs(), 1);
+  const get = await serve(new Request("http://orders.test/orders"));
+  assertEquals(get.status, 201, "GET is not a keyed method: it passes straight through");
+  const optional = setup(created, { optional: true });
+  assertEquals((await optional.serve(request(null))).status, 201);
+  assertEquals((await optional.serve(request(null))).headers.get("idempotent-replayed"), null);
+  assertEquals(optional.runs(), 2);
+});
+
+Deno.test("plane: callers are 401 without a principal or tenant, 500 with no scoping chosen", async () => {
+  const noPrincipal = setup(created, { principal: () => undefined });
+  await problemOf(await noPrincipal.serve(request(crypto.randomUUID())), 401, "no-principal");
+  const noTenant = setup(created, { organizationId: () => undefined });
+  await problemOf(await noTenant.serve(request(crypto.randomUUID())), 401, "no-tenant");
+  const badTenant = setup(created, { organizationId: "not-a-uuid" });
+  await problemOf(await badTenant.serve(request(crypto.randomUUID())), 500, "not-configured");
+  const unchosen = setup(created, { principal: undefined });
+  await problemOf(await unchosen.serve(request(crypto.randomUUID())), 500, "not-configured");
+  const noRoute = setup(created, { route: () => undefined });
+  await problemOf(await noRoute.serve(request(crypto.randomUUID())), 500, "not-configured");
+  assertEquals(noPrincipal.runs() + noTenant.runs() + badTenant.runs() + unchosen.runs() + noRoute.runs(), 0);
+  const throwing = setup(created, {
+    principal: () => {
+      throw new Error("token verification failed");
+    },
+  });
+  await problemOf(await throwing.serve(request(crypto.randomUUID())), 500, "handler-failed");
+});
+
+Deno.test("plane: two callers' keys are their own unless shared across callers", async () => {
+  const each = setup(created);
+  const key = crypto.randomUUID();
+  assertEquals((await each.serve(request(key, undefined, { "x-user-id": "alice" }))).status, 201);
+  const bob = await each.serve(request(key, undefined, { "x-user-id": "bob" }));
+  assertEquals([bob.status, bob.headers.get("idempotent-replayed")], [201, null]);
+  assertEquals(each.runs(), 2);
+  const shared = setup(created, { principal: undefined, sharedAcrossCallers: true });
+  assertEquals((await shared.serve(request(key, undefined, { "x-user-id": "alice" }))).status, 201);
+  const other = await shared.serve(request(key, undefined, { "x-user-id": "bob" }));
+  assertEquals(other.headers.get("idempotent-replayed"), "true");
+  assertEquals(shared.runs(), 1);
+});
+
+Deno.test("plane: a handler that throws, or answers 5xx or 429, is released: a retry runs it again", async () => {
+  const { serve, runs } = setup((req, n) => {
+    if (n === 1) throw new Error("the database went away");
+    if (n === 2) return new Response("busy", { status: 503 });
+    if (n === 3) return new Response("slow down", { status: 429 });
+    return created(req, n);
+  });
+  const key = crypto.randomUUID();
+  await problemOf(await serve(request(key)), 500, "handler-failed");
+  assertEquals((await serve(request(key))).status, 503);
+  assertEquals((await serve(request(key))).status, 429);
+  const ran = await serve(request(key));
+  assertEquals([ran.status, ran.headers.get("idempotent-replayed")], [201, null]);
+  assertEquals((await serve(request(key))).headers.get("idempotent-replayed"), "true");
+  assertEquals(runs(), 4);
+});
+
+Deno.test("plane: a 4xx answer is the answer: journaled and replayed", async () => {
+  const { serve, runs } = setup(() => new Response("no such sku", { status: 404 }));
+  const key = crypto.randomUUID();
+  assertEquals((await serve(request(key))).status, 404);
+  const again = await serve(request(key));
+  assertEquals([again.status, again.headers.get("idempotent-replayed"), await again.text()], [
+    404,
+    "true",
+    "no such sku",
+  ]);
+  assertEquals(again.headers.get("content-type"), "text/plain;charset=UTF-8");
+  assertEquals(runs(), 1);
+});
+
+Deno.test("plane: a handler past its timeout is 504, its signal aborted, its claim released", async () => {
+  let aborted = false;
+  const { serve, runs } = setup(async (req, n) => {
+    if (n === 1) {
+      await new Promise((resolve) => req.signal.addEventListener("abort", resolve, { once: true }));
+      aborted = true;
+      return created(req, n);
+    }
+    return created(req, n);
+  }, { handlerTimeoutMs: 400, journalDeadlineMs: 1_000, marginMs: 0 });
+  const key = crypto.randomUUID();
+  const started = Date.now();
+  await problemOf(await serve(request(key)), 504, "handler-timeout");
+  assert(Date.now() - started < 2_000, "cut at its timeout");
+  assert(aborted, "the handler's signal aborted");
+  const retry = await serve(request(key));
+  assertEquals([retry.status, retry.headers.get("idempotent-replayed")], [201, null]);
+  assertEquals(runs(), 2);
+});
+
+Deno.test("plane: an answer above the store limit keeps its status and headers, its body omitted", async () => {
+  const big = "x".repeat(70_000);
+  const { serve, runs } = setup(() => new Response(big, { status: 201, headers: { location: "/orders/big" } }));
+  const key = crypto.randomUUID();
+  const first = await serve(request(key));
+  assertEquals([first.status, (await first.text()).length], [201, big.length], "the first caller gets it whole");
+  const again = await serve(request(key));
+  assertEquals(again.status, 201);
+  assertEquals(again.headers.get("idempotent-replayed"), "true");
+  assertEquals(again.headers.get("idempotent-body-omitted"), String(big.length));
+  assertEquals(again.headers.get("location"), "/orders/big");
+  assertEquals(await again.text(), "");
+  assertEquals(runs(), 1);
+});
+
+Deno.test("plane: with onOversize refuse, the first caller and every repeat get 500 answer-not-kept", async () => {
+  const { serve, runs } = setup(() => new Response("x".repeat(70_000), { status: 201 }), { onOversize: "refuse" });
+  const key = crypto.randomUUID();
+  const first = await serve(request(key));
+  await problemOf(first, 500, "answer-not-kept");
+  assertEquals(first.headers.get("idempotent-replayed"), null);
+  const again = await serve(request(key));
+  assertEquals(again.headers.get("idempotent-replayed"), "true");
+  await problemOf(again, 500, "answer-not-kept");
+  assertEquals(runs(), 1);
+});
+
+Deno.test("plane: an answer the store refuses (the scope's limit below the client's) is journaled without its body", async () => {
+  // The client believes in 1 MiB; the http.* policy keeps 64 KiB: the store answers IDEM2.
+  const plane = livePlane({ responseLimitBytes: 1024 * 1024 });
+  const body = "y".repeat(100_000);
+  const events: string[] = [];
+  const log = (event: { event: string }) => void events.push(event.event);
+  const { serve, runs } = setup(() => new Response(body, { status: 200 }), { plane, log });
+  const key = crypto.randomUUID();
+  assertEquals((await (await serve(request(key))).text()).length, body.length);
+  const again = await serve(request(key));
+  assertEquals([again.status, again.headers.get("idempotent-body-omitted")], [200, String(body.length)]);
+  assertEquals(await again.text(), "");
+  assertEquals(runs(), 1);
+  assert(events.includes("idempotency.http_answer_refused"), `the store refused it first: ${events}`);
+});
+
+Deno.test("plane: an answer above the response buffer is 502 answer-incomplete, kept without its body", async () => {
+  const { serve, runs } = setup(() => new Response("z".repeat(2_000), { status: 201 }), {
+    responseBodyLimitBytes: 1_000,
+  });
+  const key = crypto.randomUUID();
+  await problemOf(await serve(request(key)), 502, "answer-incomplete");
+  const again = await serve(request(key));
+  assertEquals([again.status, again.headers.get("idempotent-body-omitted")], [201, "1000"]);
+  assertEquals(runs(), 1);
+});
+
+Deno.test("plane: a request body above the limit is 413, before any claim", async () => {
+  const { serve, runs } = setup(created, { bodyLimitBytes: 10 });
+  await problemOf(await serve(request(crypto.randomUUID(), '{"sku":"ABCDEFGHIJ"}')), 413, "body-too-large");
+  assertEquals((await serve(request(crypto.randomUUID(), "{}"))).status, 201);
+  assertEquals(runs(), 1);
+});
+
+/** A port nothing listens on. */
+function closedPort(): number {
+  const listener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const port = (listener.addr as Deno.NetAddr).port;
+  listener.close();
+  return port;
+}
+
+/** A stand-in PostgREST answering every call with `status` and `body`. */
+function fakePlane(status: number, body: Record<string, unknown>) {
+  const server = Deno.serve(
+    { hostname: "127.0.0.1", port: 0, onListen: () => {} },
+    () => Response.json(body, { status }),
+  );
+  const plane = IdempotencyPlane.connect({ url: `http://127.0.0.1:${server.addr.port}`, key: "k" }, {
+    retry: { initialBackoffMs: 1, maxBackoffMs: 5 },
+  });
+  return { plane, close: () => server.shutdown() };
+}
+
+Deno.test("fail-open: only when the plane was never reached", async () => {
+  const unreachable = IdempotencyPlane.connect({ url: `http://127.0.0.1:${closedPort()}`, key: "k" }, {
+    retry: { initialBackoffMs: 1, maxBackoffMs: 5 },
+  });
+  const closed = setup(created, { plane: unreachable });
+  const refused = await closed.serve(request(crypto.randomUUID()));
+  await problemOf(refused, 503, "unavailable");
+  assertEquals(refused.headers.get("retry-after"), "5");
+  const open = setup(created, { plane: unreachable, failOpen: true });
+  const unprotected = await open.serve(request(crypto.randomUUID()));
+  assertEquals([unprotected.status, unprotected.headers.get("idempotent-replayed")], [201, null]);
+  assertEquals(await unprotected.json(), { id: 1, path: "/orders" }, "the handler got the request whole");
+  assertEquals([closed.runs(), open.runs()], [0, 1]);
+
+  // PostgREST's own "never reached the database" (503 PGRST000): may fail open.
+  const down = fakePlane(503, { code: "PGRST000", message: "Database client error" });
+  try {
+    assertEquals((await setup(created, { plane: down.plane, failOpen: true }).serve(request("k"))).status, 201);
+  } finally {
+    await down.close();
+  }
+  // The plane answered, and failed: it may hold the key. 503 even failing open.
+  for (const [status, code] of [[500, "XX000"], [503, ""], [504, ""]] as const) {
+    const failing = fakePlane(status, { code, message: "boom" });
+    try {
+      const answered = setup(created, { plane: failing.plane, failOpen: true });
+      await problemOf(await answered.serve(request("k")), 503, "unavailable");
+      assertEquals(answered.runs(), 0, `${status} ${code}`);
+    } finally {
+      await failing.close();
+    }
+  }
+});

@@ -1,0 +1,42 @@
+// The orders Edge Function's routes (supabase/functions/orders): /orders and
+// /functions/v1/orders are one request, other paths 404, other methods 405.
+// Against a real plane: IDEM_POSTGREST_URL and IDEM_SERVICE_KEY, as for
+// http_test.ts. The black-box check of its whole contract is
+// .ci/orders-function-check.sh.
+
+import { serve } from "../orders/index.ts";
+
+function assertEquals(actual: unknown, expected: unknown, message = ""): void {
+  const a = JSON.stringify(actual);
+  const e = JSON.stringify(expected);
+  if (a !== e) throw new Error(`${message ? message + ": " : ""}expected ${e}, got ${a}`);
+}
+
+function order(path: string, key: string, body = '{"sku":"A"}'): Request {
+  return new Request(`http://127.0.0.1:8000${path}`, {
+    method: "POST",
+    headers: { "content-type": "application/json", "idempotency-key": key, "x-user-id": "orders-test" },
+    body,
+  });
+}
+
+Deno.test("orders: /orders and /functions/v1/orders are one request; other paths 404, other methods 405", async () => {
+  const key = crypto.randomUUID();
+  const first = await serve(order("/functions/v1/orders?delay_ms=0", key));
+  assertEquals(first.status, 201);
+  const body = await first.text();
+  const again = await serve(order("/orders?delay_ms=0", key));
+  assertEquals([again.status, again.headers.get("idempotent-replayed"), await again.text()], [201, "true", body]);
+  assertEquals((await serve(order("/orders", key))).status, 422, "another query");
+  assertEquals((await serve(order("/order", key))).status, 404);
+  const get = await serve(new Request("http://127.0.0.1:8000/orders"));
+  assertEquals([get.status, get.headers.get("allow")], [405, "POST"]);
+});
+
+Deno.test("orders: the 201 body is written as the Rust example writes it", async () => {
+  const answer = await serve(order("/orders", crypto.randomUUID(), '{"b":1E2,"a":1,"a":2,"c":[1.50,-0.0]}'));
+  const text = await answer.text();
+  const id = JSON.parse(text).id;
+  assertEquals(text, `{"id":"${id}","order":{"a":2,"b":1e+2,"c":[1.50,-0.0]},"status":"created"}`);
+  assertEquals(answer.headers.get("location"), `/orders/${id}`);
+});
