@@ -10,6 +10,7 @@
 //
 // journaled as the output of a success answer (`{"ok": true, "output": …}`).
 
+import credentials from "./credential_headers.json" with { type: "json" };
 import { type Problem, problemBody } from "./problem.ts";
 import { latin1Bytes } from "./fingerprint.ts";
 
@@ -18,26 +19,7 @@ import { latin1Bytes } from "./fingerprint.ts";
  * never journaled, never replayed (a replay answers whoever repeats the
  * key), and refused as `keepHeaders`.
  */
-export const CREDENTIAL_HEADERS: readonly string[] = Object.freeze([
-  "set-cookie",
-  "set-cookie2",
-  "cookie",
-  "cookie2",
-  "authorization",
-  "proxy-authorization",
-  "www-authenticate",
-  "proxy-authenticate",
-  "authentication-info",
-  "proxy-authentication-info",
-  "x-api-key",
-  "api-key",
-  "apikey",
-  "x-auth-token",
-  "x-access-token",
-  "x-refresh-token",
-  "x-csrf-token",
-  "x-xsrf-token",
-]);
+export const CREDENTIAL_HEADERS: readonly string[] = Object.freeze([...credentials.headers]);
 
 /** Whether `name` (any case) is one of CREDENTIAL_HEADERS. */
 export function isCredential(name: string): boolean {
