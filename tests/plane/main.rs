@@ -66,6 +66,7 @@ mod stack_saved_search;
 mod stack_security;
 #[cfg(feature = "local")]
 mod stack_sql_sweep;
+#[cfg(feature = "local")]
 mod stack_supabase_paths;
 #[cfg(feature = "local")]
 mod stack_surface;

@@ -46,6 +46,7 @@ fn the_readme_lists_every_function_of_the_sql_surface_and_no_other() {
 
 /// The README's migration that adds a scope (under "A scope of your own")
 /// applies, and a claim in that scope is then taken, with its retention.
+#[cfg(feature = "local")]
 #[tokio::test]
 async fn the_readme_migration_that_adds_a_scope_applies_and_the_scope_claims() {
     let readme = include_str!("../../README.md");
