@@ -190,3 +190,36 @@ Deno.test("makeIdempotent wraps an effect whose key and tenant come from its inp
   assert.equal((await send({ id, to: "b" })).status, "conflict");
   assert.equal(runs, 1);
 });
+
+Deno.test("the first answer is the journal's JSON form, so a replay equals it; one with no JSON form is still journaled", async () => {
+  const dated = options();
+  const first = await idempotent(() => success({ at: new Date(0), gone: undefined, n: NaN }), dated);
+  assert.ok(first.status === "ran" && first.settled.ending === "journaled", JSON.stringify(first));
+  assert.deepEqual(first.answer, success({ at: "1970-01-01T00:00:00.000Z", n: null }));
+  assert.deepEqual(await idempotent(() => success("never"), dated), { status: "replayed", answer: first.answer });
+
+  const unserializable = options();
+  const big = await idempotent(() => success({ amount: 10n }), unserializable);
+  assert.ok(big.status === "ran" && big.settled.ending === "journaled", JSON.stringify(big, (_, v) => String(v)));
+  assert.ok(elidedOf(big.answer.output)?.reason === "refused");
+  assert.deepEqual(await idempotent(() => success("never"), unserializable), {
+    status: "replayed",
+    answer: big.answer,
+  });
+});
+
+Deno.test("an effect that ignores its signal but ends soon after its timeout is journaled, not run again", async () => {
+  const opts = options({ timeoutMs: 300, journalDeadlineMs: 2_000, marginMs: 500 });
+  let runs = 0;
+  const first = await idempotent(async () => {
+    runs += 1;
+    await sleep(600);
+    return success("late but done");
+  }, opts);
+  assert.ok(first.status === "ran" && first.settled.ending === "journaled", JSON.stringify(first));
+  assert.deepEqual(await idempotent(() => success("again"), opts), {
+    status: "replayed",
+    answer: success("late but done"),
+  });
+  assert.equal(runs, 1);
+});

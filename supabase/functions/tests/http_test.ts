@@ -5,8 +5,8 @@
 //
 //   cd supabase/functions && deno test --allow-net --allow-env tests/http_test.ts
 
+import nodeAssert from "node:assert/strict";
 import {
-  canonicalize,
   fingerprint,
   idempotencyKey,
   IdempotencyPlane,
@@ -24,10 +24,9 @@ function assert(condition: unknown, message = "assertion failed"): asserts condi
   if (!condition) throw new Error(message);
 }
 
+/** Strict deep equality: `undefined` is not `null`, and types count. */
 function assertEquals(actual: unknown, expected: unknown, message = ""): void {
-  const a = canonicalize(actual ?? null);
-  const e = canonicalize(expected ?? null);
-  if (a !== e) throw new Error(`${message ? message + ": " : ""}expected ${e}, got ${a}`);
+  nodeAssert.deepStrictEqual(actual, expected, message || undefined);
 }
 
 async function assertRejects(run: () => unknown, pattern: RegExp): Promise<void> {
@@ -483,6 +482,23 @@ Deno.test("plane: a handler past its timeout is 504, its signal aborted, its cla
   const retry = await serve(request(key));
   assertEquals([retry.status, retry.headers.get("idempotent-replayed")], [201, null]);
   assertEquals(runs(), 2);
+});
+
+Deno.test("plane: a handler that ignores its signal past the timeout is not released while it runs", async () => {
+  let finish!: () => void;
+  const finished = new Promise<void>((resolve) => (finish = resolve));
+  const { serve, runs } = setup(async (req, n) => {
+    if (n === 1) await finished;
+    return created(req, n);
+  }, { handlerTimeoutMs: 400, journalDeadlineMs: 1_000, marginMs: 1_000 });
+  const key = crypto.randomUUID();
+  await problemOf(await serve(request(key)), 504, "handler-timeout");
+  // Still running: the claim is left to its lease, so a retry cannot run beside it.
+  const retry = await serve(request(key));
+  assertEquals(retry.status, 409);
+  await retry.body?.cancel();
+  assertEquals(runs(), 1);
+  finish();
 });
 
 Deno.test("plane: an answer above the store limit keeps its status and headers, its body omitted", async () => {

@@ -227,3 +227,14 @@ Deno.test("webhookHandler answers 200 with the ack, and 503 with Retry-After", a
   assert.equal(refused.headers.get("retry-after"), "1");
   await refused.body?.cancel();
 });
+
+Deno.test("processing that answers something with no JSON form is still journaled, never a 503", async () => {
+  const gate = new WebhookGate(plane());
+  const org = organization();
+  const id = uniqueKey("Ev");
+  assert.deepEqual(await gate.handle(delivery(org, id), () => Promise.resolve({ amount: 10n })), {
+    ack: "processed",
+    status: 200,
+  });
+  assert.equal((await journaled(org, id)).outcome, "completed");
+});

@@ -80,6 +80,28 @@ export function failure(error: string, output: unknown = null, resource?: Resour
   return resource ? { ok: false, error, output, resource } : { ok: false, error, output };
 }
 
+/**
+ * `answer` as its JSON form: what the journal holds and every replay
+ * returns, so the first answer can be made equal to them. A Date becomes
+ * its string, `undefined` members go, NaN becomes null, as JSON.stringify
+ * does; an output with no JSON form at all (a bigint, a cycle, a throwing
+ * toJSON) becomes an `{"$elided": {"reason": "refused"}}` summary, and a
+ * non-string error its String().
+ */
+export function replayable(answer: Answer): Answer {
+  let output: unknown;
+  try {
+    const text = JSON.stringify(answer.output ?? null);
+    output = text === undefined ? null : JSON.parse(text);
+  } catch {
+    output = { [ELIDED_KEY]: { reason: "refused" } };
+  }
+  const normal: Answer = { ok: answer.ok === true, output };
+  if (answer.error !== undefined && answer.error !== null) normal.error = String(answer.error);
+  if (answer.resource) normal.resource = answer.resource;
+  return normal;
+}
+
 /** Why the store cannot hold a value as given. */
 export type Unstorable =
   | { reason: "nul" }

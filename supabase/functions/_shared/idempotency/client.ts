@@ -174,7 +174,10 @@ export class SupabaseTransport implements Transport {
     // postgrest-js answers a failed fetch as status 0 with the fetch's
     // message, rather than throwing: the request may or may not have left.
     if (!answer.status) {
-      throw transportError(fn, new Error(answer.error?.message ?? "no answer"), signal);
+      // Its details carry the cause (ECONNREFUSED on Node), which tells a
+      // refused connection from one that may have sent the call.
+      const why = [answer.error?.message, answer.error?.details].filter(Boolean).join(": ");
+      throw transportError(fn, new Error(why || "no answer"), signal);
     }
     if (answer.error) return { status: answer.status, error: answer.error };
     return { status: answer.status, data: answer.data };
@@ -218,6 +221,7 @@ export class PlaneClient {
       if (remaining <= 0) {
         throw cutAt(fn, deadlineMs, retries + 1, false, last);
       }
+      const attemptStarted = Date.now();
       const controller = new AbortController();
       const timer = setTimeout(() => controller.abort(new DeadlineReached()), remaining);
       let error: PlaneError;
@@ -240,7 +244,11 @@ export class PlaneClient {
         throw error;
       }
       const wait = backoff(this.retry, retries + 1, error.retryAfterMs);
-      if (Date.now() + wait >= deadline) throw cutAt(fn, deadlineMs, retries + 1, false, error);
+      // The failed attempt's duration, plus the backoff, estimates what a
+      // retry needs: one that could not finish before the deadline is not
+      // started (and the error says what the last attempt found).
+      const estimate = Date.now() - attemptStarted;
+      if (Date.now() + wait + estimate >= deadline) throw cutAt(fn, deadlineMs, retries + 1, false, error);
       await sleep(wait);
       retries += 1;
     }

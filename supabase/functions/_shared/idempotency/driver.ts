@@ -22,7 +22,7 @@
 // journal lands while the key is still ours, and once the deadline passes no
 // other write starts (each is fenced by the lease token besides).
 
-import { type Answer, store, storedSize } from "./answer.ts";
+import { type Answer, replayable, store, storedSize } from "./answer.ts";
 import { sleep } from "./client.ts";
 import { PlaneError } from "./errors.ts";
 import { requestHash as hashOf } from "./hash.ts";
@@ -68,7 +68,7 @@ export class Timing {
    * the horizon would find the claim still held by a worker that is gone.
    */
   check(horizonMs: number, spentMs = 0): void {
-    if (this.leaseMs + spentMs > horizonMs) {
+    if (this.leaseMs + spentMs >= horizonMs) {
       throw PlaneError.invalid(
         "lease_outlasts_retries",
         `the lease (${this.leaseMs} ms) plus the ${spentMs} ms spent before the claim outlasts the ${horizonMs} ms retry horizon`,
@@ -214,6 +214,7 @@ export class Held {
   readonly endingDeadline: number;
   readonly #driver: EffectDriver;
   #settled = false;
+  #running?: Promise<{ value: unknown } | { cut: "threw"; error: unknown }>;
 
   constructor(driver: EffectDriver, claim: Claim, attempt: Attempt, timing: Timing) {
     this.#driver = driver;
@@ -238,15 +239,37 @@ export class Held {
         resolve({ cut: "timed_out" });
       }, remaining);
     });
-    const ran = (async () => {
+    const ran = (async (): Promise<{ value: T } | { cut: "threw"; error: unknown }> => {
       try {
         return { value: await effect(controller.signal) };
       } catch (error) {
-        return { cut: "threw", error } as Cut;
+        return { cut: "threw", error };
       }
     })();
+    this.#running = ran;
     try {
       return await Promise.race([ran, cut]);
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  /**
+   * After `run` timed out: the effect's own ending if it comes by `untilMs`
+   * (epoch ms), undefined while it still runs. JavaScript cannot stop a
+   * promise (the effect's `signal` only asks it to stop), so a caller waits
+   * here before it releases the claim or leaves it to its lease: a claim
+   * given up while its effect still runs could let a retry run it twice.
+   */
+  async late(untilMs: number): Promise<{ value: unknown } | { cut: "threw"; error: unknown } | undefined> {
+    const running = this.#running;
+    if (!running) return undefined;
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const wait = new Promise<undefined>((
+      resolve,
+    ) => (timer = setTimeout(() => resolve(undefined), Math.max(0, untilMs - Date.now()))));
+    try {
+      return await Promise.race([running, wait]);
     } finally {
       clearTimeout(timer);
     }
@@ -268,7 +291,8 @@ export class Held {
    * large for the store, or refused by the database) answers the error and
    * the claim is still held, to settle another way.
    */
-  async journalExact(answer: Answer): Promise<Settled | { refused: PlaneError }> {
+  async journalExact(given: Answer): Promise<Settled | { refused: PlaneError }> {
+    const answer = replayable(given);
     const size = await storedSize(answer);
     if (size > this.#driver.plane.responseLimitBytes) {
       return {
@@ -293,7 +317,8 @@ export class Held {
     this.#settled = true;
   }
 
-  async #journal(answer: Answer, exact: boolean): Promise<Settled | { refused: PlaneError }> {
+  async #journal(given: Answer, exact: boolean): Promise<Settled | { refused: PlaneError }> {
+    const answer = replayable(given);
     const plane = this.#driver.plane;
     let refused = false;
     let backoff = FIRST_ENDING_BACKOFF_MS;
@@ -485,9 +510,25 @@ export async function idempotent(
   const held = begun.held;
   const vendor = await vendorKey(held.claim.organizationId, held.claim.scope, held.claim.key);
   const ran = await held.run((signal) => effect({ claim: held.claim, signal, vendorKey: vendor }));
-  if ("value" in ran) {
-    const answer = ran.value;
-    if (!isAnswer(answer)) {
+  let ended: { value: unknown } | { cut: "threw"; error: unknown } | undefined = "value" in ran || ran.cut === "threw"
+    ? ran
+    : undefined;
+  if (!ended) {
+    // Timed out: an effect that ignores its signal may still be running. Wait
+    // for it through half the journal's deadline (the other half journals):
+    // a value that comes then is the effect's answer; an effect still running
+    // is left to its lease, never released.
+    ended = await held.late(held.effectDeadline + timing.journalMs / 2);
+    if (!ended) {
+      return {
+        status: "failed",
+        error: new PlaneError("deadline", "the effect did not return within its timeout"),
+        settled: await held.settle({ unknown: "timed out, and still running" }),
+      };
+    }
+  }
+  if ("value" in ended) {
+    if (!isAnswer(ended.value)) {
       const error = PlaneError.invalid(
         "bad_configuration",
         "the effect must return an Answer ({ ok, output, error?, resource? })",
@@ -498,17 +539,12 @@ export async function idempotent(
         settled: await held.settle({ unknown: "the effect returned something that is not an Answer" }),
       };
     }
+    // The first answer as the journal holds it, so a replay equals it.
+    const answer = replayable(ended.value);
     return { status: "ran", answer, settled: await held.settle({ journal: answer }) };
   }
-  if (ran.cut === "timed_out") {
-    return {
-      status: "failed",
-      error: new PlaneError("deadline", "the effect did not return within its timeout"),
-      settled: await held.settle({ unknown: "timed out" }),
-    };
-  }
-  const settle: Settle = ran.error instanceof NothingHappened ? "release" : { unknown: "the effect threw" };
-  return { status: "failed", error: ran.error, settled: await held.settle(settle) };
+  const settle: Settle = ended.error instanceof NothingHappened ? "release" : { unknown: "the effect threw" };
+  return { status: "failed", error: ended.error, settled: await held.settle(settle) };
 }
 
 /**

@@ -28,6 +28,7 @@
 // |---|---|
 // | first with this key | the handler runs; its answer is journaled and returned |
 // | the handler answered 5xx or 429, threw, or timed out | the claim is released: a retry runs the handler again |
+// | the handler timed out and still runs half the journal's deadline later | left to its lease: a retry meanwhile is 409 |
 // | repeat after completion | the journaled status, headers and body, `Idempotent-Replayed: true` |
 // | repeat while the first is in flight, its answer still being journaled included | 409, `Retry-After: 1` |
 // | same key, different fingerprint | 422 |
@@ -468,9 +469,19 @@ async function handle(config: Config, handler: Handler, req: Request): Promise<R
         level: "warn",
         ...event,
         timeout_ms: config.timing.effectMs,
-        why: "the handler timed out; its claim is released",
+        why: "the handler timed out",
       });
-      await release(config, held, event);
+      // JavaScript cannot stop the handler (its signal only asks it to): a
+      // claim released while it still runs would let the client's retry run
+      // it a second time beside it. Wait for it through half the journal's
+      // deadline; one still running then is left to its lease.
+      const late = await held.late(held.effectDeadline + config.timing.journalMs / 2);
+      if (late === undefined) {
+        const settled = await held.settle({ unknown: "the handler timed out and is still running" });
+        config.log({ event: "idempotency.http_left_to_lease", level: "warn", ...event, ending: settled.ending });
+      } else {
+        await release(config, held, event);
+      }
       return problemResponse(
         problem("handler-timeout", "the request was cut off before it finished; retry with the same key"),
       );

@@ -162,7 +162,10 @@ export class IdempotencyPlane {
     checkKey(request.key);
     checkHash(request.requestHash);
     checkLease(request.leaseMs);
-    const leaseToken = request.leaseToken ?? crypto.randomUUID();
+    if (request.leaseToken !== undefined && !UUID.test(request.leaseToken)) {
+      throw PlaneError.invalid("bad_configuration", "a lease token must be a UUID (one this client minted)");
+    }
+    const leaseToken = request.leaseToken?.toLowerCase() ?? crypto.randomUUID();
     const data = await this.client.rpc("idempotency_claim", {
       p_organization_id: request.organizationId,
       p_scope: request.scope,
@@ -202,8 +205,10 @@ export class IdempotencyPlane {
         if (row.request_hash !== request.requestHash) throw inconsistent("a completed row under another hash");
         return { outcome: "completed", answer: storedAnswer(row) };
       case "processing":
+        if (row.request_hash !== request.requestHash) throw inconsistent("a processing row under another hash");
         return { outcome: "processing", leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at") };
       case "conflict":
+        if (row.request_hash === request.requestHash) throw inconsistent("a conflict under this call's own hash");
         return { outcome: "conflict" };
       default:
         throw new PlaneError("decode", `idempotency_claim answered an unknown outcome ${JSON.stringify(row.outcome)}`);
