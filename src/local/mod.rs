@@ -1445,16 +1445,17 @@ mod tests {
         let session = PgConnection::connect(session_url.as_str()).await.expect("a session on it");
         let _ = setting_up.close().await;
 
-        // Act: the judgement every start's clean-up makes (under the set-up
-        // lock, which concurrent starts may hold at any moment here).
-        drop_unused_databases(&mut admin).await;
+        // Act: the judgement every start's clean-up makes, under the set-up
+        // lock held exclusively as a clean-up holds it (a concurrent test's
+        // stack may be between creating its database and connecting to it).
+        clean_up_as_a_start_does(&mut admin).await;
         let kept = database_exists(&mut admin, &name).await.expect("look it up");
 
         // Once its last session has gone, it is dropped.
         let _ = session.close().await;
         let mut gone = false;
         for _ in 0..300 {
-            drop_unused_databases(&mut admin).await;
+            clean_up_as_a_start_does(&mut admin).await;
             gone = !database_exists(&mut admin, &name).await.expect("look it up");
             if gone {
                 break;
@@ -1466,6 +1467,22 @@ mod tests {
         }
         assert!(kept, "a database in use was dropped");
         assert!(gone, "a database nobody uses was kept");
+    }
+
+    /// `drop_unused_databases` under the exclusive set-up lock, waiting for
+    /// it (a start's clean-up only tries it, and skips when it is taken).
+    async fn clean_up_as_a_start_does(admin: &mut PgConnection) {
+        sqlx::query("select pg_advisory_lock(hashtext($1))")
+            .bind(SETUP_LOCK)
+            .execute(&mut *admin)
+            .await
+            .expect("the set-up lock, exclusively");
+        drop_unused_databases(admin).await;
+        sqlx::query("select pg_advisory_unlock(hashtext($1))")
+            .bind(SETUP_LOCK)
+            .execute(&mut *admin)
+            .await
+            .expect("unlock");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
