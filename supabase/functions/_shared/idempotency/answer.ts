@@ -290,14 +290,17 @@ export async function storedSize(answer: Answer): Promise<number> {
   return jsonSize((await store(answer, Number.MAX_SAFE_INTEGER, false)).response);
 }
 
+/** `{"$response_ref": …}` to `resource`, with `original`'s size and SHA-256 as compact JSON. */
+export async function referenceTo(original: unknown, resource: ResourceRef): Promise<{ $response_ref: ResponseRef }> {
+  const { size, sha256 } = await digest(original);
+  return {
+    [RESPONSE_REF_KEY]: { resource_type: resource.resourceType, resource_id: resource.resourceId, size, sha256 },
+  };
+}
+
 /** What journals in place of `original`: a reference when only size is the problem and there is a resource. */
 async function standInFor(original: unknown, reason: Unstorable, resource?: ResourceRef): Promise<unknown> {
-  if (reason.reason === "too_large" && resource) {
-    const { size, sha256 } = await digest(original);
-    return {
-      [RESPONSE_REF_KEY]: { resource_type: resource.resourceType, resource_id: resource.resourceId, size, sha256 },
-    };
-  }
+  if (reason.reason === "too_large" && resource) return await referenceTo(original, resource);
   return { [ELIDED_KEY]: await elide(original, reason) };
 }
 

@@ -25,7 +25,7 @@
 import { type Answer, replayable, store, storedSize } from "./answer.ts";
 import { sleep } from "./client.ts";
 import { PlaneError } from "./errors.ts";
-import { requestHash as hashOf } from "./hash.ts";
+import { requestHash as hashOf, sha256HexOfBytes } from "./hash.ts";
 import { checkLease, type Claim, type IdempotencyPlane } from "./plane.ts";
 import { consoleLogger, type Logger } from "./log.ts";
 
@@ -581,6 +581,5 @@ export async function vendorKey(organizationId: string, scope: string, key: stri
   const bytes = new Uint8Array(16 + rest.length);
   bytes.set(organization);
   bytes.set(rest, 16);
-  const digest = await crypto.subtle.digest("SHA-256", bytes);
-  return Array.from(new Uint8Array(digest), (byte) => byte.toString(16).padStart(2, "0")).join("");
+  return await sha256HexOfBytes(bytes);
 }

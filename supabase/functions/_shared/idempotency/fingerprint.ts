@@ -4,7 +4,7 @@
 // the same request, so a key used through one layer is the same request
 // through the other.
 
-import { requestHash, sha256Hex } from "./hash.ts";
+import { requestHash, sha256Hex, sha256HexOfBytes } from "./hash.ts";
 import { MAX_SCOPE_CHARS } from "./plane.ts";
 
 /** Hex digits of the route's hash a long scope ends with (128 bits). */
@@ -71,7 +71,7 @@ export async function fingerprint(
   counted: readonly string[] = [],
 ): Promise<string> {
   const value = isJson(headers) ? losslessJson(body) : undefined;
-  const bodyForm = value !== undefined ? { json: value.value } : { sha256: await sha256OfBytes(body) };
+  const bodyForm = value !== undefined ? { json: value.value } : { sha256: await sha256HexOfBytes(body) };
   const countedValues: Record<string, string[]> = {};
   for (const name of counted) countedValues[name.toLowerCase()] = values(headers, name);
   return await requestHash({
@@ -94,11 +94,6 @@ export function latin1Bytes(value: string): Uint8Array {
   const bytes = new Uint8Array(value.length);
   for (let i = 0; i < value.length; i++) bytes[i] = value.charCodeAt(i) & 0xff;
   return bytes;
-}
-
-async function sha256OfBytes(bytes: Uint8Array): Promise<string> {
-  const digest = await crypto.subtle.digest("SHA-256", bytes as Uint8Array<ArrayBuffer>);
-  return Array.from(new Uint8Array(digest), (byte) => byte.toString(16).padStart(2, "0")).join("");
 }
 
 /** Whether the request declares JSON: `application/json` or `application/*+json`, parameters aside. */

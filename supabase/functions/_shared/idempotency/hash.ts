@@ -33,7 +33,12 @@ export async function requestHash(value: unknown): Promise<string> {
 
 /** Lowercase hex SHA-256 of `text` as UTF-8. */
 export async function sha256Hex(text: string): Promise<string> {
-  const digest = await crypto.subtle.digest("SHA-256", new TextEncoder().encode(text));
+  return await sha256HexOfBytes(new TextEncoder().encode(text));
+}
+
+/** Lowercase hex SHA-256 of `bytes`. */
+export async function sha256HexOfBytes(bytes: Uint8Array): Promise<string> {
+  const digest = await crypto.subtle.digest("SHA-256", bytes as Uint8Array<ArrayBuffer>);
   return Array.from(new Uint8Array(digest), (byte) => byte.toString(16).padStart(2, "0")).join("");
 }
 

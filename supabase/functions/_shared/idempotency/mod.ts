@@ -22,7 +22,7 @@ export {
   SupabaseTransport,
 } from "./client.ts";
 export type { ClientOptions, ConnectOptions, RetryConfig, Sent, SupabaseLike, Transport } from "./client.ts";
-export { canonicalize, isRequestHash, requestHash, sha256Hex } from "./hash.ts";
+export { canonicalize, isRequestHash, requestHash, sha256Hex, sha256HexOfBytes } from "./hash.ts";
 export {
   answerFromStored,
   elidedOf,

@@ -13,11 +13,12 @@ import {
   SupabaseTransport,
 } from "./client.ts";
 import { codes, PlaneError } from "./errors.ts";
-import { isRequestHash, sha256Hex } from "./hash.ts";
+import { isRequestHash } from "./hash.ts";
 import {
   type Answer,
   answerFromStored,
   jsonSize,
+  referenceTo,
   resourceProblem,
   type ResourceRef,
   responseRefOf,
@@ -257,14 +258,7 @@ export class IdempotencyPlane {
             `the response is ${size} bytes, above the ${this.responseLimitBytes}-byte store limit, and names no resource to point at`,
           );
         }
-        stored = {
-          $response_ref: {
-            resource_type: completion.resource.resourceType,
-            resource_id: completion.resource.resourceId,
-            size,
-            sha256: await sha256Hex(JSON.stringify(response)),
-          },
-        };
+        stored = await referenceTo(response, completion.resource);
       }
     }
     const args: Record<string, unknown> = { p_claim_id: claim.id, p_lease_token: claim.leaseToken };

@@ -39,6 +39,7 @@
 
 import { type Answer, failure, success } from "./answer.ts";
 import { sleep } from "./client.ts";
+import { sha256HexOfBytes } from "./hash.ts";
 import { PlaneError } from "./errors.ts";
 import { Attempt, type Begun, EffectDriver, type EffectSpec, type Held, type Settle, Timing } from "./driver.ts";
 import type { IdempotencyPlane } from "./plane.ts";
@@ -296,7 +297,7 @@ export class WebhookGate {
       organizationId: delivery.organizationId,
       scope: delivery.scope,
       key: delivery.deliveryId,
-      requestHash: await sha256Bytes(bytes),
+      requestHash: await sha256HexOfBytes(bytes),
       timing: this.timing,
     };
     const held = await this.#claim(spec, say);
@@ -471,11 +472,6 @@ export function webhookHandler(route: WebhookRoute): (request: Request) => Promi
     const headers: Record<string, string> = ack.status === 503 ? { "Retry-After": "1" } : {};
     return Response.json(payload, { status: ack.status, headers });
   };
-}
-
-async function sha256Bytes(bytes: Uint8Array): Promise<string> {
-  const digest = await crypto.subtle.digest("SHA-256", bytes as Uint8Array<ArrayBuffer>);
-  return Array.from(new Uint8Array(digest), (byte) => byte.toString(16).padStart(2, "0")).join("");
 }
 
 /** Supabase's `EdgeRuntime.waitUntil`, when this runs there. */
