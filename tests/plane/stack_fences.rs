@@ -116,7 +116,15 @@ async fn a_reclaim_moves_the_lease_and_never_shortens_retain_until() {
     assert!(after.lease_live);
     assert!(after.lease_expires_at > before.lease_expires_at, "the lease moved");
     assert!(after.claimed_at > before.lease_expires_at, "the new holder's claim starts after the old lease ended");
-    assert_eq!(after.retain_until, before.retain_until, "retention never shortens");
+    // Never shorter than it was, nor than the scope's 30 days: not the 60 s
+    // asked for. (Equal to before only while the reclaim comes within 30 s
+    // of the first claim, which a busy machine does not promise.)
+    assert!(after.retain_until >= before.retain_until, "retention never shortens");
+    assert!(
+        after.retain_until >= after.lease_expires_at + chrono::TimeDelta::days(29),
+        "the policy's retention, not the 60 s asked for: {}",
+        after.retain_until
+    );
 
     // A reclaim of a live lease does nothing.
     let again = ClaimRequest { lease_token: uuid::Uuid::new_v4(), ..request };
