@@ -12,7 +12,7 @@ import {
   type SupabaseLike,
   SupabaseTransport,
 } from "./client.ts";
-import { codes, PlaneError } from "./errors.ts";
+import { PlaneError } from "./errors.ts";
 import { isRequestHash } from "./hash.ts";
 import {
   type Answer,
@@ -414,5 +414,3 @@ export function checkLease(leaseMs: number): void {
     );
   }
 }
-
-export { codes };

@@ -41,7 +41,16 @@ import { type Answer, failure, success } from "./answer.ts";
 import { sleep } from "./client.ts";
 import { sha256HexOfBytes } from "./hash.ts";
 import { PlaneError } from "./errors.ts";
-import { Attempt, type Begun, EffectDriver, type EffectSpec, type Held, type Settle, Timing } from "./driver.ts";
+import {
+  Attempt,
+  type Begun,
+  DEFAULT_JOURNAL_DEADLINE_MS,
+  EffectDriver,
+  type EffectSpec,
+  type Held,
+  type Settle,
+  Timing,
+} from "./driver.ts";
 import type { IdempotencyPlane } from "./plane.ts";
 import { consoleLogger, type Logger } from "./log.ts";
 
@@ -49,8 +58,6 @@ import { consoleLogger, type Logger } from "./log.ts";
 export const DEFAULT_PROCESSING_TIMEOUT_MS = 15_000;
 /** How long the gate takes to answer a delivery: inside Slack's 3 s window. */
 export const DEFAULT_GATE_DEADLINE_MS = 2_500;
-/** The journal's deadline, as the Rust gate's. */
-export const DEFAULT_WEBHOOK_JOURNAL_MS = 10_000;
 /** Added to make the lease: 15 + 10 + 5 = the 30 s lease `webhook.*` scopes use. */
 export const WEBHOOK_LEASE_MARGIN_MS = 5_000;
 /** When the vendor makes its last redelivery: Slack's schedule (now, 1 min, 5 min). */
@@ -166,7 +173,7 @@ export class WebhookGate {
     this.driver = new EffectDriver(plane, { log: this.#log });
     this.timing = new Timing(
       options.processingTimeoutMs ?? DEFAULT_PROCESSING_TIMEOUT_MS,
-      options.journalDeadlineMs ?? DEFAULT_WEBHOOK_JOURNAL_MS,
+      options.journalDeadlineMs ?? DEFAULT_JOURNAL_DEADLINE_MS,
       options.marginMs ?? WEBHOOK_LEASE_MARGIN_MS,
     );
     this.timing.check(options.vendorHorizonMs ?? DEFAULT_VENDOR_HORIZON_MS);
