@@ -427,7 +427,7 @@ await check('every request-hash vector matches the canonicalize package', async 
 function rustClaim(key, requestText, leaseMs = LEASE_MS) {
   return new Promise((resolve, reject) => {
     const child = execFile(process.env.IDEM_BIN, [
-      'claim', '--org', organization, '--scope', scope, '--key', key, '--lease-ms', String(leaseMs),
+      'claim', '--hold', '--org', organization, '--scope', scope, '--key', key, '--lease-ms', String(leaseMs),
     ], { timeout: 30_000 }, (error, stdout, stderr) => {
       if (error) reject(new CheckFailed(`idem claim failed: ${error.message}\n${stderr}`));
       else resolve(JSON.parse(stdout));

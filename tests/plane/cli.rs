@@ -47,7 +47,7 @@ fn idem_demo_remote_without_a_deployment_names_what_to_set() {
         .output()
         .expect("run idem demo --remote");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(output.status.code(), Some(2), "a configuration error, found before any request: {stderr}");
     assert!(stderr.contains("IDEM_POSTGREST_URL") && stderr.contains("SUPABASE_SECRET_KEY"), "{stderr}");
 }
 
@@ -66,6 +66,58 @@ async fn idem(url: &str, key: &str, max_rows: Option<u32>, args: &[&str]) -> std
         None => command.env_remove("IDEM_MAX_ROWS"),
     };
     crate::harness::within(Duration::from_secs(120), "idem", command.output()).await.expect("run idem")
+}
+
+/// Runs `idem <args>` with `input` on stdin, against the plane at `url`.
+async fn claim_with_stdin(url: &str, key: &str, args: &[&str], input: &str) -> std::process::Output {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env_remove("SUPABASE_URL")
+        .env("IDEM_POSTGREST_URL", url)
+        .env("IDEM_SERVICE_KEY", key)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn idem");
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(input.as_bytes()).await.expect("write stdin");
+    drop(stdin);
+    crate::harness::within(Duration::from_secs(120), "idem", child.wait_with_output()).await.expect("run idem")
+}
+
+#[tokio::test]
+async fn idem_claim_only_reads_unless_told_to_hold_and_takes_the_plane_from_flags() {
+    let stack = crate::harness::stack().await;
+    let org = uuid::Uuid::new_v4().to_string();
+    let base = ["--org", org.as_str(), "--scope", "tool.email.send", "--key", "k-1"];
+    let flags = ["--url", stack.url(), "--service-key", stack.service_key()];
+    let with = |extra: &[&'static str]| -> Vec<String> {
+        let mut args = vec!["claim".to_owned()];
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        args.extend(base.iter().chain(flags.iter()).map(|a| (*a).to_owned()));
+        args
+    };
+    let run = |args: Vec<String>| async move {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        // The environment names no plane: the flags alone do.
+        claim_with_stdin("", "", &refs, r#"{"to":"a@example.com"}"#).await
+    };
+    let line = |output: &std::process::Output| -> serde_json::Value {
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        serde_json::from_str(stdout(output).trim()).expect("one JSON line")
+    };
+    let asked = line(&run(with(&[])).await);
+    assert_eq!((asked["outcome"].as_str(), asked["would_run"].as_bool()), (Some("absent"), Some(true)), "{asked}");
+    // Asking wrote nothing: the first real claim takes the key, and holds it.
+    let held = line(&run(with(&["--hold"])).await);
+    assert_eq!((held["outcome"].as_str(), held["held"].as_bool()), (Some("claimed"), Some(true)), "{held}");
+    let asked = line(&run(with(&[])).await);
+    assert_eq!(asked["outcome"].as_str(), Some("processing"), "{asked}");
+    assert_eq!(crate::harness::count_rows(&stack).await, 1);
+    stack.stop().await.unwrap();
 }
 
 fn stdout(output: &std::process::Output) -> String {
@@ -107,7 +159,7 @@ async fn idem_sweep_reports_backlog_until_drained_and_refuses_a_bound_above_the_
     let (url, key) = (stack.url(), stack.service_key());
 
     let refused = idem(url, key, Some(10), &["sweep", "--bound", "11"]).await;
-    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(refused.status.code(), Some(2), "refused before any request: a usage error");
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("db-max-rows") && stderr.contains("PGRST_DB_MAX_ROWS"), "{stderr}");
     assert_eq!(crate::harness::count_rows(&stack).await, 25, "a refused bound deletes nothing");
@@ -182,6 +234,24 @@ async fn exit_codes_are_distinct_zero_ok_one_failure_two_usage_three_backlog() {
     {
         assert_eq!(code(idem(url, key, Some(10), args).await), Some(2), "{args:?}");
     }
+    // Configuration errors are usage errors too, found before any request.
+    assert_eq!(code(idem(url, key, Some(10), &["sweep", "--bound", "11"]).await), Some(2), "above the row cap");
+    assert_eq!(code(idem("not a url", key, Some(10), &["sweep"]).await), Some(2), "an unusable URL");
+    let unconfigured = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["sweep"])
+        .env_remove("IDEM_POSTGREST_URL")
+        .env_remove("SUPABASE_URL")
+        .output()
+        .expect("run idem");
+    assert_eq!(unconfigured.status.code(), Some(2), "no plane configured");
+    let not_json = claim_with_stdin(
+        url,
+        key,
+        &["claim", "--org", &uuid::Uuid::new_v4().to_string(), "--scope", "tool.email.send", "--key", "k"],
+        "{not json",
+    )
+    .await;
+    assert_eq!(not_json.status.code(), Some(2), "stdin that is not JSON");
     assert_eq!(code(idem(url, key, Some(10), &["sweep", "--help"]).await), Some(0), "--help is no error");
     assert_eq!(crate::harness::count_rows(&stack).await, 2, "usage errors deleted nothing");
     // Failures: a plane that does not answer, a failed doctor check.

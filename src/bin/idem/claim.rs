@@ -1,19 +1,23 @@
-//! `idem claim`: would this call run? Claims a key the way a worker does.
+//! `idem claim`: would this call run?
 //!
-//! Reads the request as JSON from stdin, hashes it as every client does
-//! (RFC 8785 canonical JSON, SHA-256), and makes the one-call claim. Prints
-//! one JSON line: the outcome, the request hash, and what the outcome
-//! carries. A key it takes is held until its lease passes (nothing runs in
-//! its name), or released at once with `--release`.
+//! Reads the request as JSON from stdin and hashes it as every client does
+//! (RFC 8785 canonical JSON, SHA-256). By default it only reads the journal
+//! (`read`: nothing is written) and says what a worker's claim would meet:
+//! `absent` (it would run), `completed` (it would replay), `processing`
+//! (another worker holds it), `conflict`. With `--hold` it makes the claim
+//! a worker makes: a key it takes is held until its lease passes (nothing
+//! runs in its name), or released at once with `--release`. Prints one JSON
+//! line: the outcome, the request hash, and what the outcome carries.
 
 use std::io::Read;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use idempotency_plane::{ClaimOutcome, IdempotencyService, PostgrestRepository, RequestHash};
+use idempotency_plane::{ClaimOutcome, IdempotencyService, PostgrestRepository, ReadOutcome, RequestHash};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
+use crate::exit::usage_error;
 use crate::{remote, BoxError};
 
 /// Options of `idem claim`.
@@ -28,30 +32,71 @@ pub(crate) struct ClaimArgs {
     /// The idempotency key.
     #[arg(long)]
     key: String,
-    /// The lease to claim for, in milliseconds (1,000 to 86,400,000).
-    #[arg(long, default_value_t = 30_000)]
-    lease_ms: u64,
-    /// Release the key at once when this call takes it.
+    /// Claim the key as a worker does, holding it for its lease, instead of
+    /// only reading what a claim would meet.
     #[arg(long)]
+    hold: bool,
+    /// With --hold: the lease to claim for, in milliseconds (1,000 to 86,400,000).
+    #[arg(long, default_value_t = 30_000, requires = "hold")]
+    lease_ms: u64,
+    /// With --hold: release the key at once when this call takes it.
+    #[arg(long, requires = "hold")]
     release: bool,
+    #[command(flatten)]
+    target: remote::Target,
 }
 
 pub(crate) async fn run(args: ClaimArgs) -> Result<ExitCode, BoxError> {
     let mut text = String::new();
-    std::io::stdin().read_to_string(&mut text)?;
-    let request: Value = serde_json::from_str(&text).map_err(|e| format!("stdin is not one JSON value: {e}"))?;
+    std::io::stdin().read_to_string(&mut text).map_err(|e| usage_error(format!("reading stdin: {e}")))?;
+    let request: Value =
+        serde_json::from_str(&text).map_err(|e| usage_error(format!("stdin is not one JSON value: {e}")))?;
     let hash = RequestHash::of_json(&request);
-    let service = IdempotencyService::new(PostgrestRepository::new(remote::client()?));
+    let service = IdempotencyService::new(PostgrestRepository::new(remote::client(&args.target)?));
+    let line = if args.hold { hold(&service, &args, &hash).await? } else { read(&service, &args, &hash).await? };
+    println!("{line}");
+    Ok(crate::exit::ok())
+}
+
+/// What a claim would meet, read without writing.
+async fn read(
+    service: &IdempotencyService<PostgrestRepository>,
+    args: &ClaimArgs,
+    hash: &RequestHash,
+) -> Result<Value, BoxError> {
+    let outcome = service.read(args.org, &args.scope, &args.key, hash).await?;
+    let mut line = json!({"outcome": outcome.kind(), "request_hash": hash.as_str(), "held": false});
+    match &outcome {
+        ReadOutcome::Absent => line["would_run"] = json!(true),
+        ReadOutcome::Completed { response, resource, response_ref } => {
+            line["response"] = json!(response);
+            line["resource"] = json!(resource);
+            line["response_ref"] = json!(response_ref);
+        }
+        ReadOutcome::Processing { lease_expires_at } => line["lease_expires_at"] = json!(lease_expires_at),
+        ReadOutcome::Conflict => {}
+    }
+    Ok(line)
+}
+
+/// The claim a worker makes, held for its lease (or released with --release).
+async fn hold(
+    service: &IdempotencyService<PostgrestRepository>,
+    args: &ClaimArgs,
+    hash: &RequestHash,
+) -> Result<Value, BoxError> {
     let lease = Duration::from_millis(args.lease_ms);
-    let outcome = service.claim(args.org, &args.scope, &args.key, &hash, lease).await?;
+    let outcome = service.claim(args.org, &args.scope, &args.key, hash, lease).await?;
     let mut line = json!({"outcome": outcome.kind(), "request_hash": hash.as_str()});
     match &outcome {
         ClaimOutcome::Claimed(claim) => {
             line["claim_id"] = json!(claim.id());
             line["reclaimed"] = json!(claim.reclaimed());
             line["lease_expires_at"] = json!(claim.lease_expires_at());
+            let released = args.release && service.release(claim).await? == idempotency_plane::Ending::Recorded;
+            line["held"] = json!(!released);
             if args.release {
-                line["released"] = json!(service.release(claim).await? == idempotency_plane::Ending::Recorded);
+                line["released"] = json!(released);
             }
         }
         ClaimOutcome::Completed { response, resource, response_ref } => {
@@ -62,6 +107,5 @@ pub(crate) async fn run(args: ClaimArgs) -> Result<ExitCode, BoxError> {
         ClaimOutcome::Processing { lease_expires_at } => line["lease_expires_at"] = json!(lease_expires_at),
         ClaimOutcome::Conflict => {}
     }
-    println!("{line}");
-    Ok(crate::exit::ok())
+    Ok(line)
 }

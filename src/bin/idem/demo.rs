@@ -77,7 +77,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, BoxError> {
     }
     let plane = if args.remote {
         // Refuses, naming what to set, when the environment names no deployment.
-        Plane::Remote(remote::config()?)
+        Plane::Remote(remote::config(&remote::Target::default())?)
     } else {
         Plane::Local(LocalStack::start(LocalStackConfig::default()).await?)
     };

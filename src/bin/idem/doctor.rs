@@ -26,6 +26,8 @@ pub(crate) struct DoctorArgs {
     /// Print the result as one JSON object: `{"ok", "url", "checks": [{"check", "ok", "detail"}]}`.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    target: crate::remote::Target,
 }
 
 /// One check's result.
@@ -74,7 +76,7 @@ impl Report {
 }
 
 pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
-    let client = remote::client()?;
+    let client = remote::client(&args.target)?;
     let url = client.config().base_url().to_string();
     let mut report = Report { json: args.json, checks: Vec::new() };
     report.note(&format!("idem doctor: {url}"));

@@ -22,3 +22,14 @@ pub(crate) fn usage() -> ExitCode {
 pub(crate) fn backlog() -> ExitCode {
     ExitCode::from(3)
 }
+
+/// A usage or configuration error found before any request: printed, then
+/// exit code 2 (nothing was attempted).
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub(crate) struct Usage(pub(crate) crate::BoxError);
+
+/// `error` as a usage error.
+pub(crate) fn usage_error(error: impl Into<crate::BoxError>) -> crate::BoxError {
+    Box::new(Usage(error.into()))
+}

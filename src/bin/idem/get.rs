@@ -28,6 +28,8 @@ pub(crate) struct GetArgs {
     /// is none).
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    target: remote::Target,
 }
 
 /// Characters of a lease token shown: enough to tell two workers' tokens
@@ -36,7 +38,7 @@ pub(crate) struct GetArgs {
 const SHOWN_TOKEN_CHARS: usize = 8;
 
 pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
-    let repo = PostgrestRepository::new(remote::client()?);
+    let repo = PostgrestRepository::new(remote::client(&args.target)?);
     let record = repo.get(args.org, &args.scope, &args.key).await?;
     if args.json {
         println!("{}", serde_json::to_string(&as_json(record.as_ref()))?);

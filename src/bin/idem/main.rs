@@ -14,8 +14,10 @@
 //! - `idem bench` measures the plane side by side.
 //!
 //! Exit codes: 0 success; 1 a failure (an error, printed with its causes, a
-//! failed `doctor` check, a failed `demo` check); 2 a usage error; 3 `sweep`
-//! left a backlog (its read filled the bound).
+//! failed `doctor` check, a failed `demo` check); 2 a usage or configuration
+//! error, found before any request (a bad flag, no plane configured, an
+//! unusable URL or key, a bound above the row cap, stdin that is not JSON);
+//! 3 `sweep` left a backlog (its read filled the bound).
 
 mod claim;
 mod doctor;
@@ -58,13 +60,21 @@ pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
     name = "idem",
     version,
     about,
-    after_help = "Exit codes: 0 success, 1 failure, 2 usage error, 3 sweep backlog.\n\
+    after_help = "Exit codes: 0 success, 1 failure, 2 usage or configuration error (nothing attempted), 3 sweep backlog.\n\
+                  sweep, get, claim and doctor act on the plane --url/--service-key or the environment name: \
+                  IDEM_POSTGREST_URL (or SUPABASE_URL), IDEM_SERVICE_KEY / SUPABASE_SECRET_KEY / \
+                  SUPABASE_SERVICE_ROLE_KEY, IDEM_MAX_ROWS.\n\
                   demo, up and bench need the embedded local stack: cargo install --path . --features local"
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
+
+/// What every command acting on a deployment reads, in its --help.
+const REMOTE_ENV_HELP: &str = "Reads IDEM_POSTGREST_URL (or SUPABASE_URL), a service key (IDEM_SERVICE_KEY, \
+                               SUPABASE_SECRET_KEY or SUPABASE_SERVICE_ROLE_KEY) and IDEM_MAX_ROWS, unless \
+                               --url and --service-key are given.";
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -89,15 +99,20 @@ enum Command {
     /// Delete claims past their retention: one bounded pass, or passes on a
     /// schedule (--every). Exit 0 ok, 3 backlog (the read filled the bound),
     /// 1 error. Acts on the server IDEM_POSTGREST_URL / SUPABASE_URL names.
+    #[command(after_help = REMOTE_ENV_HELP)]
     Sweep(sweep::SweepArgs),
     /// Show one claim as the database sees it: why did this call not run?
+    #[command(after_help = REMOTE_ENV_HELP)]
     Get(get::GetArgs),
-    /// Would this call run? Claim a key the way a worker does, for the
-    /// request JSON on stdin; print the outcome as one JSON line. A key it
-    /// takes is held for its lease (or released with --release).
+    /// Would this call run? For the request JSON on stdin, read what a
+    /// worker's claim would meet (nothing is written) and print it as one
+    /// JSON line; with --hold, claim the key as a worker does and hold it
+    /// for its lease (or release it at once with --release).
+    #[command(after_help = REMOTE_ENV_HELP)]
     Claim(claim::ClaimArgs),
     /// Check that a deployment can serve the plane: reachability, the key's
     /// role, the exposed schema, every function, the real row cap.
+    #[command(after_help = REMOTE_ENV_HELP)]
     Doctor(doctor::DoctorArgs),
 }
 
@@ -134,7 +149,11 @@ async fn main() -> ExitCode {
         Ok(code) => code,
         Err(error) => {
             print_error(error.as_ref());
-            exit::failure()
+            if error.downcast_ref::<exit::Usage>().is_some() {
+                exit::usage()
+            } else {
+                exit::failure()
+            }
         }
     }
 }
@@ -142,11 +161,15 @@ async fn main() -> ExitCode {
 /// Logs go to stderr, filtered by `RUST_LOG`. The default is `warn`, which
 /// keeps the demo's output to its table; it also quiets the embedded server's
 /// start-up notice about JSON key order, which says nothing about this plane.
-const DEFAULT_LOG_FILTER: &str = "warn,postrust_server::build=error";
+/// sqlx's own warnings (a slow `DROP DATABASE` when a local stack stops) are
+/// not the operator's business either.
+const DEFAULT_LOG_FILTER: &str = "warn,postrust_server::build=error,sqlx=error";
 
 fn init_logging(default_filter: &str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    // Colour codes only where a terminal shows them, never in a log file.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
 }
 
 /// Prints `error` and the chain of its causes to stderr, skipping a cause

@@ -38,6 +38,8 @@ pub(crate) struct SweepArgs {
     /// Print each report as one JSON line.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    target: remote::Target,
 }
 
 pub(crate) async fn run(args: SweepArgs) -> Result<ExitCode, BoxError> {
@@ -45,9 +47,10 @@ pub(crate) async fn run(args: SweepArgs) -> Result<ExitCode, BoxError> {
         metrics_endpoint::serve(addr)?;
         eprintln!("metrics on http://{addr}/metrics");
     }
-    let client = remote::client()?;
+    let client = remote::client(&args.target)?;
     let bound = args.bound.unwrap_or_else(|| u64::from(client.config().max_rows()));
-    let sweeper = Sweeper::new(client, bound)?;
+    // A bound of zero or above the row cap is refused before any request.
+    let sweeper = Sweeper::new(client, bound).map_err(exit::usage_error)?;
     let Some(every) = args.every else {
         let report = sweeper.pass().await?;
         print(&report, args.json)?;
