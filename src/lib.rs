@@ -47,7 +47,8 @@
 //! let hash = RequestHash::of_json(&request);
 //! match service.claim(org, "tool.email.send", "run-1:step-3", &hash, Duration::from_secs(90)).await? {
 //!     ClaimOutcome::Claimed(claim) => {
-//!         // ... perform the effect, passing claim.key() to the vendor ...
+//!         // ... perform the effect, passing the vendor a key of this tenant's own
+//!         // (the tool guard derives one: `ToolCall::idempotency_key`) ...
 //!         let _ = service.complete(&claim, Completion::resource("email.message", "m-1")).await?;
 //!     }
 //!     ClaimOutcome::Completed { response, resource, .. } => { /* replay it */ }
