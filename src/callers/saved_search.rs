@@ -49,16 +49,12 @@ use crate::repo::{IdempotencyRepository, PostgrestRepository, RunRepository};
 use crate::service::journal;
 use crate::service::{
     may_have_written, Answer, Begun, Effect, EffectDriver, Held, IdempotencyService, LeaseOutlastsRetries, Refused,
-    RequestHash, ResourceRef, ResponseRef, RetryHorizon, Settle, Settled, Timing, DAY, DEFAULT_JOURNAL_DEADLINE,
-    MAX_LEASE, MAX_POLICY_RESPONSE_BYTES, MIN_LEASE,
+    RequestHash, ResourceRef, ResponseRef, RetryHorizon, Settle, Settled, Timing, DEFAULT_JOURNAL_DEADLINE, MAX_LEASE,
+    MAX_POLICY_RESPONSE_BYTES, MIN_LEASE,
 };
 
 /// The scope of saved-search input preparation.
 pub const SAVED_SEARCH_START_SCOPE: &str = "surface.saved_search.start";
-
-/// Retention of the saved-search snapshot: the database's policy for the
-/// scope (seeded by the migrations), 24 hours.
-pub const SAVED_SEARCH_START_RETENTION: Duration = DAY;
 
 /// The spec's lease for input preparation.
 pub const SAVED_SEARCH_LEASE: Duration = Duration::from_secs(30);

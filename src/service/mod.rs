@@ -40,7 +40,7 @@ pub use outcome::{
     Claim, ClaimOutcome, Completion, Ending, ReadOutcome, ResourceRef, ResponseRef, MAX_RESOURCE_ID_CHARS,
     MAX_RESOURCE_TYPE_CHARS,
 };
-pub use scope::{DAY, MAX_SCOPE_CHARS, TOOL_RETENTION, WEBHOOK_RETENTION};
+pub use scope::{DAY, MAX_SCOPE_CHARS, TOOL_RETENTION};
 pub use timing::{LeaseOutlastsRetries, RetryHorizon, Timing, DEFAULT_JOURNAL_DEADLINE};
 pub(crate) use validate::key as validate_key;
 pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};

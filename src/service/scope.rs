@@ -21,9 +21,6 @@ pub const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 /// the claim is its replay journal. The database refuses a shorter one.
 pub const TOOL_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 
-/// Retention of webhook deliveries (`webhook.*`): vendors redeliver within hours.
-pub const WEBHOOK_RETENTION: Duration = DAY;
-
 /// A scope is 1 to 128 characters of `a-z 0-9 . _ -`. Whether it has a
 /// policy is the database's to say.
 pub(crate) fn validate_scope(scope: &str) -> Result<(), InvalidInput> {
