@@ -14,6 +14,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use idempotency_plane::{ClaimOutcome, IdempotencyService, PostgrestRepository, ReadOutcome, RequestHash};
+use serde::Serialize;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -69,9 +70,7 @@ async fn read(
     match &outcome {
         ReadOutcome::Absent => line["would_run"] = json!(true),
         ReadOutcome::Completed { response, resource, response_ref } => {
-            line["response"] = json!(response);
-            line["resource"] = json!(resource);
-            line["response_ref"] = json!(response_ref);
+            replay_fields(&mut line, response, resource, response_ref)
         }
         ReadOutcome::Processing { lease_expires_at } => line["lease_expires_at"] = json!(lease_expires_at),
         ReadOutcome::Conflict => {}
@@ -87,7 +86,7 @@ async fn hold(
 ) -> Result<Value, BoxError> {
     let lease = Duration::from_millis(args.lease_ms);
     let outcome = service.claim(args.org, &args.scope, &args.key, hash, lease).await?;
-    let mut line = json!({"outcome": outcome.kind(), "request_hash": hash.as_str()});
+    let mut line = json!({"outcome": outcome.kind(), "request_hash": hash.as_str(), "held": false});
     match &outcome {
         ClaimOutcome::Claimed(claim) => {
             line["claim_id"] = json!(claim.id());
@@ -100,12 +99,23 @@ async fn hold(
             }
         }
         ClaimOutcome::Completed { response, resource, response_ref } => {
-            line["response"] = json!(response);
-            line["resource"] = json!(resource);
-            line["response_ref"] = json!(response_ref);
+            replay_fields(&mut line, response, resource, response_ref)
         }
         ClaimOutcome::Processing { lease_expires_at } => line["lease_expires_at"] = json!(lease_expires_at),
         ClaimOutcome::Conflict => {}
     }
     Ok(line)
+}
+
+/// What a completed claim would replay: its stored response, resource and
+/// reference, as the line's fields.
+fn replay_fields(
+    line: &mut Value,
+    response: &impl Serialize,
+    resource: &impl Serialize,
+    response_ref: &impl Serialize,
+) {
+    line["response"] = json!(response);
+    line["resource"] = json!(resource);
+    line["response_ref"] = json!(response_ref);
 }
