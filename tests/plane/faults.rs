@@ -146,6 +146,10 @@ struct State {
     reached: HashMap<Op, Vec<Instant>>,
     injected: HashMap<Op, usize>,
     keys: HashMap<Uuid, String>,
+    /// Claims whose completion landed (heard or not): the database answers
+    /// a repeat of it with the completed row, never a refusal, so a
+    /// `Refuse` chosen for one is not injected.
+    completed: std::collections::HashSet<Uuid>,
 }
 
 impl<R> Clone for Faulty<R> {
@@ -275,7 +279,13 @@ impl<R> Faulty<R> {
     where
         F: Future<Output = Result<T, Error>>,
     {
-        let fault = self.enter(op, key, claim_id);
+        let mut fault = self.enter(op, key, claim_id);
+        let landed = op == Op::Complete && claim_id.is_some_and(|id| self.lock().completed.contains(&id));
+        if landed && matches!(fault, Some(Fault::Refuse { .. })) {
+            // The same answer under the same token already landed: the store
+            // answers the completed row, as a repeat-safe completion must.
+            fault = None;
+        }
         let started = Instant::now();
         match fault {
             Some(Fault::Refuse { status, code }) => return Err(refusal(op, status, code, None)),
@@ -381,7 +391,11 @@ impl<R: IdempotencyRepository> IdempotencyRepository for Faulty<R> {
             None,
             Some(claim_id),
             || self.inner.complete(claim_id, lease_token, completion),
-            |_| {},
+            |row| {
+                if row.is_some() {
+                    self.lock().completed.insert(claim_id);
+                }
+            },
         )
         .await
     }
