@@ -75,6 +75,15 @@ impl Error {
         }
     }
 
+    /// True when the request provably never reached the plane: the connection
+    /// was refused, or the server answered that it could not reach the
+    /// database. Nothing was claimed, so a caller may bypass the plane (the
+    /// `Idempotency-Key` layer's fail-open does) without risking a key that
+    /// someone now holds. After any other failure the claim may have been made.
+    pub fn never_reached_the_plane(&self) -> bool {
+        matches!(self, Error::Store(store) if store.never_reached_the_plane())
+    }
+
     /// True when retrying the same call later may succeed (a transient store
     /// failure); false for bad input or a refusal that will repeat.
     pub fn is_transient(&self) -> bool {

@@ -780,7 +780,7 @@ where
     // Only a plane that was never reached may be bypassed: after any other
     // failure (an answer lost or too late, a lock timeout, a 5xx) the plane
     // may have made the claim, and then it holds this key for someone.
-    let never_reached = matches!(&error, Error::Store(store) if store.never_reached_the_plane());
+    let never_reached = error.never_reached_the_plane();
     if config.fail_open && never_reached {
         tracing::error!(%error, "the idempotency plane is unreachable; FAIL-OPEN: running the request without protection");
         return inner.call(request).await;
