@@ -64,6 +64,7 @@ mod error;
 pub mod postgrest;
 pub mod repo;
 pub mod service;
+mod storable;
 pub mod sweeper;
 pub mod telemetry;
 

@@ -20,7 +20,7 @@ use super::{
     RunRepository,
 };
 use crate::postgrest::{codes, ClientError, PostgrestError};
-use crate::service::journal;
+use crate::storable::{self, Unstorable, MAX_POLICY_RESPONSE_BYTES};
 use crate::Error;
 
 /// Every repository trait, in memory. Cheap to share behind an `Arc`.
@@ -80,11 +80,11 @@ impl MemoryRepository {
 
     /// Adds (or replaces) a scope's policy, as a migration would. Refuses a
     /// tool scope under 30 days and a limit outside 1 KiB to
-    /// [`MAX_POLICY_RESPONSE_BYTES`](journal::MAX_POLICY_RESPONSE_BYTES), as
+    /// [`MAX_POLICY_RESPONSE_BYTES`], as
     /// the table's checks do.
     pub fn with_policy(self, scope: &str, retain: Duration, max_response_bytes: u64) -> Result<Self, Error> {
         let retain = TimeDelta::from_std(retain).map_err(|_| refused("idempotency_scopes", codes::CHECK_VIOLATION))?;
-        let largest = 1024..=journal::MAX_POLICY_RESPONSE_BYTES;
+        let largest = 1024..=MAX_POLICY_RESPONSE_BYTES;
         if (scope.starts_with("tool.") && retain < TimeDelta::days(30)) || !largest.contains(&max_response_bytes) {
             return Err(refused("idempotency_scopes", codes::CHECK_VIOLATION));
         }
@@ -352,11 +352,11 @@ impl IdempotencyRepository for MemoryRepository {
             return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
         }
         // One walk of the response: what the database refuses it for, if anything.
-        let unstorable = response.and_then(|r| journal::unstorable(r, 0, u64::MAX));
-        if unstorable == Some(crate::service::Unstorable::TooDeep) {
+        let unstorable = response.and_then(|r| storable::unstorable(r, 0, u64::MAX));
+        if unstorable == Some(Unstorable::TooDeep) {
             return Err(refused(FUNCTION, codes::RESPONSE_TOO_DEEP));
         }
-        if unstorable == Some(crate::service::Unstorable::Nul)
+        if unstorable == Some(Unstorable::Nul)
             || [resource_type, resource_id].iter().flatten().any(|text| text.contains('\0'))
         {
             return Err(refused(FUNCTION, "22P05"));
@@ -373,7 +373,7 @@ impl IdempotencyRepository for MemoryRepository {
         if let Some(response) = response {
             match limit(&state, &slot.1) {
                 None => return Err(Error::UnknownScope { scope: slot.1.clone() }),
-                Some(max) if journal::json_size(response) > max => {
+                Some(max) if storable::json_size(response) > max => {
                     return Err(refused(FUNCTION, codes::RESPONSE_TOO_LARGE))
                 }
                 Some(_) => {}
