@@ -7,13 +7,13 @@ use chrono::{DateTime, TimeDelta, Utc};
 use uuid::Uuid;
 
 use super::{refused, MemoryRepository, Row, State};
+use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
 use crate::repo::{
     ClaimCall, ClaimDecision, ClaimRequest, ClaimRow, ClaimStatus, CompletionArgs, ExpiredClaim, ExpiredClaims,
     IdempotencyRecord, IdempotencyRepository,
 };
 use crate::storable::{self, Unstorable};
-use crate::Error;
 
 /// The plane's checks of a key's arguments (`agent.idempotency_check_key`):
 /// a scope of 1 to 128 characters of `a-z 0-9 . _ -`, a key of 1 to 512.

@@ -21,10 +21,10 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use uuid::Uuid;
 
+use crate::error::Error;
 use crate::postgrest::{codes, ClientError, PostgrestError};
 use crate::repo::{AdmittedRun, IdempotencyRecord, ProviderJob};
 use crate::storable::MAX_POLICY_RESPONSE_BYTES;
-use crate::Error;
 
 /// Every repository trait, in memory. Cheap to share behind an `Arc`.
 #[derive(Debug)]

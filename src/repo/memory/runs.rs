@@ -5,9 +5,9 @@ use chrono::TimeDelta;
 use uuid::Uuid;
 
 use super::{refused, MemoryRepository, State};
+use crate::error::Error;
 use crate::postgrest::codes;
 use crate::repo::{AdmittedRun, ClaimFence, ClaimStatus, ProviderJob, ProviderJobRepository, RunRepository};
-use crate::Error;
 
 impl State {
     /// `agent.run_admit` after its argument checks (and, fenced, its fence):
