@@ -14,8 +14,6 @@ pub const PGRST003: &str = "PGRST003";
 pub const PGRST106: &str = "PGRST106";
 /// 404: no function with these argument names.
 pub const PGRST202: &str = "PGRST202";
-/// 300: ambiguous overload.
-pub const PGRST203: &str = "PGRST203";
 /// 401: JWT malformed or badly signed.
 pub const PGRST301: &str = "PGRST301";
 /// 401: JWT claims invalid, e.g. expired.
@@ -29,8 +27,6 @@ pub const CHECK_VIOLATION: &str = "23514";
 /// SQLSTATE invalid_parameter_value (400): what the plane's functions raise
 /// for bad arguments.
 pub const INVALID_PARAMETER_VALUE: &str = "22023";
-/// SQLSTATE raise_exception (400), a plain `RAISE EXCEPTION`.
-pub const RAISE_EXCEPTION: &str = "P0001";
 /// SQLSTATE serialization_failure (500): rolled back, safe to retry.
 pub const SERIALIZATION_FAILURE: &str = "40001";
 /// SQLSTATE deadlock_detected (500): rolled back, safe to retry.

@@ -86,7 +86,7 @@ impl Gateway {
     /// under `supabase.co`), else [`Gateway::Plain`]. A Supabase behind a
     /// custom domain or the local Supabase CLI is not recognisable by its
     /// URL: use `SUPABASE_URL`, `IDEM_APIKEY` or
-    /// [`ClientConfig::with_gateway`].
+    /// [`ClientConfig::with_gateway`](super::ClientConfig::with_gateway).
     pub fn of_url(url: &Url) -> Gateway {
         match url.host_str() {
             Some(host) if host.to_ascii_lowercase().trim_end_matches('.').ends_with(".supabase.co") => {

@@ -3,29 +3,11 @@
 //! `Idempotency-Key` layer are front doors over it.
 //!
 //! [`EffectDriver::begin`] claims (or answers the stored answer, a live
-//! claim elsewhere, a conflict); [`Held::run`] runs the effect, cut at its
-//! timeout; [`Held::settle`] ends it. An effect has exactly three endings,
-//! and the rules for each live here and nowhere else:
-//!
-//! - [`Settle::Journal`]: success or business failure, stored so that a
-//!   replay is indistinguishable from the first answer, whatever its size
-//!   or bytes (see [`Answer`]). A database refusal of the answer falls back
-//!   to a reference to the effect's resource (a summary when it names
-//!   none), keeping `ok`, the error and the resource.
-//! - [`Settle::Release`]: only when the caller knows no effect happened
-//!   *and* no success can have been answered to anyone on the strength of
-//!   this claim. The next attempt runs the effect.
-//! - [`Settle::Unknown`]: the outcome is unknown (a timeout, a panic, a lost
-//!   vendor answer). Nothing is written; the claim is left to its lease, the
-//!   next attempt after it reclaims, and the vendor key or the reconciler
-//!   decides whether the effect happened.
-//!
-//! The lease is the effect's timeout plus the journal's deadline plus a
-//! margin ([`Timing`]). The journal (and a release) is cut at its deadline,
-//! which ends before the lease does, and retried within it on transient
-//! failures: a slow journal lands while the key is still ours, and once the
-//! deadline passes this worker starts no other write (each is fenced by its
-//! lease token besides).
+//! claim elsewhere, a conflict) and hands back the claim [`Held`], whose
+//! effect runs cut at its timeout and which ends in exactly one of three
+//! endings; the rules for each live with [`Held`] and nowhere else. A claim
+//! whose outcome is unknown is asked again as the same [`Attempt`]
+//! ([`EffectDriver::begin_until`]).
 
 use std::sync::Arc;
 

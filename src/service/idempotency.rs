@@ -88,7 +88,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     }
 
     /// Sets the largest response stored inline, in bytes of compact JSON. A
-    /// larger one is replaced by a [`ResponseRef`] to the completion's
+    /// larger one is replaced by a [`ResponseRef`](super::ResponseRef) to the completion's
     /// resource, or refused when it names none.
     pub fn with_response_limit(mut self, bytes: u64) -> Self {
         self.response_limit = bytes;

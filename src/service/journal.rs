@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::outcome::{ResourceRef, ResponseRef};
-// The measures, under the names the callers use for them.
+// The measures of what the store can hold, also under this module for the
+// callers that journal an answer of their own.
 pub(crate) use crate::storable::{digest, unstorable, Unstorable};
 
 /// A summary journaled in place of an answer the store cannot hold:

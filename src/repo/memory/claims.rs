@@ -6,7 +6,7 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use uuid::Uuid;
 
-use super::{refused, MemoryRepository, Row, State};
+use super::{refused, MemoryRepository, Row, State, MAX_BOUND};
 use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
 use crate::repo::{
@@ -271,12 +271,12 @@ fn v1_call<'a>(request: &ClaimRequest<'a>) -> ClaimCall<'a> {
 
 impl ExpiredClaims for MemoryRepository {
     fn max_bound(&self) -> u64 {
-        self.max_bound
+        MAX_BOUND
     }
 
     async fn expired(&self, bound: u64) -> Result<Vec<ExpiredClaim>, Error> {
-        if bound > self.max_bound {
-            return Err(ClientError::BoundAboveCap { bound, cap: self.max_bound }.into());
+        if bound > MAX_BOUND {
+            return Err(ClientError::BoundAboveCap { bound, cap: MAX_BOUND }.into());
         }
         let state = self.lock();
         let now = state.now();

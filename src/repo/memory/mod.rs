@@ -30,8 +30,11 @@ use crate::storable::MAX_POLICY_RESPONSE_BYTES;
 #[derive(Debug)]
 pub struct MemoryRepository {
     state: Mutex<State>,
-    max_bound: u64,
 }
+
+/// The row cap bounded reads may not exceed, as PostgREST's `db-max-rows`
+/// (Supabase's default `api.max_rows`).
+const MAX_BOUND: u64 = 1000;
 
 #[derive(Debug, Default)]
 struct State {
@@ -78,7 +81,7 @@ impl MemoryRepository {
             policy("surface.saved_search.start", 1),
             policy("http.*", 1),
         ];
-        MemoryRepository { state: Mutex::new(State { policies, ..State::default() }), max_bound: 1000 }
+        MemoryRepository { state: Mutex::new(State { policies, ..State::default() }) }
     }
 
     /// Adds (or replaces) a scope's policy, as a migration would. Refuses a
@@ -97,12 +100,6 @@ impl MemoryRepository {
             state.policies.push(Policy { scope: scope.to_owned(), retain, max_response_bytes });
         }
         Ok(self)
-    }
-
-    /// Sets the row cap bounded reads may not exceed (PostgREST's `db-max-rows`).
-    pub fn with_max_bound(mut self, max_bound: u64) -> Self {
-        self.max_bound = max_bound;
-        self
     }
 
     /// Moves this plane's clock forward, as waiting would.
