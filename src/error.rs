@@ -207,15 +207,9 @@ pub enum InvalidInput {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::postgrest::PostgrestError;
 
     fn refused(status: u16, code: &str) -> Error {
-        Error::Store(ClientError::Api {
-            function: "idempotency_complete",
-            status,
-            error: Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None }),
-            retry_after: None,
-        })
+        Error::Store(ClientError::answered("idempotency_complete", status, code))
     }
 
     #[test]

@@ -295,16 +295,27 @@ impl ClientError {
 }
 
 #[cfg(test)]
+impl PostgrestError {
+    /// A body of `code` alone, as a test's server sends it.
+    pub(crate) fn of_code(code: &str) -> Box<Self> {
+        Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None })
+    }
+}
+
+#[cfg(test)]
+impl ClientError {
+    /// `function`'s answer `status` with PostgREST's error body of `code` alone.
+    pub(crate) fn answered(function: &'static str, status: u16, code: &str) -> Self {
+        ClientError::Api { function, status, error: PostgrestError::of_code(code), retry_after: None }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
     fn api(status: u16, code: &str) -> ClientError {
-        ClientError::Api {
-            function: "f",
-            status,
-            error: Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None }),
-            retry_after: None,
-        }
+        ClientError::answered("f", status, code)
     }
 
     fn gateway(body: serde_json::Value) -> ClientError {

@@ -249,12 +249,7 @@ mod tests {
     }
 
     fn api(status: u16, code: &str) -> ClientError {
-        ClientError::Api {
-            function: "f",
-            status,
-            error: Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None }),
-            retry_after: None,
-        }
+        ClientError::answered("f", status, code)
     }
 
     #[test]
@@ -343,15 +338,7 @@ mod tests {
             (ClientError::Http { function: "f", status: 503, body_excerpt: "<html>".into(), retry_after: None }, false),
             (ClientError::Http { function: "f", status: 504, body_excerpt: "<html>".into(), retry_after: None }, false),
             (
-                ClientError::LockTimeout {
-                    function: "f",
-                    error: Box::new(PostgrestError {
-                        code: codes::LOCK_NOT_AVAILABLE.into(),
-                        message: String::new(),
-                        details: None,
-                        hint: None,
-                    }),
-                },
+                ClientError::LockTimeout { function: "f", error: PostgrestError::of_code(codes::LOCK_NOT_AVAILABLE) },
                 false,
             ),
             (ClientError::Decode { function: "f", reason: String::new() }, false),

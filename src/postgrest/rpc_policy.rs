@@ -84,7 +84,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::postgrest::{ClientError, PostgrestError, RetryConfig, DEFAULT_DEADLINE};
+    use crate::postgrest::{ClientError, RetryConfig, DEFAULT_DEADLINE};
 
     fn table() -> &'static RpcPolicy {
         policy().expect("rpc_policy.json parses")
@@ -109,12 +109,7 @@ mod tests {
     }
 
     fn answered(status: u16, code: &str) -> ClientError {
-        ClientError::Api {
-            function: "idempotency_release",
-            status,
-            error: Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None }),
-            retry_after: None,
-        }
+        ClientError::answered("idempotency_release", status, code)
     }
 
     #[test]

@@ -80,10 +80,6 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn nested(levels: usize) -> Value {
-        (0..levels).fold(json!(1), |inner, _| json!([inner]))
-    }
-
     #[test]
     fn a_stand_in_keeps_size_and_digest_and_points_at_the_resource_only_for_size() {
         let original = json!({"text": "a\u{0}b"});
@@ -94,7 +90,7 @@ mod tests {
         let too_large = Unstorable::TooLarge { size, limit: 1 };
         let reference = ResponseRef::from_stored(&stand_in(&original, too_large, Some(&resource))).unwrap();
         assert_eq!((reference.size, reference.sha256), (size, sha256));
-        let deep = Elided::of(&nested(10), Unstorable::TooDeep);
+        let deep = Elided::of(&json!([[1]]), Unstorable::TooDeep);
         assert_eq!((deep.size, deep.sha256), (None, None));
         assert_eq!(Elided::from_stored(&json!({"$elided": {"reason": "nul"}, "x": 1})), None);
     }
