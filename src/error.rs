@@ -177,9 +177,9 @@ pub enum InvalidInput {
     ReservedResponseShape,
     /// A response the store cannot hold: a NUL character in a string or a
     /// key, or arrays and objects nested deeper than
-    /// [`MAX_RESPONSE_DEPTH`](crate::service::MAX_RESPONSE_DEPTH).
-    #[error("the response cannot be stored ({}): PostgreSQL cannot hold U+0000, and a replay cannot read back more than {} levels of nesting", .0.as_str(), crate::service::MAX_RESPONSE_DEPTH)]
-    UnstorableResponse(crate::service::Unstorable),
+    /// [`MAX_RESPONSE_DEPTH`](crate::storable::MAX_RESPONSE_DEPTH).
+    #[error("the response cannot be stored ({}): PostgreSQL cannot hold U+0000, and a replay cannot read back more than {} levels of nesting", .0.as_str(), crate::storable::MAX_RESPONSE_DEPTH)]
+    UnstorableResponse(crate::storable::Unstorable),
     /// A resource type or id holding a NUL character, which PostgreSQL text cannot store.
     #[error("the resource {field} holds a NUL character")]
     ResourceHasNul {
@@ -207,22 +207,16 @@ pub enum InvalidInput {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::postgrest::PostgrestError;
 
     fn refused(status: u16, code: &str) -> Error {
-        Error::Store(ClientError::Api {
-            function: "idempotency_complete",
-            status,
-            error: Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None }),
-            retry_after: None,
-        })
+        Error::Store(ClientError::answered("idempotency_complete", status, code))
     }
 
     #[test]
     fn the_callers_data_is_told_from_the_planes_availability() {
         let data = [
             Error::from(InvalidInput::EmptyCompletion),
-            InvalidInput::UnstorableResponse(crate::service::Unstorable::Nul).into(),
+            InvalidInput::UnstorableResponse(crate::storable::Unstorable::Nul).into(),
             InvalidInput::ResponseTooLarge { size: 2, limit: 1 }.into(),
             InvalidInput::ResourceHasNul { field: "id" }.into(),
             refused(400, "22P05"),

@@ -3,7 +3,7 @@
 //! Repeating a command has the same effect as making it once, for workers
 //! that reach PostgreSQL only over HTTPS through PostgREST (or Supabase).
 //!
-//! Layers, each calling only the one below:
+//! Layers, each using only the layers below it, never one above:
 //!
 //! - [`postgrest`]: an HTTP client for the plane's SQL functions, with typed
 //!   errors, safe retries, and `Content-Range` checks on bounded reads.
@@ -22,10 +22,15 @@
 //!   `Idempotency-Key` layer for any HTTP API (feature `axum`), and the
 //!   retention sweeper, each over the driver or a repository trait.
 //!
-//! [`telemetry`] names every metric these emit. Features: `cli` (default)
-//! builds the `idem` operator tool; `axum` the HTTP integrations; `local`
-//! the embedded stack. `default-features = false` keeps a library user's
-//! tree to the client, the service and the callers.
+//! Beside them: the crate's [`Error`] (over the client's [`ClientError`]),
+//! what every layer above the client fails with; and at the ground, below
+//! the client, what the store can hold ([`Unstorable`](service::Unstorable)
+//! and its measures, which the error, the repository and the service share)
+//! and [`telemetry`], which names every metric the layers emit.
+//!
+//! Features: `cli` (default) builds the `idem` operator tool; `axum` the
+//! HTTP integrations; `local` the embedded stack. `default-features = false`
+//! keeps a library user's tree to the client, the service and the callers.
 //!
 //! Every atomic decision is one SQL function in the database, whatever
 //! client calls it; the crate decides no lease with its own clock (its
@@ -64,6 +69,7 @@ mod error;
 pub mod postgrest;
 pub mod repo;
 pub mod service;
+mod storable;
 pub mod sweeper;
 pub mod telemetry;
 

@@ -10,23 +10,12 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::time::Instant;
 
+use super::codes;
 use super::config::ClientConfig;
-use super::error::{codes, ClientError, PostgrestError, TransportKind};
+use super::error::{ClientError, PostgrestError, TransportKind};
 use super::range::{ContentRange, ContentRangeError};
+use super::retry::{self, Repeat};
 use crate::telemetry;
-
-/// Whether a call may be sent again after its response was lost.
-///
-/// Every function of the plane is designed so that it may (a repeat with the
-/// same lease token answers the same row). A call that is not, is retried only
-/// when the server proves it never ran.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Repeat {
-    /// Repeating the call after a lost response has no further effect.
-    Safe,
-    /// Repeating the call could repeat an effect.
-    Unsafe,
-}
 
 /// A PostgREST client for one server and schema. Cheap to clone: clones share
 /// one connection pool.
@@ -202,10 +191,8 @@ impl PostgrestClient {
         .await
     }
 
-    /// Sends the call, retrying what [`ClientError::is_retryable`] allows,
-    /// within the configured deadline: an attempt still in flight at the
-    /// deadline is cut, and no retry starts that could not finish before it
-    /// (the failed attempt's duration, plus the backoff, is the estimate).
+    /// Sends the call, retrying what [`ClientError::is_retryable`] allows
+    /// within the configured deadline ([`retry::with_retries`]).
     async fn call(
         &self,
         function: &'static str,
@@ -218,72 +205,15 @@ impl PostgrestClient {
             serde_json::to_vec(args)
                 .map_err(|e| ClientError::Decode { function, reason: format!("arguments do not serialize: {e}") })?,
         );
-        let url = self
-            .inner
-            .config
+        let config = &self.inner.config;
+        let url = config
             .base_url
             .join(&format!("rpc/{function}"))
             .map_err(|e| ClientError::Config(format!("function name {function:?}: {e}")))?;
-        let retry = &self.inner.config.retry;
-        let deadline = self.inner.config.deadline;
-        let started = Instant::now();
-        let deadline_at = started + deadline;
-        let mut retries = 0u32;
-        let mut last_error: Option<ClientError> = None;
-        loop {
-            let attempt_started = Instant::now();
-            let attempt = self.attempt(function, &url, query, body.clone(), count);
-            let error = match tokio::time::timeout_at(deadline_at, attempt).await {
-                Ok(Ok(answer)) => return Ok(answer),
-                Ok(Err(error)) => error,
-                Err(_cut) => {
-                    return Err(ClientError::DeadlineExceeded {
-                        function,
-                        deadline,
-                        elapsed: started.elapsed(),
-                        attempts: retries + 1,
-                        in_flight: true,
-                        last_error: last_error.map(Box::new),
-                    })
-                }
-            };
-            let may_retry = error.is_retryable(repeat == Repeat::Safe)
-                && retries < retry.max_retries
-                && started.elapsed() < retry.max_elapsed;
-            if !may_retry {
-                return Err(error);
-            }
-            let wait = retry.backoff(retries + 1, error.retry_after());
-            let estimate = attempt_started.elapsed();
-            if Instant::now() + wait + estimate >= deadline_at {
-                tracing::info!(
-                    function,
-                    attempts = retries + 1,
-                    deadline_ms = deadline.as_millis() as u64,
-                    error = %error,
-                    "not retrying PostgREST call: a retry could not finish before the deadline"
-                );
-                return Err(ClientError::DeadlineExceeded {
-                    function,
-                    deadline,
-                    elapsed: started.elapsed(),
-                    attempts: retries + 1,
-                    in_flight: false,
-                    last_error: Some(Box::new(error)),
-                });
-            }
-            retries += 1;
-            tracing::info!(
-                function,
-                retry = retries,
-                max_retries = retry.max_retries,
-                wait_ms = wait.as_millis() as u64,
-                error = %error,
-                "retrying PostgREST call"
-            );
-            last_error = Some(error);
-            tokio::time::sleep(wait).await;
-        }
+        retry::with_retries(function, &config.retry, config.deadline, repeat, || {
+            self.attempt(function, &url, query, body.clone(), count)
+        })
+        .await
     }
 
     async fn attempt(

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::config::KeyKind;
+use super::codes;
+use super::key::KeyError;
 use super::range::ContentRangeError;
 
 /// The error body PostgREST sends: `{code, message, details, hint}`.
@@ -26,61 +27,6 @@ pub struct PostgrestError {
     pub hint: Option<String>,
 }
 
-/// Error codes this crate reacts to, named so callers need no string literals.
-pub mod codes {
-    /// 503: PostgREST cannot connect to the database. The request never ran.
-    pub const PGRST000: &str = "PGRST000";
-    /// 503: database client error, e.g. the connection dropped mid-request.
-    pub const PGRST001: &str = "PGRST001";
-    /// 503: the schema cache is not loaded yet. The request never ran.
-    pub const PGRST002: &str = "PGRST002";
-    /// 504: timed out waiting for a pool connection. The request never ran.
-    pub const PGRST003: &str = "PGRST003";
-    /// 406: the requested schema is not exposed (`db-schemas`).
-    pub const PGRST106: &str = "PGRST106";
-    /// 404: no function with these argument names.
-    pub const PGRST202: &str = "PGRST202";
-    /// 300: ambiguous overload.
-    pub const PGRST203: &str = "PGRST203";
-    /// 401: JWT malformed or badly signed.
-    pub const PGRST301: &str = "PGRST301";
-    /// 401: JWT claims invalid, e.g. expired.
-    pub const PGRST303: &str = "PGRST303";
-    /// SQLSTATE insufficient_privilege: 401 as the anonymous role, 403 otherwise.
-    pub const INSUFFICIENT_PRIVILEGE: &str = "42501";
-    /// SQLSTATE unique_violation (409).
-    pub const UNIQUE_VIOLATION: &str = "23505";
-    /// SQLSTATE check_violation (400).
-    pub const CHECK_VIOLATION: &str = "23514";
-    /// SQLSTATE invalid_parameter_value (400): what the plane's functions raise
-    /// for bad arguments.
-    pub const INVALID_PARAMETER_VALUE: &str = "22023";
-    /// SQLSTATE raise_exception (400), a plain `RAISE EXCEPTION`.
-    pub const RAISE_EXCEPTION: &str = "P0001";
-    /// SQLSTATE serialization_failure (500): rolled back, safe to retry.
-    pub const SERIALIZATION_FAILURE: &str = "40001";
-    /// SQLSTATE deadlock_detected (500): rolled back, safe to retry.
-    pub const DEADLOCK_DETECTED: &str = "40P01";
-    /// The plane's own (400): the scope has no row in
-    /// `agent.idempotency_scopes`, so it has no retention. Nothing written.
-    pub const UNKNOWN_SCOPE: &str = "IDEM1";
-    /// The plane's own (400): the response is above its scope's
-    /// `max_response_bytes`. Nothing written; the claim stays processing.
-    pub const RESPONSE_TOO_LARGE: &str = "IDEM2";
-    /// The plane's own (400): the response nests arrays and objects deeper
-    /// than 64 levels, more than every client reads back. Nothing written;
-    /// the claim stays processing.
-    pub const RESPONSE_TOO_DEEP: &str = "IDEM3";
-    /// The plane's own (400): a fenced Run admission whose claim is not
-    /// held by its lease token (completed, released, another
-    /// organization's, or its lease passed). No Run admitted.
-    pub const FENCE_LOST: &str = "IDEM4";
-    /// SQLSTATE lock_not_available (500): the call waited longer than the
-    /// plane's `lock_timeout` for a row another transaction holds; rolled
-    /// back, nothing written.
-    pub const LOCK_NOT_AVAILABLE: &str = "55P03";
-}
-
 /// What went wrong with a transport-level failure, and so whether a retry can
 /// repeat an effect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,46 +42,6 @@ pub enum TransportKind {
     Interrupted,
     /// Anything else (building the request, a redirect loop). Never retried.
     Other,
-}
-
-/// Why a service key was refused before any request. Never carries the key.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum KeyError {
-    /// A URL is set but none of the service key variables is.
-    #[error("a PostgREST URL is set but no service key: set one of {variables}")]
-    Missing {
-        /// The variables looked at, in order of precedence.
-        variables: String,
-    },
-    /// A publishable key where a service key is needed: it reaches only
-    /// the `anon` role, which may not execute the plane's functions.
-    #[error(
-        "{variable} holds a publishable key (sb_publishable_…), which reaches only the anon role; \
-         the plane needs a secret key (sb_secret_…, in SUPABASE_SECRET_KEY) or the legacy service_role key"
-    )]
-    Publishable {
-        /// Where the key came from: a variable's name, or `the service key`.
-        variable: &'static str,
-    },
-    /// A variable holding a key of another kind than its name promises.
-    #[error("{variable} should hold a {}, but holds a {}", expected.describe(), found.describe())]
-    WrongKind {
-        /// The variable.
-        variable: &'static str,
-        /// The kind it should hold.
-        expected: KeyKind,
-        /// The kind it holds.
-        found: KeyKind,
-    },
-    /// An `sb_` service key with a different `apikey`: Supabase's gateway
-    /// accepts an `sb_` key in `Authorization` only when it equals the
-    /// `apikey`, so every request would be refused.
-    #[error(
-        "the apikey (IDEM_APIKEY) differs from the sb_ service key sent as Authorization: Bearer; \
-         Supabase's gateway refuses that: leave IDEM_APIKEY unset, or set it to the same key"
-    )]
-    ApikeyDiffers,
 }
 
 /// Everything the PostgREST client can fail with.
@@ -333,84 +239,6 @@ impl ClientError {
         }
     }
 
-    /// Whether running the same call again later may succeed: what
-    /// [`is_retryable`](Self::is_retryable) allows for a call that is safe to
-    /// repeat, and a lock timeout (the lock will be released).
-    pub fn is_transient(&self) -> bool {
-        matches!(self, ClientError::LockTimeout { .. }) || self.is_retryable(true)
-    }
-
-    /// Whether the client itself retries, given whether the call is safe to repeat
-    /// after a lost response. The single place this crate decides it:
-    ///
-    /// | failure | any call | repeat-safe call |
-    /// |---|---|---|
-    /// | connection refused / not made | yes | yes |
-    /// | 503 `PGRST000`/`PGRST002`, 504 `PGRST003` (never ran) | yes | yes |
-    /// | other 503 (`PGRST001`, `08*`, `53*`, `57P01`) | no | yes |
-    /// | 500 `40001` / `40P01` (rolled back) | yes | yes |
-    /// | timeout, connection reset after sending | no | yes |
-    /// | 500 `55P03`, a lock timeout ([`ClientError::LockTimeout`]) | no | no |
-    /// | 503/504 without a PostgREST body (a gateway) | no | yes |
-    /// | the deadline cut a request in flight ([`ClientError::DeadlineExceeded`]) | no | yes |
-    /// | the deadline left no time for a retry | as its last failure | as its last failure |
-    /// | anything else | no | no |
-    ///
-    /// (The client never retries past a deadline; the rows for it say what
-    /// a caller with more time may do.)
-    pub fn is_retryable(&self, repeat_safe: bool) -> bool {
-        match self {
-            ClientError::DeadlineExceeded { in_flight: true, .. } => repeat_safe,
-            ClientError::DeadlineExceeded { last_error, .. } => {
-                last_error.as_ref().is_some_and(|last| last.is_retryable(repeat_safe))
-            }
-            ClientError::Transport { kind, .. } => match kind {
-                TransportKind::Connect => true,
-                TransportKind::Timeout | TransportKind::Interrupted => repeat_safe,
-                TransportKind::Other => false,
-            },
-            ClientError::Api { status, error, .. } => {
-                let never_ran = matches!(
-                    (status, error.code.as_str()),
-                    (503, codes::PGRST000) | (503, codes::PGRST002) | (504, codes::PGRST003)
-                );
-                let rolled_back =
-                    matches!(error.code.as_str(), codes::SERIALIZATION_FAILURE | codes::DEADLOCK_DETECTED);
-                never_ran || rolled_back || (*status == 503 && repeat_safe)
-            }
-            ClientError::Http { status, .. } => repeat_safe && matches!(status, 502..=504),
-            _ => false,
-        }
-    }
-
-    /// Whether the call certainly never reached the plane's database, so
-    /// nothing it asked for can have been done: the only failure after
-    /// which a caller may act as if the plane did not exist (an
-    /// `Idempotency-Key` layer's `fail_open`).
-    ///
-    /// | failure | never reached the plane |
-    /// |---|---|
-    /// | connection refused / not made | yes |
-    /// | 503 `PGRST000`/`PGRST002`, 504 `PGRST003` (PostgREST never reached the database) | yes |
-    /// | the deadline left no time for a retry, and the last failure is one of these | yes |
-    /// | the deadline cut a request in flight | no: it may have run |
-    /// | a timeout, a connection reset after sending | no |
-    /// | any other 5xx, a gateway's 502/503/504 without PostgREST's body | no |
-    /// | anything else (an answer, a refusal, a lock timeout) | no |
-    pub fn never_reached_the_plane(&self) -> bool {
-        match self {
-            ClientError::Transport { kind: TransportKind::Connect, .. } => true,
-            ClientError::Api { status, error, .. } => matches!(
-                (status, error.code.as_str()),
-                (503, codes::PGRST000) | (503, codes::PGRST002) | (504, codes::PGRST003)
-            ),
-            ClientError::DeadlineExceeded { in_flight: false, last_error: Some(last), .. } => {
-                last.never_reached_the_plane()
-            }
-            _ => false,
-        }
-    }
-
     /// One line saying why a key was refused, for a 401 (or a 403 for the
     /// key's role) from Supabase's API gateway or from PostgREST; `None`
     /// for any other failure. For an operator's tool such as `idem doctor`.
@@ -467,134 +295,27 @@ impl ClientError {
 }
 
 #[cfg(test)]
+impl PostgrestError {
+    /// A body of `code` alone, as a test's server sends it.
+    pub(crate) fn of_code(code: &str) -> Box<Self> {
+        Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None })
+    }
+}
+
+#[cfg(test)]
+impl ClientError {
+    /// `function`'s answer `status` with PostgREST's error body of `code` alone.
+    pub(crate) fn answered(function: &'static str, status: u16, code: &str) -> Self {
+        ClientError::Api { function, status, error: PostgrestError::of_code(code), retry_after: None }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
     fn api(status: u16, code: &str) -> ClientError {
-        ClientError::Api {
-            function: "f",
-            status,
-            error: Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None }),
-            retry_after: None,
-        }
-    }
-
-    #[test]
-    fn retry_table_matches_the_documented_one() {
-        let cases = [
-            (api(503, codes::PGRST000), true, true),
-            (api(503, codes::PGRST002), true, true),
-            (api(504, codes::PGRST003), true, true),
-            (api(503, codes::PGRST001), false, true),
-            (api(503, "57P01"), false, true),
-            (api(500, codes::SERIALIZATION_FAILURE), true, true),
-            (api(500, codes::DEADLOCK_DETECTED), true, true),
-            (api(500, "57014"), false, false),
-            (api(400, codes::INVALID_PARAMETER_VALUE), false, false),
-            (api(404, codes::PGRST202), false, false),
-            (api(409, codes::UNIQUE_VIOLATION), false, false),
-            (api(401, codes::INSUFFICIENT_PRIVILEGE), false, false),
-        ];
-        for (error, any_call, repeat_safe) in cases {
-            assert_eq!(error.is_retryable(false), any_call, "{error}");
-            assert_eq!(error.is_retryable(true), repeat_safe, "{error}");
-        }
-        let gateway =
-            ClientError::Http { function: "f", status: 502, body_excerpt: "<html>".into(), retry_after: None };
-        assert!(!gateway.is_retryable(false));
-        assert!(gateway.is_retryable(true));
-        let refused = ClientError::BoundAboveCap { bound: 2, cap: 1 };
-        assert!(!refused.is_retryable(true));
-    }
-
-    fn deadline(in_flight: bool, last_error: Option<ClientError>) -> ClientError {
-        ClientError::DeadlineExceeded {
-            function: "f",
-            deadline: Duration::from_secs(1),
-            elapsed: Duration::from_secs(1),
-            attempts: 2,
-            in_flight,
-            last_error: last_error.map(Box::new),
-        }
-    }
-
-    #[test]
-    fn a_deadline_is_an_unknown_outcome_when_it_cut_a_request_else_its_last_failure() {
-        // Cut in flight: like a timeout, it may have run.
-        let cut = deadline(true, Some(api(503, codes::PGRST002)));
-        assert!(!cut.is_retryable(false));
-        assert!(cut.is_retryable(true));
-        assert!(cut.is_transient());
-        // Not retried for lack of time: as the failure that would have been retried.
-        let never_ran = deadline(false, Some(api(503, codes::PGRST002)));
-        assert!(never_ran.is_retryable(false));
-        let may_have_run = deadline(false, Some(api(503, codes::PGRST001)));
-        assert!(!may_have_run.is_retryable(false));
-        assert!(may_have_run.is_retryable(true) && may_have_run.is_transient());
-        assert!(cut.to_string().contains("outcome is unknown"), "{cut}");
-        let source = std::error::Error::source(&never_ran).map(ToString::to_string);
-        assert!(source.is_some_and(|s| s.contains("PGRST002")), "the last failure is the source");
-    }
-
-    /// A transport failure of `kind` (the kind is what is judged; the
-    /// source is any reqwest error).
-    fn transport(kind: TransportKind) -> ClientError {
-        let source = match reqwest::Client::new().get("not a url").build() {
-            Err(source) => source,
-            Ok(_) => unreachable!("a URL without a scheme does not build"),
-        };
-        ClientError::Transport { function: "f", kind, source }
-    }
-
-    #[test]
-    fn only_a_call_that_never_reached_the_database_counts_as_never_reaching_the_plane() {
-        let cases = [
-            (api(503, codes::PGRST000), true),
-            (api(503, codes::PGRST002), true),
-            (api(504, codes::PGRST003), true),
-            // PostgREST reached the database, or says nothing of it.
-            (api(503, codes::PGRST001), false),
-            (api(503, "57P01"), false),
-            (api(504, codes::PGRST000), false),
-            (api(500, codes::SERIALIZATION_FAILURE), false),
-            (api(500, "57014"), false),
-            (api(400, codes::INVALID_PARAMETER_VALUE), false),
-            (api(401, codes::INSUFFICIENT_PRIVILEGE), false),
-            // A gateway's page: the request may have gone on.
-            (ClientError::Http { function: "f", status: 502, body_excerpt: "<html>".into(), retry_after: None }, false),
-            (ClientError::Http { function: "f", status: 503, body_excerpt: "<html>".into(), retry_after: None }, false),
-            (ClientError::Http { function: "f", status: 504, body_excerpt: "<html>".into(), retry_after: None }, false),
-            (
-                ClientError::LockTimeout {
-                    function: "f",
-                    error: Box::new(PostgrestError {
-                        code: codes::LOCK_NOT_AVAILABLE.into(),
-                        message: String::new(),
-                        details: None,
-                        hint: None,
-                    }),
-                },
-                false,
-            ),
-            (ClientError::Decode { function: "f", reason: String::new() }, false),
-            // The deadline: cut in flight, it may have run; not retried for
-            // lack of time, as its last failure.
-            (deadline(true, None), false),
-            (deadline(true, Some(api(503, codes::PGRST002))), false),
-            (deadline(false, Some(api(503, codes::PGRST002))), true),
-            (deadline(false, Some(api(504, codes::PGRST003))), true),
-            (deadline(false, Some(api(503, codes::PGRST001))), false),
-            (deadline(false, None), false),
-            (transport(TransportKind::Connect), true),
-            (deadline(false, Some(transport(TransportKind::Connect))), true),
-            (deadline(true, Some(transport(TransportKind::Connect))), false),
-            (transport(TransportKind::Timeout), false),
-            (transport(TransportKind::Interrupted), false),
-            (transport(TransportKind::Other), false),
-        ];
-        for (error, never_reached) in cases {
-            assert_eq!(error.never_reached_the_plane(), never_reached, "{error}");
-        }
+        ClientError::answered("f", status, code)
     }
 
     fn gateway(body: serde_json::Value) -> ClientError {

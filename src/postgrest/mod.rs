@@ -5,19 +5,21 @@
 //! bounds above it, and reads `Content-Range` so a truncated read is an error.
 
 mod client;
+pub mod codes;
 mod config;
+mod env;
 mod error;
+mod key;
 mod range;
 mod retry;
 mod rpc_policy;
 
-pub use client::{PostgrestClient, Repeat};
-pub use config::{
-    ClientConfig, Gateway, KeyKind, DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS,
-    SERVICE_KEY_VARIABLES,
-};
-pub use error::{codes, ClientError, KeyError, PostgrestError, TransportKind};
+pub use client::PostgrestClient;
+pub use config::{ClientConfig, DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS};
+pub use env::SERVICE_KEY_VARIABLES;
+pub use error::{ClientError, PostgrestError, TransportKind};
+pub use key::{Gateway, KeyError, KeyKind};
 pub use range::{ContentRange, ContentRangeError};
-pub use retry::RetryConfig;
+pub use retry::{Repeat, RetryConfig};
 #[cfg(test)]
 pub(crate) use rpc_policy::functions as rpc_policy_functions;

@@ -8,15 +8,16 @@ use std::sync::OnceLock;
 
 use serde::Deserialize;
 
-use super::client::Repeat;
+use super::retry::Repeat;
 
 /// The file, embedded at build time.
 const POLICY_JSON: &str = include_str!("../../supabase/functions/_shared/idempotency/rpc_policy.json");
 
 /// The parsed file. Its `*_about` members are prose for its readers. The
 /// Rust client's deadline, retry defaults and retry rules are constants and
-/// code of their own (`DEFAULT_DEADLINE`, `RetryConfig::default`,
-/// `ClientError::is_retryable`); this module's tests pin them to the file.
+/// code of their own (`DEFAULT_DEADLINE`, and in `retry`
+/// `RetryConfig::default` and `ClientError::is_retryable`); this module's
+/// tests pin them to the file.
 #[derive(Debug, Deserialize)]
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) struct RpcPolicy {
@@ -83,7 +84,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::postgrest::{ClientError, PostgrestError, RetryConfig, DEFAULT_DEADLINE};
+    use crate::postgrest::{ClientError, RetryConfig, DEFAULT_DEADLINE};
 
     fn table() -> &'static RpcPolicy {
         policy().expect("rpc_policy.json parses")
@@ -108,12 +109,7 @@ mod tests {
     }
 
     fn answered(status: u16, code: &str) -> ClientError {
-        ClientError::Api {
-            function: "idempotency_release",
-            status,
-            error: Box::new(PostgrestError { code: code.into(), message: String::new(), details: None, hint: None }),
-            retry_after: None,
-        }
+        ClientError::answered("idempotency_release", status, code)
     }
 
     #[test]

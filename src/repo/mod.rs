@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::Error;
+use crate::error::Error;
 
 pub use self::postgrest::PostgrestRepository;
 pub use memory::MemoryRepository;

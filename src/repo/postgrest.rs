@@ -11,9 +11,9 @@ use super::{
     AdmittedRun, ClaimCall, ClaimFence, ClaimRequest, ClaimRow, CompletionArgs, ExpiredClaim, ExpiredClaims,
     IdempotencyRecord, IdempotencyRepository, ProviderJob, ProviderJobRepository, RunRepository, FENCE_LOST,
 };
+use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
 use crate::postgrest::{PostgrestClient, Repeat};
-use crate::Error;
 
 /// Every repository trait over the plane's SQL functions, through PostgREST.
 ///

@@ -16,8 +16,9 @@
 
 use serde_json::{json, Map, Value};
 
-use super::journal::{self, Elided, Unstorable};
+use super::journal::{self, Elided};
 use super::outcome::{ResourceRef, ResponseRef, RESPONSE_REF_KEY};
+use crate::storable::{self, Unstorable};
 
 /// The key of a field stored as its JSON text.
 const JSON_TEXT_KEY: &str = "$json";
@@ -127,7 +128,7 @@ fn single<'v>(object: &'v Value, key: &str) -> Option<&'v Value> {
 /// deep, or has the shape of a stand-in.
 fn storable(value: &Value, enclosing: usize) -> Value {
     let looks_like_marker = MARKERS.iter().any(|key| single(value, key).is_some());
-    match journal::unstorable(value, enclosing, u64::MAX) {
+    match storable::unstorable(value, enclosing, u64::MAX) {
         None if !looks_like_marker => value.clone(),
         _ => json!({ JSON_TEXT_KEY: as_text(value) }),
     }
@@ -172,7 +173,7 @@ pub(crate) fn store(answer: &Answer, limit: u64, refused: bool) -> StoredAnswer 
     // A long error is what makes the answer too large: keep its start first,
     // so the output (the body) stays whole when that is enough.
     if let Some(error) = answer.error.as_deref() {
-        let size = journal::json_size(&stored);
+        let size = storable::json_size(&stored);
         if (refused || size > limit) && shorten_error(&mut stored, error) {
             stand_in = Some(Unstorable::TooLarge { size, limit });
         }
@@ -180,14 +181,14 @@ pub(crate) fn store(answer: &Answer, limit: u64, refused: bool) -> StoredAnswer 
     let reason = if refused {
         Some(Unstorable::Refused)
     } else {
-        let size = journal::json_size(&stored);
+        let size = storable::json_size(&stored);
         (size > limit).then_some(Unstorable::TooLarge { size, limit })
     };
     if let Some(reason) = reason {
         stand_in = Some(reason);
         // A refused answer with a resource goes by reference, like a large one.
         let form = match (reason, &resource) {
-            (Unstorable::Refused, Some(_)) => Unstorable::TooLarge { size: journal::json_size(&answer.output), limit },
+            (Unstorable::Refused, Some(_)) => Unstorable::TooLarge { size: storable::json_size(&answer.output), limit },
             (reason, _) => reason,
         };
         stored["output"] = journal::stand_in(&answer.output, form, resource.as_ref());
@@ -195,12 +196,12 @@ pub(crate) fn store(answer: &Answer, limit: u64, refused: bool) -> StoredAnswer 
     // Still above a small limit (a scope that keeps 1 KiB): the error keeps
     // only its first bytes, so `ok` and the reference always fit.
     if let Some(error) = answer.error.as_deref() {
-        if journal::json_size(&stored) > limit {
+        if storable::json_size(&stored) > limit {
             stored["error"] = Value::String(prefix(error, LAST_RESORT_ERROR_BYTES).replace('\0', "\u{FFFD}"));
             if let Some(members) = stored.as_object_mut() {
                 members.remove("error_elided");
             }
-            stand_in = stand_in.or(Some(Unstorable::TooLarge { size: journal::json_size(&stored), limit }));
+            stand_in = stand_in.or(Some(Unstorable::TooLarge { size: storable::json_size(&stored), limit }));
         }
     }
     StoredAnswer { response: stored, resource, stand_in }
@@ -220,7 +221,7 @@ fn prefix(text: &str, max: usize) -> &str {
 
 /// The size of `answer`'s stored form before any stand-in, as compact JSON.
 pub(crate) fn stored_size(answer: &Answer) -> u64 {
-    journal::json_size(&store(answer, u64::MAX, false).response)
+    storable::json_size(&store(answer, u64::MAX, false).response)
 }
 
 /// Keeps the first [`MAX_STORED_ERROR_BYTES`] of `error` (at a character
@@ -243,7 +244,7 @@ mod tests {
 
     fn round_trip(answer: &Answer, limit: u64) -> Answer {
         let stored = store(answer, limit, false);
-        assert!(journal::unstorable(&stored.response, 0, limit).is_none(), "{:?}", stored.response);
+        assert!(storable::unstorable(&stored.response, 0, limit).is_none(), "{:?}", stored.response);
         Answer::from_stored(Some(stored.response), stored.resource, None)
     }
 
@@ -285,7 +286,7 @@ mod tests {
         let back = round_trip(&answer, 64 * 1024);
         assert_eq!((back.ok, back.error.as_deref(), &back.resource), (false, Some("partial"), &Some(resource)));
         let reference = ResponseRef::from_stored(&back.output).expect("a reference to the resource");
-        assert_eq!(reference.size, journal::json_size(&big));
+        assert_eq!(reference.size, storable::json_size(&big));
         // Without a resource: a summary, and still a failure.
         let back = round_trip(&Answer::failure("partial", big), 64 * 1024);
         assert!(!back.ok && back.error.as_deref() == Some("partial"));
@@ -307,7 +308,7 @@ mod tests {
         let answer = Answer::failure("é".repeat(20_000), json!("x".repeat(5_000))).with_resource(Some(resource));
         for refused in [false, true] {
             let stored = store(&answer, 1024, refused);
-            assert!(journal::json_size(&stored.response) <= 1024, "{}", stored.response);
+            assert!(storable::json_size(&stored.response) <= 1024, "{}", stored.response);
             let back = Answer::from_stored(Some(stored.response), stored.resource, None);
             assert!(!back.ok && back.error.is_some_and(|e| !e.is_empty()));
         }

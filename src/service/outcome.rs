@@ -258,7 +258,7 @@ impl Completion {
             }
             // Size is the service's to judge: it knows the limit, and may
             // store a reference instead.
-            if let Some(reason) = super::journal::unstorable(response, 0, u64::MAX) {
+            if let Some(reason) = crate::storable::unstorable(response, 0, u64::MAX) {
                 return Err(InvalidInput::UnstorableResponse(reason));
             }
         }
@@ -306,15 +306,24 @@ mod tests {
         assert_eq!(Completion::resource("t", "a\u{0}").validate(), Err(InvalidInput::ResourceHasNul { field: "id" }));
         assert_eq!(
             Completion::response(json!({"text": "a\u{0}b"})).validate(),
-            Err(InvalidInput::UnstorableResponse(crate::service::Unstorable::Nul))
+            Err(InvalidInput::UnstorableResponse(crate::storable::Unstorable::Nul))
         );
-        let deep = (0..=crate::service::MAX_RESPONSE_DEPTH).fold(json!(1), |inner, _| json!([inner]));
+        let deep = (0..=crate::storable::MAX_RESPONSE_DEPTH).fold(json!(1), |inner, _| json!([inner]));
         assert_eq!(
             Completion::response(deep).validate(),
-            Err(InvalidInput::UnstorableResponse(crate::service::Unstorable::TooDeep))
+            Err(InvalidInput::UnstorableResponse(crate::storable::Unstorable::TooDeep))
         );
         let spoof = json!({"$response_ref": {"resource_type": "t", "resource_id": "1", "size": 1, "sha256": "a"}});
         assert_eq!(Completion::response(spoof).validate(), Err(InvalidInput::ReservedResponseShape));
         assert!(Completion::response(json!({"$response_ref": 1, "other": 2})).validate().is_ok());
+    }
+
+    #[test]
+    fn a_response_ref_round_trips_and_nothing_else_reads_as_one() {
+        let reference =
+            ResponseRef { resource_type: "blob".into(), resource_id: "b-1".into(), size: 9, sha256: "ab".into() };
+        assert_eq!(ResponseRef::from_stored(&reference.to_stored()), Some(reference));
+        assert_eq!(ResponseRef::from_stored(&json!({"$response_ref": 1})), None);
+        assert_eq!(ResponseRef::from_stored(&json!({"other": 1})), None);
     }
 }

@@ -1,141 +1,19 @@
-//! An in-memory repository: the plane's SQL semantics in one process.
-//!
-//! For unit tests of services and callers that need no database, and for
-//! trying the crate out. The same conformance suite runs against it and
-//! against PostgreSQL behind a PostgREST server, so it cannot quietly
-//! disagree with the real plane. Time is the process's clock plus an offset
-//! a test can [`advance`](MemoryRepository::advance); one mutex makes every
-//! call atomic, as one SQL statement is.
+//! The claim table in memory: `agent.idempotency_decide` and the functions
+//! over it, and the sweeper's bounded reads and deletes.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use uuid::Uuid;
 
-use super::{
-    AdmittedRun, ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimRow, ClaimStatus, CompletionArgs,
-    ExpiredClaim, ExpiredClaims, IdempotencyRecord, IdempotencyRepository, ProviderJob, ProviderJobRepository,
-    RunRepository,
+use super::{refused, MemoryRepository, Row, State, MAX_BOUND};
+use crate::error::Error;
+use crate::postgrest::{codes, ClientError};
+use crate::repo::{
+    ClaimCall, ClaimDecision, ClaimRequest, ClaimRow, ClaimStatus, CompletionArgs, ExpiredClaim, ExpiredClaims,
+    IdempotencyRecord, IdempotencyRepository,
 };
-use crate::postgrest::{codes, ClientError, PostgrestError};
-use crate::service::journal;
-use crate::Error;
-
-/// Every repository trait, in memory. Cheap to share behind an `Arc`.
-#[derive(Debug)]
-pub struct MemoryRepository {
-    state: Mutex<State>,
-    max_bound: u64,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    offset: TimeDelta,
-    policies: Vec<Policy>,
-    claims: HashMap<(Uuid, String, String), Row>,
-    runs: HashMap<(Uuid, String), (AdmittedRun, Uuid)>,
-    jobs: HashMap<(String, String), ProviderJob>,
-}
-
-/// A row of the scope policy table: an exact scope or a family (`tool.*`).
-#[derive(Debug, Clone)]
-struct Policy {
-    scope: String,
-    retain: TimeDelta,
-    max_response_bytes: u64,
-}
-
-#[derive(Debug, Clone)]
-struct Row {
-    record: IdempotencyRecord,
-    reclaims: u32,
-}
-
-impl Default for MemoryRepository {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl MemoryRepository {
-    /// An empty plane with the seeded policies (`tool.*` 30 days,
-    /// `webhook.*`, `surface.saved_search.start` and `http.*` 24 hours,
-    /// 64 KiB each) and a row cap of 1000 for bounded reads.
-    pub fn new() -> Self {
-        let policy = |scope: &str, days| Policy {
-            scope: scope.to_owned(),
-            retain: TimeDelta::days(days),
-            max_response_bytes: 65_536,
-        };
-        let policies = vec![
-            policy("tool.*", 30),
-            policy("webhook.*", 1),
-            policy("surface.saved_search.start", 1),
-            policy("http.*", 1),
-        ];
-        MemoryRepository { state: Mutex::new(State { policies, ..State::default() }), max_bound: 1000 }
-    }
-
-    /// Adds (or replaces) a scope's policy, as a migration would. Refuses a
-    /// tool scope under 30 days and a limit outside 1 KiB to
-    /// [`MAX_POLICY_RESPONSE_BYTES`](journal::MAX_POLICY_RESPONSE_BYTES), as
-    /// the table's checks do.
-    pub fn with_policy(self, scope: &str, retain: Duration, max_response_bytes: u64) -> Result<Self, Error> {
-        let retain = TimeDelta::from_std(retain).map_err(|_| refused("idempotency_scopes", codes::CHECK_VIOLATION))?;
-        let largest = 1024..=journal::MAX_POLICY_RESPONSE_BYTES;
-        if (scope.starts_with("tool.") && retain < TimeDelta::days(30)) || !largest.contains(&max_response_bytes) {
-            return Err(refused("idempotency_scopes", codes::CHECK_VIOLATION));
-        }
-        {
-            let mut state = self.lock();
-            state.policies.retain(|p| p.scope != scope);
-            state.policies.push(Policy { scope: scope.to_owned(), retain, max_response_bytes });
-        }
-        Ok(self)
-    }
-
-    /// Sets the row cap bounded reads may not exceed (PostgREST's `db-max-rows`).
-    pub fn with_max_bound(mut self, max_bound: u64) -> Self {
-        self.max_bound = max_bound;
-        self
-    }
-
-    /// Moves this plane's clock forward, as waiting would.
-    pub fn advance(&self, by: Duration) {
-        let mut state = self.lock();
-        state.offset += TimeDelta::from_std(by).unwrap_or(TimeDelta::MAX);
-    }
-
-    /// Moves a claim's lease into the past, as if it had passed (the
-    /// in-memory twin of rewriting its timestamps in SQL).
-    pub fn pass_lease(&self, claim_id: Uuid) {
-        let mut state = self.lock();
-        let now = state.now();
-        if let Some(row) = state.claims.values_mut().find(|row| row.record.id == claim_id) {
-            let moved = row.record.lease_expires_at - now + TimeDelta::seconds(1);
-            row.record.lease_expires_at -= moved;
-            row.record.claimed_at -= moved;
-        }
-    }
-
-    /// Claims held now, completed or not.
-    pub fn len(&self) -> usize {
-        self.lock().claims.len()
-    }
-
-    /// True when no claim is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock leaves whole rows (every change is
-        // one assignment), so the state is still consistent.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
+use crate::storable::{self, Unstorable};
 
 /// The plane's checks of a key's arguments (`agent.idempotency_check_key`):
 /// a scope of 1 to 128 characters of `a-z 0-9 . _ -`, a key of 1 to 512.
@@ -145,40 +23,7 @@ fn key_arguments_well_formed(scope: &str, key: &str) -> bool {
         && (1..=512).contains(&key.chars().count())
 }
 
-/// The error PostgREST answers when the database refuses a call with `code`.
-fn refused(function: &'static str, code: &str) -> Error {
-    let status = if code == codes::UNIQUE_VIOLATION { 409 } else { 400 };
-    Error::Store(ClientError::Api {
-        function,
-        status,
-        error: Box::new(PostgrestError {
-            code: code.to_owned(),
-            message: format!("refused by the in-memory plane ({code})"),
-            details: None,
-            hint: None,
-        }),
-        retry_after: None,
-    })
-}
-
 impl State {
-    fn now(&self) -> DateTime<Utc> {
-        Utc::now() + self.offset
-    }
-
-    /// The scope's policy: its exact row, else the longest family it extends.
-    fn policy(&self, scope: &str) -> Option<&Policy> {
-        self.policies
-            .iter()
-            .filter(|p| {
-                p.scope == scope
-                    || p.scope
-                        .strip_suffix('*')
-                        .is_some_and(|prefix| scope.len() > prefix.len() && scope.starts_with(prefix))
-            })
-            .max_by_key(|p| (p.scope == scope, p.scope.len()))
-    }
-
     /// `agent.idempotency_decide`, the in-memory twin.
     fn decide(
         &mut self,
@@ -352,11 +197,11 @@ impl IdempotencyRepository for MemoryRepository {
             return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
         }
         // One walk of the response: what the database refuses it for, if anything.
-        let unstorable = response.and_then(|r| journal::unstorable(r, 0, u64::MAX));
-        if unstorable == Some(crate::service::Unstorable::TooDeep) {
+        let unstorable = response.and_then(|r| storable::unstorable(r, 0, u64::MAX));
+        if unstorable == Some(Unstorable::TooDeep) {
             return Err(refused(FUNCTION, codes::RESPONSE_TOO_DEEP));
         }
-        if unstorable == Some(crate::service::Unstorable::Nul)
+        if unstorable == Some(Unstorable::Nul)
             || [resource_type, resource_id].iter().flatten().any(|text| text.contains('\0'))
         {
             return Err(refused(FUNCTION, "22P05"));
@@ -373,7 +218,7 @@ impl IdempotencyRepository for MemoryRepository {
         if let Some(response) = response {
             match limit(&state, &slot.1) {
                 None => return Err(Error::UnknownScope { scope: slot.1.clone() }),
-                Some(max) if journal::json_size(response) > max => {
+                Some(max) if storable::json_size(response) > max => {
                     return Err(refused(FUNCTION, codes::RESPONSE_TOO_LARGE))
                 }
                 Some(_) => {}
@@ -424,131 +269,14 @@ fn v1_call<'a>(request: &ClaimRequest<'a>) -> ClaimCall<'a> {
     }
 }
 
-impl State {
-    /// `agent.run_admit` after its argument checks (and, fenced, its fence):
-    /// the Run inserted, or the one admitted under the key already.
-    fn admit(
-        &mut self,
-        organization_id: Uuid,
-        start_key: &str,
-        input: &serde_json::Value,
-        admission_token: Uuid,
-    ) -> AdmittedRun {
-        let now = self.now();
-        let slot = (organization_id, start_key.to_owned());
-        if let Some((run, token)) = self.runs.get(&slot) {
-            return AdmittedRun { admitted: *token == admission_token, ..run.clone() };
-        }
-        let run = AdmittedRun {
-            id: Uuid::new_v4(),
-            organization_id,
-            start_key: start_key.to_owned(),
-            input: input.clone(),
-            status: "admitted".to_owned(),
-            admitted_at: now,
-            retain_until: now + TimeDelta::days(396),
-            admitted: true,
-        };
-        self.runs.insert(slot, (run.clone(), admission_token));
-        run
-    }
-
-    /// Whether `fence` holds a claim of `organization_id`: processing, under
-    /// its token, with a live lease.
-    fn holds(&self, organization_id: Uuid, fence: ClaimFence) -> bool {
-        let now = self.now();
-        self.claims.values().any(|row| {
-            let record = &row.record;
-            record.id == fence.claim_id
-                && record.status == ClaimStatus::Processing
-                && record.lease_token == fence.lease_token
-                && record.organization_id == organization_id
-                && record.lease_expires_at > now
-        })
-    }
-}
-
-/// The arguments `agent.run_admit` and `agent.run_get` refuse (22023).
-fn run_arguments_well_formed(start_key: &str, input: Option<&serde_json::Value>) -> bool {
-    (1..=512).contains(&start_key.chars().count()) && input.is_none_or(|input| !input.is_null())
-}
-
-impl RunRepository for MemoryRepository {
-    async fn admit(
-        &self,
-        organization_id: Uuid,
-        start_key: &str,
-        input: &serde_json::Value,
-        admission_token: Uuid,
-    ) -> Result<AdmittedRun, Error> {
-        if !run_arguments_well_formed(start_key, Some(input)) {
-            return Err(refused("run_admit", codes::INVALID_PARAMETER_VALUE));
-        }
-        Ok(self.lock().admit(organization_id, start_key, input, admission_token))
-    }
-
-    async fn admit_fenced(
-        &self,
-        organization_id: Uuid,
-        start_key: &str,
-        input: &serde_json::Value,
-        admission_token: Uuid,
-        fence: ClaimFence,
-    ) -> Result<Option<AdmittedRun>, Error> {
-        if !run_arguments_well_formed(start_key, Some(input)) {
-            return Err(refused("run_admit", codes::INVALID_PARAMETER_VALUE));
-        }
-        // One lock for the check and the insert, as one SQL statement.
-        let mut state = self.lock();
-        if !state.holds(organization_id, fence) {
-            return Ok(None);
-        }
-        Ok(Some(state.admit(organization_id, start_key, input, admission_token)))
-    }
-
-    async fn find(
-        &self,
-        organization_id: Uuid,
-        start_key: &str,
-        admission_token: Option<Uuid>,
-    ) -> Result<Option<AdmittedRun>, Error> {
-        if !run_arguments_well_formed(start_key, None) {
-            return Err(refused("run_get", codes::INVALID_PARAMETER_VALUE));
-        }
-        let state = self.lock();
-        let found = state.runs.get(&(organization_id, start_key.to_owned()));
-        Ok(found.map(|(run, token)| AdmittedRun { admitted: Some(*token) == admission_token, ..run.clone() }))
-    }
-}
-
-impl ProviderJobRepository for MemoryRepository {
-    async fn register(&self, organization_id: Uuid, provider: &str, job_id: &str) -> Result<ProviderJob, Error> {
-        let mut state = self.lock();
-        let job = state.jobs.entry((provider.to_owned(), job_id.to_owned())).or_insert_with(|| ProviderJob {
-            id: Uuid::new_v4(),
-            organization_id,
-            provider: provider.to_owned(),
-            job_id: job_id.to_owned(),
-        });
-        if job.organization_id != organization_id {
-            return Err(refused("provider_job_register", codes::UNIQUE_VIOLATION));
-        }
-        Ok(job.clone())
-    }
-
-    async fn lookup(&self, provider: &str, job_id: &str) -> Result<Option<ProviderJob>, Error> {
-        Ok(self.lock().jobs.get(&(provider.to_owned(), job_id.to_owned())).cloned())
-    }
-}
-
 impl ExpiredClaims for MemoryRepository {
     fn max_bound(&self) -> u64 {
-        self.max_bound
+        MAX_BOUND
     }
 
     async fn expired(&self, bound: u64) -> Result<Vec<ExpiredClaim>, Error> {
-        if bound > self.max_bound {
-            return Err(ClientError::BoundAboveCap { bound, cap: self.max_bound }.into());
+        if bound > MAX_BOUND {
+            return Err(ClientError::BoundAboveCap { bound, cap: MAX_BOUND }.into());
         }
         let state = self.lock();
         let now = state.now();
