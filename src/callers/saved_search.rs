@@ -45,7 +45,7 @@ use uuid::Uuid;
 
 use super::runs::{AdmissionError, AdmissionToken, AdmittedRun, RunAdmission};
 use crate::error::{Error, InvalidInput};
-use crate::repo::{IdempotencyRepository, PostgrestRepository, RunRepository};
+use crate::repo::{IdempotencyRepository, RunRepository};
 use crate::service::journal;
 use crate::service::{
     may_have_written, Answer, Begun, Effect, EffectDriver, Held, IdempotencyService, LeaseOutlastsRetries, Refused,
@@ -243,7 +243,7 @@ impl Start<'_> {
 /// Starts saved searches: claim, freeze, complete, admit (or, for a large
 /// snapshot, claim, freeze, admit under the claim's fence, complete).
 #[derive(Debug, Clone)]
-pub struct SavedSearchStart<R, S, Q = PostgrestRepository> {
+pub struct SavedSearchStart<R, S, Q> {
     driver: EffectDriver<R>,
     runs: RunAdmission<Q>,
     source: S,
@@ -554,16 +554,15 @@ fn admission_token(organization_id: Uuid, key: &str) -> AdmissionToken {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::repo::MemoryRepository;
 
     const THIRTY_S: Duration = SAVED_SEARCH_LEASE;
 
-    fn starter(horizon: RetryHorizon) -> Result<SavedSearchStart<PostgrestRepository, Frozen>, StartConfigError> {
-        let client = || {
-            let config = crate::ClientConfig::new("http://localhost:1", "k").expect("config");
-            crate::PostgrestClient::new(config).expect("client")
-        };
-        let service = IdempotencyService::new(PostgrestRepository::new(client()));
-        SavedSearchStart::new(service, RunAdmission::new(client()), Frozen, horizon)
+    type Starter = SavedSearchStart<MemoryRepository, Frozen, MemoryRepository>;
+
+    fn starter(horizon: RetryHorizon) -> Result<Starter, StartConfigError> {
+        let service = IdempotencyService::new(MemoryRepository::new());
+        SavedSearchStart::new(service, RunAdmission::new(MemoryRepository::new()), Frozen, horizon)
     }
 
     struct Frozen;

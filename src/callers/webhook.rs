@@ -61,8 +61,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::error::{Error, InvalidInput};
-use crate::postgrest::PostgrestClient;
-use crate::repo::{IdempotencyRepository, PostgrestRepository, ProviderJobRepository};
+use crate::repo::{IdempotencyRepository, ProviderJobRepository};
 
 pub use crate::repo::ProviderJob;
 use crate::service::{
@@ -245,20 +244,13 @@ pub struct Delivery<'a> {
 
 /// The `agent.provider_jobs` directory.
 #[derive(Debug, Clone)]
-pub struct ProviderJobs<J = PostgrestRepository> {
+pub struct ProviderJobs<J> {
     repo: J,
 }
 
-impl ProviderJobs<PostgrestRepository> {
-    /// The directory through PostgREST, over `client`.
-    pub fn new(client: PostgrestClient) -> Self {
-        ProviderJobs { repo: PostgrestRepository::new(client) }
-    }
-}
-
 impl<J: ProviderJobRepository> ProviderJobs<J> {
-    /// The directory over any [`ProviderJobRepository`].
-    pub fn over(repo: J) -> Self {
+    /// The directory kept by `repo`.
+    pub fn new(repo: J) -> Self {
         ProviderJobs { repo }
     }
 
@@ -291,7 +283,7 @@ pub struct ProviderCallback<'a> {
 
 /// The gate. Cheap to clone; clones share their counters.
 #[derive(Debug, Clone)]
-pub struct WebhookGate<R, J = PostgrestRepository> {
+pub struct WebhookGate<R, J> {
     driver: EffectDriver<R>,
     jobs: ProviderJobs<J>,
     timing: Timing,
