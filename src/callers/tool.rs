@@ -23,15 +23,11 @@ use crate::error::Error;
 use crate::repo::IdempotencyRepository;
 use crate::service::{
     Answer, Attempt, Begun, Cut, Effect, EffectDriver, IdempotencyService, LeftToLease, ReadOutcome, RequestHash,
-    ResourceRef, Settle, Settled, Timing, DEFAULT_JOURNAL_DEADLINE, TOOL_RETENTION,
+    ResourceRef, Settle, Settled, Timing, DEFAULT_JOURNAL_DEADLINE,
 };
 
 /// The longest a tool call may run: the orchestrator's step budget.
 pub const STEP_BUDGET: Duration = Duration::from_secs(120);
-
-/// The cap validation puts on a definition's `max_run_duration`. Equal to the
-/// tool retention, so a claim outlives every Run that could replay it.
-pub const MAX_RUN_DURATION: Duration = TOOL_RETENTION;
 
 /// Added to a tool's timeout to make its lease, so the lease outlives the
 /// call it guards but passes well before an orchestrator's last retry.
@@ -39,14 +35,6 @@ pub const DEFAULT_LEASE_MARGIN: Duration = Duration::from_secs(15);
 
 /// The margins [`ToolGuard::with_lease_margin`] accepts.
 pub const LEASE_MARGIN_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(300);
-
-/// Checks a definition's `max_run_duration` against the 30-day cap.
-pub fn validate_max_run_duration(max_run_duration: Duration) -> Result<(), ToolError> {
-    if max_run_duration.is_zero() || max_run_duration > MAX_RUN_DURATION {
-        return Err(ToolError::RunDurationOutOfRange { max_run_duration, cap: MAX_RUN_DURATION });
-    }
-    Ok(())
-}
 
 /// Asks the vendor whether a call's effect already happened, and what it
 /// returned: `Ok(Some(result))` when it did, `Ok(None)` when it did not,
@@ -334,14 +322,6 @@ pub enum ToolError {
         timeout: Duration,
         /// The step budget.
         budget: Duration,
-    },
-    /// A definition's `max_run_duration` above the 30-day cap.
-    #[error("max_run_duration {max_run_duration:?} must be above zero and at most {cap:?}")]
-    RunDurationOutOfRange {
-        /// The duration given.
-        max_run_duration: Duration,
-        /// The cap.
-        cap: Duration,
     },
     /// The tool did not return within its timeout. Its effect is unknown, so
     /// the claim is neither completed nor released: it becomes reclaimable
@@ -812,13 +792,6 @@ mod tests {
         ) {
             proptest::prop_assert_eq!(a == b, key_of(&a) == key_of(&b), "{:?} and {:?}", a, b);
         }
-    }
-
-    #[test]
-    fn max_run_duration_is_capped_at_the_tool_retention() {
-        assert!(validate_max_run_duration(Duration::from_secs(30 * 86_400)).is_ok());
-        assert!(validate_max_run_duration(Duration::from_secs(30 * 86_400 + 1)).is_err());
-        assert!(validate_max_run_duration(Duration::ZERO).is_err());
     }
 
     #[test]

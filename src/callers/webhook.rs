@@ -296,8 +296,15 @@ pub struct WebhookGate<R, J> {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum GateConfigError {
-    /// The processing timeout or journal deadline is zero, or the lease they
-    /// make is one the store refuses.
+    /// The processing timeout or the journal deadline is zero: no delivery
+    /// could be processed, or its answer journaled, in no time.
+    #[error("the webhook gate's {what} must be above zero")]
+    ZeroTimeout {
+        /// Which one: `processing timeout` or `journal deadline`.
+        what: &'static str,
+    },
+    /// The lease the processing timeout, the journal deadline and the
+    /// margin make is one the store refuses.
     #[error(transparent)]
     Timing(#[from] InvalidInput),
     /// The lease would still hold at the vendor's last redelivery.
@@ -369,13 +376,17 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
     /// [`LEASE_MARGIN`]. Refused when zero, or when the lease is outside what
     /// the store accepts or outlasts the vendor's retries.
     pub fn with_processing_timeout(self, timeout: Duration) -> Result<Self, GateConfigError> {
+        refuse_zero(timeout, "processing timeout")?;
         let (timing, horizon) = (Timing::new(timeout, self.timing.journal(), self.timing.margin())?, self.horizon);
         self.with_timing(timing, horizon)
     }
 
     /// Sets how long journaling a processed delivery may take, retries
     /// included (default [`DEFAULT_JOURNAL_DEADLINE`]); part of the lease.
+    /// Refused when zero, or when the lease is outside what the store
+    /// accepts or outlasts the vendor's retries.
     pub fn with_journal_deadline(self, deadline: Duration) -> Result<Self, GateConfigError> {
+        refuse_zero(deadline, "journal deadline")?;
         let (timing, horizon) = (Timing::new(self.timing.effect(), deadline, self.timing.margin())?, self.horizon);
         self.with_timing(timing, horizon)
     }
@@ -524,6 +535,14 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
         let for_job = job.clone();
         self.handle_by(answer_by, delivery, move || process(for_job.clone())).instrument(span).await
     }
+}
+
+/// Refuses a zero `what` (the processing timeout, the journal deadline).
+fn refuse_zero(value: Duration, what: &'static str) -> Result<(), GateConfigError> {
+    if value.is_zero() {
+        return Err(GateConfigError::ZeroTimeout { what });
+    }
+    Ok(())
 }
 
 /// The gate's default timing: processing 15 s, journal 10 s, margin 5 s, a
@@ -726,5 +745,31 @@ mod tests {
         assert_eq!(checked, Ok(default_timing()));
         assert_eq!(default_timing().lease(), Duration::from_secs(30));
         assert!(default_timing().check(DEFAULT_VENDOR_HORIZON, Duration::ZERO).is_ok());
+    }
+
+    #[test]
+    fn a_zero_processing_timeout_or_journal_deadline_is_refused_as_zero() {
+        use crate::repo::MemoryRepository;
+        let gate = || {
+            WebhookGate::new(
+                IdempotencyService::new(MemoryRepository::new()),
+                ProviderJobs::new(MemoryRepository::new()),
+            )
+        };
+        assert_eq!(
+            gate().with_processing_timeout(Duration::ZERO).err(),
+            Some(GateConfigError::ZeroTimeout { what: "processing timeout" })
+        );
+        assert_eq!(
+            gate().with_journal_deadline(Duration::ZERO).err(),
+            Some(GateConfigError::ZeroTimeout { what: "journal deadline" })
+        );
+        let refused = gate().with_processing_timeout(Duration::ZERO).err().map(|e| e.to_string());
+        assert_eq!(refused.as_deref(), Some("the webhook gate's processing timeout must be above zero"));
+        assert!(matches!(
+            gate().with_processing_timeout(Duration::MAX).err(),
+            Some(GateConfigError::Timing(InvalidInput::LeaseTooLong { .. }))
+        ));
+        assert!(gate().with_processing_timeout(Duration::from_secs(1)).is_ok());
     }
 }
