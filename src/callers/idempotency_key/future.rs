@@ -19,9 +19,9 @@ use tower_service::Service;
 use tracing::{field, Instrument};
 use uuid::Uuid;
 
+use super::config::{Callers, Config, OversizeResponse};
 use super::fingerprint;
 use super::key;
-use super::layer::{Callers, Config, OversizeResponse};
 use super::problem::{Problem, ProblemType};
 use super::stored::StoredResponse;
 use crate::error::Error;

@@ -58,15 +58,16 @@
 //! which axum runs after routing), so the scope names the matched route
 //! (`/orders/{id}`); wrapped around a whole router it sees no route and
 //! answers 500.
-
 //!
 //! The layer is laid out as tower middleware is: [`IdempotencyKeyLayer`]
-//! and its settings (`layer`), the [`IdempotencyKey`] service (`service`),
+//! and its builder (`layer`), the settings it shares with every request
+//! (`config`), the [`IdempotencyKey`] service (`service`),
 //! the handling of one request, step by step (`future`), the
 //! `Idempotency-Key` header's rules (`key`), the fingerprint and scope of a
 //! request (`fingerprint`), the journaled answer (`stored`) and the problem
 //! catalogue (`problem`).
 
+mod config;
 mod fingerprint;
 mod future;
 mod key;
@@ -75,8 +76,9 @@ mod problem;
 mod service;
 mod stored;
 
+pub use config::{OversizeResponse, PrincipalOf, TenantOf};
 pub use key::{IDEMPOTENCY_KEY, MAX_IDEMPOTENCY_KEY_CHARS};
-pub use layer::{ConfigError, IdempotencyKeyLayer, OversizeResponse, PrincipalOf, TenantOf};
+pub use layer::{ConfigError, IdempotencyKeyLayer};
 pub use problem::{Problem, ProblemType};
 pub use service::IdempotencyKey;
 pub use stored::CREDENTIAL_HEADERS;

@@ -11,8 +11,8 @@ use axum::http::{Request, Response};
 use tower_service::Service;
 use tracing::Instrument;
 
+use super::config::Config;
 use super::future;
-use super::layer::Config;
 use super::problem::Problem;
 use crate::repo::IdempotencyRepository;
 
