@@ -1,7 +1,7 @@
 //! One request through the layer, as the task [`IdempotencyKey`] spawns
 //! runs it, step by step: [read the key](keyed_request), [name the
 //! caller](caller), [buffer the body](buffer), [find the scope](route_scope)
-//! and the fingerprint; [claim](claim) the key and [decide](decide) (replay,
+//! and the fingerprint; [claim] the key and [decide] (replay,
 //! in flight, key reused, or run); [run the handler](run_inner) under the
 //! claim; [keep its answer](keep_answer) in the journal.
 //!

@@ -18,7 +18,7 @@
 //!   Run's own input (up to 4 MiB). The Run is admitted first, through a
 //!   *fenced* admission that inserts only while this preparation's claim is
 //!   still held by its lease token (one SQL statement), and the claim then
-//!   completes with the Run key and a [`ResponseRef`] to the Run (type
+//!   completes with the Run key and a [`ResponseRef`](crate::service::ResponseRef) to the Run (type
 //!   [`SNAPSHOT_RESOURCE_TYPE`], its id, the snapshot's size and SHA-256).
 //!   A replay reads the snapshot back from the Run and checks it against the
 //!   reference. If the worker dies between admission and completion, the
@@ -30,7 +30,7 @@
 //! must then answer that Run's input, not the new freeze. Either way
 //! [`StartedRun::snapshot`] is the admitted Run's input.
 //!
-//! Every start of one trigger admits with the same [`AdmissionToken`],
+//! Every start of one trigger admits with the same [`AdmissionToken`](crate::callers::runs::AdmissionToken),
 //! derived from the start's identity, so each of them (a retry after a lost
 //! answer, a re-run hours later) is told `admitted = true` for the Run its
 //! trigger started.
