@@ -12,8 +12,7 @@ use std::fmt;
 use uuid::Uuid;
 
 use crate::error::{Error, InvalidInput};
-use crate::postgrest::PostgrestClient;
-use crate::repo::{ClaimFence, PostgrestRepository, RunRepository};
+use crate::repo::{ClaimFence, RunRepository};
 use crate::service::{validate_key, Claim};
 
 pub use crate::repo::AdmittedRun;
@@ -104,20 +103,13 @@ impl AdmissionError {
 
 /// Admits Runs once per `(organization, start key)`.
 #[derive(Debug, Clone)]
-pub struct RunAdmission<R = PostgrestRepository> {
+pub struct RunAdmission<R> {
     repo: R,
 }
 
-impl RunAdmission<PostgrestRepository> {
-    /// Admission through PostgREST, over `client`.
-    pub fn new(client: PostgrestClient) -> Self {
-        RunAdmission { repo: PostgrestRepository::new(client) }
-    }
-}
-
 impl<R: RunRepository> RunAdmission<R> {
-    /// Admission over any [`RunRepository`].
-    pub fn over(repo: R) -> Self {
+    /// Admission through `repo` (the store's `agent.runs`).
+    pub fn new(repo: R) -> Self {
         RunAdmission { repo }
     }
 

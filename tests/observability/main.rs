@@ -191,7 +191,10 @@ async fn outcomes_and_drop_reasons_are_counted_through_the_metrics_facade() {
     let stack = stack().await;
     // A scope no other test uses, so counts from tests running alongside do not mix in.
     let scope = "webhook.metrics_probe";
-    let gate = WebhookGate::new(service(&stack), ProviderJobs::new(client(&stack)));
+    let gate = WebhookGate::new(
+        service(&stack),
+        ProviderJobs::new(idempotency_plane::PostgrestRepository::new(client(&stack))),
+    );
     let delivery = Delivery { organization_id: org(), scope, delivery_id: "d-1", body: b"{}" };
     let ok = || async { Ok::<serde_json::Value, ProcessingError>(json!("ok")) };
     assert_eq!(gate.handle(delivery, ok).await, Ack::Processed);

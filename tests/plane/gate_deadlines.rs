@@ -36,12 +36,15 @@ fn delivery(organization_id: Uuid, delivery_id: &str) -> Delivery<'_> {
 }
 
 fn memory_gate() -> WebhookGate<MemoryRepository, MemoryRepository> {
-    WebhookGate::new(IdempotencyService::new(MemoryRepository::new()), ProviderJobs::over(MemoryRepository::new()))
+    WebhookGate::new(IdempotencyService::new(MemoryRepository::new()), ProviderJobs::new(MemoryRepository::new()))
 }
 
-fn wire_gate(server: &MockServer) -> WebhookGate<PostgrestRepository> {
+fn wire_gate(server: &MockServer) -> WebhookGate<PostgrestRepository, PostgrestRepository> {
     let client = client(config(server));
-    WebhookGate::new(IdempotencyService::new(PostgrestRepository::new(client.clone())), ProviderJobs::new(client))
+    WebhookGate::new(
+        IdempotencyService::new(PostgrestRepository::new(client.clone())),
+        ProviderJobs::new(PostgrestRepository::new(client)),
+    )
 }
 
 /// The claim row the one-call claim answers to `request`: the key is the caller's.

@@ -28,7 +28,7 @@ type Gate = WebhookGate<Faulty<MemoryRepository>, MemoryRepository>;
 
 /// A gate with a 500 ms processing timeout and a 1 s journal deadline.
 fn gate(faulty: &Faulty<MemoryRepository>) -> Gate {
-    WebhookGate::new(IdempotencyService::new(faulty.clone()), ProviderJobs::over(MemoryRepository::new()))
+    WebhookGate::new(IdempotencyService::new(faulty.clone()), ProviderJobs::new(MemoryRepository::new()))
         .with_processing_timeout(PROCESSING_TIMEOUT)
         .and_then(|gate| gate.with_journal_deadline(Duration::from_secs(1)))
         .expect("a gate")

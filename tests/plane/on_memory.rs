@@ -116,7 +116,7 @@ async fn a_reclaimed_call_of_a_keyless_vendor_is_reconciled_not_sent_again() {
 }
 
 fn gate(service: Service) -> WebhookGate<MemoryRepository, MemoryRepository> {
-    WebhookGate::new(service, ProviderJobs::over(MemoryRepository::new()))
+    WebhookGate::new(service, ProviderJobs::new(MemoryRepository::new()))
 }
 
 #[tokio::test]

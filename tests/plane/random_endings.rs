@@ -594,7 +594,7 @@ fn gate_failed(ack: &Ack) -> bool {
 /// Delivers `event` as the vendor does: again after a 503, until an ACK or
 /// `tries` ran out; records every answer.
 async fn deliver(
-    gate: &WebhookGate<Faulty<PostgrestRepository>>,
+    gate: &WebhookGate<Faulty<PostgrestRepository>, PostgrestRepository>,
     org: Uuid,
     n: usize,
     event: &Arc<Event>,
@@ -627,11 +627,14 @@ async fn randomized_deliveries_process_each_acknowledged_event_exactly_once_or_j
     let seed = seed("webhook deliveries");
     let stack = stack().await;
     let faulty = Faulty::new(PostgrestRepository::new(client(&stack)));
-    let gate = WebhookGate::new(IdempotencyService::new(faulty.clone()), ProviderJobs::new(client(&stack)))
-        .with_processing_timeout(PROCESSING_TIMEOUT)
-        .and_then(|gate| gate.with_journal_deadline(WEBHOOK_JOURNAL_DEADLINE))
-        .expect("a gate")
-        .with_deadline(ms(500));
+    let gate = WebhookGate::new(
+        IdempotencyService::new(faulty.clone()),
+        ProviderJobs::new(PostgrestRepository::new(client(&stack))),
+    )
+    .with_processing_timeout(PROCESSING_TIMEOUT)
+    .and_then(|gate| gate.with_journal_deadline(WEBHOOK_JOURNAL_DEADLINE))
+    .expect("a gate")
+    .with_deadline(ms(500));
     let org = Uuid::new_v4();
     let events: Vec<Arc<Event>> = (0..EVENTS)
         .map(|n| {
@@ -1230,7 +1233,7 @@ async fn randomized_saved_search_starts_admit_one_run_per_trigger_from_one_froze
     let horizon = RetryHorizon::until_last_attempt(Duration::from_secs(60));
     let starter = SavedSearchStart::new(
         IdempotencyService::new(faulty.clone()),
-        RunAdmission::over(runs.clone()),
+        RunAdmission::new(runs.clone()),
         tables.clone(),
         horizon,
     )
@@ -1401,7 +1404,7 @@ async fn a_reclaimed_preparation_journals_the_run_an_earlier_holder_admitted_ins
     let starter = |source: Version| {
         SavedSearchStart::new(
             IdempotencyService::new(faulty.clone()),
-            RunAdmission::new(client(&stack)),
+            RunAdmission::new(PostgrestRepository::new(client(&stack))),
             source,
             horizon,
         )

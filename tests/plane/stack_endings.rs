@@ -25,8 +25,8 @@ fn proxied(stack: &LocalStack, proxy: &RpcProxy) -> IdempotencyService<Postgrest
     IdempotencyService::new(PostgrestRepository::new(proxy.client(stack.service_key(), proxy_retry())))
 }
 
-fn gate_through(stack: &LocalStack, proxy: &RpcProxy) -> WebhookGate<PostgrestRepository> {
-    WebhookGate::new(proxied(stack, proxy), ProviderJobs::new(client(stack)))
+fn gate_through(stack: &LocalStack, proxy: &RpcProxy) -> WebhookGate<PostgrestRepository, PostgrestRepository> {
+    WebhookGate::new(proxied(stack, proxy), ProviderJobs::new(PostgrestRepository::new(client(stack))))
 }
 
 fn delivery<'a>(org: Uuid, id: &'a str) -> Delivery<'a> {
@@ -78,7 +78,8 @@ async fn webhook_a_claim_cut_by_the_deadline_is_carried_so_the_event_its_acked_r
     let proxy = RpcProxy::start(stack.url()).await;
     proxy.delay("idempotency_claim", Duration::from_millis(1500));
     let gate = gate_through(&stack, &proxy).with_deadline(Duration::from_millis(500));
-    let redelivery_gate = WebhookGate::new(service(&stack), ProviderJobs::new(client(&stack)));
+    let redelivery_gate =
+        WebhookGate::new(service(&stack), ProviderJobs::new(PostgrestRepository::new(client(&stack))));
     let (org, runs) = (org(), Arc::new(AtomicUsize::new(0)));
 
     let first = gate.handle(delivery(org, "evt-cut"), counted(&runs, Duration::ZERO)).await;
@@ -134,7 +135,7 @@ async fn webhook_a_retryable_failure_with_a_slow_plane_is_tried_again_in_process
 #[tokio::test]
 async fn webhook_slow_but_successful_processing_under_the_default_deadline_runs_once_and_is_never_a_5xx() {
     let stack = stack().await;
-    let gate = WebhookGate::new(service(&stack), ProviderJobs::new(client(&stack)));
+    let gate = WebhookGate::new(service(&stack), ProviderJobs::new(PostgrestRepository::new(client(&stack))));
     let (org, runs) = (org(), Arc::new(AtomicUsize::new(0)));
     let mut statuses = Vec::new();
     for _ in 0..3 {

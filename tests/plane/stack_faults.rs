@@ -252,7 +252,7 @@ async fn a_run_admission_whose_answer_was_lost_is_still_admitted_for_its_caller_
     let (org, input) = (org(), json!({"capability": "summarize", "request": "req-1"}));
 
     proxy.lose_answer(1);
-    let admission = idempotency_plane::callers::runs::RunAdmission::new(client.clone());
+    let admission = idempotency_plane::callers::runs::RunAdmission::new(PostgrestRepository::new(client.clone()));
     let run = admission.admit(org, "capability:summarize:req-1", &input).await.unwrap();
     assert!(run.admitted, "the retry carried the admitting call's token, so it is still that call");
     assert_eq!(client.requests_sent(), 2, "the admission, then its retry");

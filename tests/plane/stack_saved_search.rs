@@ -81,10 +81,11 @@ impl SnapshotSource for ProductTables {
 /// well before its last retry.
 const HORIZON: RetryHorizon = RetryHorizon::until_last_attempt(Duration::from_secs(600));
 
-type Starter<R = PostgrestRepository> = SavedSearchStart<R, ProductTables>;
+type Starter<R = PostgrestRepository> = SavedSearchStart<R, ProductTables, PostgrestRepository>;
 
 fn starter(stack: &idempotency_plane::local::LocalStack, source: ProductTables) -> Starter {
-    SavedSearchStart::new(service(stack), RunAdmission::new(client(stack)), source, HORIZON).expect("a starter")
+    SavedSearchStart::new(service(stack), RunAdmission::new(PostgrestRepository::new(client(stack))), source, HORIZON)
+        .expect("a starter")
 }
 
 /// A claim's status, response, resource type and resource id.
@@ -106,7 +107,7 @@ async fn claim_id(stack: &idempotency_plane::local::LocalStack) -> Uuid {
 #[tokio::test]
 async fn a_direct_capability_start_writes_no_row_in_the_idempotency_table() {
     let stack = stack().await;
-    let runs = RunAdmission::new(client(&stack));
+    let runs = RunAdmission::new(PostgrestRepository::new(client(&stack)));
     let org = org();
     let first = runs.admit(org, "capability:summarize:req-1", &json!({"doc": 1})).await.unwrap();
     let again = runs.admit(org, "capability:summarize:req-1", &json!({"doc": 1})).await.unwrap();
@@ -245,8 +246,10 @@ async fn a_snapshot_remains_for_24_hours_and_its_run_key_replays_the_run_for_396
         .execute(stack.db())
         .await
         .unwrap();
-    let replay =
-        RunAdmission::new(client(&stack)).admit(org, &first.run.start_key, &json!({"other": true})).await.unwrap();
+    let replay = RunAdmission::new(PostgrestRepository::new(client(&stack)))
+        .admit(org, &first.run.start_key, &json!({"other": true}))
+        .await
+        .unwrap();
     assert!(!replay.admitted);
     assert_eq!(replay.id, first.run.id);
     assert_eq!(replay.input, first.snapshot, "with the input it was admitted with");
@@ -283,8 +286,13 @@ impl SnapshotSource for EmptyTables {
 #[tokio::test]
 async fn a_null_snapshot_is_refused_and_the_claim_released() {
     let stack = stack().await;
-    let starter =
-        SavedSearchStart::new(service(&stack), RunAdmission::new(client(&stack)), EmptyTables, HORIZON).unwrap();
+    let starter = SavedSearchStart::new(
+        service(&stack),
+        RunAdmission::new(PostgrestRepository::new(client(&stack))),
+        EmptyTables,
+        HORIZON,
+    )
+    .unwrap();
     let refused = starter.start(org(), "search-6", "tick-1").await;
     match refused {
         Err(error @ SavedSearchError::Snapshot(_)) => assert!(error.is_retryable()),
@@ -317,7 +325,7 @@ async fn a_saved_search_preparation_carries_the_specs_30_second_lease() {
 async fn an_admission_whose_answer_was_lost_beyond_the_clients_retries_is_admitted_to_a_rerun_with_its_token() {
     let stack = stack().await;
     let proxy = FaultServer::lossy_proxy(stack.url()).await;
-    let runs = RunAdmission::new(proxy.client(stack.service_key(), RetryConfig::disabled()));
+    let runs = RunAdmission::new(PostgrestRepository::new(proxy.client(stack.service_key(), RetryConfig::disabled())));
     let (org, input) = (org(), json!({"capability": "summarize", "request": "req-9"}));
     // The orchestrator step's own token, the same on every re-run.
     let step = AdmissionToken::derived(org, "run-7:step-admit");
@@ -342,7 +350,7 @@ async fn an_admission_whose_answer_was_lost_beyond_the_clients_retries_is_admitt
 async fn a_start_rerun_after_its_admission_answer_was_lost_beyond_the_clients_retries_is_still_its_admitter() {
     let stack = stack().await;
     let proxy = FaultServer::lossy_proxy(stack.url()).await;
-    let lossy = RunAdmission::new(proxy.client(stack.service_key(), RetryConfig::disabled()));
+    let lossy = RunAdmission::new(PostgrestRepository::new(proxy.client(stack.service_key(), RetryConfig::disabled())));
     let starter = SavedSearchStart::new(service(&stack), lossy, ProductTables::open(), HORIZON).unwrap();
     let org = org();
 
@@ -357,7 +365,10 @@ async fn a_start_rerun_after_its_admission_answer_was_lost_beyond_the_clients_re
     assert!(again.run.admitted, "every start of the trigger carries its admission token: {again:?}");
     assert!(again.replayed, "the snapshot was frozen by the first start");
     assert_eq!(again.snapshot["brief"], "brief v1");
-    let other = RunAdmission::new(client(&stack)).admit(org, &again.run.start_key, &json!({"x": 1})).await.unwrap();
+    let other = RunAdmission::new(PostgrestRepository::new(client(&stack)))
+        .admit(org, &again.run.start_key, &json!({"x": 1}))
+        .await
+        .unwrap();
     assert!(!other.admitted && other.id == again.run.id, "anyone else admitting under its key is not its admitter");
     assert_eq!(count_runs(&stack).await, 1);
     stack.stop().await.unwrap();
@@ -523,7 +534,7 @@ async fn a_start_that_died_between_a_large_admission_and_its_completion_is_compl
     let org = org();
     let dies = SavedSearchStart::new(
         IdempotencyService::new(DiesBeforeCompleting(PostgrestRepository::new(client(&stack)))),
-        RunAdmission::new(client(&stack)),
+        RunAdmission::new(PostgrestRepository::new(client(&stack))),
         ProductTables::open().padded(200),
         HORIZON,
     )

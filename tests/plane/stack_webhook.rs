@@ -13,8 +13,8 @@ use tokio::sync::Semaphore;
 
 use crate::harness::*;
 
-fn gate(stack: &idempotency_plane::local::LocalStack) -> WebhookGate<PostgrestRepository> {
-    WebhookGate::new(service(stack), ProviderJobs::new(client(stack)))
+fn gate(stack: &idempotency_plane::local::LocalStack) -> WebhookGate<PostgrestRepository, PostgrestRepository> {
+    WebhookGate::new(service(stack), ProviderJobs::new(PostgrestRepository::new(client(stack))))
 }
 
 fn delivery<'a>(org: uuid::Uuid, id: &'a str, body: &'a [u8]) -> Delivery<'a> {
@@ -159,7 +159,7 @@ async fn a_permanent_processing_failure_is_stored_and_acked() {
 async fn a_provider_callback_resolves_its_tenant_before_it_claims() {
     let stack = stack().await;
     let gate = gate(&stack);
-    let jobs = ProviderJobs::new(client(&stack));
+    let jobs = ProviderJobs::new(PostgrestRepository::new(client(&stack)));
     let org = org();
     jobs.register(org, "transcribe", "job-42").await.unwrap();
     let callback = ProviderCallback {
@@ -208,7 +208,7 @@ async fn a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job() {
 async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch() {
     let stack = stack().await;
     let gate = gate(&stack);
-    ProviderJobs::new(client(&stack)).register(org(), "transcribe", "job-1").await.unwrap();
+    ProviderJobs::new(PostgrestRepository::new(client(&stack))).register(org(), "transcribe", "job-1").await.unwrap();
     let callback = ProviderCallback {
         provider: "transcribe",
         path_job_id: "job-1",
@@ -227,7 +227,7 @@ async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch() {
 async fn the_axum_route_answers_a_redelivery_with_2xx_and_performs_nothing() {
     let stack = stack().await;
     let org = org();
-    ProviderJobs::new(client(&stack)).register(org, "transcribe", "job-7").await.unwrap();
+    ProviderJobs::new(PostgrestRepository::new(client(&stack))).register(org, "transcribe", "job-7").await.unwrap();
     let performed = Arc::new(AtomicUsize::new(0));
     let counter = performed.clone();
     let verify = |_provider: &str, headers: &axum::http::HeaderMap, _body: &axum::body::Bytes| {
@@ -322,7 +322,10 @@ async fn processing_that_panics_or_overruns_is_journaled_as_aborted_never_releas
 #[tokio::test]
 async fn a_processing_output_above_the_store_limit_still_completes_the_delivery() {
     let stack = stack().await;
-    let gate = WebhookGate::new(service(&stack).with_response_limit(1024), ProviderJobs::new(client(&stack)));
+    let gate = WebhookGate::new(
+        service(&stack).with_response_limit(1024),
+        ProviderJobs::new(PostgrestRepository::new(client(&stack))),
+    );
     let org = org();
     let big = || async { Ok::<Value, ProcessingError>(json!({"rows": "x".repeat(4096)})) };
     assert_eq!(gate.handle(delivery(org, "d-big", b"{}"), big).await, Ack::Processed);

@@ -279,9 +279,9 @@ mod tests {
         let other_body =
             fingerprint(&Method::POST, "/o", &json_headers(), &Bytes::from_static(br#"{"a":2,"b":[1,2]}"#), &[]);
         assert_ne!(a, other_body);
-        let other_route =
+        let other_path =
             fingerprint(&Method::POST, "/p", &json_headers(), &Bytes::from_static(br#"{"a":1,"b":[1,2]}"#), &[]);
-        assert_ne!(a, other_route);
+        assert_ne!(a, other_path);
         let other_method =
             fingerprint(&Method::PATCH, "/o", &json_headers(), &Bytes::from_static(br#"{"a":1,"b":[1,2]}"#), &[]);
         assert_ne!(a, other_method);

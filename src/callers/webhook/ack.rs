@@ -1,0 +1,133 @@
+//! What the gate answers a delivery: an [`Ack`] (200) with its drop reason
+//! when it was not processed, or a retry (503); and the drop counters.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::Error;
+
+/// Why a delivery was acknowledged without being processed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DropReason {
+    /// Handled already, or being handled right now by another worker.
+    Duplicate,
+    /// The delivery id was seen with a different body.
+    HashMismatch,
+    /// The callback path names a job this platform does not hold.
+    UnknownJob,
+    /// The body names a different job than the path.
+    JobMismatch,
+    /// The delivery cannot be claimed at all (an empty, over-long or NUL
+    /// delivery id): redelivering it would never help.
+    InvalidDelivery,
+    /// Processing kept failing with retryable failures until its timeout;
+    /// the last failure is journaled as the event's answer.
+    ProcessingFailed,
+    /// Processing panicked or overran its timeout; what it did is unknown,
+    /// and that is journaled as the event's answer.
+    ProcessingAborted,
+}
+
+impl DropReason {
+    /// The reason as logged and counted: `duplicate`, `hash_mismatch`,
+    /// `unknown_job`, `job_mismatch`, `invalid_delivery`,
+    /// `processing_failed`, `processing_aborted`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Duplicate => "duplicate",
+            DropReason::HashMismatch => "hash_mismatch",
+            DropReason::UnknownJob => "unknown_job",
+            DropReason::JobMismatch => "job_mismatch",
+            DropReason::InvalidDelivery => "invalid_delivery",
+            DropReason::ProcessingFailed => "processing_failed",
+            DropReason::ProcessingAborted => "processing_aborted",
+        }
+    }
+}
+
+/// Why a delivery is answered with a non-2xx so the vendor redelivers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RetryReason {
+    /// The gate holds no claim: the plane could not be reached, refused the
+    /// call, or did not answer within the deadline (then the gate keeps
+    /// asking in the background, and processes the event if the claim was
+    /// made).
+    PlaneUnavailable,
+}
+
+/// The gate's answer to one delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ack {
+    /// Processed and journaled (successfully, or with a failure that would
+    /// repeat).
+    Processed,
+    /// Claimed and processing when the deadline came: it goes on after the
+    /// answer and is journaled (processed, or failed with a drop reason).
+    Accepted,
+    /// Acknowledged without processing, for this reason.
+    Dropped(DropReason),
+    /// Not acknowledged: answer 503 so the vendor delivers it again.
+    Retry(RetryReason),
+}
+
+impl Ack {
+    /// The HTTP status to answer: 200 for every ACK, 503 for a retry.
+    pub fn status(&self) -> u16 {
+        match self {
+            Ack::Processed | Ack::Accepted | Ack::Dropped(_) => 200,
+            Ack::Retry(_) => 503,
+        }
+    }
+}
+
+/// Counts of every drop reason, for an operator's "why did this not run?".
+#[derive(Debug, Default)]
+pub struct DropCounters {
+    duplicate: AtomicU64,
+    hash_mismatch: AtomicU64,
+    unknown_job: AtomicU64,
+    job_mismatch: AtomicU64,
+    invalid_delivery: AtomicU64,
+    processing_failed: AtomicU64,
+    processing_aborted: AtomicU64,
+}
+
+impl DropCounters {
+    /// How many deliveries were dropped for `reason` since start.
+    pub fn get(&self, reason: DropReason) -> u64 {
+        self.counter(reason).load(Ordering::Relaxed)
+    }
+
+    fn add(&self, reason: DropReason) {
+        self.counter(reason).fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn counter(&self, reason: DropReason) -> &AtomicU64 {
+        match reason {
+            DropReason::Duplicate => &self.duplicate,
+            DropReason::HashMismatch => &self.hash_mismatch,
+            DropReason::UnknownJob => &self.unknown_job,
+            DropReason::JobMismatch => &self.job_mismatch,
+            DropReason::InvalidDelivery => &self.invalid_delivery,
+            DropReason::ProcessingFailed => &self.processing_failed,
+            DropReason::ProcessingAborted => &self.processing_aborted,
+        }
+    }
+}
+
+/// Counts the drop (in `counters`, and in
+/// `idempotency_webhook_drops_total{reason}`), logs it with its reason, and
+/// ACKs.
+pub(super) fn drop_delivery(counters: &DropCounters, reason: DropReason) -> Ack {
+    counters.add(reason);
+    metrics::counter!(crate::telemetry::WEBHOOK_DROPS_TOTAL, "reason" => reason.as_str()).increment(1);
+    tracing::Span::current().record("drop_reason", reason.as_str());
+    tracing::info!(drop_reason = reason.as_str(), "delivery dropped and acknowledged");
+    Ack::Dropped(reason)
+}
+
+/// The plane could not decide: not acknowledged, so the vendor redelivers.
+pub(super) fn unavailable(error: &Error) -> Ack {
+    tracing::error!(%error, "the plane could not decide; not acknowledged so the vendor redelivers");
+    Ack::Retry(RetryReason::PlaneUnavailable)
+}

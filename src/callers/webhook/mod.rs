@@ -1,0 +1,69 @@
+//! The webhook gate: the edge adapter at an HTTP boundary.
+//!
+//! A webhook handler is the outermost frame, and a 5xx tells the vendor that
+//! a delivery which succeeded failed (Slack disables a subscription that
+//! answers 5xx often enough). So every duplicate ending is an ACK with a
+//! counted, logged drop reason; none is silent.
+//!
+//! **The invariant.** Once any delivery of an event has been answered 2xx
+//! (processed, or dropped as a duplicate of a claim that is in flight or
+//! done), the event is processed to completion exactly once, or its failure
+//! is journaled and counted as a drop reason ([`DropReason::ProcessingFailed`],
+//! [`DropReason::ProcessingAborted`]); it is never silently lost. A
+//! redelivery that meets a live claim is ACKed as a duplicate, as the spec
+//! says, so the gate never gives up a claim it holds: it never releases one.
+//! It carries the event to a journaled ending itself:
+//!
+//! - processing runs to its own timeout (default
+//!   [`DEFAULT_PROCESSING_TIMEOUT`]), never cut by the answer's deadline; a
+//!   retryable failure is retried in process, with backoff, within that
+//!   timeout; what still fails at the end is journaled as a failure;
+//! - the answer leaves within the gate's deadline (default
+//!   [`DEFAULT_GATE_DEADLINE`], 2.5 s, inside Slack's 3 s window): processing
+//!   still running then is answered [`Ack::Accepted`] (200) and finished in
+//!   the background, so slow-but-successful processing runs once and is not
+//!   restarted on every redelivery;
+//! - a claim that does not answer within the deadline is answered 503 (the
+//!   plane could not decide), and the gate keeps asking with the same lease
+//!   token in the background (after any failure that may have followed the
+//!   claim's commit, while an answer could still be journaled): if the
+//!   database did make the claim, the gate processes the event (or journals
+//!   it as aborted when confirmed too late to process), so the vendor's
+//!   redelivery, which meets that claim and is ACKed as a duplicate, is not
+//!   a loss. A plane silent for that whole time leaves it to its lease.
+//!
+//! The only non-2xx answer is [`Ack::Retry`]: the gate holds no claim (the
+//! plane could not be reached, or did not answer in time). Background work
+//! lives as long as the process: a worker that dies holding a claim leaves
+//! it `processing` past its lease, visible to an operator (`idem get`), and
+//! the redeliveries meeting it meanwhile were ACKed as duplicates. A vendor
+//! that does not redeliver after an ACK cannot be made to; that is the price
+//! of answering a live claim with an ACK.
+//!
+//! The lease is the processing timeout plus the journal's deadline plus
+//! [`LEASE_MARGIN`]: 15 + 10 + 5 = the spec's 30 s for `webhook.nylas`.
+//!
+//! Against the vendors' retry rules: Slack waits 3 s for an answer and
+//! retries an event three times (at once, after 1 minute, after 5 minutes)
+//! when the answer is late or not 2xx; Nylas expects a 200 within 10 s and
+//! retries failed deliveries with backoff. Both are served by an answer
+//! within 2.5 s, 200 for everything the gate holds a claim on.
+//!
+//! The module by job: the gate and its answer by the deadline (`gate`), the
+//! road a delivery takes in its own task (`carry`), what reaches the gate
+//! (`delivery`), what it answers (`ack`), and the provider jobs a callback
+//! resolves its tenant by (`jobs`).
+
+mod ack;
+mod carry;
+mod delivery;
+mod gate;
+mod jobs;
+
+pub use ack::{Ack, DropCounters, DropReason, RetryReason};
+pub use delivery::{Delivery, ProcessingError, ProviderCallback};
+pub use gate::{
+    GateConfigError, WebhookGate, DEFAULT_GATE_DEADLINE, DEFAULT_PROCESSING_TIMEOUT, DEFAULT_VENDOR_HORIZON,
+    LEASE_MARGIN,
+};
+pub use jobs::{ProviderJob, ProviderJobs};
