@@ -31,8 +31,8 @@ pub use surface::{SqlFunction, SQL_SURFACE};
 /// The arguments of a claim or a reclaim.
 ///
 /// Durations, not instants: the database computes `lease_expires_at` and
-/// `retain_until` from its own clock (README, "Deliberate differences from
-/// the spec": one clock).
+/// `retain_until` from its own clock, so a worker whose clock is off can
+/// neither shorten nor lengthen a lease (docs/differences.md, "One clock").
 #[derive(Debug, Clone, Copy)]
 pub struct ClaimRequest<'a> {
     /// The tenant; the unique key starts with it.

@@ -6,7 +6,8 @@ use axum::body::Body;
 use axum::http::{header, HeaderValue, Response, StatusCode};
 use serde_json::json;
 
-/// Where the problem types are described (the README's table).
+/// Where the problem types are listed: the README's "Idempotency-Key problems"
+/// section, which links to what each means.
 const TYPE_BASE: &str = "https://github.com/idempotency-plane/idempotency-plane#idempotency-key-problems";
 
 /// The catalogue: every problem type the layer answers, each with its

@@ -4,7 +4,7 @@
 // (src/callers/idempotency_key/problem.rs), slug for slug, status for status
 // and title for title, so a client cannot tell the two apart.
 
-/** Where the problem types are described (the README's table). */
+/** Where the problem types are listed: the README's "Idempotency-Key problems" section, which links to what each means. */
 export const PROBLEM_TYPE_BASE = "https://github.com/idempotency-plane/idempotency-plane#idempotency-key-problems";
 
 /**
