@@ -1,0 +1,160 @@
+//! Replays and conflicts on completed keys (with and without the replay
+//! cache), and the HTTP round trips of every claim outcome.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_plane::local::LocalStack;
+use idempotency_plane::{
+    ClaimOutcome, Completion, IdempotencyService, PostgrestClient, PostgrestRepository, RequestHash,
+};
+use serde_json::json;
+use sqlx::Executor;
+use uuid::Uuid;
+
+use super::drive::drive;
+use super::report::Figure;
+use super::Service;
+use crate::BoxError;
+
+/// Replays and conflicts on completed keys, and the round trips of each path
+/// (first claim, replay, conflict, reclaim) read off the client's counter.
+pub(super) async fn replays_and_conflicts(
+    stack: &LocalStack,
+    client: &PostgrestClient,
+    service: Service,
+    workers: usize,
+    duration: Duration,
+) -> Result<(Figure, Figure, Figure, Vec<(String, f64)>), BoxError> {
+    let org = Uuid::new_v4();
+    let hash = RequestHash::of_json(&json!({"bench": "replay"}));
+    let other = RequestHash::of_json(&json!({"bench": "other"}));
+    let keys = 256u64;
+    let mut trips = Vec::new();
+
+    let before = client.requests_sent();
+    for k in 0..keys {
+        let ClaimOutcome::Claimed(claim) =
+            service.claim(org, "tool.bench", &format!("replay-{k}"), &hash, Duration::from_secs(60)).await?
+        else {
+            return Err("fresh key not claimed".into());
+        };
+        let _ = service.complete(&claim, Completion::response(json!({"k": k}))).await?;
+    }
+    // Each pair was one claim and one complete.
+    trips.push(("first claim".to_owned(), (client.requests_sent() - before) as f64 / keys as f64 - 1.0));
+
+    let replay = {
+        let (service, hash) = (service.clone(), hash.clone());
+        let before = client.requests_sent();
+        let (latencies, elapsed) = drive(workers, duration, move |_, i| {
+            let (service, hash) = (service.clone(), hash.clone());
+            async move {
+                match service
+                    .claim(org, "tool.bench", &format!("replay-{}", i % keys), &hash, Duration::from_secs(60))
+                    .await?
+                {
+                    ClaimOutcome::Completed { .. } => Ok(()),
+                    other => Err(format!("expected a replay, got {}", other.kind()).into()),
+                }
+            }
+        })
+        .await?;
+        trips.push(("replay".to_owned(), (client.requests_sent() - before) as f64 / latencies.len().max(1) as f64));
+        Figure::from("replay", latencies, elapsed)
+    };
+    let conflict = {
+        let before = client.requests_sent();
+        let (latencies, elapsed) = drive(workers, duration, move |_, i| {
+            let (service, other) = (service.clone(), other.clone());
+            async move {
+                match service
+                    .claim(org, "tool.bench", &format!("replay-{}", i % keys), &other, Duration::from_secs(60))
+                    .await?
+                {
+                    ClaimOutcome::Conflict => Ok(()),
+                    other => Err(format!("expected a conflict, got {}", other.kind()).into()),
+                }
+            }
+        })
+        .await?;
+        trips.push(("conflict".to_owned(), (client.requests_sent() - before) as f64 / latencies.len().max(1) as f64));
+        Figure::from("conflict", latencies, elapsed)
+    };
+
+    // The same replays through a service with a replay cache.
+    let cached = {
+        let service = Arc::new(IdempotencyService::new(PostgrestRepository::new(client.clone())).with_replay_cache(
+            10_000,
+            64 << 20,
+            Duration::from_secs(60),
+        ));
+        for k in 0..keys {
+            let _ = service.read(org, "tool.bench", &format!("replay-{k}"), &hash).await?;
+        }
+        let before = client.requests_sent();
+        let (latencies, elapsed) = {
+            let (service, hash) = (service.clone(), hash.clone());
+            drive(workers, duration, move |_, i| {
+                let (service, hash) = (service.clone(), hash.clone());
+                async move {
+                    match service
+                        .claim(org, "tool.bench", &format!("replay-{}", i % keys), &hash, Duration::from_secs(60))
+                        .await?
+                    {
+                        ClaimOutcome::Completed { .. } => Ok(()),
+                        other => Err(format!("expected a replay, got {}", other.kind()).into()),
+                    }
+                }
+            })
+            .await?
+        };
+        trips.push((
+            "replay, cached".to_owned(),
+            (client.requests_sent() - before) as f64 / latencies.len().max(1) as f64,
+        ));
+        if let Some((entries, bytes)) = service.replay_cache_stats() {
+            trips.push(("cache bytes per entry".to_owned(), bytes as f64 / entries.max(1) as f64));
+        }
+        Figure::from("replay, cache hit", latencies, elapsed)
+    };
+
+    // Claims in flight: processing, answered to every other caller.
+    let service = IdempotencyService::new(PostgrestRepository::new(client.clone()));
+    let mut ids = Vec::new();
+    for k in 0..64u64 {
+        if let ClaimOutcome::Claimed(claim) =
+            service.claim(org, "tool.bench", &format!("reclaim-{k}"), &hash, Duration::from_secs(60)).await?
+        {
+            ids.push(claim.id());
+        }
+    }
+    let before = client.requests_sent();
+    for k in 0..ids.len() {
+        match service.claim(org, "tool.bench", &format!("reclaim-{k}"), &hash, Duration::from_secs(60)).await? {
+            ClaimOutcome::Processing { .. } => {}
+            other => return Err(format!("expected processing, got {}", other.kind()).into()),
+        }
+    }
+    trips.push(("processing".to_owned(), (client.requests_sent() - before) as f64 / ids.len().max(1) as f64));
+
+    // Reclaims: the same claims once their lease passed, taken over once each.
+    stack
+        .db()
+        .execute(
+            sqlx::query(
+                "update agent.idempotency_keys set lease_expires_at = now() - interval '1 second' where id = any($1)",
+            )
+            .bind(&ids),
+        )
+        .await?;
+    let before = client.requests_sent();
+    for k in 0..ids.len() {
+        match service.claim(org, "tool.bench", &format!("reclaim-{k}"), &hash, Duration::from_secs(60)).await? {
+            ClaimOutcome::Claimed(claim) if claim.reclaimed() => {}
+            other => return Err(format!("expected a reclaim, got {}", other.kind()).into()),
+        }
+    }
+    trips.push(("reclaim".to_owned(), (client.requests_sent() - before) as f64 / ids.len().max(1) as f64));
+    Ok((replay, conflict, cached, trips))
+}
