@@ -8,11 +8,11 @@ use idempotency_plane::local::LocalStack;
 use idempotency_plane::sweeper::Sweeper;
 use idempotency_plane::{ClaimOutcome, PostgrestClient, RequestHash};
 use serde_json::json;
-use sqlx::{Executor, PgPool};
 use uuid::Uuid;
 
 use super::drive::drive;
 use super::report::Figure;
+use super::rows::insert_expired;
 use super::{BenchArgs, Service};
 use crate::BoxError;
 
@@ -45,22 +45,7 @@ pub(super) async fn claims_during_sweep(
     service: Service,
     args: &BenchArgs,
 ) -> Result<Figure, BoxError> {
-    stack
-        .db()
-        .execute(
-            sqlx::query(
-                "insert into agent.idempotency_keys
-                   (organization_id, scope, key, request_hash, status, lease_token, response,
-                    claimed_at, lease_expires_at, retain_until)
-                 select gen_random_uuid(), 'tool.bench', 'expired-' || i, repeat('a', 64), 'completed',
-                        gen_random_uuid(), '1', now() - interval '31 days', now() - interval '31 days',
-                        now() - interval '1 day'
-                   from generate_series(1, $1) i",
-            )
-            .bind(args.sweep_rows),
-        )
-        .await?;
-    stack.db().execute("analyze agent.idempotency_keys").await?;
+    insert_expired(stack.db(), args.sweep_rows).await?;
     let sweeper = Sweeper::new(client.clone(), u64::from(client.config().max_rows()))?;
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let finished = done.clone();
@@ -112,27 +97,4 @@ pub(super) async fn claims_during_sweep(
     let (deleted, swept_in) = sweeping.await??;
     eprintln!("  the sweep deleted {deleted} rows in {:.1} s", swept_in.as_secs_f64());
     Ok(Figure::from("claim during sweep", latencies, sweep_started.elapsed()))
-}
-
-/// Brings the table to `rows` rows (completed claims of other tenants, still
-/// retained), then refreshes the planner's statistics.
-pub(super) async fn fill_table(db: &PgPool, rows: i64) -> Result<(), BoxError> {
-    let present: i64 = sqlx::query_scalar("select count(*) from agent.idempotency_keys").fetch_one(db).await?;
-    let missing = rows - present;
-    if missing > 0 {
-        db.execute(
-            sqlx::query(
-                "insert into agent.idempotency_keys
-                   (organization_id, scope, key, request_hash, status, lease_token, response,
-                    claimed_at, lease_expires_at, retain_until)
-                 select gen_random_uuid(), 'tool.filler', 'filler-' || i, repeat('b', 64), 'completed',
-                        gen_random_uuid(), '{\"ok\":true}', now(), now() + interval '1 minute', now() + interval '30 days'
-                   from generate_series(1, $1) i",
-            )
-            .bind(missing),
-        )
-        .await?;
-    }
-    db.execute("analyze agent.idempotency_keys").await?;
-    Ok(())
 }

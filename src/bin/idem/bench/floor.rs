@@ -1,16 +1,9 @@
 //! The floor: the claim and the completion as the plainest statements that
-//! keep the contract, run directly, which the SQL functions are measured
-//! against.
-
-use std::time::Duration;
-
-use idempotency_plane::RequestHash;
-use serde_json::json;
-use sqlx::{PgPool, Row};
-use uuid::Uuid;
-
-use super::drive::drive;
-use crate::BoxError;
+//! keep the contract (the scope's policy, lease stamped from the clock,
+//! retention from the lease's end, the fence, the response limit, and the
+//! same answer rows: every claim column and `lease_live`), which the SQL
+//! functions are measured against; and the check that holds them to the
+//! migrations.
 
 /// The floor's claim: one statement that reads the scope's policy, stamps
 /// the lease and the retention from the clock, inserts a free key, and
@@ -18,7 +11,7 @@ use crate::BoxError;
 /// column, `lease_live`). Binds `$1` the tenant, `$2` the key, `$3` the
 /// request hash, `$4` the lease token; the scope is `tool.bench`, the lease
 /// 60 s. The tests below hold it against the migrations' claim.
-const FLOOR_CLAIM: &str = "with p as (select s.retain from agent.idempotency_scopes s
+pub(super) const FLOOR_CLAIM: &str = "with p as (select s.retain from agent.idempotency_scopes s
              where s.scope = 'tool.bench'
                 or (s.scope like '%.*'
                     and char_length('tool.bench') > char_length(s.scope) - 1
@@ -42,7 +35,7 @@ const FLOOR_CLAIM: &str = "with p as (select s.retain from agent.idempotency_sco
 /// the row as `agent.idempotency_complete` does. Binds `$1` the claim, `$2`
 /// the lease token, `$3` the response. The tests below hold it against the
 /// migrations' completion.
-const FLOOR_COMPLETE: &str = "update agent.idempotency_keys as k
+pub(super) const FLOOR_COMPLETE: &str = "update agent.idempotency_keys as k
     set status = 'completed', response = $3,
         retain_until = greatest(k.retain_until, clock_timestamp() + (k.retain_until - k.lease_expires_at))
   where k.id = $1 and k.lease_token = $2 and k.status = 'processing'
@@ -56,39 +49,6 @@ const FLOOR_COMPLETE: &str = "update agent.idempotency_keys as k
  returning k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
            k.lease_token, k.resource_type, k.resource_id, k.response, k.claimed_at,
            k.lease_expires_at, k.retain_until, false as lease_live";
-
-/// The floor: claim → complete with the leanest plain statements that keep
-/// the contract (the scope's policy, lease stamped from the clock,
-/// retention from the lease's end, the fence, the response limit, and the
-/// same answer rows: every claim column and `lease_live`), over direct
-/// connections. What the plane's functions cost is measured against it.
-pub(super) async fn pairs_floor(
-    pool: &PgPool,
-    workers: usize,
-    duration: Duration,
-    round: u32,
-) -> Result<(Vec<Duration>, Duration), BoxError> {
-    let pool = pool.clone();
-    let org = Uuid::new_v4();
-    let hash = RequestHash::of_json(&json!({"bench": true})).as_str().to_owned();
-    drive(workers, duration, move |worker, i| {
-        let (pool, hash) = (pool.clone(), hash.clone());
-        async move {
-            let token = Uuid::new_v4();
-            let row = sqlx::query(FLOOR_CLAIM)
-                .bind(org)
-                .bind(format!("floor-{round}-{worker}-{i}"))
-                .bind(&hash)
-                .bind(token)
-                .fetch_one(&pool)
-                .await?;
-            let id: Uuid = row.try_get("id")?;
-            sqlx::query(FLOOR_COMPLETE).bind(id).bind(token).bind(json!({"ok": true})).fetch_one(&pool).await?;
-            Ok(())
-        }
-    })
-    .await
-}
 
 /// The floor against the migrations: the statements that decide what a claim
 /// and a completion do, read from the latest definitions among the embedded

@@ -9,7 +9,8 @@
 //! the plain statements they are measured against; `replays`: replays,
 //! conflicts and round trips; `claims`: first claims idle, during a sweep,
 //! on a large table; `wan`: each outcome over a slow link), `drive` to run
-//! them and `report` for the figures and ratios.
+//! them, `rows` for the rows they set up directly, and `report` for the
+//! figures and ratios.
 
 mod claims;
 mod drive;
@@ -17,6 +18,7 @@ mod floor;
 mod http;
 mod replays;
 mod report;
+mod rows;
 mod sql;
 mod wan;
 
@@ -27,10 +29,11 @@ use std::time::Duration;
 use idempotency_plane::local::{LocalStack, LocalStackConfig};
 use idempotency_plane::{IdempotencyService, PostgrestClient, PostgrestRepository};
 
-use self::claims::{claims, claims_during_sweep, fill_table};
+use self::claims::{claims, claims_during_sweep};
 use self::http::{pairs_bare_http, pairs_through_crate};
 use self::replays::replays_and_conflicts;
 use self::report::{print, Results};
+use self::rows::fill_table;
 use self::sql::{definer_against_invoker, functions_against_floor};
 use self::wan::wan_outcomes;
 use crate::BoxError;

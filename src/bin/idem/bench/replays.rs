@@ -9,11 +9,11 @@ use idempotency_plane::{
     ClaimOutcome, Completion, IdempotencyService, PostgrestClient, PostgrestRepository, RequestHash,
 };
 use serde_json::json;
-use sqlx::Executor;
 use uuid::Uuid;
 
-use super::drive::drive;
+use super::drive::{drive, Run};
 use super::report::Figure;
+use super::rows::expire_leases;
 use super::Service;
 use crate::BoxError;
 
@@ -44,42 +44,28 @@ pub(super) async fn replays_and_conflicts(
     // Each pair was one claim and one complete.
     trips.push(("first claim".to_owned(), (client.requests_sent() - before) as f64 / keys as f64 - 1.0));
 
+    // Replays of each key, through `service`.
+    let replays = |service: Service| {
+        let is_replay = |outcome: &ClaimOutcome| matches!(outcome, ClaimOutcome::Completed { .. });
+        claims_of_completed_keys(service, client, (org, &hash, keys), (workers, duration), is_replay, "a replay")
+    };
     let replay = {
-        let (service, hash) = (service.clone(), hash.clone());
-        let before = client.requests_sent();
-        let (latencies, elapsed) = drive(workers, duration, move |_, i| {
-            let (service, hash) = (service.clone(), hash.clone());
-            async move {
-                match service
-                    .claim(org, "tool.bench", &format!("replay-{}", i % keys), &hash, Duration::from_secs(60))
-                    .await?
-                {
-                    ClaimOutcome::Completed { .. } => Ok(()),
-                    other => Err(format!("expected a replay, got {}", other.kind()).into()),
-                }
-            }
-        })
-        .await?;
-        trips.push(("replay".to_owned(), (client.requests_sent() - before) as f64 / latencies.len().max(1) as f64));
-        Figure::from("replay", latencies, elapsed)
+        let (run, per_claim) = replays(service.clone()).await?;
+        trips.push(("replay".to_owned(), per_claim));
+        Figure::from("replay", run.0, run.1)
     };
     let conflict = {
-        let before = client.requests_sent();
-        let (latencies, elapsed) = drive(workers, duration, move |_, i| {
-            let (service, other) = (service.clone(), other.clone());
-            async move {
-                match service
-                    .claim(org, "tool.bench", &format!("replay-{}", i % keys), &other, Duration::from_secs(60))
-                    .await?
-                {
-                    ClaimOutcome::Conflict => Ok(()),
-                    other => Err(format!("expected a conflict, got {}", other.kind()).into()),
-                }
-            }
-        })
+        let (run, per_claim) = claims_of_completed_keys(
+            service.clone(),
+            client,
+            (org, &other, keys),
+            (workers, duration),
+            |outcome| matches!(outcome, ClaimOutcome::Conflict),
+            "a conflict",
+        )
         .await?;
-        trips.push(("conflict".to_owned(), (client.requests_sent() - before) as f64 / latencies.len().max(1) as f64));
-        Figure::from("conflict", latencies, elapsed)
+        trips.push(("conflict".to_owned(), per_claim));
+        Figure::from("conflict", run.0, run.1)
     };
 
     // The same replays through a service with a replay cache.
@@ -92,31 +78,12 @@ pub(super) async fn replays_and_conflicts(
         for k in 0..keys {
             let _ = service.read(org, "tool.bench", &format!("replay-{k}"), &hash).await?;
         }
-        let before = client.requests_sent();
-        let (latencies, elapsed) = {
-            let (service, hash) = (service.clone(), hash.clone());
-            drive(workers, duration, move |_, i| {
-                let (service, hash) = (service.clone(), hash.clone());
-                async move {
-                    match service
-                        .claim(org, "tool.bench", &format!("replay-{}", i % keys), &hash, Duration::from_secs(60))
-                        .await?
-                    {
-                        ClaimOutcome::Completed { .. } => Ok(()),
-                        other => Err(format!("expected a replay, got {}", other.kind()).into()),
-                    }
-                }
-            })
-            .await?
-        };
-        trips.push((
-            "replay, cached".to_owned(),
-            (client.requests_sent() - before) as f64 / latencies.len().max(1) as f64,
-        ));
+        let (run, per_claim) = replays(service.clone()).await?;
+        trips.push(("replay, cached".to_owned(), per_claim));
         if let Some((entries, bytes)) = service.replay_cache_stats() {
             trips.push(("cache bytes per entry".to_owned(), bytes as f64 / entries.max(1) as f64));
         }
-        Figure::from("replay, cache hit", latencies, elapsed)
+        Figure::from("replay, cache hit", run.0, run.1)
     };
 
     // Claims in flight: processing, answered to every other caller.
@@ -139,15 +106,7 @@ pub(super) async fn replays_and_conflicts(
     trips.push(("processing".to_owned(), (client.requests_sent() - before) as f64 / ids.len().max(1) as f64));
 
     // Reclaims: the same claims once their lease passed, taken over once each.
-    stack
-        .db()
-        .execute(
-            sqlx::query(
-                "update agent.idempotency_keys set lease_expires_at = now() - interval '1 second' where id = any($1)",
-            )
-            .bind(&ids),
-        )
-        .await?;
+    expire_leases(stack.db(), &ids).await?;
     let before = client.requests_sent();
     for k in 0..ids.len() {
         match service.claim(org, "tool.bench", &format!("reclaim-{k}"), &hash, Duration::from_secs(60)).await? {
@@ -157,4 +116,36 @@ pub(super) async fn replays_and_conflicts(
     }
     trips.push(("reclaim".to_owned(), (client.requests_sent() - before) as f64 / ids.len().max(1) as f64));
     Ok((replay, conflict, cached, trips))
+}
+
+/// Claims of the completed keys `replay-0` to `replay-<keys - 1>` of `org`
+/// with `request`, on `workers` tasks for `duration`: each must answer as
+/// `wanted` says (else an error naming `expected`). Answers the run and the
+/// HTTP requests `client` sent per claim.
+async fn claims_of_completed_keys(
+    service: Service,
+    client: &PostgrestClient,
+    (org, request, keys): (Uuid, &RequestHash, u64),
+    (workers, duration): (usize, Duration),
+    wanted: fn(&ClaimOutcome) -> bool,
+    expected: &'static str,
+) -> Result<(Run, f64), BoxError> {
+    let request = request.clone();
+    let before = client.requests_sent();
+    let (latencies, elapsed) = drive(workers, duration, move |_, i| {
+        let (service, request) = (service.clone(), request.clone());
+        async move {
+            let outcome = service
+                .claim(org, "tool.bench", &format!("replay-{}", i % keys), &request, Duration::from_secs(60))
+                .await?;
+            if wanted(&outcome) {
+                Ok(())
+            } else {
+                Err(format!("expected {expected}, got {}", outcome.kind()).into())
+            }
+        }
+    })
+    .await?;
+    let per_claim = (client.requests_sent() - before) as f64 / latencies.len().max(1) as f64;
+    Ok(((latencies, elapsed), per_claim))
 }

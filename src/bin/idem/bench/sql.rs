@@ -4,12 +4,12 @@
 use std::time::Duration;
 
 use idempotency_plane::RequestHash;
-use serde_json::json;
+use serde_json::{json, Value};
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
-use super::drive::{alternating, drive, own_pool, SEGMENTS};
-use super::floor::pairs_floor;
+use super::drive::{alternating, drive, own_pool, Run, SEGMENTS};
+use super::floor::{FLOOR_CLAIM, FLOOR_COMPLETE};
 use super::report::Figure;
 use crate::BoxError;
 
@@ -73,32 +73,56 @@ pub(super) async fn definer_against_invoker(
     ))
 }
 
-async fn pairs_direct_sql(
+/// The plane's two hot-path functions, called as a client of direct SQL
+/// calls them.
+const DIRECT_CLAIM: &str = "select * from agent.idempotency_claim($1, 'tool.bench', $2, $3, $4, 60000)";
+const DIRECT_COMPLETE: &str = "select * from agent.idempotency_complete($1, $2, null, null, '{\"ok\":true}'::jsonb)";
+
+/// Claim → complete through the SQL functions over direct connections.
+async fn pairs_direct_sql(pool: &PgPool, workers: usize, duration: Duration, round: u32) -> Result<Run, BoxError> {
+    statement_pairs(pool, workers, duration, format!("sql-{round}"), DIRECT_CLAIM, DIRECT_COMPLETE, None).await
+}
+
+/// Claim → complete with the floor's plain statements over direct
+/// connections: what the plane's functions cost is measured against it.
+async fn pairs_floor(pool: &PgPool, workers: usize, duration: Duration, round: u32) -> Result<Run, BoxError> {
+    let response = Some(json!({"ok": true}));
+    statement_pairs(pool, workers, duration, format!("floor-{round}"), FLOOR_CLAIM, FLOOR_COMPLETE, response).await
+}
+
+/// Claim → complete pairs on `workers` connections of `pool` for
+/// `duration`, each on a fresh key under `prefix`: `claim` binds the tenant,
+/// the key, the request hash and a fresh token and answers the claim's `id`;
+/// `complete` binds that id and the token, and `response` when there is one.
+async fn statement_pairs(
     pool: &PgPool,
     workers: usize,
     duration: Duration,
-    round: u32,
-) -> Result<(Vec<Duration>, Duration), BoxError> {
+    prefix: String,
+    claim: &'static str,
+    complete: &'static str,
+    response: Option<Value>,
+) -> Result<Run, BoxError> {
     let pool = pool.clone();
     let org = Uuid::new_v4();
     let hash = RequestHash::of_json(&json!({"bench": true})).as_str().to_owned();
     drive(workers, duration, move |worker, i| {
-        let (pool, hash) = (pool.clone(), hash.clone());
+        let (pool, hash, prefix, response) = (pool.clone(), hash.clone(), prefix.clone(), response.clone());
         async move {
             let token = Uuid::new_v4();
-            let row = sqlx::query("select * from agent.idempotency_claim($1, 'tool.bench', $2, $3, $4, 60000)")
+            let row = sqlx::query(claim)
                 .bind(org)
-                .bind(format!("sql-{round}-{worker}-{i}"))
+                .bind(format!("{prefix}-{worker}-{i}"))
                 .bind(&hash)
                 .bind(token)
                 .fetch_one(&pool)
                 .await?;
             let id: Uuid = row.try_get("id")?;
-            sqlx::query("select * from agent.idempotency_complete($1, $2, null, null, '{\"ok\":true}'::jsonb)")
-                .bind(id)
-                .bind(token)
-                .fetch_one(&pool)
-                .await?;
+            let completion = sqlx::query(complete).bind(id).bind(token);
+            match response {
+                Some(response) => completion.bind(response).fetch_one(&pool).await?,
+                None => completion.fetch_one(&pool).await?,
+            };
             Ok(())
         }
     })

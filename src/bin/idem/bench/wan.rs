@@ -8,12 +8,12 @@ use idempotency_plane::{
     ClaimOutcome, Completion, IdempotencyService, PostgrestClient, PostgrestRepository, RequestHash,
 };
 use serde_json::json;
-use sqlx::Executor;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use uuid::Uuid;
 
 use super::report::Figure;
+use super::rows::expire_leases;
 use super::BenchArgs;
 use crate::BoxError;
 
@@ -129,15 +129,7 @@ pub(super) async fn wan_outcomes(stack: &LocalStack, args: &BenchArgs) -> Result
         timed.push(t.elapsed());
     }
     figures.push(Figure::from("processing", std::mem::take(&mut timed), started.elapsed()));
-    stack
-        .db()
-        .execute(
-            sqlx::query(
-                "update agent.idempotency_keys set lease_expires_at = now() - interval '1 second' where id = any($1)",
-            )
-            .bind(&ids),
-        )
-        .await?;
+    expire_leases(stack.db(), &ids).await?;
     let started = Instant::now();
     for k in 0..n {
         let t = Instant::now();
