@@ -75,7 +75,9 @@ pub(super) fn quote_literal(text: &str) -> String {
 pub(super) async fn admin() -> (PgConnection, Url) {
     use sqlx::Connection;
 
-    let url = without_loopback_tls(Url::parse(&super::LocalStackConfig::default().database_url).expect("DATABASE_URL"));
+    let url = without_loopback_tls(
+        Url::parse(&super::config::LocalStackConfig::default().database_url).expect("DATABASE_URL"),
+    );
     (PgConnection::connect(url.as_str()).await.expect("connect to PostgreSQL"), url)
 }
 

@@ -4,7 +4,7 @@
 use url::Url;
 
 use super::cluster::redacted;
-use super::DatabaseName;
+use super::database_name::DatabaseName;
 
 /// The maintenance database used when `DATABASE_URL` is unset.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";

@@ -7,11 +7,9 @@ use sqlx::{AssertSqlSafe, Executor, PgConnection};
 use url::Url;
 
 use super::cluster::{drop_database, quote_ident, quote_literal, redacted, sqlstate};
+use super::database_name::DB_PREFIX;
+use super::error::LocalError;
 use super::template::{create_from_template, MigrationSet};
-use super::LocalError;
-
-/// Names of the databases the stack creates start with this.
-pub(super) const DB_PREFIX: &str = "idem_local_";
 
 /// A database of this prefix that no session is connected to is left over
 /// from a run that was killed, unless its name says it was created less than

@@ -1,10 +1,14 @@
-//! The names a kept database may take: none the cluster or the stack's own
-//! databases use.
+//! The names of databases: the prefixes of the stack's own (its throwaway
+//! databases and its templates), and the names a kept database may take,
+//! which are none of those nor the cluster's own.
 
 use std::str::FromStr;
 
-use super::database::DB_PREFIX;
-use super::template::TEMPLATE_PREFIX;
+/// Names of the databases the stack creates start with this.
+pub(super) const DB_PREFIX: &str = "idem_local_";
+
+/// Names of the template databases, one per migration set, start with this.
+pub(super) const TEMPLATE_PREFIX: &str = "idem_tpl_";
 
 /// The longest database name PostgreSQL keeps whole (NAMEDATALEN - 1).
 const MAX_DATABASE_NAME_BYTES: usize = 63;

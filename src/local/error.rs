@@ -1,6 +1,6 @@
 //! Why the local stack could not start or stop.
 
-use super::DatabaseNameError;
+use super::database_name::DatabaseNameError;
 use crate::postgrest::ClientError;
 
 /// Why the local stack could not start or stop.

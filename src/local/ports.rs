@@ -1,7 +1,7 @@
 //! The server's port on 127.0.0.1: bound (picked by the system, or given),
 //! and held across a server restart so no other socket takes it meanwhile.
 
-use super::LocalError;
+use super::error::LocalError;
 
 /// Binds `port` (0 picks one) of 127.0.0.1 and listens. `shareable` sets
 /// SO_REUSEPORT, so [`reserve_port`] can hold the port across a restart.

@@ -10,7 +10,8 @@ use tokio::task::JoinHandle;
 use url::Url;
 
 use super::cluster::redacted;
-use super::{LocalError, LocalStackConfig};
+use super::config::LocalStackConfig;
+use super::error::LocalError;
 
 /// Where Supabase serves PostgREST beneath a project's URL: supabase-js
 /// calls `<SUPABASE_URL>/rest/v1/rpc/...`. The local server answers there

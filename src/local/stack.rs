@@ -11,12 +11,13 @@ use tokio::task::JoinHandle;
 use url::Url;
 
 use super::cluster::{drop_database, redacted, without_loopback_tls};
+use super::config::LocalStackConfig;
 use super::database::{drop_stale_databases, open_named_database, throwaway_name, SETUP_LOCK};
+use super::error::LocalError;
 use super::jwt::{mint_stable_token, mint_token};
 use super::ports::{bind_listener, reserve_port};
 use super::server::{build_router, exposed_schemas, serve};
 use super::template::{apply_cluster_wide_migrations, create_from_template, MigrationSet};
-use super::{LocalError, LocalStackConfig};
 use crate::postgrest::{ClientConfig, ClientError, PostgrestClient};
 use crate::{IdempotencyService, PostgrestRepository};
 

@@ -10,11 +10,9 @@ use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
 use url::Url;
 
 use super::cluster::{database_exists, drop_database, quote_ident, redacted, sqlstate};
-use super::LocalError;
+use super::database_name::TEMPLATE_PREFIX;
+use super::error::LocalError;
 use crate::migrations::MIGRATIONS;
-
-/// Names of the template databases, one per migration set, start with this.
-pub(super) const TEMPLATE_PREFIX: &str = "idem_tpl_";
 
 /// A template carries this suffix while its migrations apply.
 const BUILDING_SUFFIX: &str = "_building";
@@ -256,7 +254,7 @@ async fn drop_old_templates(admin: &mut PgConnection, current: &str) {
 mod tests {
     use super::*;
     use crate::local::cluster::admin;
-    use crate::local::database::DB_PREFIX;
+    use crate::local::database_name::DB_PREFIX;
 
     #[test]
     fn the_template_is_named_after_every_migrations_name_and_contents() {

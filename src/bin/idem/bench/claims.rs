@@ -11,11 +11,12 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::drive::drive;
+use super::drive::Service;
 use super::report::Figure;
 use super::rows::insert_expired;
-use super::{BenchArgs, Service};
 use crate::BoxError;
 
+/// First claims of fresh keys on `workers` tasks for `duration`.
 pub(super) async fn claims(
     service: Service,
     workers: usize,
@@ -39,13 +40,16 @@ pub(super) async fn claims(
     Ok(Figure::from(name, latencies, elapsed))
 }
 
+/// First claims on `workers` tasks for as long as a sweep deletes
+/// `sweep_rows` expired rows (inserted first).
 pub(super) async fn claims_during_sweep(
     stack: &LocalStack,
     client: &PostgrestClient,
     service: Service,
-    args: &BenchArgs,
+    workers: usize,
+    sweep_rows: i64,
 ) -> Result<Figure, BoxError> {
-    insert_expired(stack.db(), args.sweep_rows).await?;
+    insert_expired(stack.db(), sweep_rows).await?;
     let sweeper = Sweeper::new(client.clone(), u64::from(client.config().max_rows()))?;
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let finished = done.clone();
@@ -71,7 +75,7 @@ pub(super) async fn claims_during_sweep(
     let org = Uuid::new_v4();
     let hash = RequestHash::of_json(&json!({"bench": "during sweep"}));
     let mut latencies = Vec::new();
-    let workers: Vec<_> = (0..args.workers)
+    let workers: Vec<_> = (0..workers)
         .map(|worker| {
             let (service, hash) = (service.clone(), hash.clone());
             let done = done.clone();

@@ -4,9 +4,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use idempotency_plane::{IdempotencyService, PostgrestRepository};
 use sqlx::PgPool;
 
 use crate::BoxError;
+
+/// The service every scenario over the crate shares.
+pub(super) type Service = Arc<IdempotencyService<PostgrestRepository>>;
 
 /// Runs `op(worker, i)` on `workers` tasks until `duration` passes; answers
 /// every latency.

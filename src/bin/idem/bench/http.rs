@@ -8,9 +8,8 @@ use idempotency_plane::{ClaimOutcome, Completion, RequestHash};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use super::drive::drive;
+use super::drive::{drive, Service};
 use super::report::Figure;
-use super::Service;
 use crate::BoxError;
 
 pub(super) async fn pairs_through_crate(

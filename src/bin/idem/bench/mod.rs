@@ -64,9 +64,6 @@ pub(crate) struct BenchArgs {
     out: std::path::PathBuf,
 }
 
-/// The service every scenario over the crate shares.
-type Service = Arc<IdempotencyService<PostgrestRepository>>;
-
 /// Starts a local stack, runs every scenario on it, prints the figures and
 /// writes them to `--out`.
 pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, BoxError> {
@@ -110,7 +107,7 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
 
     eprintln!("claim latency idle, then while a sweep deletes {} expired rows…", args.sweep_rows);
     figures.push(claims(service.clone(), args.workers, duration, "claim idle").await?);
-    figures.push(claims_during_sweep(stack, &client, service.clone(), args).await?);
+    figures.push(claims_during_sweep(stack, &client, service.clone(), args.workers, args.sweep_rows).await?);
 
     eprintln!("growth: 10,000 rows, then {} rows…", args.growth_rows);
     fill_table(stack.db(), 10_000).await?;
@@ -119,6 +116,6 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
     figures.push(claims(service.clone(), args.workers, duration, "claim at large table").await?);
 
     eprintln!("each outcome over a link with {} ms each way…", args.wan_delay_ms);
-    let wan = wan_outcomes(stack, args).await?;
+    let wan = wan_outcomes(stack, Duration::from_millis(args.wan_delay_ms), args.wan_operations).await?;
     Results::of(args.workers, args.seconds, figures, trips, wan)
 }

@@ -11,10 +11,9 @@ use idempotency_plane::{
 use serde_json::json;
 use uuid::Uuid;
 
-use super::drive::{drive, Run};
+use super::drive::{drive, Run, Service};
 use super::report::Figure;
 use super::rows::expire_leases;
-use super::Service;
 use crate::BoxError;
 
 /// Replays and conflicts on completed keys, and the round trips of each path

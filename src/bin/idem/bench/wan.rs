@@ -14,7 +14,6 @@ use uuid::Uuid;
 
 use super::report::Figure;
 use super::rows::expire_leases;
-use super::BenchArgs;
 use crate::BoxError;
 
 /// A TCP proxy that holds every byte `delay` in each direction, as a long
@@ -64,10 +63,11 @@ async fn delayed_copy(mut from: impl AsyncReadExt + Unpin, mut to: impl AsyncWri
     tokio::join!(read, write);
 }
 
-/// p50 of each claim outcome through a link with `--wan-delay-ms` each way:
-/// one call decides every outcome, so each costs about one round trip.
-pub(super) async fn wan_outcomes(stack: &LocalStack, args: &BenchArgs) -> Result<Vec<Figure>, BoxError> {
-    let url = delaying_proxy(stack.url(), Duration::from_millis(args.wan_delay_ms)).await?;
+/// Latencies of each claim outcome, `n` claims each, through a link that
+/// holds every byte `delay` each way (`--wan-delay-ms`): one call decides
+/// every outcome, so each costs about one round trip.
+pub(super) async fn wan_outcomes(stack: &LocalStack, delay: Duration, n: usize) -> Result<Vec<Figure>, BoxError> {
+    let url = delaying_proxy(stack.url(), delay).await?;
     let config = stack.client_config()?;
     let client = PostgrestClient::new(
         idempotency_plane::ClientConfig::new(&url, stack.service_key().to_owned())?.with_max_rows(config.max_rows())?,
@@ -78,7 +78,6 @@ pub(super) async fn wan_outcomes(stack: &LocalStack, args: &BenchArgs) -> Result
         RequestHash::of_json(&json!({"bench": "wan"})),
         RequestHash::of_json(&json!({"bench": "wan, other"})),
     );
-    let n = args.wan_operations;
     let lease = Duration::from_secs(60);
     let key = |outcome: &str, k: usize| format!("wan-{outcome}-{k}");
     // Warm the connection, then time each outcome in turn.
