@@ -13,6 +13,7 @@
 
 mod memory;
 mod postgrest;
+pub mod probes;
 mod record;
 mod surface;
 

@@ -1,24 +1,19 @@
 //! `idem doctor`: can this deployment serve the plane? One line per check,
 //! and a non-zero exit when any fails. Reads and writes none of the plane's
-//! data: the surface is checked from the catalog (`idempotency_surface`), the
-//! row cap with synthetic rows (`idempotency_cap_probe`).
+//! data: the probes are the repository's ([`PostgrestRepository::probe_reachable`],
+//! [`PostgrestRepository::deployed_functions`] from the catalog,
+//! [`PostgrestRepository::probe_row_cap`] with synthetic rows).
 
 use std::process::ExitCode;
 use std::time::Instant;
 
-use idempotency_plane::postgrest::{codes, ClientError, PostgrestClient, Repeat};
+use idempotency_plane::postgrest::{codes, ClientError};
+use idempotency_plane::repo::probes::{DeployedFunction, RowCapProbe};
 use idempotency_plane::repo::{SqlFunction, SQL_SURFACE};
-use serde_json::{json, Value};
+use idempotency_plane::PostgrestRepository;
+use serde_json::json;
 
 use crate::{exit, remote, BoxError};
-
-/// One function as `agent.idempotency_surface()` reports it.
-#[derive(Debug, serde::Deserialize)]
-struct Held {
-    name: String,
-    arguments: String,
-    executable: bool,
-}
 
 /// Options of `idem doctor`.
 #[derive(Debug, clap::Args)]
@@ -76,17 +71,14 @@ impl Report {
 }
 
 pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
-    let client = remote::client(&args.target)?;
-    let url = client.config().base_url().to_string();
+    let repo = PostgrestRepository::new(remote::client(&args.target)?);
+    let url = repo.client().config().base_url().to_string();
     let mut report = Report { json: args.json, checks: Vec::new() };
     report.note(&format!("idem doctor: {url}"));
 
     // Reachability, the key's role, the schema: one harmless read answers all three.
     let started = Instant::now();
-    let nil = "00000000-0000-0000-0000-000000000000";
-    let read = json!({"p_organization_id": nil, "p_scope": "tool.doctor", "p_key": "doctor"});
-    let reached = client.rpc::<Value>("idempotency_get", &read, Repeat::Safe).await;
-    match reached {
+    match repo.probe_reachable().await {
         Ok(_) => report.line(true, "reachable", format!("answered in {} ms", started.elapsed().as_millis())),
         Err(error) => {
             report.line(false, "reachable", diagnose(&error));
@@ -95,21 +87,21 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
         }
     }
 
-    check_surface(&client, &mut report).await;
-    check_row_cap(&client, &mut report).await;
+    check_surface(&repo, &mut report).await;
+    check_row_cap(&repo, &mut report).await;
     report.finish(&url)
 }
 
 /// Compares the functions the database holds with the contract, read-only:
 /// a function missing, with other arguments, or not executable by the key's
 /// role fails.
-async fn check_surface(client: &PostgrestClient, report: &mut Report) {
-    let held: Vec<Held> = match client.rpc("idempotency_surface", &json!({}), Repeat::Safe).await {
+async fn check_surface(repo: &PostgrestRepository, report: &mut Report) {
+    let held = match repo.deployed_functions().await {
         Ok(held) => held,
         Err(error) => return report.line(false, "idempotency_surface", diagnose(&error)),
     };
     for &SqlFunction { name, arguments } in SQL_SURFACE {
-        let versions: Vec<&Held> = held.iter().filter(|h| h.name == name).collect();
+        let versions: Vec<&DeployedFunction> = held.iter().filter(|h| h.name == name).collect();
         match versions.iter().find(|h| h.arguments == arguments) {
             Some(h) if h.executable => report.line(true, name, "present with the contract's arguments, executable"),
             Some(_) => {
@@ -126,14 +118,12 @@ async fn check_surface(client: &PostgrestClient, report: &mut Report) {
 
 /// Asks the probe for one row more than the configured cap and reads what
 /// the server did from Content-Range.
-async fn check_row_cap(client: &PostgrestClient, report: &mut Report) {
-    let cap = u64::from(client.config().max_rows());
-    let probed = client.rpc_counted::<Value>("idempotency_cap_probe", &json!({"p_rows": cap + 1}), Some("id")).await;
-    let (range, rows) = match probed {
-        Ok(answer) => answer,
+async fn check_row_cap(repo: &PostgrestRepository, report: &mut Report) {
+    let cap = u64::from(repo.client().config().max_rows());
+    let RowCapProbe { range, received, .. } = match repo.probe_row_cap(cap + 1).await {
+        Ok(probe) => probe,
         Err(error) => return report.line(false, "row cap", diagnose(&error)),
     };
-    let received = rows.len() as u64;
     if range.rows() != received || range.total() != Some(cap + 1) {
         let detail = format!(
             "Content-Range {range} does not count the {received} rows that arrived out of {} asked: \

@@ -63,8 +63,10 @@ pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
     after_help = "Exit codes: 0 success, 1 failure, 2 usage or configuration error (nothing attempted), 3 sweep backlog.\n\
                   sweep, get, claim and doctor act on the plane --url/--service-key or the environment name: \
                   IDEM_POSTGREST_URL (or SUPABASE_URL), IDEM_SERVICE_KEY / SUPABASE_SECRET_KEY / \
-                  SUPABASE_SERVICE_ROLE_KEY, IDEM_MAX_ROWS.\n\
-                  demo, up and bench need the embedded local stack: cargo install --path . --features local"
+                  SUPABASE_SERVICE_ROLE_KEY, IDEM_APIKEY, IDEM_MAX_ROWS.\n\
+                  demo, up and bench need the embedded local stack: cargo install --path . --features local; \
+                  it reads DATABASE_URL and PGSSLMODE.\n\
+                  RUST_LOG filters the logs on stderr (default warn)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -72,9 +74,11 @@ struct Cli {
 }
 
 /// What every command acting on a deployment reads, in its --help.
-const REMOTE_ENV_HELP: &str = "Reads IDEM_POSTGREST_URL (or SUPABASE_URL), a service key (IDEM_SERVICE_KEY, \
-                               SUPABASE_SECRET_KEY or SUPABASE_SERVICE_ROLE_KEY) and IDEM_MAX_ROWS, unless \
-                               --url and --service-key are given.";
+const REMOTE_ENV_HELP: &str = "Reads IDEM_POSTGREST_URL (else SUPABASE_URL) and a service key (the first set \
+                               of IDEM_SERVICE_KEY, SUPABASE_SECRET_KEY, SUPABASE_SERVICE_ROLE_KEY), which --url \
+                               and --service-key override; and either way IDEM_APIKEY (the apikey header, in place \
+                               of the service key's) and IDEM_MAX_ROWS (the server's row cap, default 1000). \
+                               RUST_LOG filters the logs on stderr (default warn).";
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -82,18 +86,30 @@ enum Command {
     /// vendor, and check that every effect happened exactly once.
     ///
     /// Uses the embedded local stack (a fresh database on the PostgreSQL at
-    /// DATABASE_URL, default postgres://postgres@127.0.0.1:5432/postgres);
+    /// DATABASE_URL, default postgres://postgres@127.0.0.1:5432/postgres,
+    /// without TLS on loopback unless the URL or PGSSLMODE asks for a mode);
     /// with --remote, the deployment IDEM_POSTGREST_URL / SUPABASE_URL and
-    /// a service key name. An exported SUPABASE_URL alone never makes it
-    /// write into a hosted project.
+    /// a service key name (and IDEM_APIKEY, IDEM_MAX_ROWS). An exported
+    /// SUPABASE_URL alone never makes it write into a hosted project.
+    /// RUST_LOG filters the logs on stderr.
     #[cfg(feature = "local")]
     Demo(demo::DemoArgs),
     /// Measure the plane on the embedded local stack, side by side: the crate,
     /// a bare HTTP client, direct SQL, replays, conflicts, a concurrent
     /// sweep, a large table. Prints ratios; writes the raw figures as JSON.
+    ///
+    /// Uses a fresh database on the PostgreSQL at DATABASE_URL (default
+    /// postgres://postgres@127.0.0.1:5432/postgres), without TLS on loopback
+    /// unless the URL or PGSSLMODE asks for a mode. RUST_LOG filters the
+    /// logs on stderr.
     #[cfg(feature = "local")]
     Bench(bench::BenchArgs),
     /// Serve the embedded local stack until Ctrl-C, and print how to reach it.
+    ///
+    /// Serves a database on the PostgreSQL at DATABASE_URL (default
+    /// postgres://postgres@127.0.0.1:5432/postgres), without TLS on loopback
+    /// unless the URL or PGSSLMODE asks for a mode. RUST_LOG filters the
+    /// logs on stderr.
     #[cfg(feature = "local")]
     Up(up::UpArgs),
     /// Delete claims past their retention: one bounded pass, or passes on a

@@ -1,0 +1,177 @@
+//! What a bench run found: each scenario's figure, the ratios between them
+//! against their targets, printed and written as JSON.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::BoxError;
+
+/// Latencies of one scenario.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Figure {
+    name: String,
+    operations: usize,
+    seconds: f64,
+    per_second: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+impl Figure {
+    /// The figure of `latencies` measured over `elapsed`: operations per
+    /// second, p50 and p99.
+    pub(super) fn from(name: &str, mut latencies: Vec<Duration>, elapsed: Duration) -> Figure {
+        latencies.sort_unstable();
+        let at = |q: f64| {
+            latencies
+                .get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)))
+                .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+        };
+        Figure {
+            name: name.to_owned(),
+            operations: latencies.len(),
+            seconds: elapsed.as_secs_f64(),
+            per_second: latencies.len() as f64 / elapsed.as_secs_f64().max(f64::EPSILON),
+            p50_ms: at(0.50),
+            p99_ms: at(0.99),
+        }
+    }
+}
+
+/// Every figure of a run, and the ratios between them.
+#[derive(Debug, Serialize)]
+pub(super) struct Results {
+    workers: usize,
+    seconds_per_scenario: u64,
+    figures: Vec<Figure>,
+    round_trips: Vec<(String, f64)>,
+    wan: Vec<Figure>,
+    ratios: Vec<Ratio>,
+}
+
+/// One ratio between two figures, and whether it met its target.
+#[derive(Debug, Serialize)]
+struct Ratio {
+    name: String,
+    value: f64,
+    target: String,
+    met: bool,
+}
+
+impl Results {
+    /// The results of a run, with the ratios its figures give.
+    pub(super) fn of(
+        workers: usize,
+        seconds_per_scenario: u64,
+        figures: Vec<Figure>,
+        round_trips: Vec<(String, f64)>,
+        wan: Vec<Figure>,
+    ) -> Result<Results, BoxError> {
+        let ratios = ratios(&figures, &round_trips, &wan)?;
+        Ok(Results { workers, seconds_per_scenario, figures, round_trips, wan, ratios })
+    }
+}
+
+/// The ratios between the figures of one run, each against its target.
+fn ratios(figures: &[Figure], trips: &[(String, f64)], wan: &[Figure]) -> Result<Vec<Ratio>, BoxError> {
+    let get = |name: &str| figures.iter().find(|f| f.name == name).cloned().ok_or("missing figure");
+    let wan_p50 = |name: &str| wan.iter().find(|f| f.name == name).map_or(f64::NAN, |f| f.p50_ms);
+    let (crate_pairs, bare, direct, floor) = (
+        get("pairs via crate")?,
+        get("pairs via bare HTTP")?,
+        get("pairs via direct SQL")?,
+        get("pairs via floor SQL")?,
+    );
+    let (definer, invoker) = (get("pairs via direct SQL, definer")?, get("pairs via direct SQL, invoker")?);
+    let (idle, during) = (get("claim idle")?, get("claim during sweep")?);
+    let (small, large) = (get("claim at 10k rows")?, get("claim at large table")?);
+    let ratio = |name: &str, value: f64, target: &str, met: bool| Ratio {
+        name: name.to_owned(),
+        value,
+        target: target.to_owned(),
+        met,
+    };
+    let trip = |name: &str| trips.iter().find(|(n, _)| n == name).map_or(f64::NAN, |(_, v)| *v);
+    let ratios = vec![
+        {
+            let v = crate_pairs.per_second / bare.per_second;
+            ratio("pairs/s crate ÷ bare HTTP", v, "≥ 0.90", v >= 0.90)
+        },
+        {
+            let v = crate_pairs.p50_ms / bare.p50_ms;
+            ratio("p50 crate ÷ bare HTTP", v, "≤ 1.10", v <= 1.10)
+        },
+        {
+            let v = bare.per_second / direct.per_second;
+            ratio("pairs/s PostgREST server ÷ direct SQL", v, "≥ 0.50", v >= 0.50)
+        },
+        {
+            let v = direct.per_second / floor.per_second;
+            ratio("pairs/s functions (direct SQL) ÷ floor", v, "≥ 0.90", v >= 0.90)
+        },
+        {
+            let v = definer.per_second / invoker.per_second;
+            ratio("pairs/s SECURITY DEFINER ÷ INVOKER", v, "≥ 0.95", v >= 0.95)
+        },
+        ratio("round trips: first claim", trip("first claim"), "1", trip("first claim") == 1.0),
+        ratio("round trips: replay", trip("replay"), "1", trip("replay") == 1.0),
+        ratio("round trips: conflict", trip("conflict"), "1", trip("conflict") == 1.0),
+        ratio("round trips: processing", trip("processing"), "1", trip("processing") == 1.0),
+        ratio("round trips: reclaim", trip("reclaim"), "1", trip("reclaim") == 1.0),
+        {
+            let v = wan_p50("replay") / wan_p50("first claim");
+            ratio("WAN p50 replay ÷ first claim", v, "≤ 1.15", v <= 1.15)
+        },
+        {
+            let v = wan_p50("conflict") / wan_p50("first claim");
+            ratio("WAN p50 conflict ÷ first claim", v, "≤ 1.15", v <= 1.15)
+        },
+        {
+            let v = wan_p50("reclaim") / wan_p50("first claim");
+            ratio("WAN p50 reclaim ÷ first claim", v, "≤ 1.15", v <= 1.15)
+        },
+        {
+            let v = during.p99_ms / idle.p99_ms;
+            ratio("claim p99 during sweep ÷ idle", v, "≤ 1.5", v <= 1.5)
+        },
+        {
+            let v = large.p50_ms / small.p50_ms;
+            ratio("claim p50 large table ÷ 10k rows", v, "≤ 1.2", v <= 1.2)
+        },
+    ];
+    Ok(ratios)
+}
+
+pub(super) fn print(results: &Results) {
+    println!();
+    println!(
+        "idem bench: {} workers, {} s per scenario, one database, one run",
+        results.workers, results.seconds_per_scenario
+    );
+    println!();
+    println!("  {:<34} {:>9} {:>11} {:>9} {:>9}", "scenario", "ops", "ops/s", "p50 ms", "p99 ms");
+    println!("  {:-<34} {:->9} {:->11} {:->9} {:->9}", "", "", "", "", "");
+    for f in &results.figures {
+        println!("  {:<34} {:>9} {:>11.0} {:>9.3} {:>9.3}", f.name, f.operations, f.per_second, f.p50_ms, f.p99_ms);
+    }
+    println!();
+    println!("  {:<34} {:>9}", "round trips per operation", "HTTP");
+    println!("  (and the replay cache's memory per entry, bytes)");
+    println!("  {:-<34} {:->9}", "", "");
+    for (name, trips) in &results.round_trips {
+        println!("  {:<34} {:>9.2}", name, trips);
+    }
+    println!();
+    println!("  {:<34} {:>9} {:>9}", "over the WAN link, per outcome", "p50 ms", "p99 ms");
+    println!("  {:-<34} {:->9} {:->9}", "", "", "");
+    for f in &results.wan {
+        println!("  {:<34} {:>9.1} {:>9.1}", f.name, f.p50_ms, f.p99_ms);
+    }
+    println!();
+    println!("  {:<40} {:>8} {:>9}  met", "ratio", "value", "target");
+    println!("  {:-<40} {:->8} {:->9}  ---", "", "", "");
+    for r in &results.ratios {
+        println!("  {:<40} {:>8.2} {:>9}  {}", r.name, r.value, r.target, if r.met { "yes" } else { "NO" });
+    }
+}

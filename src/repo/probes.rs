@@ -1,0 +1,82 @@
+//! Operator probes: what `idem doctor` asks a deployment before trusting it
+//! with the plane. None of them reads or writes the plane's data: a read of a
+//! key no tenant holds, the catalog's view of the SQL surface, and synthetic
+//! rows for the row cap. They answer the client's error as it is
+//! ([`ClientError`]), which says what an operator must fix (the key, the
+//! exposed schema, a missing function) better than the crate's [`Error`](crate::Error).
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::surface::{CAP_PROBE, GET, SURFACE};
+use super::PostgrestRepository;
+use crate::postgrest::{ClientError, ContentRange, Repeat};
+
+/// The tenant of the reachability probe's read: the nil UUID, which no
+/// tenant is.
+const PROBE_ORGANIZATION: uuid::Uuid = uuid::Uuid::nil();
+
+/// The scope of the reachability probe's read; a `tool.*` scope, which the
+/// shipped policy table covers.
+const PROBE_SCOPE: &str = "tool.doctor";
+
+/// The key of the reachability probe's read.
+const PROBE_KEY: &str = "doctor";
+
+/// One function of schema `agent` as the deployment's catalog reports it
+/// ([`PostgrestRepository::deployed_functions`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[non_exhaustive]
+pub struct DeployedFunction {
+    /// Its name.
+    pub name: String,
+    /// Its identity arguments as `pg_get_function_identity_arguments`
+    /// prints them: compare with [`SqlFunction::arguments`](super::SqlFunction::arguments).
+    pub arguments: String,
+    /// Whether the key's role may execute it.
+    pub executable: bool,
+}
+
+/// What the server did with a request for more rows than the configured cap
+/// ([`PostgrestRepository::probe_row_cap`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RowCapProbe {
+    /// The `Content-Range` the server answered, with its exact count.
+    pub range: ContentRange,
+    /// How many rows arrived.
+    pub received: u64,
+}
+
+impl PostgrestRepository {
+    /// One harmless read, `idempotency_get` of a key in scope `tool.doctor`
+    /// of the nil tenant, which no caller holds: `Ok` when the server
+    /// answered it, whatever it found. Its error tells an unreachable
+    /// server, a key the server refuses, and schema `agent` not exposed
+    /// apart. Retried as the shared retry-safety table allows.
+    pub async fn probe_reachable(&self) -> Result<(), ClientError> {
+        let read = json!({"p_organization_id": PROBE_ORGANIZATION, "p_scope": PROBE_SCOPE, "p_key": PROBE_KEY});
+        self.client().rpc::<Value>(GET.name, &read, Repeat::of(GET.name)).await.map(|_| ())
+    }
+
+    /// Every function of schema `agent` the deployment holds, with its
+    /// arguments and whether the key's role may execute it, read from the
+    /// catalog (`idempotency_surface`): compare with
+    /// [`SQL_SURFACE`](super::SQL_SURFACE). Read-only.
+    pub async fn deployed_functions(&self) -> Result<Vec<DeployedFunction>, ClientError> {
+        self.client().rpc(SURFACE.name, &json!({}), Repeat::of(SURFACE.name)).await
+    }
+
+    /// Asks `idempotency_cap_probe` for `rows` synthetic rows (written to no
+    /// table) with an exact count, and answers what the server sent: ask for
+    /// one more than the configured cap to see whether the server truncates
+    /// where the client expects ([`ClientConfig::max_rows`](crate::ClientConfig::max_rows))
+    /// and whether its `Content-Range` counts what arrived. A server that
+    /// sends no `Content-Range`, or a malformed one, is
+    /// [`ClientError::ContentRange`]. Read-only.
+    pub async fn probe_row_cap(&self, rows: u64) -> Result<RowCapProbe, ClientError> {
+        let (range, answered) =
+            self.client().rpc_counted::<Value>(CAP_PROBE.name, &json!({"p_rows": rows}), Some("id")).await?;
+        Ok(RowCapProbe { range, received: answered.len() as u64 })
+    }
+}
