@@ -116,9 +116,7 @@ pub(super) async fn open_named_database(
             }
         }
     }
-    Err(LocalError::Config(format!(
-        "database {name} kept being created or dropped by another start meanwhile; try again"
-    )))
+    Err(LocalError::Contended { name: name.to_owned() })
 }
 
 /// Drops databases this module created in runs that were killed before they

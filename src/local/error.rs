@@ -28,9 +28,17 @@ pub enum LocalError {
     /// The PostgREST-compatible server could not be built or bound.
     #[error("starting the local PostgREST-compatible server: {0}")]
     Server(String),
-    /// The configuration is unusable.
+    /// The configuration is unusable (a `DATABASE_URL` that is not a URL, a
+    /// JWT secret too short): found before anything is created.
     #[error("local stack configuration: {0}")]
     Config(String),
+    /// Other starts kept creating or dropping the same named database while
+    /// this one tried to create it; trying again later may succeed.
+    #[error("database {name} kept being created or dropped by another start meanwhile; try again")]
+    Contended {
+        /// The database.
+        name: String,
+    },
     /// Building the client against the stack failed.
     #[error(transparent)]
     Client(#[from] ClientError),

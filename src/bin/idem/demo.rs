@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::local::LocalStackConfig;
 use idempotency_plane::{ReadOutcome, RequestHash};
 use rand::Rng;
 use tokio::sync::{oneshot, Notify};
@@ -79,7 +79,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, BoxError> {
         // Refuses, naming what to set, when the environment names no deployment.
         Plane::Remote(remote::config(&remote::Target::default())?)
     } else {
-        Plane::Local(LocalStack::start(LocalStackConfig::default()).await?)
+        Plane::Local(crate::plane::start_local(LocalStackConfig::default()).await?)
     };
     println!("idem demo on the {}", plane.describe());
     let outcome = tokio::select! {

@@ -1,10 +1,21 @@
 //! Which plane the demo talks to: the embedded stack, or (with `--remote`)
 //! the deployment the environment names.
 
-use idempotency_plane::local::LocalStack;
+use idempotency_plane::local::{LocalError, LocalStack, LocalStackConfig};
 use idempotency_plane::{ClientConfig, IdempotencyService, PostgrestClient, PostgrestRepository};
 
-use crate::BoxError;
+use crate::{exit, BoxError};
+
+/// Starts the embedded stack for `up`, `demo` and `bench`. A configuration
+/// it refuses before creating anything (a `DATABASE_URL` that is not a URL,
+/// a database name it may not use) is a usage error, exit 2; a PostgreSQL
+/// that cannot be reached is a failure, exit 1.
+pub(crate) async fn start_local(config: LocalStackConfig) -> Result<LocalStack, BoxError> {
+    LocalStack::start(config).await.map_err(|error| match error {
+        LocalError::Config(_) | LocalError::DatabaseName(_) => exit::usage_error(error),
+        other => other.into(),
+    })
+}
 
 /// The service the demo drives.
 pub(crate) type Service = IdempotencyService<PostgrestRepository>;

@@ -79,7 +79,7 @@ pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
     if let Some(name) = args.database {
         config = config.with_database(name);
     }
-    let stack = LocalStack::start(config).await?;
+    let stack = crate::plane::start_local(config).await?;
     if let Some(path) = &args.env_file {
         if let Err(error) = write_env_file(path, &stack) {
             stack.stop().await?;

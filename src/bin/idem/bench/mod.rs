@@ -67,7 +67,7 @@ pub(crate) struct BenchArgs {
 /// Starts a local stack, runs every scenario on it, prints the figures and
 /// writes them to `--out`.
 pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, BoxError> {
-    let stack = LocalStack::start(LocalStackConfig::default()).await?;
+    let stack = crate::plane::start_local(LocalStackConfig::default()).await?;
     let result = bench(&stack, &args).await;
     stack.stop().await?;
     let results = result?;
