@@ -12,7 +12,7 @@ use super::replay_cache;
 use super::stored::{checked, decided, judge, Stored};
 use super::{journal, scope, validate};
 use crate::error::{Error, InvalidInput};
-use crate::repo::{ClaimCall, ClaimStatus, CompletionArgs, IdempotencyRepository};
+use crate::repo::{ClaimCall, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
 use crate::storable::{self, Unstorable};
 
 /// The largest response stored inline, as compact JSON: 64 KiB. Every replay
@@ -103,6 +103,22 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     /// The repository underneath.
     pub fn repository(&self) -> &R {
         &self.repo
+    }
+
+    /// The row of (organization, scope, key) as the database holds it, or
+    /// `None`: what an operator inspects to see why a call did not run
+    /// (`idem get`). Unlike [`read`](Self::read) it judges nothing and skips
+    /// the replay cache; like every call, an empty or oversized scope or key
+    /// is refused before any request ([`Error::Invalid`]).
+    pub async fn record(
+        &self,
+        organization_id: Uuid,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<IdempotencyRecord>, Error> {
+        scope::validate_scope(scope)?;
+        validate::key(key)?;
+        self.repo.get(organization_id, scope, key).await
     }
 
     /// Reads the journal without writing anything.

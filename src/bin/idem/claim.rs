@@ -65,7 +65,7 @@ async fn read(
     args: &ClaimArgs,
     hash: &RequestHash,
 ) -> Result<Value, BoxError> {
-    let outcome = service.read(args.org, &args.scope, &args.key, hash).await?;
+    let outcome = service.read(args.org, &args.scope, &args.key, hash).await.map_err(crate::exit::refused_input)?;
     let mut line = json!({"outcome": outcome.kind(), "request_hash": hash.as_str(), "held": false});
     match &outcome {
         ReadOutcome::Absent => line["would_run"] = json!(true),
@@ -85,7 +85,8 @@ async fn hold(
     hash: &RequestHash,
 ) -> Result<Value, BoxError> {
     let lease = Duration::from_millis(args.lease_ms);
-    let outcome = service.claim(args.org, &args.scope, &args.key, hash, lease).await?;
+    let outcome =
+        service.claim(args.org, &args.scope, &args.key, hash, lease).await.map_err(crate::exit::refused_input)?;
     let mut line = json!({"outcome": outcome.kind(), "request_hash": hash.as_str(), "held": false});
     match &outcome {
         ClaimOutcome::Claimed(claim) => {

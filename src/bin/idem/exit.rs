@@ -33,3 +33,13 @@ pub(crate) struct Usage(pub(crate) crate::BoxError);
 pub(crate) fn usage_error(error: impl Into<crate::BoxError>) -> crate::BoxError {
     Box::new(Usage(error.into()))
 }
+
+/// `error` as the binary's error: input the library refused before any
+/// request (an empty or oversized scope or key, a lease out of range) is a
+/// usage error, exit 2; anything else, exit 1.
+pub(crate) fn refused_input(error: idempotency_plane::Error) -> crate::BoxError {
+    match error {
+        idempotency_plane::Error::Invalid(_) => usage_error(error),
+        other => other.into(),
+    }
+}

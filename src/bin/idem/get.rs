@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use idempotency_plane::repo::ClaimStatus;
-use idempotency_plane::{IdempotencyRecord, IdempotencyRepository, PostgrestRepository};
+use idempotency_plane::{IdempotencyRecord, IdempotencyService, PostgrestRepository};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -38,8 +38,8 @@ pub(crate) struct GetArgs {
 const SHOWN_TOKEN_CHARS: usize = 8;
 
 pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
-    let repo = PostgrestRepository::new(remote::client(&args.target)?);
-    let record = repo.get(args.org, &args.scope, &args.key).await?;
+    let service = IdempotencyService::new(PostgrestRepository::new(remote::client(&args.target)?));
+    let record = service.record(args.org, &args.scope, &args.key).await.map_err(exit::refused_input)?;
     if args.json {
         println!("{}", serde_json::to_string(&as_json(record.as_ref()))?);
         return Ok(exit::ok());
