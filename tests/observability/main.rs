@@ -6,7 +6,7 @@
 
 #![cfg(feature = "local")]
 
-#[path = "../plane/harness.rs"]
+#[path = "../plane/support/harness.rs"]
 #[allow(dead_code)]
 mod harness;
 
