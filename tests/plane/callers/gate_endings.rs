@@ -4,7 +4,6 @@
 //! and one journal. (The random run on the real stack is in
 //! `stack::random_endings`.)
 
-use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,11 +17,9 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::support::faults::{Fault, Faulty, Op};
+use crate::support::{within, WAIT};
 
 const PROCESSING_TIMEOUT: Duration = Duration::from_millis(500);
-
-/// How long a test waits for work the gate carries past its answer.
-const WAIT: Duration = Duration::from_secs(30);
 
 type Gate = WebhookGate<Faulty<MemoryRepository>, MemoryRepository>;
 
@@ -57,11 +54,7 @@ async fn completed(faulty: &Faulty<MemoryRepository>, org: Uuid, what: &str) -> 
             }
         }
     };
-    within(poll, what).await
-}
-
-async fn within<T>(future: impl Future<Output = T>, what: &str) -> T {
-    tokio::time::timeout(WAIT, future).await.unwrap_or_else(|_| panic!("{what}: not within {WAIT:?}"))
+    within(WAIT, what, poll).await
 }
 
 #[tokio::test]

@@ -18,23 +18,12 @@ use idempotency_plane::{
 use serde_json::{json, Value};
 use uuid::Uuid;
 
+use crate::support::{claimed, hash, LEASE};
+
 type Service = IdempotencyService<MemoryRepository>;
 
 fn service() -> Service {
     IdempotencyService::new(MemoryRepository::new())
-}
-
-fn hash(content: &str) -> RequestHash {
-    RequestHash::of_json(&json!({ "content": content }))
-}
-
-const LEASE: Duration = Duration::from_secs(60);
-
-fn claimed(outcome: Result<ClaimOutcome, Error>) -> idempotency_plane::Claim {
-    match outcome {
-        Ok(ClaimOutcome::Claimed(claim)) => claim,
-        other => panic!("expected to own the key, got {other:?}"),
-    }
 }
 
 #[tokio::test]

@@ -11,9 +11,11 @@ use idempotency_plane::repo::{
     ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs, ExpiredClaims,
     ProviderJobRepository, RunRepository,
 };
-use idempotency_plane::{ClientError, Error, IdempotencyRepository, MemoryRepository, RequestHash};
+use idempotency_plane::{ClientError, Error, IdempotencyRepository, MemoryRepository};
 use serde_json::json;
 use uuid::Uuid;
+
+use crate::support::LEASE;
 
 /// Moves time for a backend, the way each can.
 pub(crate) trait TimeTravel {
@@ -57,10 +59,9 @@ impl TimeTravel for idempotency_plane::local::LocalStack {
 pub(crate) trait Backend: IdempotencyRepository + ExpiredClaims + RunRepository + ProviderJobRepository {}
 impl<T: IdempotencyRepository + ExpiredClaims + RunRepository + ProviderJobRepository> Backend for T {}
 
-const LEASE: Duration = Duration::from_secs(60);
-
-fn hash(content: &str) -> String {
-    RequestHash::of_json(&json!({ "content": content })).as_str().to_owned()
+/// The hash of `{"content": content}`, as the repository takes it.
+fn hash_text(content: &str) -> String {
+    crate::support::hash(content).as_str().to_owned()
 }
 
 fn call<'a>(org: Uuid, scope: &'a str, key: &'a str, hash: &'a str, token: Uuid) -> ClaimCall<'a> {
@@ -76,7 +77,7 @@ fn code(result: Result<impl std::fmt::Debug, Error>) -> String {
 
 /// The one-call claim through every outcome, and what each discloses.
 async fn the_one_call_claim_decides_every_outcome(repo: &impl Backend, time: &impl TimeTravel) {
-    let (org, h, token) = (Uuid::new_v4(), hash("one call"), Uuid::new_v4());
+    let (org, h, token) = (Uuid::new_v4(), hash_text("one call"), Uuid::new_v4());
     let claimed = repo.claim(&call(org, "tool.email.send", "k", &h, token)).await.unwrap();
     assert_eq!((claimed.outcome, claimed.lease_token, claimed.lease_live), (ClaimDecision::Claimed, Some(token), true));
     let again = repo.claim(&call(org, "tool.email.send", "k", &h, token)).await.unwrap();
@@ -94,7 +95,7 @@ async fn the_one_call_claim_decides_every_outcome(repo: &impl Backend, time: &im
     assert_eq!((replay.outcome, replay.response, replay.lease_token), (ClaimDecision::Completed, Some(answer), None));
     assert_eq!(replay.resource_id.as_deref(), Some("m-1"));
 
-    let conflict = repo.claim(&call(org, "tool.email.send", "k", &hash("other"), Uuid::new_v4())).await.unwrap();
+    let conflict = repo.claim(&call(org, "tool.email.send", "k", &hash_text("other"), Uuid::new_v4())).await.unwrap();
     assert_eq!(conflict.outcome, ClaimDecision::Conflict);
     assert_eq!((conflict.lease_token, conflict.response, conflict.request_hash), (None, None, None));
 
@@ -115,7 +116,7 @@ async fn the_v1_protocol_claims_reclaims_completes_and_releases_under_its_fence(
     repo: &impl Backend,
     time: &impl TimeTravel,
 ) {
-    let (org, h) = (Uuid::new_v4(), hash("v1"));
+    let (org, h) = (Uuid::new_v4(), hash_text("v1"));
     let request = |token| ClaimRequest {
         organization_id: org,
         scope: "tool.email.send",
@@ -133,7 +134,7 @@ async fn the_v1_protocol_claims_reclaims_completes_and_releases_under_its_fence(
 
     time.pass_lease(first.id).await;
     assert!(repo.try_claim(&request(Uuid::new_v4())).await.unwrap().is_none(), "try_claim never reclaims");
-    let other = hash("other");
+    let other = hash_text("other");
     let mismatched = ClaimRequest { request_hash: &other, ..request(Uuid::new_v4()) };
     assert!(repo.reclaim(&mismatched).await.unwrap().is_none(), "reclaim checks the hash");
     let token2 = Uuid::new_v4();
@@ -155,7 +156,7 @@ async fn the_v1_protocol_claims_reclaims_completes_and_releases_under_its_fence(
 
 /// Scopes and their retention come from the policy; arguments only lengthen it.
 async fn retention_is_the_scopes_policy_and_an_unknown_scope_is_refused(repo: &impl Backend, _: &impl TimeTravel) {
-    let (org, h) = (Uuid::new_v4(), hash("policy"));
+    let (org, h) = (Uuid::new_v4(), hash_text("policy"));
     for (scope, days) in [
         ("tool.crm.company.create", 30),
         ("webhook.nylas", 1),
@@ -190,7 +191,7 @@ async fn retention_is_the_scopes_policy_and_an_unknown_scope_is_refused(repo: &i
 /// What a completion may store.
 async fn a_completion_is_refused_without_an_answer_or_above_the_limit(repo: &impl Backend, _: &impl TimeTravel) {
     let (org, token) = (Uuid::new_v4(), Uuid::new_v4());
-    let row = repo.claim(&call(org, "tool.email.send", "k", &hash("limit"), token)).await.unwrap();
+    let row = repo.claim(&call(org, "tool.email.send", "k", &hash_text("limit"), token)).await.unwrap();
     assert_eq!(code(repo.complete(row.id, token, CompletionArgs::default()).await), "22023");
     let large = json!({"text": "x".repeat(70_000)});
     let args = CompletionArgs { response: Some(&large), ..CompletionArgs::default() };
@@ -215,7 +216,7 @@ async fn the_response_limit_counts_compact_json(repo: &impl Backend, _: &impl Ti
         // PostgreSQL's text form (96,000 and 99,000), against 65,536.
         let token = Uuid::new_v4();
         let key = format!("array-{elements}");
-        let row = repo.claim(&call(org, "tool.email.send", &key, &hash(&key), token)).await.unwrap();
+        let row = repo.claim(&call(org, "tool.email.send", &key, &hash_text(&key), token)).await.unwrap();
         let response = json!(vec![1; elements]);
         let args = CompletionArgs { response: Some(&response), ..CompletionArgs::default() };
         let completed = repo.complete(row.id, token, args).await;
@@ -234,7 +235,7 @@ async fn expired_claims_are_read_oldest_first_within_the_bound_and_deleted(
 ) {
     let org = Uuid::new_v4();
     for k in 0..3 {
-        repo.claim(&call(org, "webhook.nylas", &format!("k{k}"), &hash("sweep"), Uuid::new_v4())).await.unwrap();
+        repo.claim(&call(org, "webhook.nylas", &format!("k{k}"), &hash_text("sweep"), Uuid::new_v4())).await.unwrap();
         time.age(Duration::from_secs(60)).await;
     }
     assert!(repo.expired(repo.max_bound()).await.unwrap().is_empty(), "nothing past retention yet");
@@ -268,7 +269,7 @@ async fn runs_are_admitted_once_and_provider_jobs_belong_to_one_organization(rep
 /// A fenced admission inserts only while its claim is held by its token,
 /// and a Run is read back by its start key.
 async fn a_fenced_admission_admits_only_while_its_claim_is_held(repo: &impl Backend, time: &impl TimeTravel) {
-    let (org, h, lease_token) = (Uuid::new_v4(), hash("fenced"), Uuid::new_v4());
+    let (org, h, lease_token) = (Uuid::new_v4(), hash_text("fenced"), Uuid::new_v4());
     let scope = "surface.saved_search.start";
     let claim = repo.claim(&call(org, scope, "start-1", &h, lease_token)).await.unwrap();
     let fence = ClaimFence { claim_id: claim.id, lease_token };

@@ -21,7 +21,8 @@ const WORKERS: usize = 64;
 /// reclaims, in a few seconds; `IDEM_LOAD_KEYS=20000` soaks longer.
 const DEFAULT_KEYS: usize = 1_000;
 const ATTEMPTS_PER_KEY: usize = 5;
-const LEASE: Duration = Duration::from_secs(1);
+/// The lease of every claim here: short, so a stall outlives it.
+const SHORT_LEASE: Duration = Duration::from_secs(1);
 const STALL: Duration = Duration::from_millis(1_500);
 
 /// A vendor that dedupes on the idempotency key, as the spec requires of
@@ -74,7 +75,7 @@ async fn attempt(
     let hash = RequestHash::of_json(&payload);
     for _ in 0..500 {
         add(&figures.claims);
-        let outcome = service.claim(org, "tool.email.send", key, &hash, LEASE).await.expect("claim");
+        let outcome = service.claim(org, "tool.email.send", key, &hash, SHORT_LEASE).await.expect("claim");
         let claim = match outcome {
             ClaimOutcome::Claimed(claim) => claim,
             ClaimOutcome::Completed { .. } => return add(&figures.replays),
@@ -161,7 +162,7 @@ async fn under_load_with_stalls_and_failures_every_key_has_exactly_one_effect() 
     let elapsed = started.elapsed();
 
     // A final pass once every lease has passed: nothing may be left processing.
-    tokio::time::sleep(LEASE).await;
+    tokio::time::sleep(SHORT_LEASE).await;
     let (completed, processing): (i64, i64) = sqlx::query_as(
         "select count(*) filter (where status = 'completed'), count(*) filter (where status = 'processing')
            from agent.idempotency_keys",

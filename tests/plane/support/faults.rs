@@ -420,8 +420,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-
-    const LEASE: Duration = Duration::from_secs(60);
+    use crate::support::LEASE;
 
     fn call<'a>(org: Uuid, key: &'a str, hash: &'a RequestHash, token: Uuid) -> ClaimCall<'a> {
         ClaimCall {

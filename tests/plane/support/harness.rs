@@ -1,10 +1,14 @@
-//! One fresh local stack per test, and helpers for looking under it.
+//! One fresh local stack per test, and helpers for looking under it. Needs
+//! feature `local`. The helpers every folder uses are re-exported from
+//! [`crate::support`], so `use crate::support::harness::*` brings them too.
 
 use std::time::Duration;
 
 use idempotency_plane::local::{LocalStack, LocalStackConfig};
-use idempotency_plane::{Claim, ClaimOutcome, Error, IdempotencyService, PostgrestRepository, RequestHash};
+use idempotency_plane::{IdempotencyService, PostgrestRepository};
 use uuid::Uuid;
+
+pub use crate::support::{claimed, eventually, hash, org, within, LEASE, WAIT};
 
 pub type Service = IdempotencyService<PostgrestRepository>;
 
@@ -21,41 +25,6 @@ pub async fn stack_with(config: LocalStackConfig) -> LocalStack {
 
 pub fn service(stack: &LocalStack) -> Service {
     stack.service().expect("a client for the local stack")
-}
-
-pub fn org() -> Uuid {
-    Uuid::new_v4()
-}
-
-pub fn hash(content: &str) -> RequestHash {
-    RequestHash::of_json(&serde_json::json!({ "content": content }))
-}
-
-pub const LEASE: Duration = Duration::from_secs(60);
-
-/// How long a test waits for something another task or the server does:
-/// long enough for a machine busy with the rest of the suite, short enough
-/// that a hang fails the test instead of the run.
-pub const WAIT: Duration = Duration::from_secs(30);
-
-/// Polls `done` until it holds; panics naming `what` after [`WAIT`].
-pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let polled = tokio::time::timeout(WAIT, async {
-        while !done() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    });
-    if polled.await.is_err() {
-        panic!("{what}: did not happen within {WAIT:?}");
-    }
-}
-
-/// Awaits `future`; panics naming `what` after `limit`.
-pub async fn within<T>(limit: Duration, what: &str, future: impl std::future::Future<Output = T>) -> T {
-    match tokio::time::timeout(limit, future).await {
-        Ok(value) => value,
-        Err(_) => panic!("{what}: not done within {limit:?}"),
-    }
 }
 
 /// Rows of the claim table, by a superuser connection.
@@ -91,14 +60,6 @@ pub async fn travel_back(stack: &LocalStack, claim_id: Uuid, by: Duration) {
     .execute(stack.db())
     .await
     .expect("move timestamps back");
-}
-
-/// The claim a `claim()` answered; panics with whatever else it answered.
-pub fn claimed(outcome: Result<ClaimOutcome, Error>) -> Claim {
-    match outcome {
-        Ok(ClaimOutcome::Claimed(claim)) => claim,
-        other => panic!("expected to own the key, got {other:?}"),
-    }
 }
 
 /// A PostgREST client on the stack, with the service key.

@@ -11,7 +11,8 @@ use wiremock::matchers::{body_partial_json, method, path};
 use wiremock::{Mock, MockServer, Request, ResponseTemplate};
 
 use crate::support::transport::claim_row;
-use crate::wire::{hash, repository, requests, service, LEASE, SCOPE};
+use crate::support::LEASE;
+use crate::wire::{email_hash, repository, requests, service, SCOPE};
 
 // ---------------------------------------------------------------------------
 // Absent optional arguments
@@ -35,7 +36,7 @@ async fn the_repository_omits_absent_optional_arguments_instead_of_sending_null(
             claim_id,
             token,
             SCOPE,
-            &hash(),
+            &email_hash(),
             "completed"
         )])))
         .expect(1)
@@ -68,7 +69,7 @@ async fn the_service_completes_a_resource_only_claim_without_a_response_key() {
     let answer = move |request: &Request, status: &str| {
         let body: Value = request.body_json().expect("a JSON body");
         let token: Uuid = serde_json::from_value(body["p_lease_token"].clone()).expect("a token");
-        let mut row = claim_row(claim_id, token, SCOPE, &hash(), status);
+        let mut row = claim_row(claim_id, token, SCOPE, &email_hash(), status);
         row["organization_id"] = json!(org);
         row["outcome"] = json!("claimed"); // what the one-call claim adds
         ResponseTemplate::new(200).set_body_json(json!([row]))
@@ -92,7 +93,7 @@ async fn the_service_completes_a_resource_only_claim_without_a_response_key() {
         .await;
     let service = service(&server);
     let ClaimOutcome::Claimed(claim) =
-        service.claim(org, SCOPE, "run-1:step-1", &hash(), LEASE).await.expect("a claim")
+        service.claim(org, SCOPE, "run-1:step-1", &email_hash(), LEASE).await.expect("a claim")
     else {
         panic!("try_claim answered a row, so the key is ours");
     };
@@ -121,7 +122,7 @@ async fn a_row_for_another_tenant_key_or_token_is_never_acted_on() {
     // The store must answer the row asked for; anything else is a deployment
     // to distrust, never a replay or an ownership to act on.
     let server = MockServer::start().await;
-    let mut stored = claim_row(Uuid::new_v4(), Uuid::new_v4(), SCOPE, &hash(), "completed");
+    let mut stored = claim_row(Uuid::new_v4(), Uuid::new_v4(), SCOPE, &email_hash(), "completed");
     stored["response"] = json!({"secret": "of another tenant"});
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_get"))
@@ -130,7 +131,7 @@ async fn a_row_for_another_tenant_key_or_token_is_never_acted_on() {
         .await;
     // The claim answers "claimed" with a row of another tenant, holding
     // someone else's token.
-    let mut foreign = claim_row(Uuid::new_v4(), Uuid::new_v4(), SCOPE, &hash(), "processing");
+    let mut foreign = claim_row(Uuid::new_v4(), Uuid::new_v4(), SCOPE, &email_hash(), "processing");
     foreign["outcome"] = json!("claimed");
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_claim"))
@@ -138,9 +139,9 @@ async fn a_row_for_another_tenant_key_or_token_is_never_acted_on() {
         .mount(&server)
         .await;
     let service = service(&server);
-    let read = service.read(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash()).await;
+    let read = service.read(Uuid::new_v4(), SCOPE, "run-1:step-1", &email_hash()).await;
     assert!(matches!(read, Err(Error::Inconsistent(_))), "{read:?}");
-    let claimed = service.claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
+    let claimed = service.claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &email_hash(), LEASE).await;
     assert!(matches!(claimed, Err(Error::Inconsistent(_))), "{claimed:?}");
 }
 
@@ -153,7 +154,7 @@ impl wiremock::Respond for LapsedClaim {
     fn respond(&self, request: &Request) -> ResponseTemplate {
         let args: Value = serde_json::from_slice(&request.body).expect("JSON arguments");
         let token: Uuid = serde_json::from_value(args["p_lease_token"].clone()).expect("a lease token");
-        let mut row = claim_row(Uuid::new_v4(), token, SCOPE, &hash(), "processing");
+        let mut row = claim_row(Uuid::new_v4(), token, SCOPE, &email_hash(), "processing");
         for (column, argument) in [("organization_id", "p_organization_id"), ("scope", "p_scope"), ("key", "p_key")] {
             row[column] = args[argument].clone();
         }
@@ -169,7 +170,7 @@ async fn a_claim_answered_with_a_lease_already_passed_is_not_handed_out() {
     let server = MockServer::start().await;
     Mock::given(method("POST")).and(path("/rpc/idempotency_claim")).respond_with(LapsedClaim).mount(&server).await;
     // Act
-    let outcome = service(&server).claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
+    let outcome = service(&server).claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &email_hash(), LEASE).await;
     // Assert: not Claimed, and transient, so the caller's retry reclaims it.
     match outcome {
         Err(error @ Error::LeaseLapsed { .. }) => assert!(error.is_transient()),

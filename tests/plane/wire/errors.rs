@@ -13,7 +13,8 @@ use wiremock::matchers::{body_partial_json, header, method, path};
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
 use crate::support::transport::KEY;
-use crate::wire::{client, config, error_body, hash, repository, service, LEASE, SCOPE};
+use crate::support::LEASE;
+use crate::wire::{client, config, email_hash, error_body, repository, service, SCOPE};
 
 /// Mounts `status` + `body` on `/rpc/idempotency_get`, expected exactly once
 /// (none of these is retried), and reads through the repository.
@@ -215,7 +216,7 @@ async fn a_claim_refused_with_insufficient_privilege_is_a_store_error_of_the_ser
         .await;
     let service = service(&server);
     // Act
-    let result = service.claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
+    let result = service.claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &email_hash(), LEASE).await;
     // Assert
     match result {
         Err(Error::Store(ClientError::Api { status, error, .. })) => {
@@ -243,7 +244,7 @@ async fn a_claim_refused_as_the_anonymous_role_is_a_store_error_with_401() {
         .mount(&server)
         .await;
     // Act
-    let result = service(&server).claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &hash(), LEASE).await;
+    let result = service(&server).claim(Uuid::new_v4(), SCOPE, "run-1:step-1", &email_hash(), LEASE).await;
     // Assert
     match result {
         Err(Error::Store(ClientError::Api { status, error, .. })) => {

@@ -31,7 +31,6 @@ use crate::support::transport::{fast_retry, KEY};
 
 pub const EXPIRED: &str = "/rpc/idempotency_expired";
 pub const SCOPE: &str = "tool.email.send";
-pub const LEASE: Duration = Duration::from_secs(60);
 
 /// What `fast_retry` is given here: no retry starts after 30 s.
 pub const RETRY_WITHIN: Duration = Duration::from_secs(30);
@@ -60,7 +59,8 @@ pub fn service(server: &MockServer) -> IdempotencyService<PostgrestRepository> {
     IdempotencyService::new(repository(server))
 }
 
-pub fn hash() -> RequestHash {
+/// The hash of the one request the wire tests claim for.
+pub fn email_hash() -> RequestHash {
     RequestHash::of_json(&json!({"to": "a@example.com"}))
 }
 
