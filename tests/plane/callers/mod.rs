@@ -8,4 +8,7 @@
 mod endings;
 mod gate_deadlines;
 mod gate_endings;
-mod on_memory;
+#[cfg(feature = "local")]
+mod tool;
+#[cfg(feature = "local")]
+mod webhook;

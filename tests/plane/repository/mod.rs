@@ -6,3 +6,4 @@
 //! real stack.
 
 pub(crate) mod conformance;
+mod memory;

@@ -23,5 +23,3 @@ mod sql_sweep;
 mod supabase_paths;
 mod surface;
 mod sweeper;
-mod tool;
-mod webhook;
