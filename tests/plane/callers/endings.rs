@@ -23,7 +23,7 @@ use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::repository::conformance::TimeTravel;
+use crate::support::backends::TimeTravel;
 use crate::support::faults::{Fault, Faulty, Op};
 
 /// What a case needs of the repository under the wrapper.

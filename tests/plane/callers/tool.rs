@@ -1,4 +1,9 @@
-//! The tool guard on the real stack.
+//! The tool guard's decisions, each case written once over any [`Plane`]
+//! and run on the in-memory repository and, with feature `local`, on the
+//! stack: run once and replay, release a retryable failure, raise for a call
+//! in flight, reclaim after a crash and reconcile a keyless vendor, hold at
+//! the checkpoint before any claim, size the lease, and journal outputs the
+//! store cannot hold as they are.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -8,34 +13,37 @@ use std::time::Duration;
 use idempotency_plane::callers::tool::{
     Checkpoint, RepeatSafety, RetryHorizon, ToolError, ToolGuard, ToolKey, ToolResult, ToolRun, ToolSpec,
 };
+use idempotency_plane::repo::{ClaimStatus, ExpiredClaims};
 use idempotency_plane::service::Elided;
-use idempotency_plane::PostgrestRepository;
 use serde_json::{json, Value};
 use uuid::Uuid;
 use wiremock::matchers::{method, path};
 use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
 
-use crate::support::harness::*;
+use super::{row, service};
+use crate::support::backends::Plane;
+use crate::support::{claimed, org, LEASE};
 
 /// An orchestrator whose last attempt comes ten minutes after the first.
 const HORIZON: RetryHorizon = RetryHorizon::until_last_attempt(Duration::from_secs(600));
 
-fn guard(stack: &idempotency_plane::local::LocalStack) -> ToolGuard<PostgrestRepository> {
-    ToolGuard::new(service(stack), HORIZON)
+/// A guard over the plane, with a ten-minute retry horizon.
+pub(crate) fn guard<P: Plane>(plane: &P) -> ToolGuard<P::Repo> {
+    ToolGuard::new(service(plane), HORIZON)
 }
 
-fn spec() -> ToolSpec {
+/// `tool.email.send`: 30 s per call, the vendor dedupes on the key.
+pub(crate) fn spec() -> ToolSpec {
     ToolSpec::new("tool.email.send", Duration::from_secs(30), RepeatSafety::VendorKey).expect("spec")
 }
 
-async fn allow() -> Checkpoint {
+/// A checkpoint that lets every call through.
+pub(crate) async fn allow() -> Checkpoint {
     Checkpoint::Allow
 }
 
-#[tokio::test]
-async fn a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_executes() {
-    let stack = stack().await;
-    let guard = guard(&stack);
+async fn a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_executes<P: Plane>(plane: &P) {
+    let guard = guard(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send-1"), json!({"to": "a@b.c"}));
     let calls = AtomicUsize::new(0);
 
@@ -47,7 +55,7 @@ async fn a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_execut
         .await
         .unwrap();
     assert!(matches!(&first, ToolRun::Executed(r) if r.retryable && !r.ok), "{first:?}");
-    assert_eq!(count_rows(&stack).await, 0, "released, not stored");
+    assert_eq!(plane.claims().await, 0, "released, not stored");
 
     let second = guard
         .run(org, &spec(), &key, &args, allow, |_| async {
@@ -58,13 +66,10 @@ async fn a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_execut
         .unwrap();
     assert!(matches!(&second, ToolRun::Executed(r) if r.ok), "{second:?}");
     assert_eq!(calls.load(Ordering::SeqCst), 2, "the next attempt executed");
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_business_failure_completes_the_claim_and_the_next_attempt_returns_the_stored_answer() {
-    let stack = stack().await;
-    let guard = guard(&stack);
+async fn a_business_failure_completes_the_claim_and_the_next_attempt_returns_the_stored_answer<P: Plane>(plane: &P) {
+    let guard = guard(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "lookup"), json!({"id": 7}));
     let calls = AtomicUsize::new(0);
     let tool = |_| async {
@@ -77,14 +82,11 @@ async fn a_business_failure_completes_the_claim_and_the_next_attempt_returns_the
     let again = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
     assert_eq!(again, ToolRun::Replayed(answer));
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the stored answer was returned, the tool not run");
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_live_lease_on_the_callers_own_key_raises_and_no_result_reports_it() {
-    let stack = stack().await;
-    let guard = guard(&stack);
-    let service = service(&stack);
+async fn a_live_lease_on_the_callers_own_key_raises_and_no_result_reports_it<P: Plane>(plane: &P) {
+    let guard = guard(plane);
+    let service = service(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({"to": "x"}));
     // A healthy worker holds the key (a second orchestrator attempt, a duplicate proposal).
     let hash = idempotency_plane::RequestHash::of_json(&args);
@@ -102,13 +104,10 @@ async fn a_live_lease_on_the_callers_own_key_raises_and_no_result_reports_it() {
         other => panic!("expected ClaimInFlight, got {other:?}"),
     }
     assert_eq!(ran.load(Ordering::SeqCst), 0);
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn the_journal_is_read_before_the_checkpoint_and_claimed_after_it() {
-    let stack = stack().await;
-    let guard = guard(&stack);
+async fn the_journal_is_read_before_the_checkpoint_and_claimed_after_it<P: Plane>(plane: &P) {
+    let guard = guard(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "needs-approval"), json!({"amount": 10}));
 
     // Held at the checkpoint: no key is taken, so the resumed step can claim.
@@ -117,10 +116,9 @@ async fn the_journal_is_read_before_the_checkpoint_and_claimed_after_it() {
         .await
         .unwrap();
     assert_eq!(held, ToolRun::Held);
-    assert_eq!(count_rows(&stack).await, 0);
+    assert_eq!(plane.claims().await, 0);
 
     // Approved later: the checkpoint runs before any row exists, the tool after the claim.
-    let stack_ref = &stack;
     let resumed = guard
         .run(
             org,
@@ -128,29 +126,26 @@ async fn the_journal_is_read_before_the_checkpoint_and_claimed_after_it() {
             &key,
             &args,
             || async move {
-                assert_eq!(count_rows(stack_ref).await, 0, "nothing claimed before the checkpoint");
+                assert_eq!(plane.claims().await, 0, "nothing claimed before the checkpoint");
                 Checkpoint::Allow
             },
             |_| async move {
-                assert_eq!(count_rows(stack_ref).await, 1, "claimed before the tool runs");
+                assert_eq!(plane.claims().await, 1, "claimed before the tool runs");
                 ToolResult::success(json!({"charged": 10}))
             },
         )
         .await
         .unwrap();
     assert!(matches!(resumed, ToolRun::Executed(_)));
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_crashed_workers_tool_claim_is_reclaimed_and_the_run_continues() {
-    let stack = stack().await;
-    let guard = guard(&stack);
-    let service = service(&stack);
+async fn a_crashed_workers_tool_claim_is_reclaimed_and_the_run_continues<P: Plane>(plane: &P) {
+    let guard = guard(plane);
+    let service = service(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({"to": "y"}));
     let hash = idempotency_plane::RequestHash::of_json(&args);
     let crashed = claimed(service.claim(org, "tool.email.send", key.as_str(), &hash, LEASE).await);
-    pass_lease(&stack, crashed.id()).await;
+    plane.pass_lease(crashed.id()).await;
 
     let run = guard
         .run(org, &spec(), &key, &args, allow, |call| async move {
@@ -162,24 +157,22 @@ async fn a_crashed_workers_tool_claim_is_reclaimed_and_the_run_continues() {
     assert!(matches!(run, ToolRun::Executed(ref r) if r.ok));
     let replay = guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("must replay") }).await.unwrap();
     assert!(matches!(replay, ToolRun::Replayed(ref r) if r.output == json!({"sent": true})));
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn the_lease_is_the_tools_timeout_plus_the_journal_deadline_plus_the_margin() {
-    let stack = stack().await;
-    let guard = guard(&stack).with_lease_margin(Duration::from_secs(7)).unwrap();
+async fn the_lease_is_the_tools_timeout_plus_the_journal_deadline_plus_the_margin<P: Plane>(plane: &P) {
+    let guard = guard(plane).with_lease_margin(Duration::from_secs(7)).unwrap();
     let spec = ToolSpec::new("tool.crm.company.create", Duration::from_secs(120), RepeatSafety::VendorKey).unwrap();
     let (org, key) = (org(), ToolKey::for_step(Uuid::new_v4(), "create"));
-    let stack_ref = &stack;
+    let key_ref = &key;
     guard
         .run(org, &spec, &key, &json!({}), allow, |_| async move {
-            assert_eq!(stored_lease_ms(stack_ref).await, 137_000.0, "120 s + 10 s journal deadline + 7 s");
+            let row = row(plane, org, "tool.crm.company.create", key_ref.as_str()).await;
+            let lease = row.lease_expires_at - row.claimed_at;
+            assert_eq!(lease.num_milliseconds(), 137_000, "120 s + 10 s journal deadline + 7 s");
             ToolResult::success(json!({"id": "c-1"})).with_resource("crm.company", "c-1")
         })
         .await
         .unwrap();
-    stack.stop().await.unwrap();
 }
 
 /// A vendor that dedupes on `Idempotency-Key`: the same key answers the same
@@ -221,9 +214,7 @@ async fn send_email(vendor: &str, idempotency_key: &str) -> ToolResult {
     }
 }
 
-#[tokio::test]
-async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry() {
-    let stack = stack().await;
+async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry<P: Plane>(plane: &P) {
     let vendor_state = DedupingVendor::default();
     let vendor = MockServer::start().await;
     Mock::given(method("POST"))
@@ -235,7 +226,7 @@ async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry() 
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({"to": "a@b.c"}));
 
     // Worker 1 sends; the vendor makes the message; the worker dies before completing.
-    let (guard1, key1, args1, vendor_uri) = (guard(&stack), key.clone(), args.clone(), vendor.uri());
+    let (guard1, key1, args1, vendor_uri) = (guard(plane), key.clone(), args.clone(), vendor.uri());
     let died = tokio::spawn(async move {
         guard1
             .run(org, &spec(), &key1, &args1, allow, |call| async move {
@@ -247,14 +238,12 @@ async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry() 
     })
     .await;
     assert!(matches!(died, Ok(Err(ToolError::Panicked { .. }))), "{died:?}");
-    let row: (String,) =
-        sqlx::query_as("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(row.0, "processing", "the dead worker left its claim");
+    let left = row(plane, org, "tool.email.send", key.as_str()).await;
+    assert_eq!(left.status, ClaimStatus::Processing, "the dead worker left its claim");
 
     // Its lease passes; the orchestrator's retry reclaims and reaches the vendor with the same key.
-    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    pass_lease(&stack, id).await;
-    let retry = guard(&stack)
+    plane.pass_lease(left.id).await;
+    let retry = guard(plane)
         .run(org, &spec(), &key, &args, allow, |call| async move {
             assert!(call.reclaimed());
             send_email(&vendor.uri(), call.idempotency_key()).await
@@ -266,13 +255,10 @@ async fn vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry() 
 
     let messages = vendor_state.messages.lock().unwrap().len();
     assert_eq!(messages, 1, "exactly one message exists at the vendor");
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_tool_claim_survives_a_run_that_waited_on_an_approval_for_longer_than_a_day() {
-    let stack = stack().await;
-    let guard = guard(&stack);
+async fn a_tool_claim_survives_a_run_that_waited_on_an_approval_for_longer_than_a_day<P: Plane>(plane: &P) {
+    let guard = guard(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send-before-approval"), json!({"n": 1}));
     let first = guard
         .run(org, &spec(), &key, &args, allow, |_| async {
@@ -284,18 +270,8 @@ async fn a_tool_claim_survives_a_run_that_waited_on_an_approval_for_longer_than_
 
     // The Run waits on an approval for 29 days (max_run_duration is capped at
     // 30); then a restarted segment replays this step.
-    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    travel_back(&stack, id, Duration::from_secs(29 * 86_400)).await;
-    let expired: Vec<Value> = client(&stack)
-        .rpc_bounded(
-            "idempotency_expired",
-            &json!({"p_limit": 100}),
-            100,
-            Some("id"),
-            idempotency_plane::postgrest::Repeat::Safe,
-        )
-        .await
-        .unwrap();
+    plane.age(Duration::from_secs(29 * 86_400)).await;
+    let expired = plane.repository().expired(100).await.unwrap();
     assert!(expired.is_empty(), "a sweep would not touch it: {expired:?}");
 
     let replay =
@@ -303,29 +279,27 @@ async fn a_tool_claim_survives_a_run_that_waited_on_an_approval_for_longer_than_
     let ToolRun::Replayed(stored) = replay else { panic!("{replay:?}") };
     assert_eq!(stored.output, answer.output);
     assert_eq!(stored.resource, answer.resource);
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn the_same_key_with_different_arguments_is_a_conflict_and_nothing_runs() {
-    let stack = stack().await;
-    let guard = guard(&stack);
-    let (org, key) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"));
-    guard
-        .run(org, &spec(), &key, &json!({"to": "a"}), allow, |_| async { ToolResult::success(json!(1)) })
-        .await
-        .unwrap();
+async fn the_same_key_with_different_arguments_is_a_conflict_and_nothing_runs<P: Plane>(plane: &P) {
+    let guard = guard(plane);
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({"to": "a"}));
+    let sends = AtomicUsize::new(0);
+    let tool = |_| async {
+        sends.fetch_add(1, Ordering::SeqCst);
+        ToolResult::success(json!(1))
+    };
+    assert!(matches!(guard.run(org, &spec(), &key, &args, allow, tool).await, Ok(ToolRun::Executed(_))));
+    assert!(matches!(guard.run(org, &spec(), &key, &args, allow, tool).await, Ok(ToolRun::Replayed(_))));
     let changed = guard.run(org, &spec(), &key, &json!({"to": "b"}), allow, |_| async { panic!("must not run") }).await;
     assert!(matches!(changed, Err(ToolError::Conflict { .. })), "{changed:?}");
     assert!(!changed.unwrap_err().is_retryable());
-    stack.stop().await.unwrap();
+    assert_eq!(sends.load(Ordering::SeqCst), 1);
 }
 
-#[tokio::test]
-async fn a_tool_that_overruns_its_timeout_is_cut_off_and_its_claim_waits_for_the_lease() {
-    let stack = stack().await;
+async fn a_tool_that_overruns_its_timeout_is_cut_off_and_its_claim_waits_for_the_lease<P: Plane>(plane: &P) {
     // A 61 s lease: the retry below meets it live however slow this machine is.
-    let guard = guard(&stack).with_lease_margin(Duration::from_secs(60)).unwrap();
+    let guard = guard(plane).with_lease_margin(Duration::from_secs(60)).unwrap();
     let spec = ToolSpec::new("tool.email.send", Duration::from_secs(1), RepeatSafety::VendorKey).unwrap();
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "slow"), json!({}));
     let overran = guard
@@ -339,18 +313,13 @@ async fn a_tool_that_overruns_its_timeout_is_cut_off_and_its_claim_waits_for_the
         other => panic!("expected TimedOut, got {other:?}"),
     }
     // The effect is unknown: neither completed nor released; a retry meets the live lease.
-    let status: String =
-        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(status, "processing");
+    assert_eq!(row(plane, org, "tool.email.send", key.as_str()).await.status, ClaimStatus::Processing);
     let retry = guard.run(org, &spec, &key, &args, allow, |_| async { panic!("lease is live") }).await;
     assert!(matches!(retry, Err(ToolError::ClaimInFlight { .. })), "{retry:?}");
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_resource_the_store_would_refuse_still_journals_the_answer() {
-    let stack = stack().await;
-    let guard = guard(&stack);
+async fn a_resource_the_store_would_refuse_still_journals_the_answer<P: Plane>(plane: &P) {
+    let guard = guard(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "send"), json!({}));
     let first = guard
         .run(org, &spec(), &key, &args, allow, |_| async {
@@ -365,13 +334,10 @@ async fn a_resource_the_store_would_refuse_still_journals_the_answer() {
     let ToolRun::Replayed(stored) = replay else { panic!("{replay:?}") };
     assert_eq!(stored.output, json!({"status": "queued"}));
     assert_eq!(stored.resource, None);
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_summary() {
-    let stack = stack().await;
-    let guard = ToolGuard::new(service(&stack).with_response_limit(1024), HORIZON);
+async fn a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_summary<P: Plane>(plane: &P) {
+    let guard = ToolGuard::new(service(plane).with_response_limit(1024), HORIZON);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "export"), json!({}));
     let big = json!({"rows": "x".repeat(4096)});
     let ran = guard.run(org, &spec(), &key, &args, allow, |_| async move { ToolResult::success(big) }).await.unwrap();
@@ -383,13 +349,14 @@ async fn a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_
     let elided = Elided::from_stored(&stored.output).expect("the output is an elided summary");
     assert_eq!(elided.reason, "too_large");
     assert!(elided.size.is_some_and(|size| size > 4096), "{elided:?}");
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_tool_output_holding_nul_is_journaled_whole_and_the_next_attempt_replays_it_without_a_second_vendor_call() {
-    let stack = stack().await;
-    let guard = guard(&stack);
+async fn a_tool_output_holding_nul_is_journaled_whole_and_the_next_attempt_replays_it_without_a_second_vendor_call<
+    P: Plane,
+>(
+    plane: &P,
+) {
+    let guard = guard(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "fetch"), json!({"url": "https://x"}));
     let vendor_calls = AtomicUsize::new(0);
     let tool = |_| async {
@@ -400,9 +367,8 @@ async fn a_tool_output_holding_nul_is_journaled_whole_and_the_next_attempt_repla
 
     let first = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
     assert!(matches!(first, ToolRun::Executed(ref r) if r.ok), "{first:?}");
-    let status: String =
-        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(status, "completed", "the effect is journaled, not left processing");
+    let status = row(plane, org, "tool.email.send", key.as_str()).await.status;
+    assert_eq!(status, ClaimStatus::Completed, "the effect is journaled, not left processing");
 
     let again = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
     let ToolRun::Replayed(replayed) = again else { panic!("expected a replay, got {again:?}") };
@@ -413,13 +379,10 @@ async fn a_tool_output_holding_nul_is_journaled_whole_and_the_next_attempt_repla
         "replayed as it was, NUL included"
     );
     assert_eq!(vendor_calls.load(Ordering::SeqCst), 1, "no second vendor call");
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_large_business_failure_with_a_resource_replays_as_the_same_business_failure() {
-    let stack = stack().await;
-    let guard = guard(&stack);
+async fn a_large_business_failure_with_a_resource_replays_as_the_same_business_failure<P: Plane>(plane: &P) {
+    let guard = guard(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "import"), json!({"file": "f-1"}));
     let output = json!({"errors": "e".repeat(100 * 1024)});
     let made = ToolResult::business_failure("invalid_input", output).with_resource("crm.import", "imp-1");
@@ -437,14 +400,11 @@ async fn a_large_business_failure_with_a_resource_replays_as_the_same_business_f
         serde_json::from_value(replayed.output["$response_ref"].clone()).expect("a reference");
     assert_eq!((reference.resource_type.as_str(), reference.resource_id.as_str()), ("crm.import", "imp-1"));
     assert!(reference.size > 100 * 1024);
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_replay_and_a_claim_in_flight_never_call_the_checkpoint() {
-    let stack = stack().await;
-    let guard = guard(&stack);
-    let service = service(&stack);
+async fn a_replay_and_a_claim_in_flight_never_call_the_checkpoint<P: Plane>(plane: &P) {
+    let guard = guard(plane);
+    let service = service(plane);
     let checkpoints = AtomicUsize::new(0);
     let checkpoint = || async {
         checkpoints.fetch_add(1, Ordering::SeqCst);
@@ -471,7 +431,6 @@ async fn a_replay_and_a_claim_in_flight_never_call_the_checkpoint() {
         1,
         "neither the replay nor the claim in flight reached the checkpoint"
     );
-    stack.stop().await.unwrap();
 }
 
 /// A vendor that takes no idempotency key: every send makes a message. It
@@ -512,10 +471,10 @@ impl KeylessVendor {
     }
 }
 
-#[tokio::test]
-async fn reconcile_a_worker_that_stalls_after_the_vendor_succeeded_is_reconciled_and_the_vendor_sends_once() {
-    let stack = stack().await;
-    let guard = guard(&stack).with_lease_margin(Duration::from_secs(1)).unwrap();
+async fn reconcile_a_worker_that_stalls_after_the_vendor_succeeded_is_reconciled_and_the_vendor_sends_once<P: Plane>(
+    plane: &P,
+) {
+    let guard = guard(plane).with_lease_margin(Duration::from_secs(1)).unwrap();
     let vendor = KeylessVendor::default();
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "notify"), json!({"to": "ops"}));
 
@@ -533,8 +492,7 @@ async fn reconcile_a_worker_that_stalls_after_the_vendor_succeeded_is_reconciled
         .await;
     assert!(matches!(stalled, Err(ToolError::TimedOut { .. })), "{stalled:?}");
     assert_eq!(vendor.effects(), 1);
-    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    pass_lease(&stack, id).await;
+    plane.pass_lease(row(plane, org, "tool.keyless.send", key.as_str()).await.id).await;
 
     // Worker B reclaims; the reconciler finds A's message.
     let retried = guard
@@ -549,18 +507,13 @@ async fn reconcile_a_worker_that_stalls_after_the_vendor_succeeded_is_reconciled
     let replay = guard.run(org, &vendor.spec(), &key, &args, allow, |_| async { panic!("must replay") }).await.unwrap();
     let ToolRun::Replayed(stored) = replay else { panic!("expected a replay, got {replay:?}") };
     assert_eq!(stored.output, json!({"message_id": "msg-1"}));
-    let resource: (String, String) = sqlx::query_as("select resource_type, resource_id from agent.idempotency_keys")
-        .fetch_one(stack.db())
-        .await
-        .unwrap();
-    assert_eq!(resource, ("keyless.message".to_owned(), "msg-1".to_owned()));
-    stack.stop().await.unwrap();
+    let journaled = row(plane, org, "tool.keyless.send", key.as_str()).await;
+    let resource = (journaled.resource_type.as_deref(), journaled.resource_id.as_deref());
+    assert_eq!(resource, (Some("keyless.message"), Some("msg-1")));
 }
 
-#[tokio::test]
-async fn reconcile_that_finds_nothing_executes_exactly_once() {
-    let stack = stack().await;
-    let guard = guard(&stack).with_lease_margin(Duration::from_secs(1)).unwrap();
+async fn reconcile_that_finds_nothing_executes_exactly_once<P: Plane>(plane: &P) {
+    let guard = guard(plane).with_lease_margin(Duration::from_secs(1)).unwrap();
     let vendor = KeylessVendor::default();
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "notify"), json!({"to": "ops"}));
 
@@ -572,8 +525,7 @@ async fn reconcile_that_finds_nothing_executes_exactly_once() {
         })
         .await;
     assert!(matches!(stalled, Err(ToolError::TimedOut { .. })), "{stalled:?}");
-    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    pass_lease(&stack, id).await;
+    plane.pass_lease(row(plane, org, "tool.keyless.send", key.as_str()).await.id).await;
 
     let send = |call: idempotency_plane::callers::tool::ToolCall| {
         let vendor = vendor.clone();
@@ -588,18 +540,15 @@ async fn reconcile_that_finds_nothing_executes_exactly_once() {
     let replay = guard.run(org, &vendor.spec(), &key, &args, allow, send).await.unwrap();
     assert!(matches!(replay, ToolRun::Replayed(_)), "{replay:?}");
     assert_eq!(vendor.effects(), 1, "exactly one execution");
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn reconcile_that_cannot_tell_keeps_the_claim_so_the_next_attempt_asks_again() {
-    let stack = stack().await;
-    let guard = guard(&stack);
-    let service = service(&stack);
+async fn reconcile_that_cannot_tell_keeps_the_claim_so_the_next_attempt_asks_again<P: Plane>(plane: &P) {
+    let guard = guard(plane);
+    let service = service(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "notify"), json!({"to": "ops"}));
     let hash = idempotency_plane::RequestHash::of_json(&args);
     let crashed = claimed(service.claim(org, "tool.keyless.send", key.as_str(), &hash, LEASE).await);
-    pass_lease(&stack, crashed.id()).await;
+    plane.pass_lease(crashed.id()).await;
     let unsure = ToolSpec::new(
         "tool.keyless.send",
         Duration::from_secs(1),
@@ -612,47 +561,16 @@ async fn reconcile_that_cannot_tell_keeps_the_claim_so_the_next_attempt_asks_aga
         Err(error @ ToolError::ReconcileFailed { .. }) => assert!(error.is_retryable()),
         other => panic!("expected ReconcileFailed, got {other:?}"),
     }
-    let status: String =
-        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(status, "processing", "kept, not released: a fresh claim would skip the reconciler");
-    stack.stop().await.unwrap();
+    let status = row(plane, org, "tool.keyless.send", key.as_str()).await.status;
+    assert_eq!(status, ClaimStatus::Processing, "kept, not released: a fresh claim would skip the reconciler");
 }
 
-#[tokio::test]
-async fn an_output_the_database_refuses_is_journaled_as_a_stand_in_and_replays() {
-    // The embedded stack's build keeps JSON numbers as written, so an output
-    // can hold a number PostgreSQL's numeric cannot (22003): the service
-    // passes it, the database refuses it.
-    let Ok(huge) = serde_json::from_str::<Value>(r#"{"balance": 1e999999}"#) else {
-        return; // a build that cannot even represent it cannot send it either
-    };
-    let stack = stack().await;
-    let guard = guard(&stack);
-    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "balance"), json!({}));
-    let calls = AtomicUsize::new(0);
-    let tool = |_| {
-        let huge = huge.clone();
-        let calls = &calls;
-        async move {
-            calls.fetch_add(1, Ordering::SeqCst);
-            ToolResult::success(huge)
-        }
-    };
-
-    let first = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
-    assert!(matches!(first, ToolRun::Executed(_)), "{first:?}");
-    let again = guard.run(org, &spec(), &key, &args, allow, tool).await.unwrap();
-    let ToolRun::Replayed(replayed) = again else { panic!("expected a replay, got {again:?}") };
-    assert!(replayed.ok);
-    assert_eq!(Elided::from_stored(&replayed.output).map(|e| e.reason), Some("refused".to_owned()));
-    assert_eq!(calls.load(Ordering::SeqCst), 1);
-    stack.stop().await.unwrap();
-}
-
-#[tokio::test]
-async fn a_business_failure_with_an_error_of_64_kib_or_more_replays_as_that_failure_with_or_without_a_resource() {
-    let stack = stack().await;
-    let guard = guard(&stack);
+async fn a_business_failure_with_an_error_of_64_kib_or_more_replays_as_that_failure_with_or_without_a_resource<
+    P: Plane,
+>(
+    plane: &P,
+) {
+    let guard = guard(plane);
     let org = org();
     let long_error = format!("invalid_input: {}", "the field is wrong. ".repeat(4_000));
     assert!(long_error.len() >= 64 * 1024);
@@ -678,30 +596,23 @@ async fn a_business_failure_with_an_error_of_64_kib_or_more_replays_as_that_fail
         assert_eq!(replayed.resource.is_some(), resource.is_some(), "{step}");
         assert_eq!(runs.load(Ordering::SeqCst), 1, "{step}: the tool ran once");
     }
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_business_failure_whose_error_holds_nul_is_journaled_and_replays_equal() {
-    let stack = stack().await;
-    let guard = guard(&stack);
+async fn a_business_failure_whose_error_holds_nul_is_journaled_and_replays_equal<P: Plane>(plane: &P) {
+    let guard = guard(plane);
     let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "nul-error"), json!({}));
     let failure = ToolResult::business_failure("bad byte \u{0} in name", json!(null));
     let first = guard.run(org, &spec(), &key, &args, allow, |_| async { failure.clone() }).await.unwrap();
     assert!(matches!(first, ToolRun::Executed(_)));
-    let status: String =
-        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(status, "completed", "journaled, not left processing for a second run after the lease");
+    let status = row(plane, org, "tool.email.send", key.as_str()).await.status;
+    assert_eq!(status, ClaimStatus::Completed, "journaled, not left processing for a second run after the lease");
     let again = guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("must not run twice") }).await.unwrap();
     assert_eq!(again, ToolRun::Replayed(failure));
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn time_spent_in_the_checkpoint_counts_against_the_retry_horizon() {
-    let stack = stack().await;
+async fn time_spent_in_the_checkpoint_counts_against_the_retry_horizon<P: Plane>(plane: &P) {
     // Lease 1 s + 1 s journal + 1 s margin = 3 s; the last attempt comes 4 s after the first.
-    let guard = ToolGuard::new(service(&stack), RetryHorizon::until_last_attempt(Duration::from_secs(4)))
+    let guard = ToolGuard::new(service(plane), RetryHorizon::until_last_attempt(Duration::from_secs(4)))
         .with_lease_margin(Duration::from_secs(1))
         .unwrap()
         .with_journal_deadline(Duration::from_secs(1))
@@ -718,6 +629,29 @@ async fn time_spent_in_the_checkpoint_counts_against_the_retry_horizon() {
         matches!(ran, Err(ToolError::LeaseOutlastsRetries { spent, .. }) if spent >= Duration::from_millis(1500)),
         "a claim made 1.5 s in would hold its 3 s lease past the last attempt: {ran:?}"
     );
-    assert_eq!(count_rows(&stack).await, 0, "refused before any claim");
-    stack.stop().await.unwrap();
+    assert_eq!(plane.claims().await, 0, "refused before any claim");
 }
+
+on_every_plane!(
+    a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_executes,
+    a_business_failure_completes_the_claim_and_the_next_attempt_returns_the_stored_answer,
+    a_live_lease_on_the_callers_own_key_raises_and_no_result_reports_it,
+    the_journal_is_read_before_the_checkpoint_and_claimed_after_it,
+    a_crashed_workers_tool_claim_is_reclaimed_and_the_run_continues,
+    the_lease_is_the_tools_timeout_plus_the_journal_deadline_plus_the_margin,
+    vendor_idempotency_prevents_a_duplicate_send_after_a_crash_and_retry,
+    a_tool_claim_survives_a_run_that_waited_on_an_approval_for_longer_than_a_day,
+    the_same_key_with_different_arguments_is_a_conflict_and_nothing_runs,
+    a_tool_that_overruns_its_timeout_is_cut_off_and_its_claim_waits_for_the_lease,
+    a_resource_the_store_would_refuse_still_journals_the_answer,
+    a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_summary,
+    a_tool_output_holding_nul_is_journaled_whole_and_the_next_attempt_replays_it_without_a_second_vendor_call,
+    a_large_business_failure_with_a_resource_replays_as_the_same_business_failure,
+    a_replay_and_a_claim_in_flight_never_call_the_checkpoint,
+    reconcile_a_worker_that_stalls_after_the_vendor_succeeded_is_reconciled_and_the_vendor_sends_once,
+    reconcile_that_finds_nothing_executes_exactly_once,
+    reconcile_that_cannot_tell_keeps_the_claim_so_the_next_attempt_asks_again,
+    a_business_failure_with_an_error_of_64_kib_or_more_replays_as_that_failure_with_or_without_a_resource,
+    a_business_failure_whose_error_holds_nul_is_journaled_and_replays_equal,
+    time_spent_in_the_checkpoint_counts_against_the_retry_horizon,
+);

@@ -1,28 +1,36 @@
-//! The webhook gate and provider callbacks on the real stack.
+//! The webhook gate's and provider callbacks' decisions, each case written
+//! once over any [`Plane`] and run on the in-memory repository and, with
+//! feature `local`, on the stack: duplicates and hash mismatches acked with
+//! their reasons, failures tried again in process or journaled (never
+//! released), callbacks resolved to their tenant before any claim, and the
+//! lease and timeouts a gate takes.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use idempotency_plane::callers::http::provider_callback_router;
 use idempotency_plane::callers::webhook::{
     Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, WebhookGate,
 };
-use idempotency_plane::PostgrestRepository;
+use idempotency_plane::repo::ClaimStatus;
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
-use crate::support::harness::*;
+use super::{row, service};
+use crate::support::backends::Plane;
+use crate::support::org;
 
-fn gate(stack: &idempotency_plane::local::LocalStack) -> WebhookGate<PostgrestRepository> {
-    WebhookGate::new(service(stack), ProviderJobs::new(client(stack)))
+/// A gate over the plane, its job directory the plane's.
+pub(crate) fn gate<P: Plane>(plane: &P) -> WebhookGate<P::Repo, P::Jobs> {
+    WebhookGate::new(service(plane), ProviderJobs::over(plane.jobs()))
 }
 
+/// A `webhook.nylas` delivery.
 fn delivery<'a>(org: uuid::Uuid, id: &'a str, body: &'a [u8]) -> Delivery<'a> {
     Delivery { organization_id: org, scope: "webhook.nylas", delivery_id: id, body }
 }
 
 /// Processing that counts its runs in `runs` and answers `output`.
-fn counted(
+pub(crate) fn counted(
     runs: &Arc<AtomicUsize>,
     output: Value,
 ) -> impl Fn() -> std::future::Ready<Result<Value, ProcessingError>> + Send + Sync + 'static {
@@ -33,10 +41,8 @@ fn counted(
     }
 }
 
-#[tokio::test]
-async fn a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing() {
-    let stack = stack().await;
-    let gate = gate(&stack);
+async fn a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing<P: Plane>(plane: &P) {
+    let gate = gate(plane);
     let org = org();
     let body = br#"{"type":"message.created","id":"m-1"}"#;
     let performed = Arc::new(AtomicUsize::new(0));
@@ -48,13 +54,10 @@ async fn a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs
     assert_eq!(again.status(), 200, "a duplicate is an ACK, never a 5xx");
     assert_eq!(performed.load(Ordering::SeqCst), 1);
     assert_eq!(gate.drops().get(DropReason::Duplicate), 1);
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate() {
-    let stack = stack().await;
-    let gate = Arc::new(gate(&stack));
+async fn a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate<P: Plane>(plane: &P) {
+    let gate = Arc::new(gate(plane));
     let org = org();
     let body: &'static [u8] = b"{\"id\":\"m-2\"}";
     let (started, finish) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
@@ -78,26 +81,20 @@ async fn a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_dup
     assert_eq!(concurrent, Ack::Dropped(DropReason::Duplicate));
     finish.add_permits(1);
     assert_eq!(first.await.expect("task"), Ack::Processed);
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch() {
-    let stack = stack().await;
-    let gate = gate(&stack);
+async fn the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch<P: Plane>(plane: &P) {
+    let gate = gate(plane);
     let org = org();
     let ok = || async { Ok::<Value, ProcessingError>(json!(1)) };
     assert_eq!(gate.handle(delivery(org, "d-3", b"{\"v\":1}"), ok).await, Ack::Processed);
     let changed = gate.handle(delivery(org, "d-3", b"{\"v\":2}"), || async { panic!("not safe to process") }).await;
     assert_eq!(changed, Ack::Dropped(DropReason::HashMismatch));
     assert_eq!(gate.drops().get(DropReason::HashMismatch), 1);
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_retryable_processing_failure_is_tried_again_in_process_and_never_released() {
-    let stack = stack().await;
-    let gate = gate(&stack);
+async fn a_retryable_processing_failure_is_tried_again_in_process_and_never_released<P: Plane>(plane: &P) {
+    let gate = gate(plane);
     let org = org();
     let body = b"{\"id\":\"m-4\"}";
     let tries = Arc::new(AtomicUsize::new(0));
@@ -119,29 +116,25 @@ async fn a_retryable_processing_failure_is_tried_again_in_process_and_never_rele
     assert_eq!(tries.load(Ordering::SeqCst), 3);
     let redelivered = gate.handle(delivery(org, "d-4", body), || async { panic!("processed once") }).await;
     assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate));
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn processing_that_keeps_failing_until_its_timeout_is_journaled_as_a_failure_with_a_drop_reason() {
-    let stack = stack().await;
-    let gate = gate(&stack).with_processing_timeout(std::time::Duration::from_millis(700)).unwrap();
+async fn processing_that_keeps_failing_until_its_timeout_is_journaled_as_a_failure_with_a_drop_reason<P: Plane>(
+    plane: &P,
+) {
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(700)).unwrap();
     let org = org();
     let failing = || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) };
     let ack = gate.handle(delivery(org, "d-4b", b"{}"), failing).await;
     assert_eq!(ack, Ack::Dropped(DropReason::ProcessingFailed));
     assert_eq!(ack.status(), 200, "recorded, never silently lost, and not a 5xx");
     assert_eq!(gate.drops().get(DropReason::ProcessingFailed), 1);
-    let stored: (String, Value) =
-        sqlx::query_as("select status, response from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(stored, ("completed".to_owned(), json!({"ok": false, "error": "downstream 503", "output": null})));
-    stack.stop().await.unwrap();
+    let stored = row(plane, org, "webhook.nylas", "d-4b").await;
+    let expected = json!({"ok": false, "error": "downstream 503", "output": null});
+    assert_eq!((stored.status, stored.response), (ClaimStatus::Completed, Some(expected)));
 }
 
-#[tokio::test]
-async fn a_permanent_processing_failure_is_stored_and_acked() {
-    let stack = stack().await;
-    let gate = gate(&stack);
+async fn a_permanent_processing_failure_is_stored_and_acked<P: Plane>(plane: &P) {
+    let gate = gate(plane);
     let org = org();
     let failed = gate
         .handle(delivery(org, "d-5", b"{}"), || async {
@@ -149,17 +142,13 @@ async fn a_permanent_processing_failure_is_stored_and_acked() {
         })
         .await;
     assert_eq!(failed, Ack::Processed);
-    let response: Value =
-        sqlx::query_scalar("select response from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(response, json!({"ok": false, "error": "unknown event type", "output": null}));
-    stack.stop().await.unwrap();
+    let response = row(plane, org, "webhook.nylas", "d-5").await.response;
+    assert_eq!(response, Some(json!({"ok": false, "error": "unknown event type", "output": null})));
 }
 
-#[tokio::test]
-async fn a_provider_callback_resolves_its_tenant_before_it_claims() {
-    let stack = stack().await;
-    let gate = gate(&stack);
-    let jobs = ProviderJobs::new(client(&stack));
+async fn a_provider_callback_resolves_its_tenant_before_it_claims<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let jobs = ProviderJobs::over(plane.jobs());
     let org = org();
     jobs.register(org, "transcribe", "job-42").await.unwrap();
     let callback = ProviderCallback {
@@ -176,19 +165,13 @@ async fn a_provider_callback_resolves_its_tenant_before_it_claims() {
         })
         .await;
     assert_eq!(ack, Ack::Processed);
-    let (claim_org, scope): (uuid::Uuid, String) =
-        sqlx::query_as("select organization_id, scope from agent.idempotency_keys")
-            .fetch_one(stack.db())
-            .await
-            .unwrap();
-    assert_eq!((claim_org, scope.as_str()), (org, "webhook.transcribe"));
-    stack.stop().await.unwrap();
+    let claim = row(plane, org, "webhook.transcribe", "evt-1").await;
+    assert_eq!((claim.organization_id, claim.scope.as_str()), (org, "webhook.transcribe"));
+    assert_eq!(plane.claims().await, 1, "the one claim, the tenant's");
 }
 
-#[tokio::test]
-async fn a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job() {
-    let stack = stack().await;
-    let gate = gate(&stack);
+async fn a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job<P: Plane>(plane: &P) {
+    let gate = gate(plane);
     let callback = ProviderCallback {
         provider: "transcribe",
         path_job_id: "job-nobody-started",
@@ -200,15 +183,12 @@ async fn a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job() {
     assert_eq!(ack, Ack::Dropped(DropReason::UnknownJob));
     assert_eq!(ack.status(), 200);
     assert_eq!(gate.drops().get(DropReason::UnknownJob), 1);
-    assert_eq!(count_rows(&stack).await, 0, "nothing claimed");
-    stack.stop().await.unwrap();
+    assert_eq!(plane.claims().await, 0, "nothing claimed");
 }
 
-#[tokio::test]
-async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch() {
-    let stack = stack().await;
-    let gate = gate(&stack);
-    ProviderJobs::new(client(&stack)).register(org(), "transcribe", "job-1").await.unwrap();
+async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    ProviderJobs::over(plane.jobs()).register(org(), "transcribe", "job-1").await.unwrap();
     let callback = ProviderCallback {
         provider: "transcribe",
         path_job_id: "job-1",
@@ -219,83 +199,20 @@ async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch() {
     let ack = gate.handle_provider_callback(callback, |_| async { panic!("mismatched job") }).await;
     assert_eq!(ack, Ack::Dropped(DropReason::JobMismatch));
     assert_eq!(gate.drops().get(DropReason::JobMismatch), 1);
-    assert_eq!(count_rows(&stack).await, 0);
-    stack.stop().await.unwrap();
+    assert_eq!(plane.claims().await, 0);
 }
 
-#[tokio::test]
-async fn the_axum_route_answers_a_redelivery_with_2xx_and_performs_nothing() {
-    let stack = stack().await;
-    let org = org();
-    ProviderJobs::new(client(&stack)).register(org, "transcribe", "job-7").await.unwrap();
-    let performed = Arc::new(AtomicUsize::new(0));
-    let counter = performed.clone();
-    let verify = |_provider: &str, headers: &axum::http::HeaderMap, _body: &axum::body::Bytes| {
-        headers.get("x-signature").is_some_and(|v| v == "valid")
-    };
-    let router = provider_callback_router(gate(&stack), verify, move |_job, _body| {
-        let counter = counter.clone();
-        async move {
-            counter.fetch_add(1, Ordering::SeqCst);
-            Ok(json!("stored"))
-        }
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/callbacks/transcribe/job-7", listener.local_addr().unwrap());
-    let server = tokio::spawn(async move { axum::serve(listener, router).await });
-
-    let http = reqwest::Client::new();
-    let send = |id: Option<&'static str>, body: &'static str| {
-        let mut request = http.post(&url).header("x-signature", "valid").body(body);
-        if let Some(id) = id {
-            request = request.header("webhook-id", id);
-        }
-        request.send()
-    };
-    let first = send(Some("evt-9"), r#"{"job_id":"job-7"}"#).await.unwrap();
-    assert_eq!(first.status(), 200);
-    assert_eq!(first.json::<Value>().await.unwrap(), json!({"ack": "processed"}));
-    let redelivery = send(Some("evt-9"), r#"{"job_id":"job-7"}"#).await.unwrap();
-    assert_eq!(redelivery.status(), 200);
-    assert_eq!(redelivery.json::<Value>().await.unwrap(), json!({"ack": "dropped", "drop_reason": "duplicate"}));
-    let mismatch = send(Some("evt-10"), r#"{"job_id":"job-8"}"#).await.unwrap();
-    assert_eq!(mismatch.json::<Value>().await.unwrap()["drop_reason"], "job_mismatch");
-    let anonymous = send(None, "{}").await.unwrap();
-    assert_eq!(anonymous.status(), 400, "no delivery id, nothing to dedupe on");
-    let numeric = send(Some("evt-11"), r#"{"job_id":8}"#).await.unwrap();
-    assert_eq!(numeric.json::<Value>().await.unwrap()["drop_reason"], "job_mismatch");
-    let rows_before_forgery = count_rows(&stack).await;
-    let forged = http
-        .post(&url)
-        .header("webhook-id", "evt-12")
-        .header("x-signature", "forged")
-        .body(r#"{"job_id":"job-7"}"#)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(forged.status(), 401);
-    assert_eq!(count_rows(&stack).await, rows_before_forgery, "a forged request claims nothing");
-    assert_eq!(performed.load(Ordering::SeqCst), 1, "the redelivery performed nothing");
-    server.abort();
-    stack.stop().await.unwrap();
-}
-
-#[tokio::test]
-async fn a_delivery_that_can_never_be_claimed_is_acked_as_invalid() {
-    let stack = stack().await;
-    let gate = gate(&stack);
+async fn a_delivery_that_can_never_be_claimed_is_acked_as_invalid<P: Plane>(plane: &P) {
+    let gate = gate(plane);
     let long_id = "d".repeat(600);
     let ack = gate.handle(delivery(org(), &long_id, b"{}"), || async { panic!("never claimed") }).await;
     assert_eq!(ack, Ack::Dropped(DropReason::InvalidDelivery));
     assert_eq!(ack.status(), 200, "redelivering it would never help");
     assert_eq!(gate.drops().get(DropReason::InvalidDelivery), 1);
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn processing_that_panics_or_overruns_is_journaled_as_aborted_never_released() {
-    let stack = stack().await;
-    let gate = gate(&stack).with_processing_timeout(std::time::Duration::from_millis(300)).unwrap();
+async fn processing_that_panics_or_overruns_is_journaled_as_aborted_never_released<P: Plane>(plane: &P) {
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(300)).unwrap();
     let org = org();
     let panicked = gate.handle(delivery(org, "d-6", b"{}"), || async { panic!("a bug in the handler") }).await;
     assert_eq!(panicked, Ack::Dropped(DropReason::ProcessingAborted));
@@ -307,37 +224,29 @@ async fn processing_that_panics_or_overruns_is_journaled_as_aborted_never_releas
         .await;
     assert_eq!(overran, Ack::Dropped(DropReason::ProcessingAborted));
     assert_eq!(gate.drops().get(DropReason::ProcessingAborted), 2);
-    let errors: Vec<Value> = sqlx::query_scalar(
-        "select response->'error' from agent.idempotency_keys where status = 'completed' order by key",
-    )
-    .fetch_all(stack.db())
-    .await
-    .unwrap();
+    let mut errors = Vec::new();
+    for key in ["d-6", "d-6b"] {
+        let stored = row(plane, org, "webhook.nylas", key).await;
+        assert_eq!(stored.status, ClaimStatus::Completed, "{key}");
+        errors.push(stored.response.expect("a journal")["error"].clone());
+    }
     assert_eq!(errors, vec![json!("processing_panicked"), json!("processing_timed_out")]);
     let redelivered = gate.handle(delivery(org, "d-6", b"{}"), || async { panic!("recorded once") }).await;
     assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate));
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_processing_output_above_the_store_limit_still_completes_the_delivery() {
-    let stack = stack().await;
-    let gate = WebhookGate::new(service(&stack).with_response_limit(1024), ProviderJobs::new(client(&stack)));
+async fn a_processing_output_above_the_store_limit_still_completes_the_delivery<P: Plane>(plane: &P) {
+    let gate = WebhookGate::new(service(plane).with_response_limit(1024), ProviderJobs::over(plane.jobs()));
     let org = org();
     let big = || async { Ok::<Value, ProcessingError>(json!({"rows": "x".repeat(4096)})) };
     assert_eq!(gate.handle(delivery(org, "d-big", b"{}"), big).await, Ack::Processed);
     let again = gate.handle(delivery(org, "d-big", b"{}"), || async { panic!("processed once") }).await;
     assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
-    let status: String =
-        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
-    assert_eq!(status, "completed");
-    stack.stop().await.unwrap();
+    assert_eq!(row(plane, org, "webhook.nylas", "d-big").await.status, ClaimStatus::Completed);
 }
 
-#[tokio::test]
-async fn a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_duplicate() {
-    let stack = stack().await;
-    let gate = gate(&stack);
+async fn a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_duplicate<P: Plane>(plane: &P) {
+    let gate = gate(plane);
     let org = org();
     let body = b"{\"type\":\"file.uploaded\",\"name\":\"a\\u0000b\"}";
     let performed = Arc::new(AtomicUsize::new(0));
@@ -346,44 +255,55 @@ async fn a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_du
     let process = counted(&performed, json!({"stored": parsed["name"]}));
 
     assert_eq!(gate.handle(delivery(org, "d-nul", body), process).await, Ack::Processed);
-    let stored: (String, Value) = sqlx::query_as("select status, response from agent.idempotency_keys")
-        .fetch_one(stack.db())
-        .await
-        .expect("the claim");
-    assert_eq!(stored.0, "completed", "journaled, not left processing");
-    assert_eq!(stored.1["ok"], json!(true));
-    assert_eq!(stored.1["output"], json!({"$json": "{\"stored\":\"a\\u0000b\"}"}), "stored whole, as its text");
+    let stored = row(plane, org, "webhook.nylas", "d-nul").await;
+    assert_eq!(stored.status, ClaimStatus::Completed, "journaled, not left processing");
+    let response = stored.response.expect("the journal");
+    assert_eq!(response["ok"], json!(true));
+    assert_eq!(response["output"], json!({"$json": "{\"stored\":\"a\\u0000b\"}"}), "stored whole, as its text");
     let again = gate.handle(delivery(org, "d-nul", body), counted(&performed, json!(null))).await;
     assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
     assert_eq!(performed.load(Ordering::SeqCst), 1, "processed once");
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_webhook_claim_carries_the_specs_30_second_lease() {
-    let stack = stack().await;
-    let gate = gate(&stack);
+async fn a_webhook_claim_carries_the_specs_30_second_lease<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let org = org();
     let ack =
-        gate.handle(delivery(org(), "d-lease", b"{}"), || async { Ok::<Value, ProcessingError>(json!("done")) }).await;
+        gate.handle(delivery(org, "d-lease", b"{}"), || async { Ok::<Value, ProcessingError>(json!("done")) }).await;
     assert_eq!(ack, Ack::Processed);
+    let stored = row(plane, org, "webhook.nylas", "d-lease").await;
     assert_eq!(
-        stored_lease_ms(&stack).await,
-        30_000.0,
+        (stored.lease_expires_at - stored.claimed_at).num_milliseconds(),
+        30_000,
         "webhook.nylas: lease 30 s (15 s processing, 10 s journal, 5 s margin)"
     );
-    stack.stop().await.unwrap();
 }
 
-#[tokio::test]
-async fn an_absurd_processing_timeout_is_refused_not_a_panic() {
-    let stack = stack().await;
+async fn an_absurd_processing_timeout_is_refused_not_a_panic<P: Plane>(plane: &P) {
     for timeout in [std::time::Duration::MAX, std::time::Duration::ZERO, std::time::Duration::from_secs(86_400)] {
-        assert!(gate(&stack).with_processing_timeout(timeout).is_err(), "{timeout:?}");
+        assert!(gate(plane).with_processing_timeout(timeout).is_err(), "{timeout:?}");
     }
-    assert!(gate(&stack).with_processing_timeout(std::time::Duration::from_secs(60)).is_ok());
+    assert!(gate(plane).with_processing_timeout(std::time::Duration::from_secs(60)).is_ok());
     assert!(
-        gate(&stack).with_processing_timeout(std::time::Duration::from_secs(400)).is_err(),
+        gate(plane).with_processing_timeout(std::time::Duration::from_secs(400)).is_err(),
         "a lease past the vendor's last redelivery (6 min)"
     );
-    stack.stop().await.unwrap();
 }
+
+on_every_plane!(
+    a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing,
+    a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate,
+    the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch,
+    a_retryable_processing_failure_is_tried_again_in_process_and_never_released,
+    processing_that_keeps_failing_until_its_timeout_is_journaled_as_a_failure_with_a_drop_reason,
+    a_permanent_processing_failure_is_stored_and_acked,
+    a_provider_callback_resolves_its_tenant_before_it_claims,
+    a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job,
+    a_callback_whose_body_names_another_job_is_acked_as_job_mismatch,
+    a_delivery_that_can_never_be_claimed_is_acked_as_invalid,
+    processing_that_panics_or_overruns_is_journaled_as_aborted_never_released,
+    a_processing_output_above_the_store_limit_still_completes_the_delivery,
+    a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_duplicate,
+    a_webhook_claim_carries_the_specs_30_second_lease,
+    an_absurd_processing_timeout_is_refused_not_a_panic,
+);

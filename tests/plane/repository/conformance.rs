@@ -4,60 +4,15 @@
 //! disagrees with the database fails here, next to the same case on the
 //! real stack.
 
-use std::future::Future;
 use std::time::Duration;
 
-use idempotency_plane::repo::{
-    ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs, ExpiredClaims,
-    ProviderJobRepository, RunRepository,
-};
-use idempotency_plane::{ClientError, Error, IdempotencyRepository, MemoryRepository};
+use idempotency_plane::repo::{ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs};
+use idempotency_plane::{ClientError, Error};
 use serde_json::json;
 use uuid::Uuid;
 
+use crate::support::backends::{Backend, TimeTravel};
 use crate::support::LEASE;
-
-/// Moves time for a backend, the way each can.
-pub(crate) trait TimeTravel {
-    /// Puts a claim's lease in the past, as if it had passed.
-    fn pass_lease(&self, claim_id: Uuid) -> impl Future<Output = ()>;
-    /// Puts every claim `by` further in the past.
-    fn age(&self, by: Duration) -> impl Future<Output = ()>;
-}
-
-impl TimeTravel for MemoryRepository {
-    async fn pass_lease(&self, claim_id: Uuid) {
-        MemoryRepository::pass_lease(self, claim_id);
-    }
-
-    async fn age(&self, by: Duration) {
-        self.advance(by);
-    }
-}
-
-#[cfg(feature = "local")]
-impl TimeTravel for idempotency_plane::local::LocalStack {
-    async fn pass_lease(&self, claim_id: Uuid) {
-        crate::support::harness::pass_lease(self, claim_id).await;
-    }
-
-    async fn age(&self, by: Duration) {
-        sqlx::query(
-            "update agent.idempotency_keys
-                set claimed_at = claimed_at - $1::interval,
-                    lease_expires_at = lease_expires_at - $1::interval,
-                    retain_until = retain_until - $1::interval",
-        )
-        .bind(format!("{} milliseconds", by.as_millis()))
-        .execute(self.db())
-        .await
-        .expect("move every claim back");
-    }
-}
-
-/// Every repository trait, as the conformance cases need them.
-pub(crate) trait Backend: IdempotencyRepository + ExpiredClaims + RunRepository + ProviderJobRepository {}
-impl<T: IdempotencyRepository + ExpiredClaims + RunRepository + ProviderJobRepository> Backend for T {}
 
 /// The hash of `{"content": content}`, as the repository takes it.
 fn hash_text(content: &str) -> String {

@@ -23,3 +23,5 @@ mod sql_sweep;
 mod supabase_paths;
 mod surface;
 mod sweeper;
+mod tool;
+mod webhook;

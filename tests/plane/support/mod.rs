@@ -1,4 +1,6 @@
-//! The helpers the other folders share: a fault-injecting repository
+//! The helpers the other folders share: the backends generic cases run
+//! on (`backends`: the in-memory plane always, a local stack with feature
+//! `local`), a fault-injecting repository
 //! (`faults`), an HTTP proxy that delays or drops chosen RPC answers
 //! (`proxy`), retry policies, canned claim rows and raw TCP fault servers
 //! (`transport`), and one fresh local stack per test with ways to look
@@ -12,6 +14,7 @@
 // Some of these serve only modules that need feature `local`.
 #![cfg_attr(not(feature = "local"), allow(dead_code))]
 
+pub mod backends;
 pub mod faults;
 #[cfg(feature = "local")]
 pub mod harness;
