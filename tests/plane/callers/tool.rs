@@ -13,7 +13,7 @@ use std::time::Duration;
 use idempotency_plane::callers::tool::{
     Checkpoint, RepeatSafety, RetryHorizon, ToolError, ToolGuard, ToolKey, ToolResult, ToolRun, ToolSpec,
 };
-use idempotency_plane::repo::{ClaimStatus, ExpiredClaims};
+use idempotency_plane::repo::ClaimStatus;
 use idempotency_plane::service::Elided;
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -271,7 +271,7 @@ async fn a_tool_claim_survives_a_run_that_waited_on_an_approval_for_longer_than_
     // The Run waits on an approval for 29 days (max_run_duration is capped at
     // 30); then a restarted segment replays this step.
     plane.age(Duration::from_secs(29 * 86_400)).await;
-    let expired = plane.repository().expired(100).await.unwrap();
+    let expired = plane.expired(100).await;
     assert!(expired.is_empty(), "a sweep would not touch it: {expired:?}");
 
     let replay =

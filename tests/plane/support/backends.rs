@@ -9,16 +9,14 @@
 
 use std::fmt::Debug;
 use std::future::Future;
-use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_plane::repo::{
-    ClaimCall, ClaimRequest, ClaimRow, CompletionArgs, ExpiredClaim, ExpiredClaims, IdempotencyRecord, ProviderJob,
-    ProviderJobRepository, RunRepository,
-};
+use idempotency_plane::repo::{ExpiredClaim, ExpiredClaims, ProviderJob, ProviderJobRepository, RunRepository};
 use idempotency_plane::{Error, IdempotencyRepository, MemoryRepository};
 use uuid::Uuid;
+
+use crate::support::faults::Faulty;
 
 /// Moves time for a backend, the way each can.
 pub(crate) trait TimeTravel {
@@ -67,7 +65,7 @@ impl<T: IdempotencyRepository + ExpiredClaims + RunRepository + ProviderJobRepos
 /// count of its claims.
 pub(crate) trait Plane: TimeTravel + Sync {
     /// The claim store; its clones share it.
-    type Repo: IdempotencyRepository + ExpiredClaims + Clone + Debug + 'static;
+    type Repo: IdempotencyRepository + Clone + Debug + 'static;
     /// The provider-job directory; its clones share it.
     type Jobs: ProviderJobRepository + Clone + Debug + 'static;
     /// A handle to the claim store.
@@ -76,53 +74,31 @@ pub(crate) trait Plane: TimeTravel + Sync {
     fn jobs(&self) -> Self::Jobs;
     /// Claims held now, completed or not, of every organization.
     fn claims(&self) -> impl Future<Output = u64> + Send;
+    /// Up to `bound` claims past their retention, oldest first, as a
+    /// sweeper reads them.
+    fn expired(&self, bound: u64) -> impl Future<Output = Vec<ExpiredClaim>> + Send;
 }
 
-/// The in-memory plane: one [`MemoryRepository`] behind an `Arc`, so
-/// services, gates and the test share it.
+/// The in-memory plane: one claim store behind a [`Faulty`] wrapper with no
+/// fault set (its clones share the store, as a database's clients do) and
+/// one provider-job directory.
+#[derive(Debug, Clone)]
+pub(crate) struct OnMemory {
+    claims: Faulty<MemoryRepository>,
+    jobs: MemoryJobs,
+}
+
+impl Default for OnMemory {
+    fn default() -> Self {
+        OnMemory { claims: Faulty::new(MemoryRepository::new()), jobs: MemoryJobs::default() }
+    }
+}
+
+/// An in-memory provider-job directory; its clones share it.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct OnMemory(Arc<MemoryRepository>);
+pub(crate) struct MemoryJobs(Arc<MemoryRepository>);
 
-impl Deref for OnMemory {
-    type Target = MemoryRepository;
-
-    fn deref(&self) -> &MemoryRepository {
-        &self.0
-    }
-}
-
-impl IdempotencyRepository for OnMemory {
-    async fn claim(&self, call: &ClaimCall<'_>) -> Result<ClaimRow, Error> {
-        self.0.claim(call).await
-    }
-
-    async fn try_claim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
-        self.0.try_claim(request).await
-    }
-
-    async fn reclaim(&self, request: &ClaimRequest<'_>) -> Result<Option<IdempotencyRecord>, Error> {
-        self.0.reclaim(request).await
-    }
-
-    async fn get(&self, organization_id: Uuid, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, Error> {
-        self.0.get(organization_id, scope, key).await
-    }
-
-    async fn complete(
-        &self,
-        claim_id: Uuid,
-        lease_token: Uuid,
-        completion: CompletionArgs<'_>,
-    ) -> Result<Option<IdempotencyRecord>, Error> {
-        self.0.complete(claim_id, lease_token, completion).await
-    }
-
-    async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
-        self.0.release(claim_id, lease_token).await
-    }
-}
-
-impl ProviderJobRepository for OnMemory {
+impl ProviderJobRepository for MemoryJobs {
     async fn register(&self, organization_id: Uuid, provider: &str, job_id: &str) -> Result<ProviderJob, Error> {
         self.0.register(organization_id, provider, job_id).await
     }
@@ -132,44 +108,34 @@ impl ProviderJobRepository for OnMemory {
     }
 }
 
-impl ExpiredClaims for OnMemory {
-    fn max_bound(&self) -> u64 {
-        self.0.max_bound()
-    }
-
-    async fn expired(&self, bound: u64) -> Result<Vec<ExpiredClaim>, Error> {
-        self.0.expired(bound).await
-    }
-
-    async fn delete_expired(&self, ids: &[Uuid]) -> Result<u64, Error> {
-        self.0.delete_expired(ids).await
-    }
-}
-
 impl TimeTravel for OnMemory {
     async fn pass_lease(&self, claim_id: Uuid) {
-        MemoryRepository::pass_lease(&self.0, claim_id);
+        self.claims.inner().pass_lease(claim_id);
     }
 
     async fn age(&self, by: Duration) {
-        self.0.advance(by);
+        self.claims.inner().advance(by);
     }
 }
 
 impl Plane for OnMemory {
-    type Repo = OnMemory;
-    type Jobs = OnMemory;
+    type Repo = Faulty<MemoryRepository>;
+    type Jobs = MemoryJobs;
 
-    fn repository(&self) -> OnMemory {
-        self.clone()
+    fn repository(&self) -> Self::Repo {
+        self.claims.clone()
     }
 
-    fn jobs(&self) -> OnMemory {
-        self.clone()
+    fn jobs(&self) -> MemoryJobs {
+        self.jobs.clone()
     }
 
     async fn claims(&self) -> u64 {
-        self.0.len() as u64
+        self.claims.inner().len() as u64
+    }
+
+    async fn expired(&self, bound: u64) -> Vec<ExpiredClaim> {
+        self.claims.inner().expired(bound).await.expect("expired claims")
     }
 }
 
@@ -188,5 +154,9 @@ impl Plane for idempotency_plane::local::LocalStack {
 
     async fn claims(&self) -> u64 {
         crate::support::harness::count_rows(self).await as u64
+    }
+
+    async fn expired(&self, bound: u64) -> Vec<ExpiredClaim> {
+        self.repository().expired(bound).await.expect("expired claims")
     }
 }
