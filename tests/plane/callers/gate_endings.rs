@@ -2,7 +2,7 @@
 //! the in-memory repository wrapped in [`Faulty`]: a claim or a journal
 //! whose answer was lost after it committed is carried to one processing
 //! and one journal. (The random run on the real stack is in
-//! `stack::random_endings`.)
+//! `stack::callers_under_faults`.)
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
