@@ -6,20 +6,21 @@
 
 #![cfg(feature = "local")]
 
-#[path = "../plane/harness.rs"]
-#[allow(dead_code)]
-mod harness;
+#[path = "../plane/support/mod.rs"]
+// The whole support module, for its harness; most of it serves `plane` only.
+#[allow(dead_code, unused_imports)]
+mod support;
 
 use std::sync::{Mutex, OnceLock};
 use std::thread::ThreadId;
 use std::time::Duration;
 
-use harness::*;
 use idempotency_plane::callers::tool::{
     Checkpoint, RepeatSafety, RetryHorizon, ToolGuard, ToolKey, ToolResult, ToolSpec,
 };
 use idempotency_plane::sweeper::Sweeper;
 use serde_json::json;
+use support::harness::*;
 use tracing_subscriber::layer::SubscriberExt;
 use uuid::Uuid;
 

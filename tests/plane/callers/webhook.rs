@@ -1,0 +1,309 @@
+//! The webhook gate's and provider callbacks' decisions, each case written
+//! once over any [`Plane`] and run on the in-memory repository and, with
+//! feature `local`, on the stack: duplicates and hash mismatches acked with
+//! their reasons, failures tried again in process or journaled (never
+//! released), callbacks resolved to their tenant before any claim, and the
+//! lease and timeouts a gate takes.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use idempotency_plane::callers::webhook::{
+    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, WebhookGate,
+};
+use idempotency_plane::repo::ClaimStatus;
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+use super::{row, service};
+use crate::support::backends::Plane;
+use crate::support::org;
+
+/// A gate over the plane, its job directory the plane's.
+pub(crate) fn gate<P: Plane>(plane: &P) -> WebhookGate<P::Repo, P::Jobs> {
+    WebhookGate::new(service(plane), ProviderJobs::new(plane.jobs()))
+}
+
+/// A `webhook.nylas` delivery.
+fn delivery<'a>(org: uuid::Uuid, id: &'a str, body: &'a [u8]) -> Delivery<'a> {
+    Delivery { organization_id: org, scope: "webhook.nylas", delivery_id: id, body }
+}
+
+/// Processing that counts its runs in `runs` and answers `output`.
+pub(crate) fn counted(
+    runs: &Arc<AtomicUsize>,
+    output: Value,
+) -> impl Fn() -> std::future::Ready<Result<Value, ProcessingError>> + Send + Sync + 'static {
+    let runs = runs.clone();
+    move || {
+        runs.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok(output.clone()))
+    }
+}
+
+async fn a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let org = org();
+    let body = br#"{"type":"message.created","id":"m-1"}"#;
+    let performed = Arc::new(AtomicUsize::new(0));
+    let process = counted(&performed, json!({"stored": "m-1"}));
+
+    assert_eq!(gate.handle(delivery(org, "d-1", body), process).await, Ack::Processed);
+    let again = gate.handle(delivery(org, "d-1", body), counted(&performed, json!(null))).await;
+    assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
+    assert_eq!(again.status(), 200, "a duplicate is an ACK, never a 5xx");
+    assert_eq!(performed.load(Ordering::SeqCst), 1);
+    assert_eq!(gate.drops().get(DropReason::Duplicate), 1);
+}
+
+async fn a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate<P: Plane>(plane: &P) {
+    let gate = Arc::new(gate(plane));
+    let org = org();
+    let body: &'static [u8] = b"{\"id\":\"m-2\"}";
+    let (started, finish) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+
+    let first = {
+        let (gate, started, finish) = (gate.clone(), started.clone(), finish.clone());
+        tokio::spawn(async move {
+            gate.handle(delivery(org, "d-2", body), move || {
+                let (started, finish) = (started.clone(), finish.clone());
+                async move {
+                    started.add_permits(1);
+                    finish.acquire().await.expect("gate").forget();
+                    Ok::<Value, ProcessingError>(json!("done"))
+                }
+            })
+            .await
+        })
+    };
+    started.acquire().await.expect("first started").forget();
+    let concurrent = gate.handle(delivery(org, "d-2", body), || async { panic!("must not process twice") }).await;
+    assert_eq!(concurrent, Ack::Dropped(DropReason::Duplicate));
+    finish.add_permits(1);
+    assert_eq!(first.await.expect("task"), Ack::Processed);
+}
+
+async fn the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let org = org();
+    let ok = || async { Ok::<Value, ProcessingError>(json!(1)) };
+    assert_eq!(gate.handle(delivery(org, "d-3", b"{\"v\":1}"), ok).await, Ack::Processed);
+    let changed = gate.handle(delivery(org, "d-3", b"{\"v\":2}"), || async { panic!("not safe to process") }).await;
+    assert_eq!(changed, Ack::Dropped(DropReason::HashMismatch));
+    assert_eq!(gate.drops().get(DropReason::HashMismatch), 1);
+}
+
+async fn a_retryable_processing_failure_is_tried_again_in_process_and_never_released<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let org = org();
+    let body = b"{\"id\":\"m-4\"}";
+    let tries = Arc::new(AtomicUsize::new(0));
+    let flaky = {
+        let tries = tries.clone();
+        move || {
+            let failed_before = tries.fetch_add(1, Ordering::SeqCst) < 2;
+            async move {
+                if failed_before {
+                    Err::<Value, _>(ProcessingError::retryable("downstream 503"))
+                } else {
+                    Ok(json!("ok"))
+                }
+            }
+        }
+    };
+    let ack = gate.handle(delivery(org, "d-4", body), flaky).await;
+    assert_eq!(ack, Ack::Processed, "two retryable failures, then success, within one delivery");
+    assert_eq!(tries.load(Ordering::SeqCst), 3);
+    let redelivered = gate.handle(delivery(org, "d-4", body), || async { panic!("processed once") }).await;
+    assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate));
+}
+
+async fn processing_that_keeps_failing_until_its_timeout_is_journaled_as_a_failure_with_a_drop_reason<P: Plane>(
+    plane: &P,
+) {
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(700)).unwrap();
+    let org = org();
+    let failing = || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) };
+    let ack = gate.handle(delivery(org, "d-4b", b"{}"), failing).await;
+    assert_eq!(ack, Ack::Dropped(DropReason::ProcessingFailed));
+    assert_eq!(ack.status(), 200, "recorded, never silently lost, and not a 5xx");
+    assert_eq!(gate.drops().get(DropReason::ProcessingFailed), 1);
+    let stored = row(plane, org, "webhook.nylas", "d-4b").await;
+    let expected = json!({"ok": false, "error": "downstream 503", "output": null});
+    assert_eq!((stored.status, stored.response), (ClaimStatus::Completed, Some(expected)));
+}
+
+async fn a_permanent_processing_failure_is_stored_and_acked<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let org = org();
+    let failed = gate
+        .handle(delivery(org, "d-5", b"{}"), || async {
+            Err::<Value, _>(ProcessingError::permanent("unknown event type"))
+        })
+        .await;
+    assert_eq!(failed, Ack::Processed);
+    let response = row(plane, org, "webhook.nylas", "d-5").await.response;
+    assert_eq!(response, Some(json!({"ok": false, "error": "unknown event type", "output": null})));
+}
+
+async fn a_provider_callback_resolves_its_tenant_before_it_claims<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let jobs = ProviderJobs::new(plane.jobs());
+    let org = org();
+    jobs.register(org, "transcribe", "job-42").await.unwrap();
+    let callback = ProviderCallback {
+        provider: "transcribe",
+        path_job_id: "job-42",
+        body_job_id: Some("job-42"),
+        delivery_id: "evt-1",
+        body: b"{\"job_id\":\"job-42\",\"status\":\"done\"}",
+    };
+    let ack = gate
+        .handle_provider_callback(callback, move |job| async move {
+            assert_eq!(job.organization_id, org);
+            Ok::<Value, ProcessingError>(json!("stored transcript"))
+        })
+        .await;
+    assert_eq!(ack, Ack::Processed);
+    let claim = row(plane, org, "webhook.transcribe", "evt-1").await;
+    assert_eq!((claim.organization_id, claim.scope.as_str()), (org, "webhook.transcribe"));
+    assert_eq!(plane.claims().await, 1, "the one claim, the tenant's");
+}
+
+async fn a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let callback = ProviderCallback {
+        provider: "transcribe",
+        path_job_id: "job-nobody-started",
+        body_job_id: None,
+        delivery_id: "evt-2",
+        body: b"{}",
+    };
+    let ack = gate.handle_provider_callback(callback, |_| async { panic!("no tenant, no processing") }).await;
+    assert_eq!(ack, Ack::Dropped(DropReason::UnknownJob));
+    assert_eq!(ack.status(), 200);
+    assert_eq!(gate.drops().get(DropReason::UnknownJob), 1);
+    assert_eq!(plane.claims().await, 0, "nothing claimed");
+}
+
+async fn a_callback_whose_body_names_another_job_is_acked_as_job_mismatch<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    ProviderJobs::new(plane.jobs()).register(org(), "transcribe", "job-1").await.unwrap();
+    let callback = ProviderCallback {
+        provider: "transcribe",
+        path_job_id: "job-1",
+        body_job_id: Some("job-2"),
+        delivery_id: "evt-3",
+        body: b"{\"job_id\":\"job-2\"}",
+    };
+    let ack = gate.handle_provider_callback(callback, |_| async { panic!("mismatched job") }).await;
+    assert_eq!(ack, Ack::Dropped(DropReason::JobMismatch));
+    assert_eq!(gate.drops().get(DropReason::JobMismatch), 1);
+    assert_eq!(plane.claims().await, 0);
+}
+
+async fn a_delivery_that_can_never_be_claimed_is_acked_as_invalid<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let long_id = "d".repeat(600);
+    let ack = gate.handle(delivery(org(), &long_id, b"{}"), || async { panic!("never claimed") }).await;
+    assert_eq!(ack, Ack::Dropped(DropReason::InvalidDelivery));
+    assert_eq!(ack.status(), 200, "redelivering it would never help");
+    assert_eq!(gate.drops().get(DropReason::InvalidDelivery), 1);
+}
+
+async fn processing_that_panics_or_overruns_is_journaled_as_aborted_never_released<P: Plane>(plane: &P) {
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(300)).unwrap();
+    let org = org();
+    let panicked = gate.handle(delivery(org, "d-6", b"{}"), || async { panic!("a bug in the handler") }).await;
+    assert_eq!(panicked, Ack::Dropped(DropReason::ProcessingAborted));
+    let overran = gate
+        .handle(delivery(org, "d-6b", b"{}"), || async {
+            tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+            Ok::<Value, ProcessingError>(json!("late"))
+        })
+        .await;
+    assert_eq!(overran, Ack::Dropped(DropReason::ProcessingAborted));
+    assert_eq!(gate.drops().get(DropReason::ProcessingAborted), 2);
+    let mut errors = Vec::new();
+    for key in ["d-6", "d-6b"] {
+        let stored = row(plane, org, "webhook.nylas", key).await;
+        assert_eq!(stored.status, ClaimStatus::Completed, "{key}");
+        errors.push(stored.response.expect("a journal")["error"].clone());
+    }
+    assert_eq!(errors, vec![json!("processing_panicked"), json!("processing_timed_out")]);
+    let redelivered = gate.handle(delivery(org, "d-6", b"{}"), || async { panic!("recorded once") }).await;
+    assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate));
+}
+
+async fn a_processing_output_above_the_store_limit_still_completes_the_delivery<P: Plane>(plane: &P) {
+    let gate = WebhookGate::new(service(plane).with_response_limit(1024), ProviderJobs::new(plane.jobs()));
+    let org = org();
+    let big = || async { Ok::<Value, ProcessingError>(json!({"rows": "x".repeat(4096)})) };
+    assert_eq!(gate.handle(delivery(org, "d-big", b"{}"), big).await, Ack::Processed);
+    let again = gate.handle(delivery(org, "d-big", b"{}"), || async { panic!("processed once") }).await;
+    assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
+    assert_eq!(row(plane, org, "webhook.nylas", "d-big").await.status, ClaimStatus::Completed);
+}
+
+async fn a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_duplicate<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let org = org();
+    let body = b"{\"type\":\"file.uploaded\",\"name\":\"a\\u0000b\"}";
+    let performed = Arc::new(AtomicUsize::new(0));
+    // Processing echoes what it stored, NUL included: jsonb cannot hold it.
+    let parsed: Value = serde_json::from_slice(body).expect("the body is JSON");
+    let process = counted(&performed, json!({"stored": parsed["name"]}));
+
+    assert_eq!(gate.handle(delivery(org, "d-nul", body), process).await, Ack::Processed);
+    let stored = row(plane, org, "webhook.nylas", "d-nul").await;
+    assert_eq!(stored.status, ClaimStatus::Completed, "journaled, not left processing");
+    let response = stored.response.expect("the journal");
+    assert_eq!(response["ok"], json!(true));
+    assert_eq!(response["output"], json!({"$json": "{\"stored\":\"a\\u0000b\"}"}), "stored whole, as its text");
+    let again = gate.handle(delivery(org, "d-nul", body), counted(&performed, json!(null))).await;
+    assert_eq!(again, Ack::Dropped(DropReason::Duplicate));
+    assert_eq!(performed.load(Ordering::SeqCst), 1, "processed once");
+}
+
+async fn a_webhook_claim_carries_the_specs_30_second_lease<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let org = org();
+    let ack =
+        gate.handle(delivery(org, "d-lease", b"{}"), || async { Ok::<Value, ProcessingError>(json!("done")) }).await;
+    assert_eq!(ack, Ack::Processed);
+    let stored = row(plane, org, "webhook.nylas", "d-lease").await;
+    assert_eq!(
+        (stored.lease_expires_at - stored.claimed_at).num_milliseconds(),
+        30_000,
+        "webhook.nylas: lease 30 s (15 s processing, 10 s journal, 5 s margin)"
+    );
+}
+
+async fn an_absurd_processing_timeout_is_refused_not_a_panic<P: Plane>(plane: &P) {
+    for timeout in [std::time::Duration::MAX, std::time::Duration::ZERO, std::time::Duration::from_secs(86_400)] {
+        assert!(gate(plane).with_processing_timeout(timeout).is_err(), "{timeout:?}");
+    }
+    assert!(gate(plane).with_processing_timeout(std::time::Duration::from_secs(60)).is_ok());
+    assert!(
+        gate(plane).with_processing_timeout(std::time::Duration::from_secs(400)).is_err(),
+        "a lease past the vendor's last redelivery (6 min)"
+    );
+}
+
+on_every_plane!(
+    a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing,
+    a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate,
+    the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch,
+    a_retryable_processing_failure_is_tried_again_in_process_and_never_released,
+    processing_that_keeps_failing_until_its_timeout_is_journaled_as_a_failure_with_a_drop_reason,
+    a_permanent_processing_failure_is_stored_and_acked,
+    a_provider_callback_resolves_its_tenant_before_it_claims,
+    a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job,
+    a_callback_whose_body_names_another_job_is_acked_as_job_mismatch,
+    a_delivery_that_can_never_be_claimed_is_acked_as_invalid,
+    processing_that_panics_or_overruns_is_journaled_as_aborted_never_released,
+    a_processing_output_above_the_store_limit_still_completes_the_delivery,
+    a_delivery_whose_body_holds_nul_is_journaled_and_its_redelivery_is_a_duplicate,
+    a_webhook_claim_carries_the_specs_30_second_lease,
+    an_absurd_processing_timeout_is_refused_not_a_panic,
+);

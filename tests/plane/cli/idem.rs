@@ -1,0 +1,397 @@
+//! The `idem` binary, run as a user runs it.
+
+use std::process::Command;
+use std::time::Duration;
+
+#[test]
+fn idem_demo_runs_every_effect_exactly_once_and_exits_zero() {
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["demo", "--workers", "8", "--keys", "12", "--calls-per-key", "3"])
+        .env_remove("IDEM_POSTGREST_URL")
+        .env_remove("SUPABASE_URL")
+        .output()
+        .expect("run idem demo");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "idem demo failed ({:?}):\n{stdout}\n{stderr}", output.status.code());
+    assert!(stdout.contains("every effect happened exactly once"), "{stdout}");
+    assert!(stdout.contains("LeaseMovedOn"), "the stalled worker was fenced off: {stdout}");
+    assert!(!stdout.lines().any(|l| l.trim_start().starts_with("FAIL")), "{stdout}");
+}
+
+#[test]
+fn idem_demo_stays_on_the_local_stack_when_a_deployment_is_exported() {
+    // A deployment named in the environment (here one nobody answers at) is
+    // not reason enough to write into it: only --remote is.
+    let unreachable = crate::support::transport::RefusedPort::new();
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["demo", "--workers", "4", "--keys", "4", "--calls-per-key", "2"])
+        .env("SUPABASE_URL", unreachable.url())
+        .env("IDEM_POSTGREST_URL", format!("{}/rest/v1", unreachable.url()))
+        .env("SUPABASE_SECRET_KEY", "sb_secret_never_sent")
+        .output()
+        .expect("run idem demo");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "idem demo failed ({:?}):\n{stdout}\n{stderr}", output.status.code());
+    assert!(stdout.contains("idem demo on the embedded local stack"), "{stdout}");
+    assert!(stdout.contains("every effect happened exactly once"), "{stdout}");
+}
+
+#[test]
+fn idem_demo_remote_without_a_deployment_names_what_to_set() {
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["demo", "--remote"])
+        .env_remove("IDEM_POSTGREST_URL")
+        .env_remove("SUPABASE_URL")
+        .output()
+        .expect("run idem demo --remote");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "a configuration error, found before any request: {stderr}");
+    assert!(stderr.contains("IDEM_POSTGREST_URL") && stderr.contains("SUPABASE_SECRET_KEY"), "{stderr}");
+}
+
+/// Runs `idem <args>` against the plane at `url` with `key`, told the row cap
+/// `max_rows` when given; killed if it runs past two minutes.
+async fn idem(url: &str, key: &str, max_rows: Option<u32>, args: &[&str]) -> std::process::Output {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+    command
+        .args(args)
+        .env_remove("SUPABASE_URL")
+        .env("IDEM_POSTGREST_URL", url)
+        .env("IDEM_SERVICE_KEY", key)
+        .kill_on_drop(true);
+    match max_rows {
+        Some(rows) => command.env("IDEM_MAX_ROWS", rows.to_string()),
+        None => command.env_remove("IDEM_MAX_ROWS"),
+    };
+    crate::support::harness::within(Duration::from_secs(120), "idem", command.output()).await.expect("run idem")
+}
+
+/// Runs `idem <args>` with `input` on stdin, against the plane at `url`.
+async fn claim_with_stdin(url: &str, key: &str, args: &[&str], input: &str) -> std::process::Output {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env_remove("SUPABASE_URL")
+        .env("IDEM_POSTGREST_URL", url)
+        .env("IDEM_SERVICE_KEY", key)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn idem");
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(input.as_bytes()).await.expect("write stdin");
+    drop(stdin);
+    crate::support::harness::within(Duration::from_secs(120), "idem", child.wait_with_output()).await.expect("run idem")
+}
+
+#[tokio::test]
+async fn idem_claim_only_reads_unless_told_to_hold_and_takes_the_plane_from_flags() {
+    let stack = crate::support::harness::stack().await;
+    let org = uuid::Uuid::new_v4().to_string();
+    let base = ["--org", org.as_str(), "--scope", "tool.email.send", "--key", "k-1"];
+    let flags = ["--url", stack.url(), "--service-key", stack.service_key()];
+    let with = |extra: &[&'static str]| -> Vec<String> {
+        let mut args = vec!["claim".to_owned()];
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        args.extend(base.iter().chain(flags.iter()).map(|a| (*a).to_owned()));
+        args
+    };
+    let run = |args: Vec<String>| async move {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        // The environment names no plane: the flags alone do.
+        claim_with_stdin("", "", &refs, r#"{"to":"a@example.com"}"#).await
+    };
+    let line = |output: &std::process::Output| -> serde_json::Value {
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        serde_json::from_str(stdout(output).trim()).expect("one JSON line")
+    };
+    let asked = line(&run(with(&[])).await);
+    assert_eq!((asked["outcome"].as_str(), asked["would_run"].as_bool()), (Some("absent"), Some(true)), "{asked}");
+    // Asking wrote nothing: the first real claim takes the key, and holds it.
+    let held = line(&run(with(&["--hold"])).await);
+    assert_eq!((held["outcome"].as_str(), held["held"].as_bool()), (Some("claimed"), Some(true)), "{held}");
+    let asked = line(&run(with(&[])).await);
+    assert_eq!(asked["outcome"].as_str(), Some("processing"), "{asked}");
+    assert_eq!(crate::support::harness::count_rows(&stack).await, 1);
+    stack.stop().await.unwrap();
+}
+
+fn stdout(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn idem_doctor_passes_on_a_healthy_plane_and_names_what_is_wrong_otherwise() {
+    let stack =
+        crate::support::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(50))
+            .await;
+    let (url, key) = (stack.url(), stack.service_key());
+
+    let healthy = idem(url, key, Some(50), &["doctor"]).await;
+    let out = stdout(&healthy);
+    assert!(healthy.status.success(), "{out}");
+    assert!(out.contains("all checks passed"), "{out}");
+    assert!(out.contains("ok    idempotency_try_claim"), "{out}");
+    assert!(out.contains("truncates at 50 rows, as configured"), "{out}");
+
+    // Told a cap the server does not have.
+    let mismatch = idem(url, key, Some(80), &["doctor"]).await;
+    let out = stdout(&mismatch);
+    assert!(!mismatch.status.success(), "{out}");
+    assert!(out.contains("FAIL  row cap: the server truncates at 50 rows, below the configured 80"), "{out}");
+
+    // A key whose role cannot execute the functions.
+    let wrong_role = idem(url, &stack.token_for("anon"), None, &["doctor"]).await;
+    let out = stdout(&wrong_role);
+    assert!(!wrong_role.status.success(), "{out}");
+    assert!(out.contains("FAIL  reachable: the key's role may not execute the plane's functions"), "{out}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_sweep_reports_backlog_until_drained_and_refuses_a_bound_above_the_cap() {
+    let stack =
+        crate::support::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(10))
+            .await;
+    crate::support::harness::expired_rows(&stack, 25).await;
+    let (url, key) = (stack.url(), stack.service_key());
+
+    let refused = idem(url, key, Some(10), &["sweep", "--bound", "11"]).await;
+    assert_eq!(refused.status.code(), Some(2), "refused before any request: a usage error");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("db-max-rows") && stderr.contains("PGRST_DB_MAX_ROWS"), "{stderr}");
+    assert_eq!(crate::support::harness::count_rows(&stack).await, 25, "a refused bound deletes nothing");
+
+    let mut codes = Vec::new();
+    let mut reports = Vec::new();
+    for _ in 0..4 {
+        let pass = idem(url, key, Some(10), &["sweep", "--json"]).await;
+        codes.push(pass.status.code());
+        let report: serde_json::Value = serde_json::from_str(stdout(&pass).trim()).expect("one JSON report");
+        reports.push((report["read"].as_u64(), report["deleted"].as_u64(), report["filled"].as_bool()));
+    }
+    assert_eq!(codes, [Some(3), Some(3), Some(0), Some(0)], "3 = backlog");
+    assert_eq!(
+        reports,
+        [
+            (Some(10), Some(10), Some(true)),
+            (Some(10), Some(10), Some(true)),
+            (Some(5), Some(5), Some(false)),
+            (Some(0), Some(0), Some(false))
+        ]
+    );
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_get_explains_a_claim_by_the_database_clock() {
+    use crate::support::harness::*;
+    let stack = stack().await;
+    let org = org();
+    let claim = claimed(service(&stack).claim(org, "tool.email.send", "run-1:step-2", &hash("x"), LEASE).await);
+    pass_lease(&stack, claim.id()).await;
+    let args = ["get", "--org", &org.to_string(), "--scope", "tool.email.send", "--key", "run-1:step-2"];
+    let output = idem(stack.url(), stack.service_key(), None, &args).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(out.contains("the lease passed: its worker is gone"), "{out}");
+    let token = claim.lease_token().to_string();
+    assert!(!out.contains(&token), "the whole lease token is the worker's secret: {out}");
+    assert!(out.contains(&format!("lease token  {}…", &token[..8])), "{out}");
+    assert!(out.contains("lease        passed (by the database clock)"), "{out}");
+
+    // The same as JSON, for a script; and an absent claim.
+    let json_args = [&args[..], &["--json"]].concat();
+    let output = idem(stack.url(), stack.service_key(), None, &json_args).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(!out.contains(&token), "{out}");
+    let got: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(got["state"], "lease_passed");
+    assert_eq!(got["id"], claim.id().to_string());
+    assert_eq!(got["lease_live"], false);
+    assert_eq!(got["lease_token_prefix"], token[..8]);
+    let absent = ["get", "--org", &org.to_string(), "--scope", "tool.email.send", "--key", "never", "--json"];
+    let output = idem(stack.url(), stack.service_key(), None, &absent).await;
+    assert_eq!(stdout(&output).trim(), r#"{"state":"absent"}"#);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn exit_codes_are_distinct_zero_ok_one_failure_two_usage_three_backlog() {
+    let stack =
+        crate::support::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(10))
+            .await;
+    let (url, key) = (stack.url(), stack.service_key());
+    let code = |output: std::process::Output| output.status.code();
+
+    assert_eq!(code(idem(url, key, Some(10), &["sweep"]).await), Some(0), "ok: nothing waiting");
+    crate::support::harness::expired_rows(&stack, 12).await;
+    assert_eq!(code(idem(url, key, Some(10), &["sweep"]).await), Some(3), "backlog: the read filled its bound");
+    // Usage errors: nothing is attempted.
+    for args in [&["sweep", "--bound", "ten"][..], &["sweep", "--every", "1w"], &["get", "--org", "x"], &["frobnicate"]]
+    {
+        assert_eq!(code(idem(url, key, Some(10), args).await), Some(2), "{args:?}");
+    }
+    // Configuration errors are usage errors too, found before any request.
+    assert_eq!(code(idem(url, key, Some(10), &["sweep", "--bound", "11"]).await), Some(2), "above the row cap");
+    assert_eq!(code(idem("not a url", key, Some(10), &["sweep"]).await), Some(2), "an unusable URL");
+    let unconfigured = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["sweep"])
+        .env_remove("IDEM_POSTGREST_URL")
+        .env_remove("SUPABASE_URL")
+        .output()
+        .expect("run idem");
+    assert_eq!(unconfigured.status.code(), Some(2), "no plane configured");
+    let not_json = claim_with_stdin(
+        url,
+        key,
+        &["claim", "--org", &uuid::Uuid::new_v4().to_string(), "--scope", "tool.email.send", "--key", "k"],
+        "{not json",
+    )
+    .await;
+    assert_eq!(not_json.status.code(), Some(2), "stdin that is not JSON");
+    assert_eq!(code(idem(url, key, Some(10), &["sweep", "--help"]).await), Some(0), "--help is no error");
+    assert_eq!(crate::support::harness::count_rows(&stack).await, 2, "usage errors deleted nothing");
+    // Failures: a plane that does not answer, a failed doctor check.
+    let gone = crate::support::transport::RefusedPort::new();
+    assert_eq!(code(idem(&gone.url(), key, Some(10), &["sweep"]).await), Some(1), "unreachable");
+    assert_eq!(code(idem(url, key, Some(80), &["doctor"]).await), Some(1), "a failed check");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_doctor_json_lists_every_check() {
+    let stack =
+        crate::support::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(50))
+            .await;
+    let output = idem(stack.url(), stack.service_key(), Some(50), &["doctor", "--json"]).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}");
+    let report: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object, nothing else");
+    assert_eq!(report["ok"], true);
+    let checks = report["checks"].as_array().expect("checks");
+    let names: Vec<&str> = checks.iter().filter_map(|c| c["check"].as_str()).collect();
+    assert!(names.contains(&"reachable") && names.contains(&"row cap"), "{names:?}");
+    assert!(names.contains(&"idempotency_claim"), "{names:?}");
+    assert!(checks.iter().all(|c| c["ok"] == true && c["detail"].is_string()), "{checks:?}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_sweep_serves_prometheus_metrics_while_it_sweeps() {
+    let stack =
+        crate::support::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(10))
+            .await;
+    crate::support::harness::expired_rows(&stack, 25).await;
+    let http = reqwest::Client::new();
+    // An ephemeral port the sweeper binds itself; if another process takes
+    // it in between, the sweeper exits at once and the next port is tried.
+    let mut attempts = 0;
+    let (mut sweeper, metrics_url) = loop {
+        attempts += 1;
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["sweep", "--every", "1s", "--json", "--metrics-addr", &addr])
+            .env_remove("SUPABASE_URL")
+            .env("IDEM_POSTGREST_URL", stack.url())
+            .env("IDEM_SERVICE_KEY", stack.service_key())
+            .env("IDEM_MAX_ROWS", "10")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start idem sweep");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        match child.try_wait().expect("poll idem sweep") {
+            None => break (child, format!("http://{addr}/metrics")),
+            Some(status) if attempts < 5 => eprintln!("idem sweep exited ({status}) on {addr}; another port"),
+            Some(status) => panic!("idem sweep could not start its metrics endpoint: {status}"),
+        }
+    };
+    // Scrape until the passes have drained the backlog.
+    let mut body = String::new();
+    crate::support::harness::within(crate::support::harness::WAIT, "three passes drain the backlog", async {
+        loop {
+            if let Ok(answer) = http.get(&metrics_url).send().await {
+                assert!(answer.status().is_success());
+                body = answer.text().await.unwrap();
+                if body.contains("idempotency_sweep_deleted_total 25") {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    sweeper.kill().await.expect("stop idem sweep");
+    for expected in [
+        "# TYPE idempotency_sweep_deleted_total counter",
+        "# HELP idempotency_sweep_deleted_total Expired claims deleted by the sweeper.",
+        "idempotency_sweep_read_total 25",
+        "idempotency_sweep_filled_total 2",
+        "# TYPE idempotency_rpc_duration_seconds histogram",
+        "# HELP idempotency_rpc_duration_seconds SQL function calls over PostgREST",
+        "idempotency_rpc_duration_seconds_bucket{function=\"idempotency_expired\",le=\"0.005\"}",
+        "idempotency_rpc_duration_seconds_count{function=\"idempotency_delete_expired\"}",
+    ] {
+        assert!(body.contains(expected), "missing {expected:?} in:\n{body}");
+    }
+    assert_eq!(crate::support::harness::count_rows(&stack).await, 0);
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_doctor_writes_nothing_and_names_a_missing_function_and_a_higher_cap() {
+    use sqlx::Executor;
+    let stack =
+        crate::support::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(50))
+            .await;
+    let (url, key) = (stack.url(), stack.service_key());
+    let tables = "select (select count(*) from agent.idempotency_keys) + (select count(*) from agent.runs)
+                       + (select count(*) from agent.provider_jobs)";
+
+    // The server caps at 50; told 20, the probe of 21 rows comes back whole.
+    let higher = idem(url, key, Some(20), &["doctor"]).await;
+    let out = stdout(&higher);
+    assert!(!higher.status.success(), "{out}");
+    assert!(out.contains("FAIL  row cap: the server returned 21 rows for 21 asked"), "{out}");
+
+    // A deployment that lost a function (the server's schema cache still lists it).
+    stack.db().execute("drop function agent.idempotency_reclaim").await.unwrap();
+    let broken = idem(url, key, Some(50), &["doctor"]).await;
+    let out = stdout(&broken);
+    assert!(!broken.status.success(), "{out}");
+    assert!(out.contains("FAIL  idempotency_reclaim: missing"), "{out}");
+    assert!(out.contains("ok    idempotency_try_claim"), "{out}");
+
+    let rows: i64 = sqlx::query_scalar(tables).fetch_one(stack.db()).await.unwrap();
+    assert_eq!(rows, 0, "doctor wrote nothing");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn idem_doctor_explains_a_gateway_401_in_one_line() {
+    use wiremock::matchers::method;
+    use wiremock::{Mock, MockServer, ResponseTemplate};
+    // Supabase's gateway, refusing a request that carries no apikey.
+    let gateway = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(401).set_body_json(serde_json::json!({
+            "message": "No API key found in request",
+            "hint": "No `apikey` request header or url param was found."
+        })))
+        .mount(&gateway)
+        .await;
+    let output = idem(&gateway.uri(), "a-jwt-the-gateway-never-sees", None, &["doctor"]).await;
+    let out = stdout(&output);
+    assert_eq!(output.status.code(), Some(1), "{out}");
+    let line = out.lines().find(|l| l.starts_with("FAIL  reachable:")).expect("the reachability line");
+    assert!(line.contains("no apikey sent"), "{line}");
+    assert!(!out.contains("a-jwt-the-gateway-never-sees"), "the key is never printed");
+}

@@ -1,0 +1,9 @@
+//! What the crate ships, against its twins: the embedded migrations against
+//! the Supabase CLI's copy (`migrations`), the README's code against the
+//! public API (`readme`, its stack half with feature `local`), and the
+//! request hash against the vectors the TypeScript client checks too
+//! (`request_hash`). Runs under default features.
+
+mod migrations;
+mod readme;
+mod request_hash;

@@ -1,0 +1,312 @@
+//! One conformance suite, run against every backend: the in-memory
+//! repository (always, no database) and PostgreSQL behind the embedded
+//! PostgREST-compatible server (with `--features local`). A fake that
+//! disagrees with the database fails here, next to the same case on the
+//! real stack.
+
+use std::time::Duration;
+
+use idempotency_plane::repo::{ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs};
+use idempotency_plane::{ClientError, Error};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::support::backends::{Backend, TimeTravel};
+use crate::support::LEASE;
+
+/// The hash of `{"content": content}`, as the repository takes it.
+fn hash_text(content: &str) -> String {
+    crate::support::hash(content).as_str().to_owned()
+}
+
+fn call<'a>(org: Uuid, scope: &'a str, key: &'a str, hash: &'a str, token: Uuid) -> ClaimCall<'a> {
+    ClaimCall { organization_id: org, scope, key, request_hash: hash, lease_token: token, lease: LEASE }
+}
+
+fn code(result: Result<impl std::fmt::Debug, Error>) -> String {
+    match result {
+        Err(Error::Store(ClientError::Api { error, .. })) => error.code.clone(),
+        other => panic!("expected a refusal by the database, got {other:?}"),
+    }
+}
+
+/// The one-call claim through every outcome, and what each discloses.
+async fn the_one_call_claim_decides_every_outcome(repo: &impl Backend, time: &impl TimeTravel) {
+    let (org, h, token) = (Uuid::new_v4(), hash_text("one call"), Uuid::new_v4());
+    let claimed = repo.claim(&call(org, "tool.email.send", "k", &h, token)).await.unwrap();
+    assert_eq!((claimed.outcome, claimed.lease_token, claimed.lease_live), (ClaimDecision::Claimed, Some(token), true));
+    let again = repo.claim(&call(org, "tool.email.send", "k", &h, token)).await.unwrap();
+    assert_eq!((again.outcome, again.id), (ClaimDecision::Claimed, claimed.id), "a repeat is the caller's own claim");
+
+    let other = repo.claim(&call(org, "tool.email.send", "k", &h, Uuid::new_v4())).await.unwrap();
+    assert_eq!((other.outcome, other.lease_token, other.response.clone()), (ClaimDecision::Processing, None, None));
+
+    let answer = json!({"sent": 1});
+    let args =
+        CompletionArgs { response: Some(&answer), resource_type: Some("email.message"), resource_id: Some("m-1") };
+    let done = repo.complete(claimed.id, token, args).await.unwrap().expect("completed");
+    assert_eq!((done.status, done.lease_live), (ClaimStatus::Completed, false));
+    let replay = repo.claim(&call(org, "tool.email.send", "k", &h, Uuid::new_v4())).await.unwrap();
+    assert_eq!((replay.outcome, replay.response, replay.lease_token), (ClaimDecision::Completed, Some(answer), None));
+    assert_eq!(replay.resource_id.as_deref(), Some("m-1"));
+
+    let conflict = repo.claim(&call(org, "tool.email.send", "k", &hash_text("other"), Uuid::new_v4())).await.unwrap();
+    assert_eq!(conflict.outcome, ClaimDecision::Conflict);
+    assert_eq!((conflict.lease_token, conflict.response, conflict.request_hash), (None, None, None));
+
+    let crashed = repo.claim(&call(org, "tool.email.send", "k2", &h, Uuid::new_v4())).await.unwrap();
+    time.pass_lease(crashed.id).await;
+    let token2 = Uuid::new_v4();
+    let reclaimed = repo.claim(&call(org, "tool.email.send", "k2", &h, token2)).await.unwrap();
+    assert_eq!(
+        (reclaimed.outcome, reclaimed.id, reclaimed.lease_token),
+        (ClaimDecision::Reclaimed, crashed.id, Some(token2))
+    );
+    let repeat = repo.claim(&call(org, "tool.email.send", "k2", &h, token2)).await.unwrap();
+    assert_eq!(repeat.outcome, ClaimDecision::Reclaimed, "a repeat of a reclaim says so");
+}
+
+/// The spec's repository protocol (v1): try_claim, reclaim, complete, release.
+async fn the_v1_protocol_claims_reclaims_completes_and_releases_under_its_fence(
+    repo: &impl Backend,
+    time: &impl TimeTravel,
+) {
+    let (org, h) = (Uuid::new_v4(), hash_text("v1"));
+    let request = |token| ClaimRequest {
+        organization_id: org,
+        scope: "tool.email.send",
+        key: "k",
+        request_hash: &h,
+        lease_token: token,
+        lease: LEASE,
+        retain: Duration::from_secs(1),
+    };
+    let token = Uuid::new_v4();
+    let first = repo.try_claim(&request(token)).await.unwrap().expect("a free key");
+    assert_eq!(repo.try_claim(&request(token)).await.unwrap().map(|r| r.id), Some(first.id), "a repeat is ours");
+    assert!(repo.try_claim(&request(Uuid::new_v4())).await.unwrap().is_none(), "taken");
+    assert!(repo.reclaim(&request(Uuid::new_v4())).await.unwrap().is_none(), "a live lease is not taken over");
+
+    time.pass_lease(first.id).await;
+    assert!(repo.try_claim(&request(Uuid::new_v4())).await.unwrap().is_none(), "try_claim never reclaims");
+    let other = hash_text("other");
+    let mismatched = ClaimRequest { request_hash: &other, ..request(Uuid::new_v4()) };
+    assert!(repo.reclaim(&mismatched).await.unwrap().is_none(), "reclaim checks the hash");
+    let token2 = Uuid::new_v4();
+    let second = repo.reclaim(&request(token2)).await.unwrap().expect("taken over");
+    assert_eq!((second.id, second.lease_token), (first.id, token2));
+
+    let answer = json!({"ok": true});
+    let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
+    assert!(repo.complete(first.id, token, args).await.unwrap().is_none(), "the old token is fenced off");
+    assert!(!repo.release(first.id, token).await.unwrap(), "the old token cannot release");
+    let done = repo.complete(first.id, token2, args).await.unwrap().expect("completed");
+    assert_eq!(repo.complete(first.id, token2, args).await.unwrap(), Some(done), "a repeat answers the same row");
+    assert!(!repo.release(first.id, token2).await.unwrap(), "a completed claim is the journal");
+
+    let free = repo.try_claim(&ClaimRequest { key: "k-release", ..request(Uuid::new_v4()) }).await.unwrap().unwrap();
+    assert!(repo.release(free.id, free.lease_token).await.unwrap());
+    assert!(repo.get(org, "tool.email.send", "k-release").await.unwrap().is_none());
+}
+
+/// Scopes and their retention come from the policy; arguments only lengthen it.
+async fn retention_is_the_scopes_policy_and_an_unknown_scope_is_refused(repo: &impl Backend, _: &impl TimeTravel) {
+    let (org, h) = (Uuid::new_v4(), hash_text("policy"));
+    for (scope, days) in [
+        ("tool.crm.company.create", 30),
+        ("webhook.nylas", 1),
+        ("surface.saved_search.start", 1),
+        ("http.post.orders", 1),
+    ] {
+        let row = repo.claim(&call(org, scope, "k", &h, Uuid::new_v4())).await.unwrap();
+        assert_eq!(row.retain_until - row.lease_expires_at, chrono::TimeDelta::days(days), "{scope}");
+    }
+    let longer = ClaimRequest {
+        organization_id: org,
+        scope: "webhook.nylas",
+        key: "long",
+        request_hash: &h,
+        lease_token: Uuid::new_v4(),
+        lease: LEASE,
+        retain: Duration::from_secs(40 * 86_400),
+    };
+    let row = repo.try_claim(&longer).await.unwrap().unwrap();
+    assert_eq!(row.retain_until - row.lease_expires_at, chrono::TimeDelta::days(40), "an argument lengthens it");
+    for refused in [
+        repo.claim(&call(org, "payments.charge", "k", &h, Uuid::new_v4())).await.map(|_| ()),
+        repo.get(org, "payments.charge", "k").await.map(|_| ()),
+    ] {
+        assert!(matches!(refused, Err(Error::UnknownScope { .. })), "{refused:?}");
+    }
+    let bad_lease = ClaimCall { lease: Duration::from_millis(999), ..call(org, "tool.x", "k", &h, Uuid::new_v4()) };
+    assert_eq!(code(repo.claim(&bad_lease).await), "22023");
+    assert_eq!(code(repo.claim(&call(org, "tool.x", "k", "ABC", Uuid::new_v4())).await), "22023");
+}
+
+/// What a completion may store.
+async fn a_completion_is_refused_without_an_answer_or_above_the_limit(repo: &impl Backend, _: &impl TimeTravel) {
+    let (org, token) = (Uuid::new_v4(), Uuid::new_v4());
+    let row = repo.claim(&call(org, "tool.email.send", "k", &hash_text("limit"), token)).await.unwrap();
+    assert_eq!(code(repo.complete(row.id, token, CompletionArgs::default()).await), "22023");
+    let large = json!({"text": "x".repeat(70_000)});
+    let args = CompletionArgs { response: Some(&large), ..CompletionArgs::default() };
+    assert_eq!(code(repo.complete(row.id, token, args).await), "IDEM2");
+    // 65 containers, the innermost empty: deeper than 64 levels, as arrays or objects.
+    let arrays = (0..64).fold(json!([]), |inner, _| json!([inner]));
+    let objects = (0..64).fold(json!({}), |inner, _| json!({ "a": inner }));
+    for deep in [&arrays, &objects] {
+        let args = CompletionArgs { response: Some(deep), ..CompletionArgs::default() };
+        assert_eq!(code(repo.complete(row.id, token, args).await), "IDEM3");
+    }
+    let stored = repo.get(org, "tool.email.send", "k").await.unwrap().unwrap();
+    assert_eq!(stored.status, ClaimStatus::Processing, "the refused completions wrote nothing");
+}
+
+/// The response limit counts compact JSON, whatever form the store keeps:
+/// PostgreSQL writes a jsonb with a space after every `,` and `:`.
+async fn the_response_limit_counts_compact_json(repo: &impl Backend, _: &impl TimeTravel) {
+    let org = Uuid::new_v4();
+    for (elements, fits) in [(32_000, true), (33_000, false)] {
+        // `[1,1,…]` is 2n+1 bytes compact (64,001 and 66,001) and 3n in
+        // PostgreSQL's text form (96,000 and 99,000), against 65,536.
+        let token = Uuid::new_v4();
+        let key = format!("array-{elements}");
+        let row = repo.claim(&call(org, "tool.email.send", &key, &hash_text(&key), token)).await.unwrap();
+        let response = json!(vec![1; elements]);
+        let args = CompletionArgs { response: Some(&response), ..CompletionArgs::default() };
+        let completed = repo.complete(row.id, token, args).await;
+        if fits {
+            assert_eq!(completed.unwrap().map(|r| r.status), Some(ClaimStatus::Completed), "{elements}");
+        } else {
+            assert_eq!(code(completed), "IDEM2", "{elements}");
+        }
+    }
+}
+
+/// The sweeper's reads and deletes.
+async fn expired_claims_are_read_oldest_first_within_the_bound_and_deleted(
+    repo: &impl Backend,
+    time: &impl TimeTravel,
+) {
+    let org = Uuid::new_v4();
+    for k in 0..3 {
+        repo.claim(&call(org, "webhook.nylas", &format!("k{k}"), &hash_text("sweep"), Uuid::new_v4())).await.unwrap();
+        time.age(Duration::from_secs(60)).await;
+    }
+    assert!(repo.expired(repo.max_bound()).await.unwrap().is_empty(), "nothing past retention yet");
+    time.age(Duration::from_secs(2 * 86_400)).await;
+    let two = repo.expired(2).await.unwrap();
+    assert_eq!(two.len(), 2);
+    assert!(two[0].retain_until <= two[1].retain_until, "oldest first");
+    assert!(matches!(repo.expired(repo.max_bound() + 1).await, Err(Error::Store(ClientError::BoundAboveCap { .. }))));
+    let ids: Vec<Uuid> = two.iter().map(|c| c.id).collect();
+    assert_eq!(repo.delete_expired(&ids).await.unwrap(), 2);
+    assert_eq!(repo.delete_expired(&ids).await.unwrap(), 0, "gone already");
+    assert_eq!(repo.expired(repo.max_bound()).await.unwrap().len(), 1);
+}
+
+/// Run admission and provider jobs.
+async fn runs_are_admitted_once_and_provider_jobs_belong_to_one_organization(repo: &impl Backend, _: &impl TimeTravel) {
+    let (org, input, token) = (Uuid::new_v4(), json!({"q": 1}), Uuid::new_v4());
+    let run = repo.admit(org, "capability:x:1", &input, token).await.unwrap();
+    assert!(run.admitted);
+    assert!(repo.admit(org, "capability:x:1", &input, token).await.unwrap().admitted, "a repeat of the same call");
+    let other = repo.admit(org, "capability:x:1", &json!({"q": 2}), Uuid::new_v4()).await.unwrap();
+    assert_eq!((other.admitted, other.id, other.input), (false, run.id, input));
+
+    let job = repo.register(org, "transcribe", "job-1").await.unwrap();
+    assert_eq!(repo.register(org, "transcribe", "job-1").await.unwrap(), job, "a repeat answers the job");
+    assert_eq!(code(repo.register(Uuid::new_v4(), "transcribe", "job-1").await), "23505");
+    assert_eq!(repo.lookup("transcribe", "job-1").await.unwrap(), Some(job));
+    assert_eq!(repo.lookup("transcribe", "job-2").await.unwrap(), None);
+}
+
+/// A fenced admission inserts only while its claim is held by its token,
+/// and a Run is read back by its start key.
+async fn a_fenced_admission_admits_only_while_its_claim_is_held(repo: &impl Backend, time: &impl TimeTravel) {
+    let (org, h, lease_token) = (Uuid::new_v4(), hash_text("fenced"), Uuid::new_v4());
+    let scope = "surface.saved_search.start";
+    let claim = repo.claim(&call(org, scope, "start-1", &h, lease_token)).await.unwrap();
+    let fence = ClaimFence { claim_id: claim.id, lease_token };
+    let (input, admitter) = (json!({"snapshot": 1}), Uuid::new_v4());
+
+    let run = repo.admit_fenced(org, "start:1", &input, admitter, fence).await.unwrap().expect("the fence holds");
+    assert!(run.admitted);
+    let again = repo.admit_fenced(org, "start:1", &json!({"snapshot": 2}), admitter, fence).await.unwrap();
+    let again = again.expect("a repeat under the same fence");
+    assert_eq!((again.id, again.admitted, &again.input), (run.id, true, &input), "the first input wins");
+
+    let wrong_token = ClaimFence { lease_token: Uuid::new_v4(), ..fence };
+    let refused = repo.admit_fenced(org, "start:1", &input, admitter, wrong_token).await.unwrap();
+    assert_eq!(refused, None, "another token's fence: refused even though the Run exists");
+    let other_org = repo.admit_fenced(Uuid::new_v4(), "start:2", &input, admitter, fence).await.unwrap();
+    assert_eq!(other_org, None, "a claim fences only its own organization's Runs");
+    let unknown = ClaimFence { claim_id: Uuid::new_v4(), lease_token };
+    assert_eq!(repo.admit_fenced(org, "start:2", &input, admitter, unknown).await.unwrap(), None);
+
+    // The lease passes: the old holder starts nothing; the new holder may.
+    time.pass_lease(claim.id).await;
+    assert_eq!(repo.admit_fenced(org, "start:2", &input, admitter, fence).await.unwrap(), None, "lease passed");
+    assert_eq!(repo.find(org, "start:2", Some(admitter)).await.unwrap(), None, "no Run from the lost fence");
+    let token2 = Uuid::new_v4();
+    let reclaimed = repo.claim(&call(org, scope, "start-1", &h, token2)).await.unwrap();
+    assert_eq!(reclaimed.outcome, ClaimDecision::Reclaimed);
+    let fence2 = ClaimFence { claim_id: claim.id, lease_token: token2 };
+    let second = repo.admit_fenced(org, "start:2", &input, admitter, fence2).await.unwrap().expect("the new fence");
+    assert!(second.admitted);
+
+    // A completed claim fences nothing.
+    let answer = json!({"done": true});
+    let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
+    repo.complete(claim.id, token2, args).await.unwrap().expect("completed");
+    assert_eq!(repo.admit_fenced(org, "start:3", &input, admitter, fence2).await.unwrap(), None, "completed");
+
+    // Reading back: the Run, admitted for its own token only; nothing else.
+    let found = repo.find(org, "start:1", Some(admitter)).await.unwrap().expect("admitted");
+    assert_eq!((found.id, found.admitted, &found.input), (run.id, true, &input));
+    let other = repo.find(org, "start:1", Some(Uuid::new_v4())).await.unwrap().expect("admitted");
+    assert!(!other.admitted);
+    assert!(!repo.find(org, "start:1", None).await.unwrap().expect("admitted").admitted);
+    assert_eq!(repo.find(org, "start:3", Some(admitter)).await.unwrap(), None);
+    assert_eq!(repo.find(Uuid::new_v4(), "start:1", Some(admitter)).await.unwrap(), None);
+    assert_eq!(code(repo.find(org, "", None).await), "22023");
+    assert_eq!(code(repo.admit_fenced(org, "", &input, admitter, fence2).await), "22023");
+}
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod in_memory {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let repo = idempotency_plane::MemoryRepository::new();
+                    super::$case(&repo, &repo).await;
+                }
+            )*
+        }
+
+        #[cfg(feature = "local")]
+        mod on_the_stack {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let stack = crate::support::harness::stack().await;
+                    let repo = idempotency_plane::PostgrestRepository::new(crate::support::harness::client(&stack));
+                    super::$case(&repo, &stack).await;
+                    stack.stop().await.unwrap();
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    the_one_call_claim_decides_every_outcome,
+    the_v1_protocol_claims_reclaims_completes_and_releases_under_its_fence,
+    retention_is_the_scopes_policy_and_an_unknown_scope_is_refused,
+    a_completion_is_refused_without_an_answer_or_above_the_limit,
+    the_response_limit_counts_compact_json,
+    expired_claims_are_read_oldest_first_within_the_bound_and_deleted,
+    runs_are_admitted_once_and_provider_jobs_belong_to_one_organization,
+    a_fenced_admission_admits_only_while_its_claim_is_held,
+);

@@ -1,0 +1,30 @@
+//! What only a real database and server can show, on a fresh PostgreSQL
+//! database behind the in-process PostgREST-compatible server per test:
+//! SQL and its grants, the server's wire answers, concurrency across
+//! connections, the database's clock, faults between a worker and its plane
+//! (a proxy that delays or drops answers), the `Idempotency-Key` layer and
+//! the axum routes over HTTP, the saved-search start, the sweeper, and
+//! every caller at random under faults (`callers_under_faults`, sorted
+//! away from the other heavy modules: tests start in name order, eight at
+//! a time, and PostgreSQL allows 100 connections). `pg_cron` runs the
+//! README's Supabase Cron recipe on a PostgreSQL cluster of its own. The
+//! whole folder needs feature `local`.
+
+mod arguments;
+mod callers_under_faults;
+mod claims;
+mod endings;
+mod faults;
+mod fences;
+mod idempotency_key;
+mod indexes;
+mod load;
+mod pg_cron;
+mod saved_search;
+mod security;
+mod sql_sweep;
+mod supabase_paths;
+mod surface;
+mod sweeper;
+mod tool;
+mod webhook;

@@ -1,0 +1,99 @@
+//! One fresh local stack per test, and helpers for looking under it. Needs
+//! feature `local`. The helpers every folder uses are re-exported from
+//! [`crate::support`], so `use crate::support::harness::*` brings them too.
+
+use std::time::Duration;
+
+use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::{IdempotencyService, PostgrestRepository};
+use uuid::Uuid;
+
+pub use crate::support::{claimed, eventually, hash, org, within, LEASE, WAIT};
+
+pub type Service = IdempotencyService<PostgrestRepository>;
+
+pub async fn stack() -> LocalStack {
+    stack_with(LocalStackConfig::default()).await
+}
+
+pub async fn stack_with(config: LocalStackConfig) -> LocalStack {
+    match LocalStack::start(config).await {
+        Ok(stack) => stack,
+        Err(error) => panic!("the local stack did not start: {error}"),
+    }
+}
+
+pub fn service(stack: &LocalStack) -> Service {
+    stack.service().expect("a client for the local stack")
+}
+
+/// Rows of the claim table, by a superuser connection.
+pub async fn count_rows(stack: &LocalStack) -> i64 {
+    sqlx::query_scalar("select count(*) from agent.idempotency_keys").fetch_one(stack.db()).await.expect("count rows")
+}
+
+/// Moves a claim's lease into the past, as if `by` had passed.
+pub async fn pass_lease(stack: &LocalStack, claim_id: Uuid) {
+    sqlx::query(
+        "update agent.idempotency_keys
+            set lease_expires_at = now() - interval '1 second',
+                claimed_at = claimed_at - (lease_expires_at - now()) - interval '1 second'
+          where id = $1",
+    )
+    .bind(claim_id)
+    .execute(stack.db())
+    .await
+    .expect("move the lease back");
+}
+
+/// Moves every timestamp of a claim `by` into the past.
+pub async fn travel_back(stack: &LocalStack, claim_id: Uuid, by: Duration) {
+    sqlx::query(
+        "update agent.idempotency_keys
+            set claimed_at = claimed_at - $2::interval,
+                lease_expires_at = lease_expires_at - $2::interval,
+                retain_until = retain_until - $2::interval
+          where id = $1",
+    )
+    .bind(claim_id)
+    .bind(format!("{} milliseconds", by.as_millis()))
+    .execute(stack.db())
+    .await
+    .expect("move timestamps back");
+}
+
+/// A PostgREST client on the stack, with the service key.
+pub fn client(stack: &LocalStack) -> idempotency_plane::PostgrestClient {
+    idempotency_plane::PostgrestClient::new(stack.client_config().expect("config")).expect("client")
+}
+
+/// Rows of `agent.runs`.
+pub async fn count_runs(stack: &LocalStack) -> i64 {
+    sqlx::query_scalar("select count(*) from agent.runs").fetch_one(stack.db()).await.expect("count runs")
+}
+
+/// Puts `n` claims past their retention.
+pub async fn expired_rows(stack: &idempotency_plane::local::LocalStack, n: i64) {
+    sqlx::query(
+        "insert into agent.idempotency_keys
+           (organization_id, scope, key, request_hash, status, lease_token, response,
+            claimed_at, lease_expires_at, retain_until)
+         select gen_random_uuid(), 'tool.x', 'k' || i, repeat('a', 64), 'completed', gen_random_uuid(), '1',
+                now() - interval '31 days', now() - interval '31 days', now() - interval '1 day' + i * interval '1 second'
+           from generate_series(1, $1) i",
+    )
+    .bind(n)
+    .execute(stack.db())
+    .await
+    .unwrap();
+}
+
+/// `lease_expires_at - claimed_at` of the only claim, in milliseconds.
+pub async fn stored_lease_ms(stack: &LocalStack) -> f64 {
+    sqlx::query_scalar(
+        "select extract(epoch from lease_expires_at - claimed_at)::float8 * 1000 from agent.idempotency_keys",
+    )
+    .fetch_one(stack.db())
+    .await
+    .expect("the claim's lease")
+}

@@ -1,0 +1,75 @@
+//! The helpers the other folders share: the backends generic cases run
+//! on (`backends`: the in-memory plane always, a local stack with feature
+//! `local`), a fault-injecting repository
+//! (`faults`), an HTTP proxy that delays or drops chosen RPC answers
+//! (`proxy`), retry policies, canned claim rows and raw TCP fault servers
+//! (`transport`), and one fresh local stack per test with ways to look
+//! under it (`harness`, feature `local`). Everything but `harness` compiles
+//! under default features.
+//!
+//! This module itself holds the small helpers every folder uses, defined
+//! once: a lease, a request hash, an organization, the claim a `claim()`
+//! answered, and bounded waits.
+
+// Some of these serve only modules that need feature `local`.
+#![cfg_attr(not(feature = "local"), allow(dead_code))]
+
+pub mod backends;
+pub mod faults;
+#[cfg(feature = "local")]
+pub mod harness;
+pub mod proxy;
+pub mod transport;
+
+use std::future::Future;
+use std::time::Duration;
+
+use idempotency_plane::{Claim, ClaimOutcome, Error, RequestHash};
+use uuid::Uuid;
+
+/// The lease most tests claim with: long enough that it never passes
+/// unless a test moves it.
+pub const LEASE: Duration = Duration::from_secs(60);
+
+/// How long a test waits for something another task or the server does:
+/// long enough for a machine busy with the rest of the suite, short enough
+/// that a hang fails the test instead of the run.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// A fresh organization.
+pub fn org() -> Uuid {
+    Uuid::new_v4()
+}
+
+/// The request hash of `{"content": content}`.
+pub fn hash(content: &str) -> RequestHash {
+    RequestHash::of_json(&serde_json::json!({ "content": content }))
+}
+
+/// The claim a `claim()` answered; panics with whatever else it answered.
+pub fn claimed(outcome: Result<ClaimOutcome, Error>) -> Claim {
+    match outcome {
+        Ok(ClaimOutcome::Claimed(claim)) => claim,
+        other => panic!("expected to own the key, got {other:?}"),
+    }
+}
+
+/// Polls `done` until it holds; panics naming `what` after [`WAIT`].
+pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let polled = tokio::time::timeout(WAIT, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    if polled.await.is_err() {
+        panic!("{what}: did not happen within {WAIT:?}");
+    }
+}
+
+/// Awaits `future`; panics naming `what` after `limit`.
+pub async fn within<T>(limit: Duration, what: &str, future: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, future).await {
+        Ok(value) => value,
+        Err(_) => panic!("{what}: not done within {limit:?}"),
+    }
+}
