@@ -64,7 +64,9 @@
 // that carries credentials (CREDENTIAL_HEADERS) is refused as a kept header
 // and never replayed, even from a journal that holds one.
 
-import { Attempt, EffectDriver, type EffectSpec, type Held, type Settled, Timing } from "./driver.ts";
+import { Timing } from "./timing.ts";
+import type { Held, Settled } from "./held.ts";
+import { Attempt, EffectDriver, type EffectSpec } from "./driver.ts";
 import { PlaneError } from "./errors.ts";
 import { storedSize, success } from "./answer.ts";
 import { checkOrganization, type IdempotencyPlane } from "./plane.ts";
