@@ -71,16 +71,11 @@ export {
   webhookHandler,
 } from "./webhook.ts";
 export type { Ack, Delivery, DropReason, GateOptions, ProviderCallback, ProviderJob, WebhookRoute } from "./webhook.ts";
-export {
-  CREDENTIAL_HEADERS,
-  IDEMPOTENCY_KEY,
-  idempotencyKey,
-  MAX_IDEMPOTENCY_KEY_CHARS,
-  planeKey,
-  targetOf,
-  withIdempotencyKey,
-} from "./http.ts";
-export type { Handler, IdempotencyKeyOptions } from "./http.ts";
+export { CREDENTIAL_HEADERS } from "./stored_response.ts";
+export { IDEMPOTENCY_KEY, idempotencyKey, MAX_IDEMPOTENCY_KEY_CHARS, planeKey, targetOf } from "./key.ts";
+export type { Handler } from "./config.ts";
+export { withIdempotencyKey } from "./http.ts";
+export type { IdempotencyKeyOptions } from "./http.ts";
 export { fingerprint, scopeOf } from "./fingerprint.ts";
 export { PROBLEM_TYPE_BASE, PROBLEM_TYPES, problemResponse } from "./problem.ts";
 export type { Problem, ProblemSlug } from "./problem.ts";
