@@ -8,7 +8,7 @@
 // The plane itself (the SQL functions in schema `agent`) holds every
 // guarantee; this client checks input, mints lease tokens, retries only what
 // the shared retry-safety table (rpc_policy.json) allows, and ends every
-// effect in one of three ways (driver.ts).
+// effect in one of three ways (driver.ts claims, held.ts ends).
 
 export { codes, PlaneError } from "./errors.ts";
 export type { InvalidReason, PlaneErrorKind, TransportFailure } from "./errors.ts";
@@ -52,28 +52,13 @@ export type {
   PlaneSource,
   ReadOutcome,
 } from "./plane.ts";
-export {
-  Attempt,
-  DEFAULT_JOURNAL_DEADLINE_MS,
-  DEFAULT_MARGIN_MS,
-  EffectDriver,
-  Held,
-  idempotent,
-  makeIdempotent,
-  NothingHappened,
-  Timing,
-  vendorKey,
-} from "./driver.ts";
-export type {
-  Begun,
-  Cut,
-  EffectContext,
-  EffectSpec,
-  IdempotentOptions,
-  IdempotentResult,
-  Settle,
-  Settled,
-} from "./driver.ts";
+export { DEFAULT_JOURNAL_DEADLINE_MS, DEFAULT_MARGIN_MS, Timing } from "./timing.ts";
+export { Held } from "./held.ts";
+export type { Cut, Settle, Settled } from "./held.ts";
+export { Attempt, EffectDriver } from "./driver.ts";
+export type { Begun, EffectSpec } from "./driver.ts";
+export { idempotent, makeIdempotent, NothingHappened, vendorKey } from "./idempotent.ts";
+export type { EffectContext, IdempotentOptions, IdempotentResult } from "./idempotent.ts";
 export { consoleLogger, silent } from "./log.ts";
 export type { Logger, PlaneEvent } from "./log.ts";
 export {
@@ -86,16 +71,11 @@ export {
   webhookHandler,
 } from "./webhook.ts";
 export type { Ack, Delivery, DropReason, GateOptions, ProviderCallback, ProviderJob, WebhookRoute } from "./webhook.ts";
-export {
-  CREDENTIAL_HEADERS,
-  IDEMPOTENCY_KEY,
-  idempotencyKey,
-  MAX_IDEMPOTENCY_KEY_CHARS,
-  planeKey,
-  targetOf,
-  withIdempotencyKey,
-} from "./http.ts";
-export type { Handler, IdempotencyKeyOptions } from "./http.ts";
+export { CREDENTIAL_HEADERS } from "./stored_response.ts";
+export { IDEMPOTENCY_KEY, idempotencyKey, MAX_IDEMPOTENCY_KEY_CHARS, planeKey, targetOf } from "./key.ts";
+export type { Handler } from "./config.ts";
+export { withIdempotencyKey } from "./http.ts";
+export type { IdempotencyKeyOptions } from "./http.ts";
 export { fingerprint, scopeOf } from "./fingerprint.ts";
 export { PROBLEM_TYPE_BASE, PROBLEM_TYPES, problemResponse } from "./problem.ts";
 export type { Problem, ProblemSlug } from "./problem.ts";

@@ -41,16 +41,9 @@ import { type Answer, failure, success } from "./answer.ts";
 import { sleep } from "./client.ts";
 import { sha256HexOfBytes } from "./hash.ts";
 import { PlaneError } from "./errors.ts";
-import {
-  Attempt,
-  type Begun,
-  DEFAULT_JOURNAL_DEADLINE_MS,
-  EffectDriver,
-  type EffectSpec,
-  type Held,
-  type Settle,
-  Timing,
-} from "./driver.ts";
+import { DEFAULT_JOURNAL_DEADLINE_MS, Timing } from "./timing.ts";
+import type { Held, Settle } from "./held.ts";
+import { Attempt, type Begun, EffectDriver, type EffectSpec } from "./driver.ts";
 import type { IdempotencyPlane } from "./plane.ts";
 import { consoleLogger, type Logger } from "./log.ts";
 

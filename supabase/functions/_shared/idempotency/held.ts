@@ -1,0 +1,265 @@
+// A claim this worker holds (Held), and its three endings. An effect has
+// exactly three, and the rules for each live here:
+//
+// - journal: success or business failure, stored so that a replay is
+//   indistinguishable from the first answer whatever its size or bytes (see
+//   answer.ts). A database refusal of the answer falls back to a reference to
+//   the effect's resource (a summary when it names none), keeping `ok`, the
+//   error and the resource.
+// - release: only when the caller knows no effect happened *and* no success
+//   can have been answered to anyone on the strength of this claim. The next
+//   attempt runs the effect.
+// - unknown: the outcome is unknown (a timeout, a throw, a lost vendor
+//   answer). Nothing is written; the claim is left to its lease, the next
+//   attempt after it reclaims, and the vendor key or a reconciler decides.
+//
+// The journal and the release are retried on transient failures until the
+// ending's deadline (timing.ts); none starts after it.
+
+import { type Answer, replayable, store, storedSize } from "./answer.ts";
+import { sleep } from "./client.ts";
+import { PlaneError } from "./errors.ts";
+import type { Claim, IdempotencyPlane } from "./plane.ts";
+import type { Logger } from "./log.ts";
+import type { Timing } from "./timing.ts";
+
+/** The first wait before an ending (or a lost claim's answer) is asked again. */
+export const FIRST_ENDING_BACKOFF_MS = 50;
+/** The longest wait between two tries of an ending; each wait doubles up to it. */
+export const MAX_ENDING_BACKOFF_MS = 1_000;
+
+/** How to end a held claim. */
+export type Settle =
+  | { journal: Answer }
+  | "release"
+  /** The outcome is unknown: leave the claim to its lease. Say why. */
+  | { unknown: string };
+
+/** How it ended. */
+export type Settled =
+  /** The answer is in the journal (as given, or with `standIn` saying why a stand-in went instead). */
+  | { ending: "journaled"; standIn?: string }
+  | { ending: "released" }
+  /** Our lease passed and another worker took the key: nothing written. */
+  | { ending: "lease_moved_on" }
+  /** Nothing written: the next attempt after the lease reclaims. */
+  | { ending: "left_to_lease"; why: string; error?: PlaneError };
+
+/** Why `Held.run` did not return the effect's value. */
+export type Cut =
+  | { cut: "timed_out" }
+  | { cut: "threw"; error: unknown };
+
+/** A claim this worker holds: run its effect, then settle it exactly once. */
+export class Held {
+  readonly claim: Claim;
+  /** Epoch ms: the effect is cut here. */
+  readonly effectDeadline: number;
+  /** Epoch ms: no ending starts after this; the lease lasts a margin longer. */
+  readonly endingDeadline: number;
+  readonly #driver: { readonly plane: IdempotencyPlane; readonly log: Logger };
+  #settled = false;
+  #running?: Promise<{ value: unknown } | { cut: "threw"; error: unknown }>;
+
+  /**
+   * Made by `EffectDriver.begin` (driver.ts) for the claim it made: `driver`
+   * is the plane the claim ends on and where its events go (an EffectDriver),
+   * and the effect's clock started at `attempt.startedAt`.
+   */
+  constructor(
+    driver: { readonly plane: IdempotencyPlane; readonly log: Logger },
+    claim: Claim,
+    attempt: { readonly startedAt: number },
+    timing: Timing,
+  ) {
+    this.#driver = driver;
+    this.claim = claim;
+    this.effectDeadline = attempt.startedAt + timing.effectMs;
+    this.endingDeadline = this.effectDeadline + timing.journalMs;
+  }
+
+  /**
+   * Runs the effect, cut at its deadline: `signal` aborts then, and a value
+   * that comes later is ignored. A throw is caught and reported. A deadline
+   * already past never starts the effect.
+   */
+  async run<T>(effect: (signal: AbortSignal) => Promise<T> | T): Promise<{ value: T } | Cut> {
+    const remaining = this.effectDeadline - Date.now();
+    if (remaining <= 0) return { cut: "timed_out" };
+    const controller = new AbortController();
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const cut = new Promise<Cut>((resolve) => {
+      timer = setTimeout(() => {
+        controller.abort(new PlaneError("deadline", "the effect did not return within its timeout"));
+        resolve({ cut: "timed_out" });
+      }, remaining);
+    });
+    const ran = (async (): Promise<{ value: T } | { cut: "threw"; error: unknown }> => {
+      try {
+        return { value: await effect(controller.signal) };
+      } catch (error) {
+        return { cut: "threw", error };
+      }
+    })();
+    this.#running = ran;
+    try {
+      return await Promise.race([ran, cut]);
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  /**
+   * After `run` timed out: the effect's own ending if it comes by `untilMs`
+   * (epoch ms), undefined while it still runs. JavaScript cannot stop a
+   * promise (the effect's `signal` only asks it to stop), so a caller waits
+   * here before it releases the claim or leaves it to its lease: a claim
+   * given up while its effect still runs could let a retry run it twice.
+   */
+  async late(untilMs: number): Promise<{ value: unknown } | { cut: "threw"; error: unknown } | undefined> {
+    const running = this.#running;
+    if (!running) return undefined;
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const wait = new Promise<undefined>((
+      resolve,
+    ) => (timer = setTimeout(() => resolve(undefined), Math.max(0, untilMs - Date.now()))));
+    try {
+      return await Promise.race([running, wait]);
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  /** Ends the claim in exactly one of the three ways. Settling twice is refused. */
+  async settle(settle: Settle): Promise<Settled> {
+    this.#claimSettlement();
+    let settled: Settled;
+    if (settle === "release") settled = await this.#release();
+    else if ("journal" in settle) settled = await this.#journal(settle.journal, false) as Settled;
+    else settled = { ending: "left_to_lease", why: `the effect's outcome is unknown: ${settle.unknown}` };
+    this.#record(settled);
+    return settled;
+  }
+
+  /**
+   * Journals `answer` exactly as given, or gives it back: a refusal (too
+   * large for the store, or refused by the database) answers the error and
+   * the claim is still held, to settle another way.
+   */
+  async journalExact(given: Answer): Promise<Settled | { refused: PlaneError }> {
+    const answer = replayable(given);
+    const size = await storedSize(answer);
+    if (size > this.#driver.plane.responseLimitBytes) {
+      return {
+        refused: PlaneError.invalid(
+          "response_too_large",
+          `the answer is ${size} bytes, above the ${this.#driver.plane.responseLimitBytes}-byte store limit`,
+        ),
+      };
+    }
+    this.#claimSettlement();
+    const journaled = await this.#journal(answer, true);
+    if ("refused" in journaled) {
+      this.#settled = false;
+      return journaled;
+    }
+    this.#record(journaled);
+    return journaled;
+  }
+
+  #claimSettlement(): void {
+    if (this.#settled) throw PlaneError.invalid("bad_configuration", "this claim was already settled");
+    this.#settled = true;
+  }
+
+  async #journal(given: Answer, exact: boolean): Promise<Settled | { refused: PlaneError }> {
+    const answer = replayable(given);
+    const plane = this.#driver.plane;
+    let refused = false;
+    let backoff = FIRST_ENDING_BACKOFF_MS;
+    for (;;) {
+      const remaining = this.endingDeadline - Date.now();
+      if (remaining <= 0) return { ending: "left_to_lease", why: "the journal did not land before its deadline" };
+      const stored = await store(answer, plane.responseLimitBytes, refused);
+      let error: PlaneError;
+      try {
+        const ending = await plane.complete(this.claim, { response: stored.response, resource: stored.resource }, {
+          deadlineMs: remaining,
+        });
+        if (ending === "lease_moved_on") return { ending: "lease_moved_on" };
+        return stored.standIn ? { ending: "journaled", standIn: stored.standIn.reason } : { ending: "journaled" };
+      } catch (caught) {
+        if (!(caught instanceof PlaneError)) throw caught;
+        error = caught;
+      }
+      if (error.kind === "deadline" && Date.now() >= this.endingDeadline) {
+        return { ending: "left_to_lease", why: "the journal did not land before its deadline", error };
+      }
+      if (error.isUnstorableAnswer && exact) return { refused: error };
+      if (error.isUnstorableAnswer && !refused) {
+        this.#driver.log({
+          event: "idempotency.answer_refused",
+          level: "warn",
+          scope: this.claim.scope,
+          key: this.claim.key,
+          error: error.message,
+        });
+        refused = true;
+        continue;
+      }
+      if (!await this.#waitToRetry(error, backoff)) {
+        return { ending: "left_to_lease", why: `the journal failed: ${error.message}`, error };
+      }
+      backoff = Math.min(backoff * 2, MAX_ENDING_BACKOFF_MS);
+    }
+  }
+
+  async #release(): Promise<Settled> {
+    const plane = this.#driver.plane;
+    let backoff = FIRST_ENDING_BACKOFF_MS;
+    for (;;) {
+      const remaining = this.endingDeadline - Date.now();
+      if (remaining <= 0) return { ending: "left_to_lease", why: "the release did not land before its deadline" };
+      let error: PlaneError;
+      try {
+        const ending = await plane.release(this.claim, { deadlineMs: remaining });
+        return ending === "recorded" ? { ending: "released" } : { ending: "lease_moved_on" };
+      } catch (caught) {
+        if (!(caught instanceof PlaneError)) throw caught;
+        error = caught;
+      }
+      if (!await this.#waitToRetry(error, backoff)) {
+        return { ending: "left_to_lease", why: `the release failed: ${error.message}`, error };
+      }
+      backoff = Math.min(backoff * 2, MAX_ENDING_BACKOFF_MS);
+    }
+  }
+
+  async #waitToRetry(error: PlaneError, backoff: number): Promise<boolean> {
+    if (!error.isTransient || Date.now() + backoff >= this.endingDeadline) return false;
+    this.#driver.log({
+      event: "idempotency.ending_retry",
+      level: "info",
+      scope: this.claim.scope,
+      key: this.claim.key,
+      error: error.message,
+      backoff_ms: backoff,
+    });
+    await sleep(backoff);
+    return true;
+  }
+
+  #record(settled: Settled): void {
+    const unhappy = settled.ending === "left_to_lease" || settled.ending === "lease_moved_on";
+    this.#driver.log({
+      event: "idempotency.settle",
+      level: unhappy ? "warn" : "info",
+      scope: this.claim.scope,
+      key: this.claim.key,
+      claim_id: this.claim.id,
+      ending: settled.ending,
+      ...(settled.ending === "journaled" && settled.standIn ? { stand_in: settled.standIn } : {}),
+      ...(settled.ending === "left_to_lease" ? { why: settled.why } : {}),
+    });
+  }
+}

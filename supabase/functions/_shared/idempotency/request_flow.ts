@@ -1,0 +1,440 @@
+// One request through the Idempotency-Key middleware, step by step (the Rust
+// layer's future.rs): read the key, name the tenant and the caller
+// (`callerOf`), buffer the body (`buffer`), find the scope (`routeScope`)
+// and the fingerprint (all in `keyedRequest`); `claim` the key and `decide`
+// (replay, in flight, key reused, or run); run the handler under the claim
+// (`runHandler`, `cutOff` when it times out); keep its answer in the journal
+// (`keepAnswer`). `handle` takes a request through them; what each answer
+// means is in http.ts.
+
+import { storedSize, success } from "./answer.ts";
+import { PlaneError } from "./errors.ts";
+import { checkOrganization } from "./plane.ts";
+import { fingerprint, scopeOf } from "./fingerprint.ts";
+import { type Problem, problem, problemResponse } from "./problem.ts";
+import { refusal, refusedResponse, replay, storedOf, type StoredResponse, withoutBody } from "./stored_response.ts";
+import type { Held, Settled } from "./held.ts";
+import { Attempt, type Begun, type EffectSpec } from "./driver.ts";
+import { idempotencyKey, planeKey, targetOf } from "./key.ts";
+import { readBody, rebuilt } from "./body.ts";
+import type { Config, Handler } from "./config.ts";
+
+const IN_FLIGHT_RETRY_AFTER_S = 1;
+const UNAVAILABLE_RETRY_AFTER_S = 5;
+
+/** Statuses whose answer carries no body. */
+const NULL_BODY = new Set([101, 103, 204, 205, 304]);
+
+/**
+ * Where a step of the flow leads: on to the next step, with what it found;
+ * past the middleware (the handler serves the request unprotected); or to
+ * an answer the middleware gives itself.
+ */
+type Step<T> = { next: T } | { passThrough: true } | { answer: Response };
+
+/** A request the middleware protects: the request, its body, and what the plane is asked under its key. */
+interface Keyed {
+  /** The request as it came; its body is `bytes` now. */
+  req: Request;
+  bytes: Uint8Array;
+  spec: EffectSpec;
+  /** What every event about this request carries: scope, the client's key, per_caller. */
+  event: Record<string, unknown>;
+}
+
+/** How running the handler under the claim ended. */
+type Ran =
+  /** The handler answered: its answer is still to be kept. */
+  | { answered: Response }
+  /** The request ends here, its claim settled: this is what the caller gets. */
+  | { ended: Response };
+
+/**
+ * Serves one request: a request the middleware does not protect goes
+ * straight to `handler`; a keyed one is claimed, run at most once, and
+ * journaled. What throws here (the application's tenant or principal
+ * function, a pass-through handler) is answered by `withIdempotencyKey`.
+ */
+export async function handle(config: Config, handler: Handler, req: Request): Promise<Response> {
+  const step = await keyedRequest(config, req);
+  if ("passThrough" in step) return await handler(req);
+  if ("answer" in step) return step.answer;
+  return await protect(config, handler, step.next);
+}
+
+/** 500 handler-failed: the request failed before it finished (the client retries with the same key). */
+export function handlerFailed(): Problem {
+  return problem("handler-failed", "the request failed before it finished; retry with the same key");
+}
+
+function notConfigured(detail: string): Response {
+  return problemResponse(problem("not-configured", detail));
+}
+
+/**
+ * The request's key, tenant and caller, body, scope and fingerprint, in
+ * that order: the first that is missing or refused answers the request (a
+ * request of another method, or an optional key left out, passes through).
+ */
+async function keyedRequest(config: Config, req: Request): Promise<Step<Keyed>> {
+  if (!config.methods.includes(req.method)) return { passThrough: true };
+  const read = idempotencyKey(req.headers);
+  if (read === undefined) {
+    if (config.optional) return { passThrough: true };
+    return {
+      answer: problemResponse(
+        problem("missing-key", `${req.method} requests to this API carry an Idempotency-Key header`),
+      ),
+    };
+  }
+  if ("problem" in read) return { answer: problemResponse(read.problem) };
+  const key = read.key;
+  const caller = await callerOf(config, req);
+  if (caller instanceof Response) return { answer: caller };
+  const bytes = await buffer(config, req);
+  if (bytes instanceof Response) return { answer: bytes };
+  const scope = await routeScope(config, req);
+  if (scope instanceof Response) return { answer: scope };
+  const requestHash = await fingerprint(req.method, targetOf(req), req.headers, bytes, config.counted);
+  const spec: EffectSpec = {
+    organizationId: caller.organizationId,
+    scope,
+    key: await planeKey(key, caller.principal),
+    requestHash,
+    timing: config.timing,
+  };
+  return { next: { req, bytes, spec, event: { scope, key, per_caller: caller.principal !== undefined } } };
+}
+
+/**
+ * The request's tenant, and its caller when keys are per caller: 401 when
+ * either is not named, 500 when the tenant is not a UUID or the middleware
+ * was not told whose keys a key is among.
+ */
+async function callerOf(
+  config: Config,
+  req: Request,
+): Promise<{ organizationId: string; principal: string | undefined } | Response> {
+  const named = typeof config.organizationId === "string" ? config.organizationId : await config.organizationId(req);
+  if (named === undefined) {
+    return problemResponse(problem("no-tenant", "the request does not name the tenant its key belongs to"));
+  }
+  let organizationId: string;
+  try {
+    organizationId = checkOrganization(named);
+  } catch {
+    config.log({ event: "idempotency.http_not_configured", level: "error", why: "the tenant is not a UUID" });
+    return notConfigured("the server names a tenant that is not a UUID");
+  }
+  switch (config.callers.kind) {
+    case "shared":
+      return { organizationId, principal: undefined };
+    case "each": {
+      const principal = await config.callers.principal(req);
+      if (principal === undefined) {
+        return problemResponse(problem("no-principal", "the request does not name the caller its key belongs to"));
+      }
+      return { organizationId, principal };
+    }
+    case "unchosen":
+      config.log({
+        event: "idempotency.http_not_configured",
+        level: "error",
+        why: "the Idempotency-Key middleware does not know whose keys a key is among: " +
+          "give it principal: (req) => … or sharedAcrossCallers: true",
+      });
+      return notConfigured("the server has not said whether its idempotency keys are per caller");
+  }
+}
+
+/** The request's body, read whole up to the body limit: 413 above it, 400 when it breaks off. */
+async function buffer(config: Config, req: Request): Promise<Uint8Array | Response> {
+  const body = await readBody(req.body, config.bodyLimit);
+  if ("tooLarge" in body) {
+    return problemResponse(problem("body-too-large", `request bodies are buffered up to ${config.bodyLimit} bytes`));
+  }
+  if ("broke" in body) return problemResponse(problem("body-unreadable", `the body broke off: ${body.broke}`));
+  if (!("bytes" in body)) throw new Error("unreachable: a request body is read without a deadline");
+  return body.bytes;
+}
+
+/**
+ * The scope of the route the handler serves (a template such as
+ * `/orders/{id}`), never of each path, so scopes stay a bounded set: 500
+ * when the request has no route.
+ */
+async function routeScope(config: Config, req: Request): Promise<string | Response> {
+  const route = typeof config.route === "string" ? config.route : config.route(req);
+  if (route === undefined) {
+    config.log({ event: "idempotency.http_not_configured", level: "error", why: "no route for the request" });
+    return notConfigured("the server applies its idempotency layer where it cannot see the route");
+  }
+  return await scopeOf(req.method, route);
+}
+
+/**
+ * Claims the key, runs the handler under the claim, and keeps its answer;
+ * a claim that fails answers 503 (or, failing open, runs the handler
+ * unprotected).
+ */
+async function protect(config: Config, handler: Handler, keyed: Keyed): Promise<Response> {
+  let held: Held;
+  try {
+    const decided = await claim(config, keyed);
+    if (decided instanceof Response) return decided;
+    held = decided;
+  } catch (error) {
+    return await unavailable(config, error, handler, rebuilt(keyed.req, keyed.bytes), keyed.event);
+  }
+  const ran = await runHandler(config, held, handler, keyed);
+  if ("ended" in ran) return ran.ended;
+  return await keepAnswer(config, held, ran.answered, keyed.event);
+}
+
+/** Claims the plane's key through the effect driver and decides by its answer; throws when the claim failed. */
+async function claim(config: Config, keyed: Keyed): Promise<Held | Response> {
+  return decide(config, await config.driver.begin(keyed.spec, new Attempt()), keyed.event);
+}
+
+/**
+ * What the claim's answer leads to: the key is ours to run (the claim), or
+ * the middleware answers with the journaled answer (replayed), 409 in
+ * flight, or 422 key reused.
+ */
+function decide(config: Config, begun: Begun, event: Record<string, unknown>): Held | Response {
+  switch (begun.kind) {
+    case "replayed": {
+      config.log({ event: "idempotency.http", ...event, outcome: "replayed", replayed: true });
+      const replayed = replay(begun.answer.output);
+      if (replayed) return replayed;
+      config.log({ event: "idempotency.http_unreadable", level: "error", ...event });
+      return problemResponse(
+        problem("unreadable-answer", "this key completed, but its journaled answer is not an HTTP answer"),
+      );
+    }
+    case "in_flight":
+      config.log({ event: "idempotency.http", ...event, outcome: "in_flight" });
+      return problemResponse(
+        problem(
+          "in-flight",
+          "the first request with this Idempotency-Key has not finished; retry later",
+          IN_FLIGHT_RETRY_AFTER_S,
+        ),
+      );
+    case "conflict":
+      config.log({ event: "idempotency.http", ...event, outcome: "key_reused" });
+      return problemResponse(
+        problem(
+          "key-reused",
+          "this key was used for a request with another method, path, query, content type, body or headers",
+        ),
+      );
+    case "held":
+      return begun.held;
+  }
+}
+
+/**
+ * Runs the handler under `held`, cut at its timeout. A handler that threw
+ * or answered something other than a Response gave no answer to anyone:
+ * its claim is released, like any failed request's, so the client's retry
+ * runs it (the documented exception to the driver's rule; see http.ts). One
+ * that timed out ends as `cutOff` says.
+ */
+async function runHandler(config: Config, held: Held, handler: Handler, keyed: Keyed): Promise<Ran> {
+  const ran = await held.run(async (signal) => await handler(rebuilt(keyed.req, keyed.bytes, signal)));
+  if (!("value" in ran)) {
+    if (ran.cut === "timed_out") return { ended: await cutOff(config, held, keyed.event) };
+    config.log({
+      event: "idempotency.http_handler_failed",
+      level: "error",
+      ...keyed.event,
+      error: String(ran.error),
+      why: "the handler threw; its claim is released",
+    });
+    await release(config, held, keyed.event);
+    return { ended: problemResponse(handlerFailed()) };
+  }
+  const response = ran.value;
+  if (!(response instanceof Response)) {
+    config.log({ event: "idempotency.http_handler_failed", level: "error", ...keyed.event, why: "not a Response" });
+    await release(config, held, keyed.event);
+    return { ended: problemResponse(handlerFailed()) };
+  }
+  return { answered: response };
+}
+
+/**
+ * The handler timed out: 504. JavaScript cannot stop it (its signal only
+ * asks it to), and a claim released while it still runs would let the
+ * client's retry run it a second time beside it. So wait for it through half
+ * the journal's deadline: one that ended by then is released, one still
+ * running is left to its lease.
+ */
+async function cutOff(config: Config, held: Held, event: Record<string, unknown>): Promise<Response> {
+  config.log({
+    event: "idempotency.http_timeout",
+    level: "warn",
+    ...event,
+    timeout_ms: config.timing.effectMs,
+    why: "the handler timed out",
+  });
+  const late = await held.late(held.effectDeadline + config.timing.journalMs / 2);
+  if (late === undefined) {
+    const settled = await held.settle({ unknown: "the handler timed out and is still running" });
+    config.log({ event: "idempotency.http_left_to_lease", level: "warn", ...event, ending: settled.ending });
+  } else {
+    await release(config, held, event);
+  }
+  return problemResponse(
+    problem("handler-timeout", "the request was cut off before it finished; retry with the same key"),
+  );
+}
+
+/**
+ * Keeps the handler's answer as the key's, and returns what the caller
+ * gets: a retryable answer (5xx, 429) releases the claim instead; an
+ * answer that cannot be read whole, in size or in time, is kept without its
+ * body and answered 502.
+ */
+async function keepAnswer(
+  config: Config,
+  held: Held,
+  response: Response,
+  event: Record<string, unknown>,
+): Promise<Response> {
+  if (response.status >= 500 || response.status === 429) {
+    // Retryable: not the answer to this key, so the next try runs again.
+    await release(config, held, event);
+    return response;
+  }
+
+  const answerBody = await readBody(response.body, config.responseBodyLimit, held.effectDeadline);
+  let answer: Response;
+  let stored: StoredResponse;
+  let bodyBytes: number;
+  if ("bytes" in answerBody) {
+    bodyBytes = answerBody.bytes.length;
+    stored = await fit(config, storedOf(response.status, response.headers, config.kept, answerBody.bytes), bodyBytes);
+    answer = refusedResponse(stored) ??
+      new Response(NULL_BODY.has(response.status) ? null : answerBody.bytes as Uint8Array<ArrayBuffer>, {
+        status: response.status,
+        statusText: response.statusText,
+        headers: response.headers,
+      });
+  } else {
+    // The handler ran (its effect is made) but its answer could not be read
+    // whole, in size or in time: keep what is known.
+    bodyBytes = config.responseBodyLimit;
+    stored = withoutBody(storedOf(response.status, response.headers, config.kept, new Uint8Array(0)), bodyBytes);
+    answer = problemResponse(
+      problem("answer-incomplete", "the request ran, but its answer was too large or too slow to return"),
+    );
+  }
+  const settled = await journal(config, held, stored, bodyBytes);
+  config.log({
+    event: "idempotency.http",
+    level: settled.ending === "journaled" ? "info" : settled.ending === "left_to_lease" ? "error" : "warn",
+    ...event,
+    outcome: "claimed",
+    ending: settled.ending,
+    ...(settled.ending === "left_to_lease"
+      ? { why: `the answer could not be journaled; the claim frees itself when its lease passes: ${settled.why}` }
+      : {}),
+  });
+  return answer;
+}
+
+/** Releases a claim whose handler gave no answer (the layer's documented exception). */
+async function release(config: Config, held: Held, event: Record<string, unknown>): Promise<void> {
+  const settled = await held.settle("release");
+  config.log({ event: "idempotency.http", ...event, outcome: "claimed", ending: settled.ending });
+}
+
+/**
+ * Journals `stored` through the driver (within the journal's deadline,
+ * retried on transient failures). An answer the store refuses (above the
+ * scope's own limit, which may be lower than the plane's) is journaled again
+ * without its body, so that a repeat replays instead of running the handler
+ * again.
+ */
+async function journal(config: Config, held: Held, stored: StoredResponse, bodyBytes: number): Promise<Settled> {
+  const exact = await held.journalExact(success(stored));
+  if (!("refused" in exact)) return exact;
+  config.log({
+    event: "idempotency.http_answer_refused",
+    level: "warn",
+    scope: held.claim.scope,
+    error: exact.refused.message,
+    why: "the store refused the answer; journaling it without its body",
+  });
+  return await held.settle({ journal: success(withoutBody(stored, bodyBytes)) });
+}
+
+/**
+ * The oversize policy for an answer whose body is `bodyBytes` long, when its
+ * stored form is above the plane's response limit: the journal keeps its
+ * status and headers only, or a refusal the caller gets as well.
+ */
+async function fit(config: Config, stored: StoredResponse, bodyBytes: number): Promise<StoredResponse> {
+  if (await storedSize(success(stored)) <= config.plane.responseLimitBytes) return stored;
+  if (config.oversize === "omit_body") return withoutBody(stored, bodyBytes);
+  return refusal(
+    problem("answer-not-kept", "the request ran, but its answer is larger than this API keeps for repeats"),
+  );
+}
+
+/**
+ * The claim failed: 503, or with `failOpen`, when the plane was never
+ * reached, the handler runs unprotected. A misconfiguration (no policy for
+ * the scope, input the plane refuses) is 500 either way.
+ */
+async function unavailable(
+  config: Config,
+  error: unknown,
+  handler: Handler,
+  req: Request,
+  event: Record<string, unknown>,
+): Promise<Response> {
+  const message = error instanceof Error ? error.message : String(error);
+  if (error instanceof PlaneError && (error.kind === "unknown_scope" || error.kind === "invalid_input")) {
+    config.log({
+      event: "idempotency.http_not_configured",
+      level: "error",
+      ...event,
+      error: message,
+      why: "the idempotency scope is not usable; add a policy row for it (http.* covers every route)",
+    });
+    return notConfigured("the server has no idempotency policy for this route");
+  }
+  // Only a plane that was never reached may be bypassed: after any other
+  // failure (an answer lost or too late, a lock timeout, a 5xx) the plane
+  // may have made the claim, and then it holds this key for someone.
+  const neverReached = error instanceof PlaneError && error.neverReachedThePlane;
+  if (config.failOpen && neverReached) {
+    config.log({
+      event: "idempotency.fail_open",
+      level: "error",
+      ...event,
+      error: message,
+      why: "the idempotency plane is unreachable; FAIL-OPEN: running the request without protection",
+    });
+    return await handler(req);
+  }
+  config.log({
+    event: "idempotency.http_unavailable",
+    level: "warn",
+    ...event,
+    error: message,
+    why: config.failOpen
+      ? "the claim failed, but the plane may have made it; not failing open, answering 503"
+      : "the claim failed; answering 503",
+  });
+  return problemResponse(
+    problem(
+      "unavailable",
+      "the request was not run, because its key cannot be checked now; retry with the same key",
+      UNAVAILABLE_RETRY_AFTER_S,
+    ),
+  );
+}

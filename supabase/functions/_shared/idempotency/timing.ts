@@ -1,0 +1,56 @@
+// An effect's timing: its timeout, the journal's deadline and a margin, and
+// the lease that is their sum.
+//
+// Both deadlines count from before the claim; the journal (or release) is
+// retried within its deadline on transient failures (held.ts), so a slow
+// journal lands while the key is still ours, and once the deadline passes no
+// other write starts (each is fenced by the lease token besides). The margin
+// is what the lease keeps beyond both.
+
+import { PlaneError } from "./errors.ts";
+import { checkLease } from "./plane.ts";
+
+/** How long the journal may take, retries included, unless told otherwise. */
+export const DEFAULT_JOURNAL_DEADLINE_MS = 10_000;
+/** What the lease keeps beyond the effect's timeout and the journal's deadline. */
+export const DEFAULT_MARGIN_MS = 5_000;
+
+/** The effect's timeout, the journal's deadline and the margin; the lease is their sum. */
+export class Timing {
+  readonly effectMs: number;
+  readonly journalMs: number;
+  readonly marginMs: number;
+
+  constructor(effectMs: number, journalMs = DEFAULT_JOURNAL_DEADLINE_MS, marginMs = DEFAULT_MARGIN_MS) {
+    for (const [what, value] of [["effect timeout", effectMs], ["journal deadline", journalMs]] as const) {
+      if (!(value > 0) || !Number.isFinite(value)) {
+        throw PlaneError.invalid("zero_duration", `the ${what} must be above zero, got ${value}`);
+      }
+    }
+    if (!(marginMs >= 0) || !Number.isFinite(marginMs)) {
+      throw PlaneError.invalid("zero_duration", `the margin must not be negative, got ${marginMs}`);
+    }
+    this.effectMs = effectMs;
+    this.journalMs = journalMs;
+    this.marginMs = marginMs;
+    checkLease(this.leaseMs);
+  }
+
+  /** effect + journal + margin. */
+  get leaseMs(): number {
+    return this.effectMs + this.journalMs + this.marginMs;
+  }
+
+  /**
+   * Refuses a lease that outlives the caller's retry horizon: a retry after
+   * the horizon would find the claim still held by a worker that is gone.
+   */
+  check(horizonMs: number, spentMs = 0): void {
+    if (this.leaseMs + spentMs >= horizonMs) {
+      throw PlaneError.invalid(
+        "lease_outlasts_retries",
+        `the lease (${this.leaseMs} ms) plus the ${spentMs} ms spent before the claim outlasts the ${horizonMs} ms retry horizon`,
+      );
+    }
+  }
+}
