@@ -14,12 +14,13 @@
 //!   the README's Supabase Cron recipe on a PostgreSQL cluster of its own.
 //! - `wire`: PostgREST's exact responses replayed with wiremock.
 //! - `hostile`: hostile input to the pure parts, the stack and the client.
-//! - `cli`: the `idem` binary, run as a user runs it.
+//! - `cli`: the `idem` binary, run as a user runs it; its usage errors and
+//!   `--help` need no stack.
 //! - `drift`: what the crate ships against its twins (migrations, README,
 //!   request-hash vectors).
 //! - `support`: the helpers the others share.
 //!
-//! `stack`, `cli`, `hostile::keys` and `support::harness` need the embedded
+//! `stack`, `cli` (but `cli::usage`), `hostile::keys` and `support::harness` need the embedded
 //! stack (feature `local`), and so do the `on_the_stack` halves of
 //! `repository` and `callers`: the README's test command, `cargo test
 //! --features local`, turns it on. Everything else — wiremock, property,
@@ -29,7 +30,6 @@
 //! serde_json without the embedded server's `arbitrary_precision`.
 
 mod callers;
-#[cfg(feature = "local")]
 mod cli;
 mod drift;
 mod hostile;

@@ -1,7 +1,12 @@
-//! The `idem` binary, run as a user runs it: its commands against a local
-//! stack (`idem`), and `idem up` with its env file and named databases
-//! (`up`, unix only). Needs feature `local` (the binary and the stack).
+//! The `idem` binary, run as a user runs it: `usage` checks that every
+//! usage or configuration error exits 2 before any request and that every
+//! `--help` names its environment (the binary alone, no stack); `idem` runs
+//! its commands against a local stack, and `up` runs `idem up` with its env
+//! file and named databases (both need feature `local`; `up` is unix only).
 
+#[cfg(feature = "local")]
 mod idem;
-#[cfg(unix)]
+#[cfg(all(feature = "local", unix))]
 mod up;
+#[cfg(feature = "cli")]
+mod usage;
