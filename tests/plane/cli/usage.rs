@@ -62,6 +62,9 @@ fn assert_usage_error(args: &[&str], env: &[(&str, &str)], stdin: &str, plane: &
     assert!(!plane.was_reached(), "idem {args:?} sent a request before refusing");
 }
 
+/// Environment variables a case sets.
+type Env<'a> = Vec<(&'a str, &'a str)>;
+
 /// The commands that act on a deployment, with the arguments each needs.
 fn remote_commands() -> [(&'static str, Vec<&'static str>); 4] {
     [
@@ -83,7 +86,7 @@ fn every_usage_or_configuration_error_of_a_remote_command_exits_2_before_any_req
             args.extend(extra.iter().map(|a| a.to_string()));
             args
         };
-        let cases: Vec<(Vec<String>, Vec<(&str, &str)>)> = vec![
+        let cases: Vec<(Vec<String>, Env)> = vec![
             // No plane named by flags or environment.
             (with(&[]), vec![]),
             // A flag it does not have.

@@ -2,8 +2,12 @@
 //! the Supabase CLI's copy (`migrations`), the README's code against the
 //! public API (`readme`, its stack half with feature `local`), and the
 //! request hash against the vectors the TypeScript client checks too
-//! (`request_hash`). Runs under default features.
+//! (`request_hash`), and the Idempotency-Key layer's credential headers
+//! against the TypeScript middleware's list (`typescript`, feature `axum`).
+//! Runs under default features.
 
 mod migrations;
 mod readme;
 mod request_hash;
+#[cfg(feature = "axum")]
+mod typescript;

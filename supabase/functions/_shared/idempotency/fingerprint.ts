@@ -1,6 +1,6 @@
 // What makes two HTTP requests "the same request" for the Idempotency-Key
 // middleware, and the scope a route's keys live in — a port of the Rust
-// layer's src/callers/idempotency_key/fingerprint.rs, to the same hash for
+// layer's fingerprint (`callers::idempotency_key`), to the same hash for
 // the same request, so a key used through one layer is the same request
 // through the other.
 

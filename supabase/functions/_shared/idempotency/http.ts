@@ -1,7 +1,7 @@
 // `Idempotency-Key` for any Fetch-style HTTP handler (a Supabase Edge
 // Function, `Deno.serve`, Hono's `app.fetch`), after the IETF draft "The
 // Idempotency-Key HTTP Header Field" and the way Stripe's API behaves — the
-// Rust layer (src/callers/idempotency_key) ported to the letter: the same
+// Rust layer (`callers::idempotency_key`) ported to the letter: the same
 // answers and problem types, the same scope names, the same fingerprint and
 // the same journaled form, so an answer journaled by one layer replays
 // through the other.

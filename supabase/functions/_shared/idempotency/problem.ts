@@ -1,7 +1,7 @@
 // Every answer the Idempotency-Key middleware (http.ts) gives itself: RFC
 // 9457 problem details (`application/problem+json`, with `type`, `title`,
 // `status`, `detail`), of the types in one catalogue — the Rust layer's
-// (src/callers/idempotency_key/problem.rs), slug for slug, status for status
+// (`callers::idempotency_key::ProblemType`), slug for slug, status for status
 // and title for title, so a client cannot tell the two apart.
 
 /** Where the problem types are listed: the README's "Idempotency-Key problems" section, which links to what each means. */

@@ -1,7 +1,7 @@
 // The answer a first request got, as the journal keeps it: status, kept
 // headers and the body (text when it is UTF-8 without U+0000, base64
 // otherwise) — the Rust layer's StoredResponse
-// (src/callers/idempotency_key/stored.rs) member for member, so an answer
+// (`callers::idempotency_key`) member for member, so an answer
 // journaled by either layer replays through the other byte for byte:
 //
 //   {"status": 201, "headers": [["content-type", "application/json"], …],
