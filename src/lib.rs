@@ -87,3 +87,9 @@ pub use service::{
     canonical_json, Claim, ClaimOutcome, Completion, Ending, IdempotencyService, ReadOutcome, RequestHash, ResourceRef,
     ResponseRef,
 };
+
+/// The README's Rust quick start, compiled as a doctest so it cannot drift
+/// from the API it shows.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
