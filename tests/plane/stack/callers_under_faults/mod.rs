@@ -1,0 +1,3 @@
+//! Randomized endings on the real stack, one file per caller.
+
+mod saved_search;
