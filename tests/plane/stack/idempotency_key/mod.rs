@@ -1,0 +1,3 @@
+//! The `Idempotency-Key` layer on the real stack, by what each group shows.
+
+mod plane_faults;
