@@ -20,7 +20,7 @@ use uuid::Uuid;
 use wiremock::matchers::{method, path};
 use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
 
-use super::{row, service};
+use super::super::{row, service};
 use crate::support::backends::Plane;
 use crate::support::{claimed, org, LEASE};
 
