@@ -21,12 +21,13 @@
 //! `.ci/run` does) and are skipped, saying so, elsewhere. As root, the cluster runs as the `postgres` system user
 //! (initdb refuses root).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use idempotency_plane::migrations::MIGRATIONS;
-use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
+use sqlx::{AssertSqlSafe, Connection, Row};
+
+use crate::support::cluster::{Cluster, PG_BIN};
 
 /// The recipe, exactly as the README quotes it.
 const RECIPE: &str = include_str!("../../../sql/recipes/pg_cron_sweep.sql");
@@ -42,7 +43,6 @@ const EVERY_MINUTE: &str = "'* * * * *'";
 const SWEEP: &str = "agent.idempotency_sweep(1000)";
 const ABOVE_CAP: &str = "agent.idempotency_sweep(1001)";
 
-const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
 const PG_CRON: &str = "/usr/lib/postgresql/15/lib/pg_cron.so";
 
 /// How long a test waits for pg_cron's runs: up to two minute boundaries
@@ -123,143 +123,6 @@ fn pg_cron_installed(test: &str) -> bool {
     false
 }
 
-/// Runs `command`; panics with its output unless it succeeded.
-fn run(command: &mut Command, what: &str) -> Output {
-    let output = command.output().unwrap_or_else(|e| panic!("{what}: could not run {command:?}: {e}"));
-    assert!(
-        output.status.success(),
-        "{what} failed ({}):\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
-}
-
-/// The trimmed standard output of `program args`.
-fn stdout_of(program: &str, args: &[&str]) -> String {
-    let output = run(Command::new(program).args(args), program);
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
-}
-
-/// A PostgreSQL 15 cluster of the test's own, loading pg_cron. Stopped and
-/// removed on drop.
-struct Cluster {
-    dir: PathBuf,
-    port: u16,
-    /// Root runs the server binaries as the `postgres` system user.
-    as_postgres: bool,
-    started: bool,
-}
-
-impl Cluster {
-    fn start(mode: Mode) -> Cluster {
-        let as_postgres = stdout_of("id", &["-u"]) == "0";
-        let dir =
-            std::env::temp_dir().join(format!("idem-pg-cron-{}-{:08x}", std::process::id(), rand::random::<u32>()));
-        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
-        // From here on, dropping the cluster removes the directory.
-        let mut cluster = Cluster { dir, port: 0, as_postgres, started: false };
-        if as_postgres {
-            let uid: u32 = stdout_of("id", &["-u", "postgres"]).parse().expect("the postgres user's uid");
-            let gid: u32 = stdout_of("id", &["-g", "postgres"]).parse().expect("the postgres user's gid");
-            std::os::unix::fs::chown(&cluster.dir, Some(uid), Some(gid)).expect("hand the directory to postgres");
-        }
-        let data = cluster.data();
-        run(
-            cluster.server_binary("initdb").args([
-                "-D",
-                &data,
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "--no-sync",
-                "-E",
-                "UTF8",
-                "--locale=C",
-            ]),
-            "initdb",
-        );
-        let background_workers = match mode {
-            Mode::Connection => "off",
-            Mode::BackgroundWorker => "on",
-        };
-        // A port free a moment ago may be taken by the time the server binds
-        // it: then another.
-        for attempt in 1..=3 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|listener| listener.local_addr())
-                .expect("a free port")
-                .port();
-            let options = format!(
-                "-p {port} -k {dir} -c listen_addresses=127.0.0.1 -c fsync=off \
-                 -c shared_preload_libraries=pg_cron -c cron.database_name=postgres \
-                 -c cron.use_background_workers={background_workers}",
-                dir = cluster.dir.display()
-            );
-            let log = cluster.log_path();
-            let started = cluster
-                .server_binary("pg_ctl")
-                .args(["-D", &data, "-l", &log, "-w", "-t", "60", "-o", &options, "start"])
-                .output()
-                .expect("run pg_ctl start");
-            if started.status.success() {
-                cluster.port = port;
-                cluster.started = true;
-                return cluster;
-            }
-            assert!(attempt < 3, "pg_ctl start failed three times; the server's log:\n{}", cluster.log());
-        }
-        unreachable!("the loop returns or panics")
-    }
-
-    /// A command running one of PostgreSQL 15's server binaries.
-    fn server_binary(&self, program: &str) -> Command {
-        let path = format!("{PG_BIN}/{program}");
-        if self.as_postgres {
-            let mut command = Command::new("runuser");
-            command.args(["-u", "postgres", "--", &path]);
-            command
-        } else {
-            Command::new(path)
-        }
-    }
-
-    fn data(&self) -> String {
-        self.dir.join("data").display().to_string()
-    }
-
-    fn log_path(&self) -> String {
-        self.dir.join("server.log").display().to_string()
-    }
-
-    /// The server's log so far.
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-
-    /// The `postgres` database, as `user`.
-    async fn connect(&self, user: &str) -> PgConnection {
-        let url = format!("postgres://{user}@127.0.0.1:{}/postgres", self.port);
-        PgConnection::connect(&url).await.unwrap_or_else(|e| panic!("connecting to {url}: {e}"))
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        if self.started {
-            let data = self.data();
-            let stopped = self.server_binary("pg_ctl").args(["-D", &data, "-m", "immediate", "-w", "stop"]).output();
-            if !stopped.as_ref().is_ok_and(|output| output.status.success()) {
-                eprintln!("pg_ctl stop of the test's cluster in {} failed: {stopped:?}", self.dir.display());
-            }
-        }
-        if let Err(error) = std::fs::remove_dir_all(&self.dir) {
-            eprintln!("removing the test's cluster in {}: {error}", self.dir.display());
-        }
-    }
-}
-
 /// The claims a run must keep: retention holds for each.
 const KEPT: [&str; 3] = ["kept-completed", "kept-live-lease", "kept-passed-lease"];
 
@@ -269,7 +132,17 @@ async fn the_recipe_sweeps_through_pg_cron(mode: Mode, test: &str) {
         return;
     }
     let began = Instant::now();
-    let cluster = Cluster::start(mode);
+    let background_workers = match mode {
+        Mode::Connection => "off",
+        Mode::BackgroundWorker => "on",
+    };
+    let cluster = Cluster::start(
+        "pg-cron",
+        &format!(
+            "-c shared_preload_libraries=pg_cron -c cron.database_name=postgres \
+             -c cron.use_background_workers={background_workers}"
+        ),
+    );
     let mut admin = cluster.connect("postgres").await;
     for (file, sql) in MIGRATIONS {
         sqlx::raw_sql(*sql).execute(&mut admin).await.unwrap_or_else(|e| panic!("applying {file}: {e}"));

@@ -2,7 +2,9 @@
 //! on (`backends`: the in-memory plane always, a local stack with feature
 //! `local`), a fault-injecting repository
 //! (`faults`), an HTTP proxy that delays or drops chosen RPC answers
-//! (`proxy`), retry policies, canned claim rows and raw TCP fault servers
+//! (`proxy`), PostgreSQL clusters of a test's own to crash, fail over or
+//! exhaust (`cluster`, feature `local`), retry policies, canned claim rows
+//! and raw TCP fault servers
 //! (`transport`), and one fresh local stack per test with ways to look
 //! under it (`harness`, feature `local`). Everything but `harness` compiles
 //! under default features.
@@ -15,6 +17,8 @@
 #![cfg_attr(not(feature = "local"), allow(dead_code))]
 
 pub mod backends;
+#[cfg(feature = "local")]
+pub mod cluster;
 pub mod faults;
 #[cfg(feature = "local")]
 pub mod harness;
