@@ -13,4 +13,5 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0011_functions_only.sql", include_str!("../sql/0011_functions_only.sql")),
     ("0012_fenced_admission.sql", include_str!("../sql/0012_fenced_admission.sql")),
     ("0013_sweep.sql", include_str!("../sql/0013_sweep.sql")),
+    ("0014_claims_by_organization.sql", include_str!("../sql/0014_claims_by_organization.sql")),
 ];

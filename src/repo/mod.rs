@@ -117,18 +117,27 @@ pub trait IdempotencyRepository: Send + Sync {
         key: &str,
     ) -> impl Future<Output = Result<Option<IdempotencyRecord>, Error>> + Send;
 
-    /// Completes the claim `claim_id` if `lease_token` still holds it. `None`
-    /// when the lease moved on: the caller must do nothing more.
+    /// Completes the claim `claim_id` of `organization_id` if `lease_token`
+    /// still holds it. `None` when the lease moved on (or the claim is not
+    /// that organization's): the caller must do nothing more. The
+    /// organization lets a store partitioned by it go straight to the claim.
     fn complete(
         &self,
+        organization_id: Uuid,
         claim_id: Uuid,
         lease_token: Uuid,
         completion: CompletionArgs<'_>,
     ) -> impl Future<Output = Result<Option<IdempotencyRecord>, Error>> + Send;
 
-    /// Deletes the unfinished claim `claim_id` if `lease_token` still holds
-    /// it. `false` when the lease moved on: the caller must do nothing more.
-    fn release(&self, claim_id: Uuid, lease_token: Uuid) -> impl Future<Output = Result<bool, Error>> + Send;
+    /// Deletes the unfinished claim `claim_id` of `organization_id` if
+    /// `lease_token` still holds it. `false` when the lease moved on (or the
+    /// claim is not that organization's): the caller must do nothing more.
+    fn release(
+        &self,
+        organization_id: Uuid,
+        claim_id: Uuid,
+        lease_token: Uuid,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
 }
 
 /// The plane's own refusal (HTTP 400) of a fenced Run admission whose claim

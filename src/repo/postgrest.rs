@@ -128,6 +128,7 @@ struct KeyArgs<'a> {
 struct CompleteArgs<'a> {
     p_claim_id: Uuid,
     p_lease_token: Uuid,
+    p_organization_id: Uuid,
     #[serde(skip_serializing_if = "Option::is_none")]
     p_resource_type: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -140,6 +141,7 @@ struct CompleteArgs<'a> {
 struct FenceArgs {
     p_claim_id: Uuid,
     p_lease_token: Uuid,
+    p_organization_id: Uuid,
 }
 
 impl IdempotencyRepository for PostgrestRepository {
@@ -177,6 +179,7 @@ impl IdempotencyRepository for PostgrestRepository {
 
     async fn complete(
         &self,
+        organization_id: Uuid,
         claim_id: Uuid,
         lease_token: Uuid,
         completion: CompletionArgs<'_>,
@@ -184,6 +187,7 @@ impl IdempotencyRepository for PostgrestRepository {
         let args = CompleteArgs {
             p_claim_id: claim_id,
             p_lease_token: lease_token,
+            p_organization_id: organization_id,
             p_resource_type: completion.resource_type,
             p_resource_id: completion.resource_id,
             p_response: completion.response,
@@ -191,8 +195,8 @@ impl IdempotencyRepository for PostgrestRepository {
         self.at_most_one(COMPLETE.name, &args).await
     }
 
-    async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
-        let args = FenceArgs { p_claim_id: claim_id, p_lease_token: lease_token };
+    async fn release(&self, organization_id: Uuid, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
+        let args = FenceArgs { p_claim_id: claim_id, p_lease_token: lease_token, p_organization_id: organization_id };
         Ok(self.rpc(RELEASE.name, &args).await?)
     }
 }

@@ -37,9 +37,11 @@ pub(crate) const RECLAIM: SqlFunction = function("idempotency_reclaim", V1_CLAIM
 pub(crate) const GET: SqlFunction = function("idempotency_get", "p_organization_id uuid, p_scope text, p_key text");
 pub(crate) const COMPLETE: SqlFunction = function(
     "idempotency_complete",
-    "p_claim_id uuid, p_lease_token uuid, p_resource_type text, p_resource_id text, p_response jsonb",
+    "p_claim_id uuid, p_lease_token uuid, p_resource_type text, p_resource_id text, p_response jsonb, \
+     p_organization_id uuid",
 );
-pub(crate) const RELEASE: SqlFunction = function("idempotency_release", "p_claim_id uuid, p_lease_token uuid");
+pub(crate) const RELEASE: SqlFunction =
+    function("idempotency_release", "p_claim_id uuid, p_lease_token uuid, p_organization_id uuid");
 pub(crate) const EXPIRED: SqlFunction = function("idempotency_expired", "p_limit integer");
 pub(crate) const DELETE_EXPIRED: SqlFunction = function("idempotency_delete_expired", "p_ids uuid[]");
 pub(crate) const SWEEP: SqlFunction = function("idempotency_sweep", "p_bound integer, p_row_cap integer");
@@ -81,7 +83,7 @@ mod tests {
 
     #[test]
     fn argument_names_are_read_off_the_identity_arguments() {
-        assert_eq!(RELEASE.argument_names().collect::<Vec<_>>(), ["p_claim_id", "p_lease_token"]);
+        assert_eq!(RELEASE.argument_names().collect::<Vec<_>>(), ["p_claim_id", "p_lease_token", "p_organization_id"]);
         assert_eq!(SURFACE.argument_names().count(), 0);
         let names: std::collections::BTreeSet<_> = SQL_SURFACE.iter().map(|f| f.name).collect();
         assert_eq!(names.len(), SQL_SURFACE.len(), "each function once");

@@ -266,7 +266,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 resource_id: completion.resource.as_ref().map(|r| r.resource_id.as_str()),
                 response: elided.as_ref().or(response),
             };
-            let ending = match self.repo.complete(claim.id, claim.lease_token, args).await? {
+            let ending = match self.repo.complete(claim.organization_id, claim.id, claim.lease_token, args).await? {
                 Some(record) => {
                     let record =
                         checked(record, claim.organization_id, &claim.scope, &claim.key, Some(claim.lease_token))?;
@@ -325,7 +325,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             claim_id = %claim.id, ending = field::Empty
         );
         async {
-            let ending = if self.repo.release(claim.id, claim.lease_token).await? {
+            let ending = if self.repo.release(claim.organization_id, claim.id, claim.lease_token).await? {
                 Ending::Recorded
             } else {
                 Ending::LeaseMovedOn

@@ -185,6 +185,7 @@ impl IdempotencyRepository for MemoryRepository {
 
     async fn complete(
         &self,
+        organization_id: Uuid,
         claim_id: Uuid,
         lease_token: Uuid,
         completion: CompletionArgs<'_>,
@@ -209,7 +210,11 @@ impl IdempotencyRepository for MemoryRepository {
         let mut state = self.lock();
         let now = state.now();
         let limit = |state: &State, scope: &str| state.policy(scope).map(|p| p.max_response_bytes);
-        let Some(slot) = state.claims.iter().find(|(_, row)| row.record.id == claim_id).map(|(slot, _)| slot.clone())
+        let Some(slot) = state
+            .claims
+            .iter()
+            .find(|(slot, row)| slot.0 == organization_id && row.record.id == claim_id)
+            .map(|(slot, _)| slot.clone())
         else {
             return Ok(None);
         };
@@ -246,11 +251,12 @@ impl IdempotencyRepository for MemoryRepository {
         Ok(Some(with_live(record.clone(), now)))
     }
 
-    async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
+    async fn release(&self, organization_id: Uuid, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
         let mut state = self.lock();
         let before = state.claims.len();
-        state.claims.retain(|_, row| {
-            !(row.record.id == claim_id
+        state.claims.retain(|slot, row| {
+            !(slot.0 == organization_id
+                && row.record.id == claim_id
                 && row.record.lease_token == lease_token
                 && row.record.status == ClaimStatus::Processing)
         });

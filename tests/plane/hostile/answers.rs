@@ -131,8 +131,9 @@ async fn a_release_answered_with_anything_but_a_boolean_is_a_decode_error() {
         // Arrange
         let server = answering("idempotency_release", ResponseTemplate::new(200).set_body_json(&body), 1).await;
         // Act
-        let result =
-            repository_for(&server.uri(), fast_retry(RETRY_WITHIN)).release(Uuid::new_v4(), Uuid::new_v4()).await;
+        let result = repository_for(&server.uri(), fast_retry(RETRY_WITHIN))
+            .release(Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4())
+            .await;
         // Assert
         assert_decode(result, "idempotency_release", &body.to_string());
         server.verify().await;

@@ -244,6 +244,7 @@ async fn a_response_holding_nul_is_refused_before_any_request_and_by_the_databas
     let bypass = service
         .repository()
         .complete(
+            claim.organization_id(),
             claim.id(),
             claim.lease_token(),
             CompletionArgs { response: Some(&json!({"text": "a\u{0}b"})), ..CompletionArgs::default() },

@@ -45,8 +45,9 @@ async fn a_claim_cut_short_is_sent_again_but_a_release_cut_short_is_not() {
     let service = IdempotencyService::new(repository_for(claim_server.url(), fast_retry(RETRY_WITHIN)));
     // Act
     let claimed = service.claim(Uuid::new_v4(), SCOPE, "run-1", &hash, Duration::from_secs(60)).await;
-    let released =
-        repository_for(release_server.url(), fast_retry(RETRY_WITHIN)).release(Uuid::new_v4(), Uuid::new_v4()).await;
+    let released = repository_for(release_server.url(), fast_retry(RETRY_WITHIN))
+        .release(Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4())
+        .await;
     // Assert: a claim is safe to repeat (3 attempts); a release that may have happened is not.
     assert_transport(claimed, "idempotency_claim", TransportKind::Interrupted, "claim");
     assert_eq!(claim_server.connections(), 3);

@@ -44,7 +44,7 @@ async fn the_one_call_claim_decides_every_outcome(repo: &impl Backend, time: &im
     let answer = json!({"sent": 1});
     let args =
         CompletionArgs { response: Some(&answer), resource_type: Some("email.message"), resource_id: Some("m-1") };
-    let done = repo.complete(claimed.id, token, args).await.unwrap().expect("completed");
+    let done = repo.complete(claimed.organization_id, claimed.id, token, args).await.unwrap().expect("completed");
     assert_eq!((done.status, done.lease_live), (ClaimStatus::Completed, false));
     let replay = repo.claim(&call(org, "tool.email.send", "k", &h, Uuid::new_v4())).await.unwrap();
     assert_eq!((replay.outcome, replay.response, replay.lease_token), (ClaimDecision::Completed, Some(answer), None));
@@ -98,14 +98,27 @@ async fn the_v1_protocol_claims_reclaims_completes_and_releases_under_its_fence(
 
     let answer = json!({"ok": true});
     let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
-    assert!(repo.complete(first.id, token, args).await.unwrap().is_none(), "the old token is fenced off");
-    assert!(!repo.release(first.id, token).await.unwrap(), "the old token cannot release");
-    let done = repo.complete(first.id, token2, args).await.unwrap().expect("completed");
-    assert_eq!(repo.complete(first.id, token2, args).await.unwrap(), Some(done), "a repeat answers the same row");
-    assert!(!repo.release(first.id, token2).await.unwrap(), "a completed claim is the journal");
+    assert!(
+        repo.complete(first.organization_id, first.id, token, args).await.unwrap().is_none(),
+        "the old token is fenced off"
+    );
+    assert!(!repo.release(first.organization_id, first.id, token).await.unwrap(), "the old token cannot release");
+    // A claim is addressed by its organization and its id: named with
+    // another organization, it is not the caller's, whatever the token.
+    let stranger = Uuid::new_v4();
+    assert!(repo.complete(stranger, first.id, token2, args).await.unwrap().is_none(), "another organization's claim");
+    assert!(!repo.release(stranger, first.id, token2).await.unwrap(), "another organization's claim is not released");
+    assert_eq!(repo.get(org, "tool.email.send", "k").await.unwrap().map(|r| r.status), Some(ClaimStatus::Processing));
+    let done = repo.complete(first.organization_id, first.id, token2, args).await.unwrap().expect("completed");
+    assert_eq!(
+        repo.complete(first.organization_id, first.id, token2, args).await.unwrap(),
+        Some(done),
+        "a repeat answers the same row"
+    );
+    assert!(!repo.release(first.organization_id, first.id, token2).await.unwrap(), "a completed claim is the journal");
 
     let free = repo.try_claim(&ClaimRequest { key: "k-release", ..request(Uuid::new_v4()) }).await.unwrap().unwrap();
-    assert!(repo.release(free.id, free.lease_token).await.unwrap());
+    assert!(repo.release(free.organization_id, free.id, free.lease_token).await.unwrap());
     assert!(repo.get(org, "tool.email.send", "k-release").await.unwrap().is_none());
 }
 
@@ -147,16 +160,16 @@ async fn retention_is_the_scopes_policy_and_an_unknown_scope_is_refused(repo: &i
 async fn a_completion_is_refused_without_an_answer_or_above_the_limit(repo: &impl Backend, _: &impl TimeTravel) {
     let (org, token) = (Uuid::new_v4(), Uuid::new_v4());
     let row = repo.claim(&call(org, "tool.email.send", "k", &hash_text("limit"), token)).await.unwrap();
-    assert_eq!(code(repo.complete(row.id, token, CompletionArgs::default()).await), "22023");
+    assert_eq!(code(repo.complete(row.organization_id, row.id, token, CompletionArgs::default()).await), "22023");
     let large = json!({"text": "x".repeat(70_000)});
     let args = CompletionArgs { response: Some(&large), ..CompletionArgs::default() };
-    assert_eq!(code(repo.complete(row.id, token, args).await), "IDEM2");
+    assert_eq!(code(repo.complete(row.organization_id, row.id, token, args).await), "IDEM2");
     // 65 containers, the innermost empty: deeper than 64 levels, as arrays or objects.
     let arrays = (0..64).fold(json!([]), |inner, _| json!([inner]));
     let objects = (0..64).fold(json!({}), |inner, _| json!({ "a": inner }));
     for deep in [&arrays, &objects] {
         let args = CompletionArgs { response: Some(deep), ..CompletionArgs::default() };
-        assert_eq!(code(repo.complete(row.id, token, args).await), "IDEM3");
+        assert_eq!(code(repo.complete(row.organization_id, row.id, token, args).await), "IDEM3");
     }
     let stored = repo.get(org, "tool.email.send", "k").await.unwrap().unwrap();
     assert_eq!(stored.status, ClaimStatus::Processing, "the refused completions wrote nothing");
@@ -174,7 +187,7 @@ async fn the_response_limit_counts_compact_json(repo: &impl Backend, _: &impl Ti
         let row = repo.claim(&call(org, "tool.email.send", &key, &hash_text(&key), token)).await.unwrap();
         let response = json!(vec![1; elements]);
         let args = CompletionArgs { response: Some(&response), ..CompletionArgs::default() };
-        let completed = repo.complete(row.id, token, args).await;
+        let completed = repo.complete(row.organization_id, row.id, token, args).await;
         if fits {
             assert_eq!(completed.unwrap().map(|r| r.status), Some(ClaimStatus::Completed), "{elements}");
         } else {
@@ -258,7 +271,7 @@ async fn a_fenced_admission_admits_only_while_its_claim_is_held(repo: &impl Back
     // A completed claim fences nothing.
     let answer = json!({"done": true});
     let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
-    repo.complete(claim.id, token2, args).await.unwrap().expect("completed");
+    repo.complete(claim.organization_id, claim.id, token2, args).await.unwrap().expect("completed");
     assert_eq!(repo.admit_fenced(org, "start:3", &input, admitter, fence2).await.unwrap(), None, "completed");
 
     // Reading back: the Run, admitted for its own token only; nothing else.

@@ -342,10 +342,10 @@ async fn a_response_nested_deeper_than_64_levels_is_refused_with_idem3_and_the_c
     let claim = claimed(service.claim(org(), "tool.email.send", "deep", &hash("deep"), LEASE).await);
     let complete = |response: Value| {
         let repository = &repository;
-        let (id, token) = (claim.id(), claim.lease_token());
+        let (organization, id, token) = (claim.organization_id(), claim.id(), claim.lease_token());
         async move {
             let args = CompletionArgs { response: Some(&response), ..CompletionArgs::default() };
-            repository.complete(id, token, args).await
+            repository.complete(organization, id, token, args).await
         }
     };
     // Through the server, the first level past the documented 64. (The
@@ -439,7 +439,7 @@ async fn no_policy_may_keep_more_than_a_default_client_reads_and_the_largest_leg
     let text = usize::try_from(MAX_POLICY_RESPONSE_BYTES).unwrap() - r#"{"t":""}"#.len() + 1;
     let larger = json!({"t": "x".repeat(text)});
     let args = CompletionArgs { response: Some(&larger), ..CompletionArgs::default() };
-    let refused = service.repository().complete(other.id(), other.lease_token(), args).await;
+    let refused = service.repository().complete(other.organization_id(), other.id(), other.lease_token(), args).await;
     assert_eq!(refused.as_ref().err().and_then(error_code), Some(codes::RESPONSE_TOO_LARGE), "{refused:?}");
     let unreadable = sqlx::query("select * from agent.idempotency_complete($1, $2, null, null, $3)")
         .bind(other.id())
@@ -474,7 +474,8 @@ async fn an_unreadable_response_is_refused_while_another_transaction_holds_the_r
     let mut codes_seen = Vec::new();
     for response in [&too_large, &too_deep] {
         let args = CompletionArgs { response: Some(response), ..CompletionArgs::default() };
-        let refused = service.repository().complete(claim.id(), claim.lease_token(), args).await;
+        let refused =
+            service.repository().complete(claim.organization_id(), claim.id(), claim.lease_token(), args).await;
         codes_seen.push(refused.as_ref().err().and_then(error_code).map(str::to_owned));
     }
     holder.rollback().await.expect("let the row go");

@@ -150,7 +150,7 @@ async fn a_completion_with_neither_response_nor_resource_is_refused() {
         CompletionArgs { response: Some(&serde_json::Value::Null), ..CompletionArgs::default() },
         CompletionArgs { resource_id: Some("m-1"), ..CompletionArgs::default() },
     ] {
-        let refused = repo.complete(claim.id(), claim.lease_token(), args).await;
+        let refused = repo.complete(claim.organization_id(), claim.id(), claim.lease_token(), args).await;
         match refused {
             Err(Error::Store(ClientError::Api { status: 400, error, .. })) => assert_eq!(error.code, "22023"),
             other => panic!("expected a 400 22023, got {other:?}"),

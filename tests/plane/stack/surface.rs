@@ -252,8 +252,10 @@ async fn claim_and_complete_are_safe_to_repeat_after_a_lost_response() {
 
     let response = json!({"id": 1});
     let args = CompletionArgs { response: Some(&response), ..CompletionArgs::default() };
-    let done = repo.complete(first.id, first.lease_token, args).await.unwrap().expect("completed");
-    let again = repo.complete(first.id, first.lease_token, args).await.unwrap().expect("still ours");
+    let done =
+        repo.complete(first.organization_id, first.id, first.lease_token, args).await.unwrap().expect("completed");
+    let again =
+        repo.complete(first.organization_id, first.id, first.lease_token, args).await.unwrap().expect("still ours");
     assert_eq!(done, again);
     stack.stop().await.unwrap();
 }
@@ -405,11 +407,23 @@ async fn a_repeat_answers_only_a_live_lease_or_the_same_completion() {
     // different answer it answers nothing: the ending already happened.
     let answer = json!({"id": 1});
     let same = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
-    assert!(repo.complete(reclaimed.id, reclaimed.lease_token, same).await.unwrap().is_some());
-    assert!(repo.complete(reclaimed.id, reclaimed.lease_token, same).await.unwrap().is_some());
+    assert!(repo
+        .complete(reclaimed.organization_id, reclaimed.id, reclaimed.lease_token, same)
+        .await
+        .unwrap()
+        .is_some());
+    assert!(repo
+        .complete(reclaimed.organization_id, reclaimed.id, reclaimed.lease_token, same)
+        .await
+        .unwrap()
+        .is_some());
     let other = json!({"id": 2});
     let different = CompletionArgs { response: Some(&other), ..CompletionArgs::default() };
-    assert!(repo.complete(reclaimed.id, reclaimed.lease_token, different).await.unwrap().is_none());
+    assert!(repo
+        .complete(reclaimed.organization_id, reclaimed.id, reclaimed.lease_token, different)
+        .await
+        .unwrap()
+        .is_none());
     let stored: Value = sqlx::query_scalar("select response from agent.idempotency_keys where id = $1")
         .bind(reclaimed.id)
         .fetch_one(stack.db())
@@ -420,8 +434,8 @@ async fn a_repeat_answers_only_a_live_lease_or_the_same_completion() {
     // Release reports what happened: true once, then false.
     let other_key = ClaimRequest { key: "k2", lease_token: uuid::Uuid::new_v4(), ..request };
     let claim = repo.try_claim(&other_key).await.unwrap().expect("claimed");
-    assert!(repo.release(claim.id, claim.lease_token).await.unwrap());
-    assert!(!repo.release(claim.id, claim.lease_token).await.unwrap());
+    assert!(repo.release(claim.organization_id, claim.id, claim.lease_token).await.unwrap());
+    assert!(!repo.release(claim.organization_id, claim.id, claim.lease_token).await.unwrap());
     stack.stop().await.unwrap();
 }
 

@@ -382,6 +382,7 @@ impl<R: IdempotencyRepository> IdempotencyRepository for Faulty<R> {
 
     async fn complete(
         &self,
+        organization_id: Uuid,
         claim_id: Uuid,
         lease_token: Uuid,
         completion: CompletionArgs<'_>,
@@ -390,7 +391,7 @@ impl<R: IdempotencyRepository> IdempotencyRepository for Faulty<R> {
             Op::Complete,
             None,
             Some(claim_id),
-            || self.inner.complete(claim_id, lease_token, completion),
+            || self.inner.complete(organization_id, claim_id, lease_token, completion),
             |row| {
                 if row.is_some() {
                     self.lock().completed.insert(claim_id);
@@ -400,8 +401,9 @@ impl<R: IdempotencyRepository> IdempotencyRepository for Faulty<R> {
         .await
     }
 
-    async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
-        self.faulted(Op::Release, None, Some(claim_id), || self.inner.release(claim_id, lease_token), |_| {}).await
+    async fn release(&self, organization_id: Uuid, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
+        let release = || self.inner.release(organization_id, claim_id, lease_token);
+        self.faulted(Op::Release, None, Some(claim_id), release, |_| {}).await
     }
 }
 
@@ -448,7 +450,7 @@ mod tests {
         faulty.once(Op::Complete, Fault::LoseAnswer);
         let answer = json!({"sent": true});
         let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
-        assert!(faulty.complete(row.id, token, args).await.expect_err("lost").is_transient());
+        assert!(faulty.complete(row.organization_id, row.id, token, args).await.expect_err("lost").is_transient());
         let done = faulty.get(org, "tool.email.send", "k").await.unwrap().expect("a row");
         assert_eq!((done.status, done.response), (ClaimStatus::Completed, Some(answer)));
     }
@@ -472,12 +474,15 @@ mod tests {
         });
         let answer = json!(1);
         let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
-        let refused = faulty.complete(row.id, token, args).await.expect_err("refused");
+        let refused = faulty.complete(row.organization_id, row.id, token, args).await.expect_err("refused");
         assert!(refused.is_unstorable_answer() && !refused.is_transient(), "{refused}");
         assert_eq!(*seen.lock().unwrap(), [(Some("up".to_owned()), Some(row.id))]);
         assert_eq!((faulty.calls(Op::Complete), faulty.reached(Op::Complete)), (1, 0));
         faulty.clear_all();
-        assert!(faulty.complete(row.id, token, args).await.unwrap().is_some(), "cleared: passes through");
+        assert!(
+            faulty.complete(row.organization_id, row.id, token, args).await.unwrap().is_some(),
+            "cleared: passes through"
+        );
     }
 
     #[tokio::test]

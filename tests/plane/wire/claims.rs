@@ -24,12 +24,13 @@ async fn the_repository_omits_absent_optional_arguments_instead_of_sending_null(
     // postrust-server binds a JSON null as '', PostgREST as SQL NULL.
     // Arrange
     let server = MockServer::start().await;
-    let (claim_id, token) = (Uuid::new_v4(), Uuid::new_v4());
+    let (organization_id, claim_id, token) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
     Mock::given(method("POST"))
         .and(path("/rpc/idempotency_complete"))
         .and(body_partial_json(json!({
             "p_claim_id": claim_id,
             "p_lease_token": token,
+            "p_organization_id": organization_id,
             "p_response": {"message_id": "m-1"}
         })))
         .respond_with(ResponseTemplate::new(200).set_body_json(json!([claim_row(
@@ -45,7 +46,12 @@ async fn the_repository_omits_absent_optional_arguments_instead_of_sending_null(
     let response = json!({"message_id": "m-1"});
     // Act
     let completed = repository(&server)
-        .complete(claim_id, token, CompletionArgs { response: Some(&response), ..CompletionArgs::default() })
+        .complete(
+            organization_id,
+            claim_id,
+            token,
+            CompletionArgs { response: Some(&response), ..CompletionArgs::default() },
+        )
         .await
         .expect("a completion");
     // Assert
@@ -55,7 +61,7 @@ async fn the_repository_omits_absent_optional_arguments_instead_of_sending_null(
     let body: Value = sent[0].body_json().unwrap();
     let mut keys: Vec<&str> = body.as_object().expect("a JSON object").keys().map(String::as_str).collect();
     keys.sort_unstable();
-    assert_eq!(keys, ["p_claim_id", "p_lease_token", "p_response"]);
+    assert_eq!(keys, ["p_claim_id", "p_lease_token", "p_organization_id", "p_response"]);
     server.verify().await;
 }
 

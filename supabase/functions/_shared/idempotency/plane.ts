@@ -261,7 +261,13 @@ export class IdempotencyPlane {
         stored = await referenceTo(response, completion.resource);
       }
     }
-    const args: Record<string, unknown> = { p_claim_id: claim.id, p_lease_token: claim.leaseToken };
+    // The organization addresses the claim with its id: on a claim table
+    // partitioned by organization the database goes straight to it.
+    const args: Record<string, unknown> = {
+      p_claim_id: claim.id,
+      p_lease_token: claim.leaseToken,
+      p_organization_id: claim.organizationId,
+    };
     // Absent values are left out, never sent as null (PostgREST-compatible
     // servers differ on null; every one reads a missing argument as its DEFAULT).
     if (completion.resource) {
@@ -290,6 +296,7 @@ export class IdempotencyPlane {
     const data = await this.client.rpc("idempotency_release", {
       p_claim_id: claim.id,
       p_lease_token: claim.leaseToken,
+      p_organization_id: claim.organizationId,
     }, call);
     if (typeof data !== "boolean") throw new PlaneError("decode", "idempotency_release answered a non-boolean");
     return data ? "recorded" : "lease_moved_on";

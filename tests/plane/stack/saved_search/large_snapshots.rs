@@ -161,11 +161,17 @@ impl IdempotencyRepository for DiesBeforeCompleting {
     async fn get(&self, organization_id: Uuid, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, Error> {
         self.0.get(organization_id, scope, key).await
     }
-    async fn complete(&self, _: Uuid, _: Uuid, _: CompletionArgs<'_>) -> Result<Option<IdempotencyRecord>, Error> {
+    async fn complete(
+        &self,
+        _: Uuid,
+        _: Uuid,
+        _: Uuid,
+        _: CompletionArgs<'_>,
+    ) -> Result<Option<IdempotencyRecord>, Error> {
         Err(Error::Inconsistent("the worker died before completing".into()))
     }
-    async fn release(&self, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
-        self.0.release(claim_id, lease_token).await
+    async fn release(&self, organization_id: Uuid, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
+        self.0.release(organization_id, claim_id, lease_token).await
     }
 }
 
