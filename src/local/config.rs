@@ -5,6 +5,7 @@ use url::Url;
 
 use super::cluster::redacted;
 use super::database_name::DatabaseName;
+use crate::migrations::Layout;
 
 /// The maintenance database used when `DATABASE_URL` is unset.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -36,6 +37,10 @@ pub struct LocalStackConfig {
     /// With [`database`](Self::database): drop and recreate it first
     /// ([`with_reset`](Self::with_reset)). Default false.
     pub reset_database: bool,
+    /// How the claim table is laid out ([`with_layout`](Self::with_layout)).
+    /// Default [`Layout::Single`]; `idem up` and the tests read
+    /// [`Layout::from_env`] (`IDEM_LAYOUT`).
+    pub layout: Layout,
 }
 
 impl std::fmt::Debug for LocalStackConfig {
@@ -52,6 +57,7 @@ impl std::fmt::Debug for LocalStackConfig {
             .field("jwt_secret", &self.jwt_secret.as_ref().map(|_| "<redacted>"))
             .field("database", &self.database)
             .field("reset_database", &self.reset_database)
+            .field("layout", &self.layout)
             .finish()
     }
 }
@@ -69,6 +75,7 @@ impl Default for LocalStackConfig {
             jwt_secret: None,
             database: None,
             reset_database: false,
+            layout: Layout::Single,
         }
     }
 }
@@ -122,6 +129,13 @@ impl LocalStackConfig {
     /// database.
     pub fn with_reset(mut self, reset: bool) -> Self {
         self.reset_database = reset;
+        self
+    }
+
+    /// Lays the claim table out as `layout`. A named database built in
+    /// another layout is refused as built from another migration set.
+    pub fn with_layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
         self
     }
 }

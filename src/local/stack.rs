@@ -115,10 +115,16 @@ impl LocalStack {
             .await
             .map_err(database_error)?;
         if keep_database {
-            open_named_database(&mut admin, &admin_url, MigrationSet::embedded(), &db_name, config.reset_database)
-                .await?;
+            open_named_database(
+                &mut admin,
+                &admin_url,
+                MigrationSet::of(config.layout),
+                &db_name,
+                config.reset_database,
+            )
+            .await?;
         } else {
-            create_from_template(&mut admin, &admin_url, MigrationSet::embedded(), &db_name).await?;
+            create_from_template(&mut admin, &admin_url, MigrationSet::of(config.layout), &db_name).await?;
         }
 
         let mut db_url = admin_url.clone();

@@ -12,7 +12,7 @@ use url::Url;
 use super::cluster::{database_exists, drop_database, quote_ident, redacted, sqlstate};
 use super::database_name::TEMPLATE_PREFIX;
 use super::error::LocalError;
-use crate::migrations::MIGRATIONS;
+use crate::migrations::{Layout, MIGRATIONS};
 
 /// A template carries this suffix while its migrations apply.
 const BUILDING_SUFFIX: &str = "_building";
@@ -70,10 +70,21 @@ impl MigrationSet {
         MigrationSet { migrations, template: format!("{TEMPLATE_PREFIX}{}", &hex[..16]) }
     }
 
-    /// The migrations this crate embeds.
+    /// The migrations this crate embeds, in the single-table layout.
+    #[cfg(test)]
     pub(super) fn embedded() -> &'static MigrationSet {
-        static EMBEDDED: OnceLock<MigrationSet> = OnceLock::new();
-        EMBEDDED.get_or_init(|| MigrationSet::new(MIGRATIONS))
+        MigrationSet::of(Layout::Single)
+    }
+
+    /// The migrations this crate embeds for `layout`.
+    pub(super) fn of(layout: Layout) -> &'static MigrationSet {
+        static SINGLE: OnceLock<MigrationSet> = OnceLock::new();
+        static PARTITIONED: OnceLock<MigrationSet> = OnceLock::new();
+        let set = match layout {
+            Layout::Single => &SINGLE,
+            Layout::PartitionedByOrganization => &PARTITIONED,
+        };
+        set.get_or_init(|| MigrationSet::new(layout.migrations()))
     }
 }
 

@@ -65,7 +65,8 @@ pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
                   IDEM_POSTGREST_URL (or SUPABASE_URL), IDEM_SERVICE_KEY / SUPABASE_SECRET_KEY / \
                   SUPABASE_SERVICE_ROLE_KEY, IDEM_APIKEY, IDEM_MAX_ROWS.\n\
                   demo, up and bench need the embedded local stack: cargo install --path . --features local; \
-                  it reads DATABASE_URL and PGSSLMODE.\n\
+                  it reads DATABASE_URL and PGSSLMODE, and IDEM_LAYOUT (single, the default, or partitioned: \
+                  the claim table hash-partitioned by organization).\n\
                   RUST_LOG filters the logs on stderr (default warn)."
 )]
 struct Cli {
@@ -91,7 +92,8 @@ enum Command {
     /// with --remote, the deployment IDEM_POSTGREST_URL / SUPABASE_URL and
     /// a service key name (and IDEM_APIKEY, IDEM_MAX_ROWS). An exported
     /// SUPABASE_URL alone never makes it write into a hosted project.
-    /// RUST_LOG filters the logs on stderr.
+    /// IDEM_LAYOUT=partitioned partitions the local claim table by
+    /// organization. RUST_LOG filters the logs on stderr.
     #[cfg(feature = "local")]
     Demo(demo::DemoArgs),
     /// Measure the plane on the embedded local stack, side by side: the crate,
@@ -100,16 +102,20 @@ enum Command {
     ///
     /// Uses a fresh database on the PostgreSQL at DATABASE_URL (default
     /// postgres://postgres@127.0.0.1:5432/postgres), without TLS on loopback
-    /// unless the URL or PGSSLMODE asks for a mode. RUST_LOG filters the
-    /// logs on stderr.
+    /// unless the URL or PGSSLMODE asks for a mode. The partitioned layout's
+    /// figures come from a second stack in that layout; IDEM_LAYOUT
+    /// (single, the default, or partitioned) lays out the first. RUST_LOG
+    /// filters the logs on stderr.
     #[cfg(feature = "local")]
     Bench(bench::BenchArgs),
     /// Serve the embedded local stack until Ctrl-C, and print how to reach it.
     ///
     /// Serves a database on the PostgreSQL at DATABASE_URL (default
     /// postgres://postgres@127.0.0.1:5432/postgres), without TLS on loopback
-    /// unless the URL or PGSSLMODE asks for a mode. RUST_LOG filters the
-    /// logs on stderr.
+    /// unless the URL or PGSSLMODE asks for a mode, with the claim table
+    /// laid out as IDEM_LAYOUT says (single, the default, or partitioned:
+    /// hash-partitioned by organization). RUST_LOG filters the logs on
+    /// stderr.
     #[cfg(feature = "local")]
     Up(up::UpArgs),
     /// Delete claims past their retention: one bounded pass, or passes on a

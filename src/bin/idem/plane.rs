@@ -2,16 +2,20 @@
 //! the deployment the environment names.
 
 use idempotency_plane::local::{LocalError, LocalStack, LocalStackConfig};
+use idempotency_plane::migrations::{Layout, LAYOUT_VAR};
 use idempotency_plane::{ClientConfig, IdempotencyService, PostgrestClient, PostgrestRepository};
 
 use crate::{exit, BoxError};
 
-/// Starts the embedded stack for `up`, `demo` and `bench`. A configuration
-/// it refuses before creating anything (a `DATABASE_URL` that is not a URL,
-/// a database name it may not use) is a usage error, exit 2; a PostgreSQL
-/// that cannot be reached is a failure, exit 1.
+/// Starts the embedded stack for `up`, `demo` and `bench`, in the layout
+/// `IDEM_LAYOUT` names (`single`, the default, or `partitioned`). A
+/// configuration it refuses before creating anything (a `DATABASE_URL` that
+/// is not a URL, a database name it may not use, an unknown layout) is a
+/// usage error, exit 2; a PostgreSQL that cannot be reached is a failure,
+/// exit 1.
 pub(crate) async fn start_local(config: LocalStackConfig) -> Result<LocalStack, BoxError> {
-    LocalStack::start(config).await.map_err(|error| match error {
+    let layout = Layout::from_env().map_err(|error| exit::usage_error(format!("{LAYOUT_VAR}: {error}")))?;
+    LocalStack::start(config.with_layout(layout)).await.map_err(|error| match error {
         LocalError::Config(_) | LocalError::DatabaseName(_) => exit::usage_error(error),
         other => other.into(),
     })

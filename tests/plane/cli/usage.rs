@@ -170,7 +170,7 @@ mod local {
     #[test]
     fn the_help_of_every_local_command_names_the_environment_it_reads() {
         for command in ["up", "demo", "bench"] {
-            assert_help_names(command, &["DATABASE_URL", "PGSSLMODE", "RUST_LOG"]);
+            assert_help_names(command, &["DATABASE_URL", "PGSSLMODE", "IDEM_LAYOUT", "RUST_LOG"]);
         }
         // `demo --remote` acts on a deployment, named as the remote commands are.
         assert_help_names("demo", PLANE_VARIABLES);
@@ -189,6 +189,10 @@ mod local {
             &["up", "--no-such-flag"],
         ] {
             assert_usage_error(args, &not_a_url, "", &plane);
+        }
+        let unknown_layout = [("IDEM_LAYOUT", "sharded")];
+        for args in [&["up"][..], &["demo"], &["bench"]] {
+            assert_usage_error(args, &unknown_layout, "", &plane);
         }
     }
 }

@@ -18,6 +18,7 @@ mod faults;
 mod fences;
 mod idempotency_key;
 mod indexes;
+mod layout;
 mod load;
 mod pg_cron;
 mod saved_search;

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::migrations::Layout;
 use idempotency_plane::{IdempotencyService, PostgrestRepository};
 use uuid::Uuid;
 
@@ -16,8 +17,11 @@ pub async fn stack() -> LocalStack {
     stack_with(LocalStackConfig::default()).await
 }
 
+/// A stack started with `config`, in the layout `IDEM_LAYOUT` names (the
+/// single table when unset), so the whole suite can run on either layout.
 pub async fn stack_with(config: LocalStackConfig) -> LocalStack {
-    match LocalStack::start(config).await {
+    let layout = Layout::from_env().unwrap_or_else(|error| panic!("{error}"));
+    match LocalStack::start(config.with_layout(layout)).await {
         Ok(stack) => stack,
         Err(error) => panic!("the local stack did not start: {error}"),
     }

@@ -115,7 +115,8 @@ async fn the_service_completes_a_resource_only_claim_without_a_response_key() {
     let body: Value = complete.body_json().unwrap();
     let object = body.as_object().expect("a JSON object");
     assert!(!object.contains_key("p_response"), "{body}");
-    assert_eq!(object.len(), 4, "{body}");
+    assert_eq!(object.len(), 5, "{body}");
+    assert_eq!(object.get("p_organization_id"), Some(&json!(org)), "the claim is addressed by its organization too");
     server.verify().await;
 }
 
