@@ -40,14 +40,16 @@ pub(super) async fn claims(
     Ok(Figure::from(name, latencies, elapsed))
 }
 
-/// First claims on `workers` tasks for as long as a sweep deletes
-/// `sweep_rows` expired rows (inserted first).
+/// First claims on `workers` tasks for as long as a sweep deletes a backlog
+/// of `sweep_rows` expired rows (inserted first), one bounded pass after
+/// another.
 pub(super) async fn claims_during_sweep(
     stack: &LocalStack,
     client: &PostgrestClient,
     service: Service,
     workers: usize,
     sweep_rows: i64,
+    name: &str,
 ) -> Result<Figure, BoxError> {
     insert_expired(stack.db(), sweep_rows).await?;
     let sweeper = Sweeper::new(client.clone(), u64::from(client.config().max_rows()))?;
@@ -100,5 +102,5 @@ pub(super) async fn claims_during_sweep(
     }
     let (deleted, swept_in) = sweeping.await??;
     eprintln!("  the sweep deleted {deleted} rows in {:.1} s", swept_in.as_secs_f64());
-    Ok(Figure::from("claim during sweep", latencies, sweep_started.elapsed()))
+    Ok(Figure::from(name, latencies, sweep_started.elapsed()))
 }

@@ -33,13 +33,13 @@ pub(super) const FLOOR_CLAIM: &str = "with p as (select s.retain from agent.idem
 /// The floor's completion: one statement that completes a claim the caller
 /// holds (the fence), with a response its scope's limit admits, and answers
 /// the row as `agent.idempotency_complete` does. Binds `$1` the claim, `$2`
-/// the lease token, `$3` the response. The tests below hold it against the
-/// migrations' completion.
+/// the lease token, `$3` the claim's organization, `$4` the response. The
+/// tests below hold it against the migrations' completion.
 pub(super) const FLOOR_COMPLETE: &str = "update agent.idempotency_keys as k
-    set status = 'completed', response = $3,
+    set status = 'completed', response = $4,
         retain_until = greatest(k.retain_until, clock_timestamp() + (k.retain_until - k.lease_expires_at))
-  where k.id = $1 and k.lease_token = $2 and k.status = 'processing'
-    and octet_length($3::text) <= (
+  where k.organization_id = $3 and k.id = $1 and k.lease_token = $2 and k.status = 'processing'
+    and octet_length($4::text) <= (
           select s.max_response_bytes from agent.idempotency_scopes s
            where s.scope = k.scope
               or (s.scope like '%.*'
@@ -326,9 +326,10 @@ mod tests {
                     "",
                     "the floor completes with a response alone: both stay NULL, as the insert left them",
                 ),
-                ("v_response", "$3", "bound"),
+                ("v_response", "$4", "bound"),
                 ("p_claim_id", "$1", "bound"),
                 ("p_lease_token", "$2", "bound"),
+                ("v_organization_id", "$3", "bound: the caller names the organization"),
             ],
         );
         assert_eq!(

@@ -8,14 +8,20 @@
 //! a bare HTTP client; `sql`: the functions over direct connections; `floor`:
 //! the plain statements they are measured against; `replays`: replays,
 //! conflicts and round trips; `claims`: first claims idle, during a sweep,
-//! on a large table; `wan`: each outcome over a slow link), `drive` to run
-//! them, `rows` for the rows they set up directly, and `report` for the
-//! figures and ratios.
+//! on a large table; `wan`: each outcome over a slow link; `layout`: disk
+//! per million claims, HOT completions, and completions by organization on
+//! the partitioned layout), `drive` to run them, `rows` for the rows they
+//! set up directly, and `report` for the figures and ratios.
+//!
+//! The first stack has the single-table layout (or the one `IDEM_LAYOUT`
+//! names); a second stack, in the layout partitioned by organization, then
+//! runs the claim scenarios again, so both layouts' figures come from one run.
 
 mod claims;
 mod drive;
 mod floor;
 mod http;
+mod layout;
 mod replays;
 mod report;
 mod rows;
@@ -27,10 +33,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::migrations::Layout;
 use idempotency_plane::{IdempotencyService, PostgrestClient, PostgrestRepository};
 
 use self::claims::{claims, claims_during_sweep};
 use self::http::{pairs_bare_http, pairs_through_crate};
+use self::layout::{completion_addressing, hot_updates, size_per_million};
 use self::replays::replays_and_conflicts;
 use self::report::{print, Results};
 use self::rows::fill_table;
@@ -48,11 +56,14 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     seconds: u64,
     /// Rows already in the table for the large side of the growth figure.
-    #[arg(long, default_value_t = 1_000_000)]
+    #[arg(long, default_value_t = 10_000_000)]
     growth_rows: i64,
-    /// Expired rows the concurrent sweep deletes.
-    #[arg(long, default_value_t = 100_000)]
+    /// Expired rows (the backlog) the concurrent sweep deletes.
+    #[arg(long, default_value_t = 1_000_000)]
     sweep_rows: i64,
+    /// Claim → complete pairs per side of the completion-addressing figure.
+    #[arg(long, default_value_t = 2_000)]
+    addressing_pairs: usize,
     /// One-way delay of the simulated WAN link, in milliseconds.
     #[arg(long, default_value_t = 25)]
     wan_delay_ms: u64,
@@ -68,17 +79,46 @@ pub(crate) struct BenchArgs {
 /// writes them to `--out`.
 pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, BoxError> {
     let stack = crate::plane::start_local(LocalStackConfig::default()).await?;
-    let result = bench(&stack, &args).await;
+    let layout = stack_layout(&stack).await?;
+    let result = bench(&stack, &args, &layout).await;
     stack.stop().await?;
-    let results = result?;
+    let mut run = result?;
+
+    eprintln!("a second stack, its claim table partitioned by organization…");
+    let partitioned = LocalStack::start(LocalStackConfig::default().with_layout(Layout::PartitionedByOrganization))
+        .await
+        .map_err(BoxError::from)?;
+    let result = on_partitioned_layout(&partitioned, &args, &mut run).await;
+    partitioned.stop().await?;
+    result?;
+
+    let results = Results::of(args.workers, args.seconds, run, (args.growth_rows, args.sweep_rows))?;
     print(&results);
     std::fs::write(&args.out, serde_json::to_vec_pretty(&results)?)?;
     println!("\nraw figures: {}", args.out.display());
     Ok(crate::exit::ok())
 }
 
-/// Every scenario in turn, on `stack`.
-async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError> {
+/// What the scenarios measured, before the ratios between them.
+struct Run {
+    figures: Vec<report::Figure>,
+    round_trips: Vec<(String, f64)>,
+    wan: Vec<report::Figure>,
+    sizes: Vec<layout::Size>,
+    hot: Vec<layout::Hot>,
+}
+
+/// `single` or `partitioned`: how the stack's claim table is laid out.
+async fn stack_layout(stack: &LocalStack) -> Result<String, BoxError> {
+    let partitioned: bool =
+        sqlx::query_scalar("select relkind = 'p' from pg_class where oid = 'agent.idempotency_keys'::regclass")
+            .fetch_one(stack.db())
+            .await?;
+    Ok(if partitioned { Layout::PartitionedByOrganization } else { Layout::Single }.name().to_owned())
+}
+
+/// Every scenario in turn, on `stack` (laid out as `layout`).
+async fn bench(stack: &LocalStack, args: &BenchArgs, layout: &str) -> Result<Run, BoxError> {
     let client = PostgrestClient::new(stack.client_config()?.with_pool_max_idle_per_host(args.workers))?;
     let service = Arc::new(IdempotencyService::new(PostgrestRepository::new(client.clone())));
     let duration = Duration::from_secs(args.seconds);
@@ -107,15 +147,48 @@ async fn bench(stack: &LocalStack, args: &BenchArgs) -> Result<Results, BoxError
 
     eprintln!("claim latency idle, then while a sweep deletes {} expired rows…", args.sweep_rows);
     figures.push(claims(service.clone(), args.workers, duration, "claim idle").await?);
-    figures.push(claims_during_sweep(stack, &client, service.clone(), args.workers, args.sweep_rows).await?);
+    figures.push(
+        claims_during_sweep(stack, &client, service.clone(), args.workers, args.sweep_rows, "claim during sweep")
+            .await?,
+    );
+
+    eprintln!("each outcome over a link with {} ms each way…", args.wan_delay_ms);
+    let wan = wan_outcomes(stack, Duration::from_millis(args.wan_delay_ms), args.wan_operations).await?;
+
+    eprintln!("completions on copies of the claim table: HOT updates by fillfactor and retain_until…");
+    let hot = hot_updates(stack.db()).await?;
 
     eprintln!("growth: 10,000 rows, then {} rows…", args.growth_rows);
     fill_table(stack.db(), 10_000).await?;
     figures.push(claims(service.clone(), args.workers, duration, "claim at 10k rows").await?);
     fill_table(stack.db(), args.growth_rows).await?;
     figures.push(claims(service.clone(), args.workers, duration, "claim at large table").await?);
+    let sizes = vec![size_per_million(stack.db(), layout).await?];
+    Ok(Run { figures, round_trips: trips, wan, sizes, hot })
+}
 
-    eprintln!("each outcome over a link with {} ms each way…", args.wan_delay_ms);
-    let wan = wan_outcomes(stack, Duration::from_millis(args.wan_delay_ms), args.wan_operations).await?;
-    Results::of(args.workers, args.seconds, figures, trips, wan)
+/// The claim scenarios again on `stack`, whose claim table is partitioned
+/// by organization, and what a completion costs there with and without the
+/// organization; added to `run` under names starting `partitioned:`.
+async fn on_partitioned_layout(stack: &LocalStack, args: &BenchArgs, run: &mut Run) -> Result<(), BoxError> {
+    let client = PostgrestClient::new(stack.client_config()?.with_pool_max_idle_per_host(args.workers))?;
+    let service = Arc::new(IdempotencyService::new(PostgrestRepository::new(client.clone())));
+    let duration = Duration::from_secs(args.seconds);
+    claims(service.clone(), args.workers, Duration::from_secs(1), "partitioned warm-up").await?;
+    run.figures.push(claims(service.clone(), args.workers, duration, "partitioned: claim idle").await?);
+    eprintln!("partitioned: claim latency while a sweep deletes {} expired rows…", args.sweep_rows);
+    let during = "partitioned: claim during sweep";
+    run.figures
+        .push(claims_during_sweep(stack, &client, service.clone(), args.workers, args.sweep_rows, during).await?);
+    eprintln!("partitioned: growth: 10,000 rows, then {} rows…", args.growth_rows);
+    fill_table(stack.db(), 10_000).await?;
+    run.figures.push(claims(service.clone(), args.workers, duration, "partitioned: claim at 10k rows").await?);
+    fill_table(stack.db(), args.growth_rows).await?;
+    run.figures.push(claims(service.clone(), args.workers, duration, "partitioned: claim at large table").await?);
+    run.sizes.push(size_per_million(stack.db(), Layout::PartitionedByOrganization.name()).await?);
+    eprintln!("partitioned: {} completions naming the organization, and as many by id alone…", args.addressing_pairs);
+    let (named, unnamed) = completion_addressing(stack.db(), args.addressing_pairs).await?;
+    run.figures.push(named);
+    run.figures.push(unnamed);
+    Ok(())
 }

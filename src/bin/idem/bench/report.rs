@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::layout::{Hot, Size};
+use super::Run;
 use crate::BoxError;
 
 /// Latencies of one scenario.
@@ -44,9 +46,13 @@ impl Figure {
 pub(super) struct Results {
     workers: usize,
     seconds_per_scenario: u64,
+    growth_rows: i64,
+    sweep_rows: i64,
     figures: Vec<Figure>,
     round_trips: Vec<(String, f64)>,
     wan: Vec<Figure>,
+    sizes_per_million_claims: Vec<Size>,
+    hot_completions: Vec<Hot>,
     ratios: Vec<Ratio>,
 }
 
@@ -61,15 +67,27 @@ struct Ratio {
 
 impl Results {
     /// The results of a run, with the ratios its figures give.
+    /// `(growth_rows, sweep_rows)`: the large table's rows and the sweep's
+    /// backlog.
     pub(super) fn of(
         workers: usize,
         seconds_per_scenario: u64,
-        figures: Vec<Figure>,
-        round_trips: Vec<(String, f64)>,
-        wan: Vec<Figure>,
+        run: Run,
+        (growth_rows, sweep_rows): (i64, i64),
     ) -> Result<Results, BoxError> {
-        let ratios = ratios(&figures, &round_trips, &wan)?;
-        Ok(Results { workers, seconds_per_scenario, figures, round_trips, wan, ratios })
+        let ratios = ratios(&run.figures, &run.round_trips, &run.wan)?;
+        Ok(Results {
+            workers,
+            seconds_per_scenario,
+            growth_rows,
+            sweep_rows,
+            figures: run.figures,
+            round_trips: run.round_trips,
+            wan: run.wan,
+            sizes_per_million_claims: run.sizes,
+            hot_completions: run.hot,
+            ratios,
+        })
     }
 }
 
@@ -86,6 +104,9 @@ fn ratios(figures: &[Figure], trips: &[(String, f64)], wan: &[Figure]) -> Result
     let (definer, invoker) = (get("pairs via direct SQL, definer")?, get("pairs via direct SQL, invoker")?);
     let (idle, during) = (get("claim idle")?, get("claim during sweep")?);
     let (small, large) = (get("claim at 10k rows")?, get("claim at large table")?);
+    let (p_idle, p_during) = (get("partitioned: claim idle")?, get("partitioned: claim during sweep")?);
+    let (p_small, p_large) = (get("partitioned: claim at 10k rows")?, get("partitioned: claim at large table")?);
+    let (named, by_id) = (get("complete, organization named")?, get("complete, by id alone")?);
     let ratio = |name: &str, value: f64, target: &str, met: bool| Ratio {
         name: name.to_owned(),
         value,
@@ -139,6 +160,24 @@ fn ratios(figures: &[Figure], trips: &[(String, f64)], wan: &[Figure]) -> Result
             let v = large.p50_ms / small.p50_ms;
             ratio("claim p50 large table ÷ 10k rows", v, "≤ 1.2", v <= 1.2)
         },
+        {
+            let v = p_large.p50_ms / p_small.p50_ms;
+            ratio("partitioned: p50 large table ÷ 10k", v, "≤ 1.2", v <= 1.2)
+        },
+        {
+            let v = p_during.p99_ms / p_idle.p99_ms;
+            ratio("partitioned: p99 during sweep ÷ idle", v, "≤ 1.5", v <= 1.5)
+        },
+        {
+            // The cost of the layout itself, on the same small table: the
+            // bar it would have to clear to be the default.
+            let v = p_small.p50_ms / small.p50_ms;
+            ratio("claim p50 partitioned ÷ single, 10k", v, "≤ 1.05", v <= 1.05)
+        },
+        {
+            let v = by_id.p50_ms / named.p50_ms;
+            ratio("partitioned: complete by id ÷ by org", v, "(info)", true)
+        },
     ];
     Ok(ratios)
 }
@@ -146,8 +185,8 @@ fn ratios(figures: &[Figure], trips: &[(String, f64)], wan: &[Figure]) -> Result
 pub(super) fn print(results: &Results) {
     println!();
     println!(
-        "idem bench: {} workers, {} s per scenario, one database, one run",
-        results.workers, results.seconds_per_scenario
+        "idem bench: {} workers, {} s per scenario, one run; large table {} rows, sweep backlog {} rows",
+        results.workers, results.seconds_per_scenario, results.growth_rows, results.sweep_rows
     );
     println!();
     println!("  {:<34} {:>9} {:>11} {:>9} {:>9}", "scenario", "ops", "ops/s", "p50 ms", "p99 ms");
@@ -167,6 +206,28 @@ pub(super) fn print(results: &Results) {
     println!("  {:-<34} {:->9} {:->9}", "", "", "");
     for f in &results.wan {
         println!("  {:<34} {:>9.1} {:>9.1}", f.name, f.p50_ms, f.p99_ms);
+    }
+    println!();
+    println!("  disk per million claims, MiB (after vacuum)");
+    println!(
+        "  {:<12} {:>11} {:>8} {:>8} {:>11} {:>13}",
+        "layout", "rows", "table", "pkey", "unique key", "retain_until"
+    );
+    println!("  {:-<12} {:->11} {:->8} {:->8} {:->11} {:->13}", "", "", "", "", "", "");
+    for s in &results.sizes_per_million_claims {
+        println!(
+            "  {:<12} {:>11} {:>8.1} {:>8.1} {:>11.1} {:>13.1}",
+            s.layout, s.rows, s.table_mib, s.primary_key_mib, s.unique_key_mib, s.retain_until_index_mib
+        );
+    }
+    println!();
+    println!("  completions that were HOT updates (no index entry written)");
+    println!("  {:<10} {:<30} {:>8} {:>8}", "fillfactor", "completion", "updates", "HOT");
+    println!("  {:-<10} {:-<30} {:->8} {:->8}", "", "", "", "");
+    for h in &results.hot_completions {
+        let what =
+            if h.completion_moves_retain_until { "moves retain_until (today's)" } else { "leaves retain_until alone" };
+        println!("  {:<10} {:<30} {:>8} {:>8}", h.fillfactor, what, h.updates, h.hot_updates);
     }
     println!();
     println!("  {:<40} {:>8} {:>9}  met", "ratio", "value", "target");

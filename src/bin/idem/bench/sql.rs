@@ -51,7 +51,7 @@ pub(super) async fn definer_against_invoker(
     async fn security(db: &PgPool, mode: &str) -> Result<(), sqlx::Error> {
         let statement = format!(
             "alter function agent.idempotency_claim(uuid, text, text, text, uuid, bigint) security {mode};
-             alter function agent.idempotency_complete(uuid, uuid, text, text, jsonb) security {mode};"
+             alter function agent.idempotency_complete(uuid, uuid, text, text, jsonb, uuid) security {mode};"
         );
         sqlx::raw_sql(sqlx::AssertSqlSafe(statement)).execute(db).await.map(|_| ())
     }
@@ -76,7 +76,8 @@ pub(super) async fn definer_against_invoker(
 /// The plane's two hot-path functions, called as a client of direct SQL
 /// calls them.
 const DIRECT_CLAIM: &str = "select * from agent.idempotency_claim($1, 'tool.bench', $2, $3, $4, 60000)";
-const DIRECT_COMPLETE: &str = "select * from agent.idempotency_complete($1, $2, null, null, '{\"ok\":true}'::jsonb)";
+const DIRECT_COMPLETE: &str =
+    "select * from agent.idempotency_complete($1, $2, null, null, '{\"ok\":true}'::jsonb, $3)";
 
 /// Claim → complete through the SQL functions over direct connections.
 async fn pairs_direct_sql(pool: &PgPool, workers: usize, duration: Duration, round: u32) -> Result<Run, BoxError> {
@@ -93,7 +94,8 @@ async fn pairs_floor(pool: &PgPool, workers: usize, duration: Duration, round: u
 /// Claim → complete pairs on `workers` connections of `pool` for
 /// `duration`, each on a fresh key under `prefix`: `claim` binds the tenant,
 /// the key, the request hash and a fresh token and answers the claim's `id`;
-/// `complete` binds that id and the token, and `response` when there is one.
+/// `complete` binds that id, the token and the tenant, and `response` when
+/// there is one.
 async fn statement_pairs(
     pool: &PgPool,
     workers: usize,
@@ -118,7 +120,7 @@ async fn statement_pairs(
                 .fetch_one(&pool)
                 .await?;
             let id: Uuid = row.try_get("id")?;
-            let completion = sqlx::query(complete).bind(id).bind(token);
+            let completion = sqlx::query(complete).bind(id).bind(token).bind(org);
             match response {
                 Some(response) => completion.bind(response).fetch_one(&pool).await?,
                 None => completion.fetch_one(&pool).await?,
