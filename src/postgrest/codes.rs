@@ -12,6 +12,9 @@ pub const PGRST002: &str = "PGRST002";
 pub const PGRST003: &str = "PGRST003";
 /// 406: the requested schema is not exposed (`db-schemas`).
 pub const PGRST106: &str = "PGRST106";
+/// postrust-server's answer (HTTP 500) when its database connection could
+/// not be made or broke during the call; PostgREST answers 503 for both.
+pub const PGRST500: &str = "PGRST500";
 /// 404: no function with these argument names.
 pub const PGRST202: &str = "PGRST202";
 /// 401: JWT malformed or badly signed.

@@ -82,6 +82,12 @@ fn never_ran(status: u16, code: &str) -> bool {
     matches!((status, code), (503, codes::PGRST000) | (503, codes::PGRST002) | (504, codes::PGRST003))
 }
 
+/// Whether the server said it lost its database connection, before the call
+/// or during it: postrust-server's 500 `PGRST500` (PostgREST answers 503).
+fn connection_lost(status: u16, code: &str) -> bool {
+    matches!((status, code), (500, codes::PGRST500))
+}
+
 impl ClientError {
     /// Whether running the same call again later may succeed: what
     /// [`is_retryable`](Self::is_retryable) allows for a call that is safe to
@@ -98,6 +104,7 @@ impl ClientError {
     /// | connection refused / not made | yes | yes |
     /// | 503 `PGRST000`/`PGRST002`, 504 `PGRST003` (never ran) | yes | yes |
     /// | other 503 (`PGRST001`, `08*`, `53*`, `57P01`) | no | yes |
+    /// | 500 `PGRST500` (the server lost its database connection) | no | yes |
     /// | 500 `40001` / `40P01` (rolled back) | yes | yes |
     /// | timeout, connection reset after sending | no | yes |
     /// | 500 `55P03`, a lock timeout ([`ClientError::LockTimeout`]) | no | no |
@@ -123,7 +130,8 @@ impl ClientError {
                 let never_ran = never_ran(*status, &error.code);
                 let rolled_back =
                     matches!(error.code.as_str(), codes::SERIALIZATION_FAILURE | codes::DEADLOCK_DETECTED);
-                never_ran || rolled_back || (*status == 503 && repeat_safe)
+                let may_have_run = *status == 503 || connection_lost(*status, &error.code);
+                never_ran || rolled_back || (may_have_run && repeat_safe)
             }
             ClientError::Http { status, .. } => repeat_safe && matches!(status, 502..=504),
             _ => false,
@@ -260,6 +268,7 @@ mod tests {
             (api(504, codes::PGRST003), true, true),
             (api(503, codes::PGRST001), false, true),
             (api(503, "57P01"), false, true),
+            (api(500, codes::PGRST500), false, true),
             (api(500, codes::SERIALIZATION_FAILURE), true, true),
             (api(500, codes::DEADLOCK_DETECTED), true, true),
             (api(500, "57014"), false, false),

@@ -25,6 +25,7 @@ pub(crate) struct RpcPolicy {
     pub(crate) retry: RetryDefaults,
     functions: BTreeMap<String, Repeatable>,
     pub(crate) never_ran: Vec<NeverRan>,
+    pub(crate) connection_lost: Vec<NeverRan>,
     pub(crate) rolled_back: Vec<String>,
 }
 
@@ -38,7 +39,9 @@ pub(crate) struct RetryDefaults {
     pub(crate) max_elapsed_ms: u64,
 }
 
-/// An answer that proves the call never reached the database.
+/// An answer by status and code: one that proves the call never reached the
+/// database (`never_ran`), or one that says the connection to it was lost
+/// (`connection_lost`).
 #[derive(Debug, Deserialize)]
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) struct NeverRan {
@@ -121,6 +124,13 @@ mod tests {
         }
         for code in &table.rolled_back {
             assert!(answered(500, code).is_retryable(false), "{code}");
+        }
+        // A lost connection may have run the call: retried only when that is
+        // safe, and transient either way.
+        for lost in &table.connection_lost {
+            let error = answered(lost.status, &lost.code);
+            assert!(!error.is_retryable(false) && error.is_retryable(true) && error.is_transient(), "{error}");
+            assert!(!error.never_reached_the_plane(), "{error}");
         }
         // And nothing else is, for a call that is not safe to repeat.
         assert!(!answered(503, "PGRST001").is_retryable(false));

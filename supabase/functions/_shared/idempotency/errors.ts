@@ -78,6 +78,8 @@ export type InvalidReason =
   | "resource_too_long"
   | "resource_has_nul"
   | "malformed_organization"
+  /** A `TenantRouter` has no plane for the organization (no assignment, no default). */
+  | "unrouted_organization"
   | "unhashable_request"
   | "lease_outlasts_retries"
   | "bad_configuration";
@@ -150,6 +152,7 @@ export class PlaneError extends Error {
    * | 503 PGRST000/PGRST002, 504 PGRST003 (never ran) | yes | yes |
    * | 40001 / 40P01 (rolled back) | yes | yes |
    * | other 503, a gateway's 502/503/504, a timeout, a reset | no | yes |
+   * | 500 PGRST500 (the server lost its database connection) | no | yes |
    * | the deadline cut a request in flight | no | yes |
    * | a lock timeout (55P03), anything else | no | no |
    */
@@ -166,7 +169,8 @@ export class PlaneError extends Error {
         if (neverRan(status, code)) return true;
         if (policy.rolled_back.includes(code)) return true;
         if (code === codes.LOCK_NOT_AVAILABLE) return false;
-        if (status === 503 || (code === "" && status >= 502 && status <= 504)) return repeatSafe;
+        if (status === 503 || connectionLost(status, code)) return repeatSafe;
+        if (code === "" && status >= 502 && status <= 504) return repeatSafe;
         return false;
       }
       default:
@@ -233,6 +237,11 @@ export class PlaneError extends Error {
     if (this.kind === "api") return (this.status ?? 0) < 400 || (this.status ?? 0) > 499;
     return true;
   }
+}
+
+/** The server lost its database connection, before the call or during it. */
+function connectionLost(status: number, code: string): boolean {
+  return policy.connection_lost.some((entry) => entry.status === status && entry.code === code);
 }
 
 function neverRan(status: number, code: string): boolean {
