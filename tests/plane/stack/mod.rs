@@ -13,7 +13,9 @@
 mod arguments;
 mod callers_under_faults;
 mod claims;
+mod database_crash;
 mod endings;
+mod failover;
 mod faults;
 mod fences;
 mod idempotency_key;

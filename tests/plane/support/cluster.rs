@@ -102,17 +102,13 @@ impl Cluster {
         cluster
     }
 
-    /// A streaming standby of `primary`, made with `pg_basebackup -R` and
-    /// started with `options`. It connects as `application_name`, the name
-    /// `synchronous_standby_names` can list. `primary` must allow
-    /// replication connections (initdb's defaults do, for trust on
-    /// 127.0.0.1) and run with `wal_level` replica or above (the default).
-    pub fn standby_of(primary: &Cluster, application_name: &str, options: &str) -> Cluster {
-        Cluster::standby_streaming_from(primary.port, application_name, options)
-    }
-
-    /// As [`Cluster::standby_of`], for a primary reached on `port` (a proxy
-    /// in front of it, say): the standby streams through it from then on.
+    /// A streaming standby of the primary reached on `port` (directly, or
+    /// through a forwarder it then streams through), made with
+    /// `pg_basebackup -R` and started with `options`. It connects as
+    /// `application_name`, the name `synchronous_standby_names` can list.
+    /// The primary must allow replication connections (initdb's defaults
+    /// do, for trust on 127.0.0.1) and run with `wal_level` replica or above
+    /// (the default).
     pub fn standby_streaming_from(port: u16, application_name: &str, options: &str) -> Cluster {
         let mut standby = Cluster::empty(&format!("{application_name}-standby"), options);
         let data = standby.data();
@@ -207,8 +203,26 @@ impl Cluster {
             assert!(began.elapsed() < Duration::from_secs(30), "the killed postmaster's port still answers");
             std::thread::sleep(Duration::from_millis(20));
         }
-        // A backend outliving its postmaster still holds shared memory; the
-        // next start waits for it (`pg_ctl -w`), so nothing more here.
+        // The killed postmaster may linger as a zombie of this test's process
+        // tree, and PostgreSQL takes a live PID in its lock files for a
+        // running server. Once it is gone or a zombie, the stale lock files
+        // are removed, as an operator would after a crash.
+        let state = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| stat.rsplit(')').next().map(|rest| rest.trim().chars().next()))
+                .flatten()
+        };
+        while !matches!(state(), None | Some('Z')) {
+            assert!(began.elapsed() < Duration::from_secs(30), "the killed postmaster {pid} does not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::remove_file(&pid_file).unwrap_or_else(|e| panic!("removing {}: {e}", pid_file.display()));
+        // The socket's lock file names the same PID.
+        let socket_lock = self.dir.join(format!(".s.PGSQL.{}.lock", self.port));
+        if socket_lock.exists() {
+            std::fs::remove_file(&socket_lock).unwrap_or_else(|e| panic!("removing {}: {e}", socket_lock.display()));
+        }
     }
 
     /// Promotes a standby to primary and waits until it accepts writes.

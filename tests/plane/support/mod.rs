@@ -3,7 +3,9 @@
 //! `local`), a fault-injecting repository
 //! (`faults`), an HTTP proxy that delays or drops chosen RPC answers
 //! (`proxy`), PostgreSQL clusters of a test's own to crash, fail over or
-//! exhaust (`cluster`, feature `local`), retry policies, canned claim rows
+//! exhaust (`cluster`, feature `local`) and a TCP forwarder in front of one
+//! that can cut the network or move to another server (`tcp_forward`),
+//! retry policies, canned claim rows
 //! and raw TCP fault servers
 //! (`transport`), and one fresh local stack per test with ways to look
 //! under it (`harness`, feature `local`). Everything but `harness` compiles
@@ -23,6 +25,8 @@ pub mod faults;
 #[cfg(feature = "local")]
 pub mod harness;
 pub mod proxy;
+#[cfg(feature = "local")]
+pub mod tcp_forward;
 pub mod transport;
 
 use std::future::Future;

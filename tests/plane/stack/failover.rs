@@ -1,0 +1,301 @@
+//! The primary fails over to a streaming standby mid-run, on PostgreSQL 15
+//! clusters of the test's own: a standby made with `pg_basebackup -R`,
+//! streaming through a TCP forwarder, and the plane's server reaching the
+//! database through another (the address a managed database moves to the
+//! promoted standby).
+//!
+//! Mid-run the standby is partitioned from the primary (its forwarder cut),
+//! the run goes on for a moment, the primary is killed (`kill -9`), the
+//! standby promoted, and the plane's address switched to it; the run then
+//! finishes, and every key is attempted once more (an orchestrator's next
+//! attempt). Before the switch the test reads the promoted standby: every
+//! completion the client saw acknowledged should be there.
+//!
+//! - Asynchronous replication (PostgreSQL's default, no
+//!   `synchronous_standby_names`): every completion acknowledged after the
+//!   partition is missing on the new primary, and the next attempt sends
+//!   the effect again. The test counts them and fails if there are none
+//!   (it would then prove nothing).
+//! - Synchronous replication (`synchronous_standby_names` names the
+//!   standby; the cluster's default `synchronous_commit` is `local`, and
+//!   the role the server logs in as, `authenticator`, sets it `on`): a
+//!   commit waits for the standby, so nothing is acknowledged during the
+//!   partition, and none is lost: 0.
+//!
+//! Per key in both: completed on the new primary with the vendor's one
+//! message; every error the client saw classified transient. And a read
+//! replica (a standby) does not see a claim the primary holds: claims, and
+//! the reads that decide whether to claim, go to the primary.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotency_plane::local::LocalStackConfig;
+use serde_json::Value;
+use sqlx::{Connection, PgConnection, PgPool};
+use uuid::Uuid;
+
+use super::database_crash::{assert_each_key_completed_once, attempt, claims_by_key, Seen, Vendor};
+use crate::support::cluster::{server_binaries_missing, Cluster};
+use crate::support::harness::*;
+use crate::support::tcp_forward::TcpForward;
+use crate::support::*;
+
+const WORKERS: usize = 16;
+const KEYS: usize = 240;
+/// Acknowledged completions before the partition.
+const PARTITION_AFTER_ACKS: u64 = 40;
+/// Acknowledged completions, after the partition, that asynchronous
+/// replication is given to lose before the primary dies.
+const ACKS_DURING_PARTITION: u64 = 30;
+/// How long the primary runs partitioned, at most.
+const PARTITIONED_FOR: Duration = Duration::from_millis(1500);
+const BOUND: Duration = Duration::from_secs(150);
+const STANDBY: &str = "standby1";
+const SCOPE: &str = "tool.email.send";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Replication {
+    Asynchronous,
+    Synchronous,
+}
+
+/// What one failover run measured.
+struct Failover {
+    /// Completions acknowledged before the address moved.
+    acked: usize,
+    /// Of those, missing or unfinished on the promoted standby.
+    lost: Vec<String>,
+    /// Keys the vendor was sent more than once.
+    sent_again: usize,
+    errors: usize,
+}
+
+async fn streaming(primary: &PgPool, synchronous: bool) -> bool {
+    let state: Option<String> = sqlx::query_scalar(
+        "select sync_state from pg_stat_replication where application_name = $1 and state = 'streaming'",
+    )
+    .bind(STANDBY)
+    .fetch_optional(primary)
+    .await
+    .expect("pg_stat_replication");
+    state.is_some_and(|state| !synchronous || state == "sync")
+}
+
+/// One attempt of every key, spread over the workers.
+fn round(
+    service: &Arc<Service>,
+    org: Uuid,
+    keys: &[String],
+    vendor: &Arc<Vendor>,
+    seen: &Arc<Seen>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let queue: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(keys.iter().rev().cloned().collect()));
+    (0..WORKERS)
+        .map(|_| {
+            let (service, vendor, seen, queue) = (service.clone(), vendor.clone(), seen.clone(), queue.clone());
+            tokio::spawn(async move {
+                loop {
+                    let Some(key) = queue.lock().expect("queue").pop() else { return };
+                    attempt(&service, org, &key, &vendor, &seen).await;
+                }
+            })
+        })
+        .collect()
+}
+
+async fn fail_over(replication: Replication) -> Option<Failover> {
+    if server_binaries_missing(&format!("failover ({replication:?})")) {
+        return None;
+    }
+    let options = match replication {
+        Replication::Asynchronous => String::new(),
+        Replication::Synchronous => format!("-c synchronous_standby_names={STANDBY} -c synchronous_commit=local"),
+    };
+    let mut primary = Cluster::start("failover", &options);
+    // The plane's address, and the standby's road to the primary.
+    let address = TcpForward::start(primary.port()).await;
+    let replication_link = TcpForward::start(primary.port()).await;
+    let config = LocalStackConfig {
+        database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", address.port()),
+        pool_size: 8,
+        ..LocalStackConfig::default()
+    };
+    let stack = stack_with(config).await;
+    if replication == Replication::Synchronous {
+        // Per role: every session the server opens waits for the standby.
+        sqlx::query("alter role authenticator set synchronous_commit = on")
+            .execute(stack.db())
+            .await
+            .expect("synchronous_commit for the server's role");
+        // Sessions take role settings when they log in: close them all.
+        address.point_at(primary.port());
+    }
+    let standby = Cluster::standby_streaming_from(replication_link.port(), STANDBY, "");
+    within(Duration::from_secs(30), "the standby streaming", async {
+        while !streaming(stack.db(), replication == Replication::Synchronous).await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+
+    let service = Arc::new(service(&stack));
+    let (vendor, seen) = (Arc::new(Vendor::default()), Arc::new(Seen::default()));
+    let org = org();
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("failover-{i}")).collect();
+    let began = Instant::now();
+    let run = async {
+        let workers = round(&service, org, &keys, &vendor, &seen);
+        while seen.acks.load(Ordering::SeqCst) < PARTITION_AFTER_ACKS {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        replication_link.cut();
+        let at_partition = seen.acks.load(Ordering::SeqCst);
+        let partitioned = Instant::now();
+        while seen.acks.load(Ordering::SeqCst) < at_partition + ACKS_DURING_PARTITION
+            && partitioned.elapsed() < PARTITIONED_FOR
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The primary's host goes away, then its server dies.
+        address.cut();
+        primary.kill();
+        standby.promote();
+        // What the promoted standby holds of every acknowledged completion,
+        // before any worker reaches it.
+        let acked: HashMap<String, Value> = seen.acked.lock().expect("seen").clone();
+        let mut on_standby = PgConnection::connect(&standby.url(stack.database_name())).await.expect("the standby");
+        let rows: Vec<(String, String, Option<Value>)> =
+            sqlx::query_as("select key, status, response from agent.idempotency_keys where organization_id = $1")
+                .bind(org)
+                .fetch_all(&mut on_standby)
+                .await
+                .expect("the claims on the promoted standby");
+        let kept: HashMap<String, (String, Option<Value>)> =
+            rows.into_iter().map(|(key, status, response)| (key, (status, response))).collect();
+        let mut lost: Vec<String> = acked
+            .iter()
+            .filter(|(key, response)| kept.get(*key) != Some(&("completed".to_owned(), Some((*response).clone()))))
+            .map(|(key, _)| key.clone())
+            .collect();
+        lost.sort();
+        address.point_at(standby.port());
+        for worker in workers {
+            worker.await.expect("a worker panicked");
+        }
+        // Every key once more, as an orchestrator's next attempt: a key
+        // whose acknowledged completion was lost is still processing there,
+        // and is reclaimed once its lease passes.
+        for worker in round(&service, org, &keys, &vendor, &seen) {
+            worker.await.expect("a worker panicked");
+        }
+        (acked.len(), lost)
+    };
+    let (acked_before, lost) = within(BOUND, "the failover run", run).await;
+
+    // Per key, on the new primary.
+    let rows = claims_by_key(stack.db(), org).await;
+    assert_each_key_completed_once(&keys, &rows, &seen, &vendor);
+    let sent = vendor.by_key();
+    let errors = seen.errors.lock().expect("seen").clone();
+    // The same server, never restarted, serves a fresh claim on the new primary.
+    let after = claimed(service.claim(org, SCOPE, "after-the-failover", &hash("after"), LEASE).await);
+    assert_eq!(
+        service.release(&after).await.expect("a release on the new primary"),
+        idempotency_plane::Ending::Recorded
+    );
+    let failover = Failover {
+        acked: acked_before,
+        sent_again: sent.values().filter(|(_, sends)| *sends > 1).count(),
+        errors: errors.len(),
+        lost,
+    };
+    eprintln!(
+        "failover ({replication:?} replication): {KEYS} keys, {} completions acknowledged before the switch, {} of \
+         them lost on the promoted standby, {} keys sent to the vendor again (vendor-deduped), {} errors (all \
+         transient), run {:.1} s",
+        failover.acked,
+        failover.lost.len(),
+        failover.sent_again,
+        failover.errors,
+        began.elapsed().as_secs_f64()
+    );
+    stack.stop().await.expect("stop the stack");
+    Some(failover)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn asynchronous_replication_loses_acknowledged_completions_at_failover_and_their_effects_are_sent_again() {
+    let Some(failover) = fail_over(Replication::Asynchronous).await else { return };
+    assert!(
+        !failover.lost.is_empty(),
+        "no acknowledged completion was lost, yet the standby was partitioned while the primary acknowledged \
+         more: this run shows nothing"
+    );
+    // Each lost completion's key was claimed again on the new primary and
+    // its effect sent again: only the vendor's key kept it one effect.
+    assert!(failover.sent_again >= 1, "lost completions {:?}, yet no effect was sent again", failover.lost);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn synchronous_replication_loses_no_acknowledged_completion_at_failover() {
+    let Some(failover) = fail_over(Replication::Synchronous).await else { return };
+    assert!(failover.acked >= PARTITION_AFTER_ACKS as usize, "the run acknowledged {} completions", failover.acked);
+    assert_eq!(failover.lost, Vec::<String>::new(), "acknowledged completions missing on the promoted standby");
+}
+
+/// A standby (a read replica) answers from whatever it has replayed: here,
+/// partitioned from the primary, nothing of a claim the primary holds. A
+/// `read()` or a claim decision taken there would answer `absent` and run
+/// the effect a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_replica_does_not_see_a_claim_the_primary_holds() {
+    if server_binaries_missing("a_read_replica_does_not_see_a_claim_the_primary_holds") {
+        return;
+    }
+    let primary = Cluster::start("replica-read", "");
+    let replication_link = TcpForward::start(primary.port()).await;
+    let config =
+        LocalStackConfig { database_url: primary.url("postgres"), pool_size: 4, ..LocalStackConfig::default() };
+    let stack = stack_with(config).await;
+    let replica = Cluster::standby_streaming_from(replication_link.port(), STANDBY, "");
+    within(Duration::from_secs(30), "the standby streaming", async {
+        while !streaming(stack.db(), false).await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    replication_link.cut();
+    let service = service(&stack);
+    let org = org();
+    let claim = claimed(service.claim(org, SCOPE, "replica-read", &hash("replica"), LEASE).await);
+
+    let mut on_replica = PgConnection::connect(&replica.url(stack.database_name())).await.expect("the replica");
+    let seen_there: Vec<(Uuid,)> = sqlx::query_as("select id from agent.idempotency_get($1, $2, $3)")
+        .bind(org)
+        .bind(SCOPE)
+        .bind("replica-read")
+        .fetch_all(&mut on_replica)
+        .await
+        .expect("idempotency_get on the replica");
+    assert!(seen_there.is_empty(), "the partitioned replica saw the claim");
+    // The primary holds it: a read there is not absent.
+    let read = service.read(org, SCOPE, "replica-read", &hash("replica")).await.expect("read on the primary");
+    assert!(!matches!(read, idempotency_plane::ReadOutcome::Absent), "the primary's read: {read:?}");
+    // A claim cannot be made on a replica at all.
+    let refused = sqlx::query("select * from agent.idempotency_try_claim($1, $2, $3, $4, $5, 60000, 60000)")
+        .bind(org)
+        .bind(SCOPE)
+        .bind("replica-claim")
+        .bind(hash("replica").as_str())
+        .bind(Uuid::new_v4())
+        .execute(&mut on_replica)
+        .await
+        .expect_err("a claim on a read replica");
+    let code = refused.as_database_error().and_then(|error| error.code().map(|code| code.into_owned()));
+    assert_eq!(code.as_deref(), Some("25006"), "read_only_sql_transaction: {refused}");
+    assert_eq!(service.release(&claim).await.expect("release"), idempotency_plane::Ending::Recorded);
+    stack.stop().await.expect("stop the stack");
+}
