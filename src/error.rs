@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use uuid::Uuid;
+
 use crate::postgrest::ClientError;
 
 /// Everything a call into the plane can fail with.
@@ -20,6 +22,16 @@ pub enum Error {
     UnknownScope {
         /// The scope asked for.
         scope: String,
+    },
+
+    /// A [`TenantRouter`](crate::repo::TenantRouter) has no plane for the
+    /// organization: it is assigned to none, and the router has no default.
+    /// Nothing was sent to any plane. Not transient: the router's
+    /// configuration must assign the organization (or name a default).
+    #[error("organization {organization_id} is assigned to no plane, and the tenant router has no default plane")]
+    UnroutedOrganization {
+        /// The organization asked for.
+        organization_id: Uuid,
     },
 
     /// The store could not be reached, refused the call, or answered

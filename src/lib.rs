@@ -10,8 +10,9 @@
 //! - [`repo`]: the one road to the database. Four traits, one per table the
 //!   plane owns (claims with the one-call claim, Runs, provider jobs, the
 //!   sweeper's expired claims); [`PostgrestRepository`] implements them over
-//!   PostgREST and [`MemoryRepository`] in one process. Only this layer
-//!   knows the SQL functions' names ([`repo::SQL_SURFACE`]).
+//!   PostgREST and [`MemoryRepository`] in one process; [`TenantRouter`]
+//!   spreads organizations over several planes. Only this layer knows the
+//!   SQL functions' names ([`repo::SQL_SURFACE`]).
 //! - [`service`]: the duplicate semantics over any repository: what a read
 //!   finds ([`ReadOutcome`]), how a claim ended ([`ClaimOutcome`]), request
 //!   hashes (RFC 8785), what the journal can hold, input validation; and
@@ -82,7 +83,7 @@ pub mod local;
 
 pub use error::{Error, InvalidInput};
 pub use postgrest::{ClientConfig, ClientError, PostgrestClient, RetryConfig};
-pub use repo::{IdempotencyRecord, IdempotencyRepository, MemoryRepository, PostgrestRepository};
+pub use repo::{IdempotencyRecord, IdempotencyRepository, MemoryRepository, PostgrestRepository, TenantRouter};
 pub use service::{
     canonical_json, Claim, ClaimOutcome, Completion, Ending, IdempotencyService, ReadOutcome, RequestHash, ResourceRef,
     ResponseRef,

@@ -10,11 +10,14 @@
 //! [`PostgrestRepository`] implements all four over PostgREST;
 //! [`MemoryRepository`] implements them in one process, for tests that need
 //! no database (one conformance suite runs against both).
+//! [`TenantRouter`] spreads organizations over several planes, each on
+//! exactly one.
 
 mod memory;
 mod postgrest;
 pub mod probes;
 mod record;
+mod routed;
 mod surface;
 
 use std::future::Future;
@@ -27,6 +30,7 @@ use crate::error::Error;
 pub use self::postgrest::PostgrestRepository;
 pub use memory::MemoryRepository;
 pub use record::{AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, IdempotencyRecord, ProviderJob};
+pub use routed::{RouterConfigError, TenantRouter, TenantRouterBuilder};
 pub use surface::{SqlFunction, SQL_SURFACE};
 
 /// The arguments of a claim or a reclaim.

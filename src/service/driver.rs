@@ -165,8 +165,9 @@ pub(crate) fn asking_cut(attempt: &Attempt) -> Error {
 
 /// Whether a call that failed with `error` (a claim, an admission) may have
 /// written all the same: anything but a refusal sent back before the
-/// database wrote (input the plane refuses, a scope without policy, a 4xx
-/// answer, a client that could not be configured). A lost or garbled
+/// database wrote (input the plane refuses, a scope without policy, an
+/// organization a tenant router has no plane for, a 4xx answer, a client
+/// that could not be configured). A lost or garbled
 /// answer, a gateway's 5xx or a cut request may each follow the commit.
 pub fn may_have_written(error: &Error) -> bool {
     use crate::postgrest::ClientError;
@@ -174,6 +175,7 @@ pub fn may_have_written(error: &Error) -> bool {
         error,
         Error::Invalid(_)
             | Error::UnknownScope { .. }
+            | Error::UnroutedOrganization { .. }
             | Error::Store(ClientError::Api { status: 400..=499, .. })
             | Error::Store(ClientError::Config(_) | ClientError::Key(_))
     )

@@ -422,7 +422,7 @@ fn fit<R: IdempotencyRepository>(config: &Config<R>, stored: StoredResponse, bod
 
 /// The claim failed: 503, or with `fail_open`, when the plane was never
 /// reached, the handler runs unprotected. A misconfiguration (no policy for
-/// the scope) is 500 either way.
+/// the scope, no plane for the tenant) is 500 either way.
 async fn unavailable<S, R>(
     config: &Config<R>,
     error: Error,
@@ -435,6 +435,10 @@ where
     if let Error::UnknownScope { .. } | Error::Invalid(_) = error {
         tracing::error!(%error, "the idempotency scope is not usable; add a policy row for it (http.* covers every route)");
         return Ok(Problem::not_configured("the server has no idempotency policy for this route").into_response());
+    }
+    if let Error::UnroutedOrganization { .. } = error {
+        tracing::error!(%error, "the tenant router has no plane for this organization; assign it (or name a default plane)");
+        return Ok(Problem::not_configured("the server has no idempotency plane for this tenant").into_response());
     }
     // Only a plane that was never reached may be bypassed: after any other
     // failure (an answer lost or too late, a lock timeout, a 5xx) the plane

@@ -52,6 +52,8 @@ export type {
   PlaneSource,
   ReadOutcome,
 } from "./plane.ts";
+export { TenantRouter } from "./router.ts";
+export type { RouterOptions } from "./router.ts";
 export { DEFAULT_JOURNAL_DEADLINE_MS, DEFAULT_MARGIN_MS, Timing } from "./timing.ts";
 export { Held } from "./held.ts";
 export type { Cut, Settle, Settled } from "./held.ts";
