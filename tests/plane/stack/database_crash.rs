@@ -36,19 +36,43 @@ const BOUND: Duration = Duration::from_secs(120);
 const SCOPE: &str = "tool.email.send";
 
 /// A vendor that dedupes on the vendor key: one message per key, however
-/// many sends, and it counts the sends.
+/// many sends, and it counts the sends. It refuses the first send of every
+/// `refuse_every`-th key, as a rate limit does (a 429: no effect), so
+/// workers release too.
 #[derive(Default)]
 pub(super) struct Vendor {
     messages: Mutex<HashMap<String, (String, u64)>>,
+    refuse_every: usize,
+    refused: Mutex<std::collections::HashSet<String>>,
 }
 
+/// The vendor refused a send: no effect was made, so the claim is released.
+pub(super) struct RateLimited;
+
 impl Vendor {
+    /// A vendor that refuses the first send of every `n`-th key it sees
+    /// (by the number at the end of the key).
+    pub(super) fn refusing_first_send_of_every(n: usize) -> Vendor {
+        Vendor { refuse_every: n, ..Vendor::default() }
+    }
+
     /// Sends for `key`; answers the one message id the key ever gets.
-    pub(super) fn send(&self, key: &str) -> String {
+    pub(super) fn send(&self, key: &str) -> Result<String, RateLimited> {
+        let number = key.rsplit('-').next().and_then(|n| n.parse::<usize>().ok());
+        if number.is_some_and(|number| self.refuse_every > 0 && number % self.refuse_every == 0)
+            && self.refused.lock().expect("vendor").insert(key.to_owned())
+        {
+            return Err(RateLimited);
+        }
         let mut messages = self.messages.lock().expect("vendor");
         let entry = messages.entry(key.to_owned()).or_insert_with(|| (format!("m-{}", Uuid::new_v4()), 0));
         entry.1 += 1;
-        entry.0.clone()
+        Ok(entry.0.clone())
+    }
+
+    /// How many sends were refused.
+    pub(super) fn refused(&self) -> usize {
+        self.refused.lock().expect("vendor").len()
     }
 
     /// `(message id, sends)` of every key.
@@ -67,6 +91,10 @@ pub(super) struct Seen {
     /// Every error: what it was and whether it was classified transient.
     pub(super) errors: Mutex<Vec<(String, bool)>>,
     pub(super) acks: AtomicU64,
+    /// Releases acknowledged, and releases that failed (the claim then
+    /// waits out its lease).
+    pub(super) releases: AtomicU64,
+    pub(super) failed_releases: AtomicU64,
 }
 
 impl Seen {
@@ -75,14 +103,25 @@ impl Seen {
     }
 }
 
-/// One attempt of one key, as a worker makes it: claim, send, complete.
-/// Retries its own failures until the key is completed by someone.
+/// One attempt of one key, as a worker makes it: claim, send, complete (or
+/// release, when the vendor refused the send). Retries its own failures
+/// until the key is completed by someone.
 pub(super) async fn attempt(service: &Service, org: Uuid, key: &str, vendor: &Vendor, seen: &Seen) {
     let request = hash(key);
     loop {
         match service.claim(org, SCOPE, key, &request, CRASH_LEASE).await {
             Ok(ClaimOutcome::Claimed(claim)) => {
-                let message = vendor.send(key);
+                let Ok(message) = vendor.send(key) else {
+                    // No effect: release, so the next attempt claims at once.
+                    match service.release(&claim).await {
+                        Ok(_) => seen.releases.fetch_add(1, Ordering::SeqCst),
+                        Err(error) => {
+                            seen.error(&error);
+                            seen.failed_releases.fetch_add(1, Ordering::SeqCst)
+                        }
+                    };
+                    continue;
+                };
                 let response = json!({ "message_id": message });
                 match service.complete(&claim, Completion::response(response.clone())).await {
                     Ok(Ending::Recorded) => {
@@ -109,6 +148,30 @@ pub(super) async fn attempt(service: &Service, org: Uuid, key: &str, vendor: &Ve
             }
         }
     }
+}
+
+/// `workers` tasks that make the attempts in `attempts` (keys, in order),
+/// each taking the next one when its last is done.
+pub(super) fn run_attempts(
+    workers: usize,
+    service: &Arc<Service>,
+    org: Uuid,
+    attempts: Vec<String>,
+    vendor: &Arc<Vendor>,
+    seen: &Arc<Seen>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let queue = Arc::new(Mutex::new(attempts.into_iter().rev().collect::<Vec<String>>()));
+    (0..workers)
+        .map(|_| {
+            let (service, vendor, seen, queue) = (service.clone(), vendor.clone(), seen.clone(), queue.clone());
+            tokio::spawn(async move {
+                loop {
+                    let Some(key) = queue.lock().expect("queue").pop() else { return };
+                    attempt(&service, org, &key, &vendor, &seen).await;
+                }
+            })
+        })
+        .collect()
 }
 
 /// The claims of `org` by key: `(status, response)`.
@@ -159,26 +222,16 @@ async fn a_database_crash_mid_run_loses_no_acknowledged_completion_and_repeats_n
         LocalStackConfig { database_url: cluster.url("postgres"), pool_size: 8, ..LocalStackConfig::default() };
     let stack = stack_with(config).await;
     let service = Arc::new(service(&stack));
-    let (vendor, seen) = (Arc::new(Vendor::default()), Arc::new(Seen::default()));
+    let (vendor, seen) = (Arc::new(Vendor::refusing_first_send_of_every(5)), Arc::new(Seen::default()));
     let org = org();
     let keys: Vec<String> = (0..KEYS).map(|i| format!("crash-{i}")).collect();
     let began = Instant::now();
 
     let run = async {
         // Every key attempted ATTEMPTS_PER_KEY times, spread over the workers.
-        let queue: Arc<Mutex<Vec<String>>> =
-            Arc::new(Mutex::new((0..ATTEMPTS_PER_KEY).flat_map(|_| keys.iter().cloned()).rev().collect()));
-        let workers: Vec<_> = (0..WORKERS)
-            .map(|_| {
-                let (service, vendor, seen, queue) = (service.clone(), vendor.clone(), seen.clone(), queue.clone());
-                tokio::spawn(async move {
-                    loop {
-                        let Some(key) = queue.lock().expect("queue").pop() else { return };
-                        attempt(&service, org, &key, &vendor, &seen).await;
-                    }
-                })
-            })
-            .collect();
+        // Every key attempted ATTEMPTS_PER_KEY times, spread over the workers.
+        let attempts = (0..ATTEMPTS_PER_KEY).flat_map(|_| keys.iter().cloned()).collect();
+        let workers = run_attempts(WORKERS, &service, org, attempts, &vendor, &seen);
         // The crash, once enough completions were acknowledged.
         while seen.acks.load(Ordering::SeqCst) < KILL_AFTER_ACKS {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -214,8 +267,12 @@ async fn a_database_crash_mid_run_loses_no_acknowledged_completion_and_repeats_n
     let repeated = sent.values().filter(|(_, sends)| *sends > 1).count();
     eprintln!(
         "database crash: {KEYS} keys, {} sends, {repeated} keys sent twice (vendor-deduped), {acked_at_kill} acked \
-         before the restart and all kept, {} errors (all transient), recovery {:.1} s, run {:.1} s",
+         before the restart and all kept, {} sends refused and {} released ({} releases failed and waited out \
+         their lease), {} errors (all transient), recovery {:.1} s, run {:.1} s",
         sent.values().map(|(_, sends)| sends).sum::<u64>(),
+        vendor.refused(),
+        seen.releases.load(Ordering::SeqCst),
+        seen.failed_releases.load(Ordering::SeqCst),
         errors.len(),
         recovered_in.as_secs_f64(),
         began.elapsed().as_secs_f64()

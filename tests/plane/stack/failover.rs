@@ -29,7 +29,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotency_plane::local::LocalStackConfig;
@@ -37,7 +37,7 @@ use serde_json::Value;
 use sqlx::{Connection, PgConnection, PgPool};
 use uuid::Uuid;
 
-use super::database_crash::{assert_each_key_completed_once, attempt, claims_by_key, Seen, Vendor};
+use super::database_crash::{assert_each_key_completed_once, claims_by_key, run_attempts, Seen, Vendor};
 use crate::support::cluster::{server_binaries_missing, Cluster};
 use crate::support::harness::*;
 use crate::support::tcp_forward::TcpForward;
@@ -84,28 +84,6 @@ async fn streaming(primary: &PgPool, synchronous: bool) -> bool {
     state.is_some_and(|state| !synchronous || state == "sync")
 }
 
-/// One attempt of every key, spread over the workers.
-fn round(
-    service: &Arc<Service>,
-    org: Uuid,
-    keys: &[String],
-    vendor: &Arc<Vendor>,
-    seen: &Arc<Seen>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    let queue: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(keys.iter().rev().cloned().collect()));
-    (0..WORKERS)
-        .map(|_| {
-            let (service, vendor, seen, queue) = (service.clone(), vendor.clone(), seen.clone(), queue.clone());
-            tokio::spawn(async move {
-                loop {
-                    let Some(key) = queue.lock().expect("queue").pop() else { return };
-                    attempt(&service, org, &key, &vendor, &seen).await;
-                }
-            })
-        })
-        .collect()
-}
-
 async fn fail_over(replication: Replication) -> Option<Failover> {
     if server_binaries_missing(&format!("failover ({replication:?})")) {
         return None;
@@ -142,12 +120,12 @@ async fn fail_over(replication: Replication) -> Option<Failover> {
     .await;
 
     let service = Arc::new(service(&stack));
-    let (vendor, seen) = (Arc::new(Vendor::default()), Arc::new(Seen::default()));
+    let (vendor, seen) = (Arc::new(Vendor::refusing_first_send_of_every(5)), Arc::new(Seen::default()));
     let org = org();
     let keys: Vec<String> = (0..KEYS).map(|i| format!("failover-{i}")).collect();
     let began = Instant::now();
     let run = async {
-        let workers = round(&service, org, &keys, &vendor, &seen);
+        let workers = run_attempts(WORKERS, &service, org, keys.clone(), &vendor, &seen);
         while seen.acks.load(Ordering::SeqCst) < PARTITION_AFTER_ACKS {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -188,7 +166,7 @@ async fn fail_over(replication: Replication) -> Option<Failover> {
         // Every key once more, as an orchestrator's next attempt: a key
         // whose acknowledged completion was lost is still processing there,
         // and is reclaimed once its lease passes.
-        for worker in round(&service, org, &keys, &vendor, &seen) {
+        for worker in run_attempts(WORKERS, &service, org, keys.clone(), &vendor, &seen) {
             worker.await.expect("a worker panicked");
         }
         (acked.len(), lost)

@@ -13,6 +13,7 @@
 mod arguments;
 mod callers_under_faults;
 mod claims;
+mod connections_exhausted;
 mod database_crash;
 mod endings;
 mod failover;

@@ -1,0 +1,138 @@
+//! Every connection slot of the database taken mid-run (`max_connections`
+//! reached), on a PostgreSQL 15 cluster of the test's own.
+//!
+//! The server reaches the database through a TCP forwarder. Mid-run the
+//! forwarder is cut (the server's connections close, and their slots free
+//! up), another role takes every slot but the superusers' reserved ones,
+//! and the forwarder is put back: each connection the server opens now is
+//! refused with SQLSTATE 53300 ("too many clients"). After a while the
+//! other role lets go, and the run finishes on the same server.
+//!
+//! A call made while the slots are taken, with retries off, shows what the
+//! server answers and that the client classifies it transient. Per key: the
+//! vendor made one effect, every acknowledged completion is stored, no key
+//! is left processing (a release that failed waited out its lease), and
+//! every error the workers saw was transient.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idempotency_plane::local::LocalStackConfig;
+use idempotency_plane::postgrest::RetryConfig;
+use idempotency_plane::{ClientError, Error, IdempotencyService, PostgrestClient, PostgrestRepository};
+use sqlx::{Connection, PgConnection};
+
+use super::database_crash::{assert_each_key_completed_once, claims_by_key, run_attempts, Seen, Vendor};
+use crate::support::cluster::{server_binaries_missing, Cluster};
+use crate::support::harness::*;
+use crate::support::tcp_forward::TcpForward;
+use crate::support::*;
+
+const WORKERS: usize = 12;
+const KEYS: usize = 200;
+const EXHAUST_AFTER_ACKS: u64 = 40;
+const EXHAUSTED_FOR: Duration = Duration::from_millis(1500);
+const BOUND: Duration = Duration::from_secs(120);
+const SCOPE: &str = "tool.email.send";
+/// The cluster's slots: `max_connections`, of which the superusers keep some.
+const MAX_CONNECTIONS: usize = 24;
+const RESERVED: usize = 4;
+
+/// Opens connections as `role` until the cluster refuses one; answers them
+/// and the refusal's SQLSTATE.
+async fn take_every_slot(cluster: &Cluster, role: &str) -> (Vec<PgConnection>, String) {
+    let url = format!("postgres://{role}@127.0.0.1:{}/postgres", cluster.port());
+    let mut held = Vec::new();
+    loop {
+        match PgConnection::connect(&url).await {
+            Ok(connection) => held.push(connection),
+            Err(error) => {
+                let code = error.as_database_error().and_then(|e| e.code()).map(|code| code.into_owned());
+                return (held, code.unwrap_or_else(|| format!("no SQLSTATE: {error}")));
+            }
+        }
+        assert!(held.len() <= MAX_CONNECTIONS, "more connections than max_connections");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_connection_slot_taken_mid_run_loses_nothing_and_the_client_retries_only_what_is_safe() {
+    let test = "every_connection_slot_taken_mid_run_loses_nothing_and_the_client_retries_only_what_is_safe";
+    if server_binaries_missing(test) {
+        return;
+    }
+    let options = format!("-c max_connections={MAX_CONNECTIONS} -c superuser_reserved_connections={RESERVED}");
+    let cluster = Cluster::start("connections", &options);
+    let address = TcpForward::start(cluster.port()).await;
+    let config = LocalStackConfig {
+        database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", address.port()),
+        pool_size: 8,
+        ..LocalStackConfig::default()
+    };
+    let stack = stack_with(config).await;
+    sqlx::query("create role hog login").execute(stack.db()).await.expect("the role that takes every slot");
+    let service = Arc::new(service(&stack));
+    // Retries off: what one call meets while the slots are taken.
+    let once = IdempotencyService::new(PostgrestRepository::new(
+        PostgrestClient::new(stack.client_config().expect("config").with_retry(RetryConfig::disabled()))
+            .expect("client"),
+    ));
+    let (vendor, seen) = (Arc::new(Vendor::refusing_first_send_of_every(5)), Arc::new(Seen::default()));
+    let org = org();
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("slots-{i}")).collect();
+    let began = Instant::now();
+
+    let run = async {
+        let workers = run_attempts(WORKERS, &service, org, keys.clone(), &vendor, &seen);
+        while seen.acks.load(Ordering::SeqCst) < EXHAUST_AFTER_ACKS {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The server's connections close; another role takes every slot.
+        address.cut();
+        let freed = Instant::now();
+        let (hogs, refusal) = loop {
+            let taken = take_every_slot(&cluster, "hog").await;
+            // Slots of the server's closed sessions free up as they exit.
+            if taken.0.len() >= MAX_CONNECTIONS - RESERVED || freed.elapsed() > Duration::from_secs(5) {
+                break taken;
+            }
+            drop(taken);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        address.point_at(cluster.port());
+        let probe = once.claim(org, SCOPE, "while-exhausted", &hash("exhausted"), LEASE).await;
+        tokio::time::sleep(EXHAUSTED_FOR).await;
+        drop(hogs);
+        for worker in workers {
+            worker.await.expect("a worker panicked");
+        }
+        (refusal, probe)
+    };
+    let (refusal, probe) = within(BOUND, "the run with every slot taken", run).await;
+    assert_eq!(refusal, "53300", "the cluster refused the next connection with too_many_connections");
+    let answered = match probe {
+        Err(error @ Error::Store(ClientError::Api { .. })) => {
+            assert!(error.is_transient(), "the exhausted server's answer classified permanent: {error}");
+            error.to_string()
+        }
+        other => panic!("a call while every slot was taken: {other:?}"),
+    };
+
+    let rows = claims_by_key(stack.db(), org).await;
+    assert_each_key_completed_once(&keys, &rows, &seen, &vendor);
+    let errors = seen.errors.lock().expect("seen").clone();
+    let after = claimed(service.claim(org, SCOPE, "after-the-exhaustion", &hash("after"), LEASE).await);
+    assert_eq!(service.release(&after).await.expect("release"), idempotency_plane::Ending::Recorded);
+    eprintln!(
+        "connections exhausted: {KEYS} keys, a call with retries off answered: {answered}; {} sends refused and {} \
+         released ({} releases failed and waited out their lease), {} errors surfaced to workers (all transient), \
+         run {:.1} s",
+        vendor.refused(),
+        seen.releases.load(Ordering::SeqCst),
+        seen.failed_releases.load(Ordering::SeqCst),
+        errors.len(),
+        began.elapsed().as_secs_f64()
+    );
+    stack.stop().await.expect("stop the stack");
+}
