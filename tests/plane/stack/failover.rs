@@ -277,3 +277,39 @@ async fn a_read_replica_does_not_see_a_claim_the_primary_holds() {
     assert_eq!(service.release(&claim).await.expect("release"), idempotency_plane::Ending::Recorded);
     stack.stop().await.expect("stop the stack");
 }
+
+/// Where `synchronous_commit` must be set for the wait to happen: a
+/// function's own `SET` clause is undone when the function returns, before
+/// its transaction commits, so it decides nothing; a setting the body makes
+/// for the transaction (`set_config(..., true)`) holds at the commit. The
+/// cluster names a synchronous standby that never connects and defaults to
+/// `local`, so a commit that waits for a standby never ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_functions_set_clause_does_not_decide_whether_its_commit_waits_for_the_standby() {
+    if server_binaries_missing("a_functions_set_clause_does_not_decide_whether_its_commit_waits_for_the_standby") {
+        return;
+    }
+    let cluster = Cluster::start("sync-clause", "-c synchronous_standby_names=absent -c synchronous_commit=local");
+    let mut setup = cluster.connect("postgres").await;
+    for statement in [
+        "create table written (n int)",
+        "create function with_clause() returns void language sql set synchronous_commit = on
+           as 'insert into written values (1)'",
+        "create function in_body() returns void language plpgsql as $$
+           begin perform set_config('synchronous_commit', 'on', true); insert into written values (2); end $$",
+    ] {
+        sqlx::query(statement).execute(&mut setup).await.expect(statement);
+    }
+    let mut first = cluster.connect("postgres").await;
+    within(Duration::from_secs(10), "a commit after a function with a SET clause", async {
+        sqlx::query("select with_clause()").execute(&mut first).await.expect("with_clause()");
+    })
+    .await;
+    let mut second = cluster.connect("postgres").await;
+    let waited =
+        tokio::time::timeout(Duration::from_secs(2), sqlx::query("select in_body()").execute(&mut second)).await;
+    assert!(
+        waited.is_err(),
+        "a transaction that set synchronous_commit = on committed without its standby: {waited:?}"
+    );
+}
