@@ -64,9 +64,11 @@ const HOT_ROWS: i64 = 20_000;
 
 /// Completions of processing claims on copies of the claim table (every
 /// column, constraint and index), with fillfactor 100, 80 (the table's) and
-/// 50, by a completion that moves `retain_until` (the plane's, which keeps
-/// the answer a full retention after it is written) and by one that leaves
-/// it alone: how many were HOT updates, which write no index entry. All in
+/// 50, by a completion that leaves `retain_until` alone (the plane's within
+/// the lease: the retention already counts from the lease's end) and by one
+/// that moves it (the plane's after the lease passed, which keeps the answer
+/// a full retention after it is written): how many were HOT updates, which
+/// write no index entry. All in
 /// one transaction, so no page is pruned meanwhile: a HOT update needs room
 /// the fillfactor left, which is a floor of what a live table sees.
 pub(super) async fn hot_updates(db: &PgPool) -> Result<Vec<Hot>, BoxError> {

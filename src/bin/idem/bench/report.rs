@@ -222,12 +222,15 @@ pub(super) fn print(results: &Results) {
     }
     println!();
     println!("  completions that were HOT updates (no index entry written)");
-    println!("  {:<10} {:<30} {:>8} {:>8}", "fillfactor", "completion", "updates", "HOT");
-    println!("  {:-<10} {:-<30} {:->8} {:->8}", "", "", "", "");
+    println!("  {:<10} {:<33} {:>8} {:>8}", "fillfactor", "completion", "updates", "HOT");
+    println!("  {:-<10} {:-<33} {:->8} {:->8}", "", "", "", "");
     for h in &results.hot_completions {
-        let what =
-            if h.completion_moves_retain_until { "moves retain_until (today's)" } else { "leaves retain_until alone" };
-        println!("  {:<10} {:<30} {:>8} {:>8}", h.fillfactor, what, h.updates, h.hot_updates);
+        let what = if h.completion_moves_retain_until {
+            "moves retain_until (lease passed)"
+        } else {
+            "leaves it alone (within lease)"
+        };
+        println!("  {:<10} {:<33} {:>8} {:>8}", h.fillfactor, what, h.updates, h.hot_updates);
     }
     println!();
     println!("  {:<40} {:>8} {:>9}  met", "ratio", "value", "target");
