@@ -1,10 +1,13 @@
 -- An optional layout: agent.idempotency_keys hash-partitioned by
 -- organization_id. Apply it after every numbered migration (it needs 0014),
--- in one transaction: `psql -1 -f`, or as a Supabase migration (copy it
+-- in one transaction that stops at the first error:
+-- `psql -v ON_ERROR_STOP=1 -1 -f`, or as a Supabase migration (copy it
 -- into supabase/migrations/ with a timestamp after the last one there; the
--- CLI applies each file in a transaction). Outside a transaction its first
--- statement fails and nothing changes. It moves the rows the table already
--- holds under an ACCESS EXCLUSIVE lock, so that no claim written meanwhile
+-- CLI applies each file in a transaction). Never with a plain `psql -f`:
+-- its first statement would fail outside a transaction, psql would go on,
+-- and each later statement would commit on its own with no lock, so claims
+-- written between the copy and the swap would be lost. It moves the rows
+-- the table already holds under an ACCESS EXCLUSIVE lock, so that no claim written meanwhile
 -- is left behind; on a large table, apply it in a quiet hour.
 --
 -- Why it is possible: every key starts with organization_id, so

@@ -23,7 +23,9 @@ use idempotency_plane::postgrest::RetryConfig;
 use idempotency_plane::{ClientError, Error, IdempotencyService, PostgrestClient, PostgrestRepository};
 use sqlx::{Connection, PgConnection};
 
-use super::database_crash::{assert_each_key_completed_once, claims_by_key, run_attempts, Seen, Vendor};
+use super::database_crash::{
+    assert_acknowledged_completions_kept, assert_each_key_completed_once, claims_by_key, run_attempts, Seen, Vendor,
+};
 use crate::support::cluster::{server_binaries_missing, Cluster};
 use crate::support::harness::*;
 use crate::support::tcp_forward::TcpForward;
@@ -39,17 +41,16 @@ const SCOPE: &str = "tool.email.send";
 const MAX_CONNECTIONS: usize = 24;
 const RESERVED: usize = 4;
 
-/// Opens connections as `role` until the cluster refuses one; answers them
-/// and the refusal's SQLSTATE.
-async fn take_every_slot(cluster: &Cluster, role: &str) -> (Vec<PgConnection>, String) {
+/// Opens connections as `role`, adding to `held`, until the cluster
+/// refuses one; answers the refusal's SQLSTATE.
+async fn take_free_slots(cluster: &Cluster, role: &str, held: &mut Vec<PgConnection>) -> String {
     let url = format!("postgres://{role}@127.0.0.1:{}/postgres", cluster.port());
-    let mut held = Vec::new();
     loop {
         match PgConnection::connect(&url).await {
             Ok(connection) => held.push(connection),
             Err(error) => {
                 let code = error.as_database_error().and_then(|e| e.code()).map(|code| code.into_owned());
-                return (held, code.unwrap_or_else(|| format!("no SQLSTATE: {error}")));
+                return code.unwrap_or_else(|| format!("no SQLSTATE: {error}"));
             }
         }
         assert!(held.len() <= MAX_CONNECTIONS, "more connections than max_connections");
@@ -90,16 +91,19 @@ async fn every_connection_slot_taken_mid_run_loses_nothing_and_the_client_retrie
         }
         // The server's connections close; another role takes every slot.
         address.cut();
-        let freed = Instant::now();
-        let (hogs, refusal) = loop {
-            let taken = take_every_slot(&cluster, "hog").await;
-            // Slots of the server's closed sessions free up as they exit.
-            if taken.0.len() >= MAX_CONNECTIONS - RESERVED || freed.elapsed() > Duration::from_secs(5) {
-                break taken;
+        // Slots of the server's closed sessions free up as they exit: keep
+        // taking them until the other role holds every one but the reserved.
+        let mut hogs = Vec::new();
+        let refusal = within(Duration::from_secs(30), "another role taking every slot", async {
+            loop {
+                let refusal = take_free_slots(&cluster, "hog", &mut hogs).await;
+                if hogs.len() == MAX_CONNECTIONS - RESERVED {
+                    return refusal;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            drop(taken);
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        })
+        .await;
         address.point_at(cluster.port());
         let probe = once.claim(org, SCOPE, "while-exhausted", &hash("exhausted"), LEASE).await;
         tokio::time::sleep(EXHAUSTED_FOR).await;
@@ -111,16 +115,24 @@ async fn every_connection_slot_taken_mid_run_loses_nothing_and_the_client_retrie
     };
     let (refusal, probe) = within(BOUND, "the run with every slot taken", run).await;
     assert_eq!(refusal, "53300", "the cluster refused the next connection with too_many_connections");
+    // postrust-server answers a database it cannot reach 500 PGRST500
+    // (PostgREST: 503 PGRST000); either is transient.
     let answered = match probe {
-        Err(error @ Error::Store(ClientError::Api { .. })) => {
+        Err(error) => {
+            let code = match &error {
+                Error::Store(client @ ClientError::Api { status: 500, .. }) => client.code().map(str::to_owned),
+                _ => None,
+            };
+            assert_eq!(code.as_deref(), Some("PGRST500"), "a call while every slot was taken: {error}");
             assert!(error.is_transient(), "the exhausted server's answer classified permanent: {error}");
             error.to_string()
         }
-        other => panic!("a call while every slot was taken: {other:?}"),
+        Ok(outcome) => panic!("a call while every slot was taken was answered: {outcome:?}"),
     };
 
     let rows = claims_by_key(stack.db(), org).await;
     assert_each_key_completed_once(&keys, &rows, &seen, &vendor);
+    assert_acknowledged_completions_kept(stack.db(), org, &seen).await;
     let errors = seen.errors.lock().expect("seen").clone();
     let after = claimed(service.claim(org, SCOPE, "after-the-exhaustion", &hash("after"), LEASE).await);
     assert_eq!(service.release(&after).await.expect("release"), idempotency_plane::Ending::Recorded);

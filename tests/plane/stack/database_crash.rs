@@ -86,6 +86,8 @@ impl Vendor {
 pub(super) struct Seen {
     /// Key → the response of a completion acknowledged `Recorded`.
     pub(super) acked: Mutex<HashMap<String, Value>>,
+    /// Key → the lease token of the first completion acknowledged.
+    pub(super) acked_tokens: Mutex<HashMap<String, Uuid>>,
     /// Keys whose completion failed or went unanswered at least once.
     pub(super) unacked: Mutex<Vec<String>>,
     /// Every error: what it was and whether it was classified transient.
@@ -126,6 +128,8 @@ pub(super) async fn attempt(service: &Service, org: Uuid, key: &str, vendor: &Ve
                 match service.complete(&claim, Completion::response(response.clone())).await {
                     Ok(Ending::Recorded) => {
                         seen.acked.lock().expect("seen").insert(key.to_owned(), response);
+                        // The first acknowledgement: a later one would mean it was lost.
+                        seen.acked_tokens.lock().expect("seen").entry(key.to_owned()).or_insert(claim.lease_token());
                         seen.acks.fetch_add(1, Ordering::SeqCst);
                         return;
                     }
@@ -147,6 +151,23 @@ pub(super) async fn attempt(service: &Service, org: Uuid, key: &str, vendor: &Ve
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
+    }
+}
+
+/// Every acknowledged completion is the one stored: its row still carries
+/// the lease token of the claim that completed it, so it was not lost and
+/// redone by a later attempt (which would store the same answer, the
+/// vendor's one message, under a new token).
+pub(super) async fn assert_acknowledged_completions_kept(db: &sqlx::PgPool, org: Uuid, seen: &Seen) {
+    let rows: Vec<(String, Uuid)> =
+        sqlx::query_as("select key, lease_token from agent.idempotency_keys where organization_id = $1")
+            .bind(org)
+            .fetch_all(db)
+            .await
+            .expect("the claims' lease tokens");
+    let stored: HashMap<String, Uuid> = rows.into_iter().collect();
+    for (key, token) in seen.acked_tokens.lock().expect("seen").iter() {
+        assert_eq!(stored.get(key), Some(token), "{key}: the acknowledged completion was lost and redone");
     }
 }
 
@@ -229,7 +250,6 @@ async fn a_database_crash_mid_run_loses_no_acknowledged_completion_and_repeats_n
 
     let run = async {
         // Every key attempted ATTEMPTS_PER_KEY times, spread over the workers.
-        // Every key attempted ATTEMPTS_PER_KEY times, spread over the workers.
         let attempts = (0..ATTEMPTS_PER_KEY).flat_map(|_| keys.iter().cloned()).collect();
         let workers = run_attempts(WORKERS, &service, org, attempts, &vendor, &seen);
         // The crash, once enough completions were acknowledged.
@@ -252,6 +272,7 @@ async fn a_database_crash_mid_run_loses_no_acknowledged_completion_and_repeats_n
     // Per key, from the table.
     let rows = claims_by_key(stack.db(), org).await;
     assert_each_key_completed_once(&keys, &rows, &seen, &vendor);
+    assert_acknowledged_completions_kept(stack.db(), org, &seen).await;
     let (acked, unacked) = (seen.acked.lock().unwrap().clone(), seen.unacked.lock().unwrap().clone());
     let sent = vendor.by_key();
     for (key, (_, sends)) in &sent {

@@ -277,7 +277,8 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        if self.running {
+        // A start that timed out may have left a server running all the same.
+        if self.running || self.dir.join("data").join("postmaster.pid").exists() {
             let data = self.data();
             let stopped = self.server_binary("pg_ctl").args(["-D", &data, "-m", "immediate", "-w", "stop"]).output();
             if !stopped.as_ref().is_ok_and(|output| output.status.success()) {
