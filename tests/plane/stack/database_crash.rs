@@ -93,6 +93,11 @@ pub(super) struct Seen {
     /// Every error: what it was and whether it was classified transient.
     pub(super) errors: Mutex<Vec<(String, bool)>>,
     pub(super) acks: AtomicU64,
+    /// When each completion call began (before its request was sent).
+    pub(super) completions_begun: Mutex<Vec<Instant>>,
+    /// Each completion call that ended: when it began, and whether it was
+    /// acknowledged `Recorded`.
+    pub(super) completions: Mutex<Vec<(Instant, bool)>>,
     /// Releases acknowledged, and releases that failed (the claim then
     /// waits out its lease).
     pub(super) releases: AtomicU64,
@@ -102,6 +107,27 @@ pub(super) struct Seen {
 impl Seen {
     fn error(&self, error: &Error) {
         self.errors.lock().expect("seen").push((error.to_string(), error.is_transient()));
+    }
+
+    /// A completion call begins now: when.
+    pub(super) fn completion_begins(&self) -> Instant {
+        let began = Instant::now();
+        self.completions_begun.lock().expect("seen").push(began);
+        began
+    }
+
+    /// The completion call that began at `began` ended with `ended`.
+    pub(super) fn completion_ended(&self, began: Instant, ended: &Result<Ending, Error>) {
+        self.completions.lock().expect("seen").push((began, matches!(ended, Ok(Ending::Recorded))));
+    }
+
+    /// Of the completion calls begun after `instant` (ended or not): how
+    /// many, and how many of those that ended were acknowledged `Recorded`.
+    pub(super) fn completions_begun_after(&self, instant: Instant) -> (usize, usize) {
+        let begun = self.completions_begun.lock().expect("seen").iter().filter(|began| **began > instant).count();
+        let completions = self.completions.lock().expect("seen");
+        let acked = completions.iter().filter(|(began, recorded)| *began > instant && *recorded).count();
+        (begun, acked)
     }
 }
 
@@ -125,7 +151,10 @@ pub(super) async fn attempt(service: &Service, org: Uuid, key: &str, vendor: &Ve
                     continue;
                 };
                 let response = json!({ "message_id": message });
-                match service.complete(&claim, Completion::response(response.clone())).await {
+                let began = seen.completion_begins();
+                let ended = service.complete(&claim, Completion::response(response.clone())).await;
+                seen.completion_ended(began, &ended);
+                match ended {
                     Ok(Ending::Recorded) => {
                         seen.acked.lock().expect("seen").insert(key.to_owned(), response);
                         // The first acknowledgement: a later one would mean it was lost.

@@ -19,8 +19,13 @@
 //! - Synchronous replication (`synchronous_standby_names` names the
 //!   standby; the cluster's default `synchronous_commit` is `local`, and
 //!   the role the server logs in as, `authenticator`, sets it `on`): a
-//!   commit waits for the standby, so nothing is acknowledged during the
-//!   partition, and none is lost: 0.
+//!   commit waits for the standby, so no completion begun after the
+//!   partition is acknowledged, and none acknowledged is lost: 0 and 0.
+//!   The partition counts from the moment the primary has no walsender for
+//!   the standby left, not from the cut: a commit the standby flushed just
+//!   before the cut may be acknowledged just after it, rightly. The
+//!   asynchronous run is the measurement's positive control: there, it
+//!   sees completions begun after the partition acknowledged.
 //!
 //! Per key in both: completed on the new primary with the vendor's one
 //! message; every error the client saw classified transient. And a read
@@ -33,7 +38,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotency_plane::local::LocalStackConfig;
-use serde_json::Value;
+use idempotency_plane::Completion;
+use serde_json::{json, Value};
 use sqlx::{Connection, PgConnection, PgPool};
 use uuid::Uuid;
 
@@ -56,6 +62,11 @@ const ACKS_DURING_PARTITION: u64 = 30;
 const PARTITIONED_FOR: Duration = Duration::from_millis(1500);
 const BOUND: Duration = Duration::from_secs(150);
 const STANDBY: &str = "standby1";
+/// Claims made before the partition and completed right after it is
+/// established: completions known to begin after it, whatever the workers
+/// happen to be doing then (under synchronous replication every worker is
+/// soon waiting on a commit of its own, and begins nothing more).
+const PROBES: usize = 4;
 const SCOPE: &str = "tool.email.send";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -68,8 +79,12 @@ enum Replication {
 struct Failover {
     /// Completions acknowledged before the address moved.
     acked: usize,
-    /// Of those, acknowledged while the standby was partitioned.
+    /// Of those, acknowledged after the partition was established.
     acked_during_partition: u64,
+    /// Completion calls begun after the partition was established and
+    /// answered by the old primary, and how many of them were acknowledged.
+    begun_after_partition: usize,
+    acked_begun_after_partition: usize,
     /// Of those, missing or unfinished on the promoted standby.
     lost: Vec<String>,
     /// Keys the vendor was sent more than once.
@@ -88,13 +103,25 @@ async fn streaming(primary: &PgPool, synchronous: bool) -> bool {
     state.is_some_and(|state| !synchronous || state == "sync")
 }
 
+/// Whether the primary has a walsender for the standby, in any state.
+async fn standby_connected(primary: &PgPool) -> bool {
+    let walsenders: i64 = sqlx::query_scalar("select count(*) from pg_stat_replication where application_name = $1")
+        .bind(STANDBY)
+        .fetch_one(primary)
+        .await
+        .expect("pg_stat_replication");
+    walsenders > 0
+}
+
 async fn fail_over(replication: Replication) -> Option<Failover> {
     if server_binaries_missing(&format!("failover ({replication:?})")) {
         return None;
     }
     let options = match replication {
-        Replication::Asynchronous => String::new(),
-        Replication::Synchronous => format!("-c synchronous_standby_names={STANDBY} -c synchronous_commit=local"),
+        Replication::Asynchronous => "-c wal_sender_timeout=5s".to_owned(),
+        Replication::Synchronous => {
+            format!("-c wal_sender_timeout=5s -c synchronous_standby_names={STANDBY} -c synchronous_commit=local")
+        }
     };
     let mut primary = Cluster::start("failover", &options);
     // The plane's address, and the standby's road to the primary.
@@ -102,7 +129,10 @@ async fn fail_over(replication: Replication) -> Option<Failover> {
     let replication_link = TcpForward::start(primary.port()).await;
     let config = LocalStackConfig {
         database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", address.port()),
-        pool_size: 8,
+        // Room for every worker's request and every probe's at once: a
+        // commit waiting for the standby holds its connection, and a probe
+        // that waited for a connection instead would never begin a commit.
+        pool_size: (WORKERS + PROBES + 4) as u32,
         ..LocalStackConfig::default()
     };
     let stack = stack_with(config).await;
@@ -127,6 +157,10 @@ async fn fail_over(replication: Replication) -> Option<Failover> {
     let (vendor, seen) = (Arc::new(Vendor::refusing_first_send_of_every(5)), Arc::new(Seen::default()));
     let org = org();
     let keys: Vec<String> = (0..KEYS).map(|i| format!("failover-{i}")).collect();
+    let mut probes = Vec::new();
+    for i in 0..PROBES {
+        probes.push(claimed(service.claim(org, SCOPE, &format!("probe-{i}"), &hash("probe"), LEASE).await));
+    }
     let began = Instant::now();
     let run = async {
         let workers = run_attempts(WORKERS, &service, org, keys.clone(), &vendor, &seen);
@@ -134,11 +168,36 @@ async fn fail_over(replication: Replication) -> Option<Failover> {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         replication_link.cut();
-        let at_partition = seen.acks.load(Ordering::SeqCst);
+        // The partition is established once the primary's walsender for the
+        // standby is gone: no flush confirmation can reach the primary after
+        // that, so a commit that begins later waits for a standby that never
+        // answers (synchronous) or is acknowledged unreplicated
+        // (asynchronous). Until then a commit the standby flushed before the
+        // cut may still be acknowledged, rightly: its WAL is on the standby.
+        // The forwarder closes the walsender's socket, so it exits at once;
+        // `wal_sender_timeout` (5 s) ends it even if it missed that.
+        within(Duration::from_secs(30), "the primary seeing its standby gone", async {
+            while standby_connected(stack.db()).await {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
         let partitioned = Instant::now();
+        let at_partition = seen.acks.load(Ordering::SeqCst);
+        let probing: Vec<_> = probes
+            .drain(..)
+            .map(|probe| {
+                let (service, seen) = (service.clone(), seen.clone());
+                tokio::spawn(async move {
+                    let began = seen.completion_begins();
+                    let ended = service.complete(&probe, Completion::response(json!({ "probe": true }))).await;
+                    seen.completion_ended(began, &ended);
+                })
+            })
+            .collect();
         // Asynchronous: until the primary acknowledged ACKS_DURING_PARTITION
         // more (a loaded machine may take a while). Synchronous: a fixed
-        // moment, in which no commit can end.
+        // moment, in which no commit begun in it can end.
         let partitioned_for = match replication {
             Replication::Asynchronous => Duration::from_secs(30),
             Replication::Synchronous => PARTITIONED_FOR,
@@ -171,8 +230,14 @@ async fn fail_over(replication: Replication) -> Option<Failover> {
             .map(|(key, _)| key.clone())
             .collect();
         lost.sort();
+        // Every completion call that ended so far was answered by the old
+        // primary (the new one is not reachable yet): of those begun after
+        // the partition, how many were acknowledged. (A probe still waiting
+        // fails when the address moves, and its retry may then be
+        // acknowledged by the new primary: that one is not counted.)
+        let after_partition = seen.completions_begun_after(partitioned);
         address.point_at(standby.port());
-        for worker in workers {
+        for worker in workers.into_iter().chain(probing) {
             worker.await.expect("a worker panicked");
         }
         // Every key once more, as an orchestrator's next attempt: a key
@@ -181,9 +246,10 @@ async fn fail_over(replication: Replication) -> Option<Failover> {
         for worker in run_attempts(WORKERS, &service, org, keys.clone(), &vendor, &seen) {
             worker.await.expect("a worker panicked");
         }
-        (acked.len(), lost, during_partition)
+        (acked.len(), lost, during_partition, after_partition)
     };
-    let (acked_before, lost, acked_during_partition) = within(BOUND, "the failover run", run).await;
+    let (acked_before, lost, acked_during_partition, (begun_after_partition, acked_begun_after_partition)) =
+        within(BOUND, "the failover run", run).await;
 
     // Per key, on the new primary.
     let rows = claims_by_key(stack.db(), org).await;
@@ -202,16 +268,20 @@ async fn fail_over(replication: Replication) -> Option<Failover> {
     let failover = Failover {
         acked: acked_before,
         acked_during_partition,
+        begun_after_partition,
+        acked_begun_after_partition,
         sent_again: sent.values().filter(|(_, sends)| *sends > 1).count(),
         errors: errors.len(),
         lost,
     };
     eprintln!(
         "failover ({replication:?} replication): {KEYS} keys, {} completions acknowledged before the switch ({} \
-         while the standby was partitioned), {} of them lost on the promoted standby, {} keys sent to the vendor again (vendor-deduped), {} errors (all \
+         after the partition; of {} completion calls begun after it, {} acknowledged), {} of them lost on the promoted standby, {} keys sent to the vendor again (vendor-deduped), {} errors (all \
          transient), run {:.1} s",
         failover.acked,
         failover.acked_during_partition,
+        failover.begun_after_partition,
+        failover.acked_begun_after_partition,
         failover.lost.len(),
         failover.sent_again,
         failover.errors,
@@ -224,6 +294,13 @@ async fn fail_over(replication: Replication) -> Option<Failover> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn asynchronous_replication_loses_acknowledged_completions_at_failover_and_their_effects_are_sent_again() {
     let Some(failover) = fail_over(Replication::Asynchronous).await else { return };
+    // The measurement the synchronous run relies on sees what it looks for:
+    // here commits begun after the partition are acknowledged unreplicated.
+    assert!(
+        failover.acked_begun_after_partition > 0,
+        "no completion begun after the partition was acknowledged ({} begun): the measurement cannot see one",
+        failover.begun_after_partition
+    );
     assert!(
         !failover.lost.is_empty(),
         "no acknowledged completion was lost, yet the standby was partitioned while the primary acknowledged \
@@ -237,8 +314,17 @@ async fn asynchronous_replication_loses_acknowledged_completions_at_failover_and
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn synchronous_replication_loses_no_acknowledged_completion_at_failover() {
     let Some(failover) = fail_over(Replication::Synchronous).await else { return };
-    // Every commit waited for the partitioned standby: none was acknowledged.
-    assert_eq!(failover.acked_during_partition, 0, "completions acknowledged while the standby was partitioned");
+    // A commit begun after the partition waits for the standby, which never
+    // answers: none is acknowledged. (Completions acknowledged between the cut
+    // and the partition's being established are not counted: the standby had
+    // flushed their WAL before the cut, and the promoted standby is checked
+    // for every one of them below.)
+    assert!(failover.begun_after_partition >= PROBES, "the probes' completions began after the partition");
+    assert_eq!(
+        failover.acked_begun_after_partition, 0,
+        "completions begun after the partition and acknowledged ({} begun)",
+        failover.begun_after_partition
+    );
     assert_eq!(failover.lost, Vec::<String>::new(), "acknowledged completions missing on the promoted standby");
 }
 
