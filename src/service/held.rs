@@ -133,6 +133,12 @@ pub enum Settled {
     Journaled {
         /// Why a stand-in was stored, if one was.
         stand_in: Option<Unstorable>,
+        /// The answer as every replay of the key will give it: the stored
+        /// form read back (an error cut to its first bytes, an output above
+        /// the limit by reference, a field the store holds as text read
+        /// back as itself). Answer the first caller with this, not with
+        /// what the effect returned, so the first answer equals its replays.
+        answer: Answer,
     },
     /// The claim was deleted; the next attempt runs the effect.
     Released,
@@ -170,6 +176,15 @@ impl Settled {
     /// True when a repeat will find this worker's answer (journaled).
     pub fn is_journaled(&self) -> bool {
         matches!(self, Settled::Journaled { .. })
+    }
+
+    /// The journaled answer, as every replay will give it; `None` for
+    /// every other ending.
+    pub fn journaled(&self) -> Option<&Answer> {
+        match self {
+            Settled::Journaled { answer, .. } => Some(answer),
+            _ => None,
+        }
     }
 
     /// The ending's name, as logged and counted: `journaled`, `released`,
@@ -251,10 +266,13 @@ impl<R: IdempotencyRepository> Held<R> {
                 return Ok(Settled::LeftToLease(LeftToLease::Deadline { ending: "journal" }));
             }
             let stored = answer::store(answer, limit, refused);
-            let completion = Completion { response: Some(stored.response), resource: stored.resource };
+            let completion = Completion { response: Some(stored.response.clone()), resource: stored.resource.clone() };
             let attempt = tokio::time::timeout_at(self.ending_deadline, self.service.complete(&self.claim, completion));
             let error = match attempt.await {
-                Ok(Ok(Ending::Recorded)) => return Ok(Settled::Journaled { stand_in: stored.stand_in }),
+                Ok(Ok(Ending::Recorded)) => {
+                    let answer = Answer::from_stored(Some(stored.response), stored.resource, None);
+                    return Ok(Settled::Journaled { stand_in: stored.stand_in, answer });
+                }
                 Ok(Ok(Ending::LeaseMovedOn)) => return Ok(Settled::LeaseMovedOn),
                 Err(_elapsed) => return Ok(Settled::LeftToLease(LeftToLease::Deadline { ending: "journal" })),
                 Ok(Err(error)) => error,
@@ -312,11 +330,11 @@ fn record(scope: &str, settled: &Settled) {
     let span = tracing::Span::current();
     span.record("ending", settled.as_str());
     match settled {
-        Settled::Journaled { stand_in: Some(reason) } => {
+        Settled::Journaled { stand_in: Some(reason), .. } => {
             span.record("stand_in", reason.as_str());
             tracing::warn!(stand_in = reason.as_str(), "journaled with part of the answer by reference or summary");
         }
-        Settled::Journaled { stand_in: None } | Settled::Released => {}
+        Settled::Journaled { stand_in: None, .. } | Settled::Released => {}
         Settled::LeaseMovedOn => {
             tracing::warn!("the lease moved on before the ending landed; another worker holds the key")
         }

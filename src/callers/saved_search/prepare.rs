@@ -183,7 +183,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
             ResourceRef { resource_type: SNAPSHOT_RESOURCE_TYPE.to_owned(), resource_id: run.id.to_string() };
         let answer = Answer::success(Prepared::inline(&start.run_key, &run.input)).with_resource(Some(resource));
         match held.settle(Settle::Journal(answer)).await {
-            Settled::Journaled { stand_in } => {
+            Settled::Journaled { stand_in, .. } => {
                 tracing::Span::current().record("by_reference", stand_in.is_some());
             }
             Settled::LeaseMovedOn => {

@@ -256,8 +256,7 @@ async fn reconcile<R: IdempotencyRepository>(
             // An effect was found: it is the answer, never a failure to retry.
             found.retryable = false;
             let settled = held.settle(Settle::Journal(found.answer())).await;
-            ended(call, settled, "reconciled")?;
-            Ok(Next::Done(ToolRun::Reconciled(found)))
+            Ok(Next::Done(ToolRun::Reconciled(ended(call, settled, "reconciled", found)?)))
         }
         Ok(None) => {
             tracing::info!("reconciled: the earlier attempt made no effect; executing");
@@ -296,11 +295,10 @@ where
             tracing::warn!(reason = %why, "the retryable failure's release did not land; the claim frees itself when its lease passes");
         }
         record_ending(&settled, "released");
-    } else {
-        let settled = held.settle(Settle::Journal(result.answer())).await;
-        ended(call, settled, "completed")?;
+        return Ok(ToolRun::Executed(result));
     }
-    Ok(ToolRun::Executed(result))
+    let settled = held.settle(Settle::Journal(result.answer())).await;
+    Ok(ToolRun::Executed(ended(call, settled, "completed", result)?))
 }
 
 /// A tool (or reconciler) cut off at the tool's timeout, or panicked: its
@@ -314,17 +312,22 @@ fn cut(call: &Call<'_>, cut: Cut) -> ToolError {
     }
 }
 
-/// How a journaled ending ended for the caller: an answer that could not be
-/// journaled raises [`ToolError::NotJournaled`], so the step is run again
-/// (after the lease, with the same vendor key).
-fn ended(call: &Call<'_>, settled: Settled, done: &'static str) -> Result<(), ToolError> {
+/// How a journaled ending ended for the caller, who gets `result` as the
+/// journal keeps it: every replay answers exactly that (an error cut to
+/// its first bytes, an output above the limit by reference, and so on), so
+/// the first answer does too. An answer that could not be journaled raises
+/// [`ToolError::NotJournaled`], so the step is run again (after the lease,
+/// with the same vendor key). When the lease moved on, another worker's
+/// ending counts and nothing of ours was stored: `result` as it is.
+fn ended(call: &Call<'_>, settled: Settled, done: &'static str, result: ToolResult) -> Result<ToolResult, ToolError> {
     record_ending(&settled, done);
     match settled {
+        Settled::Journaled { answer, .. } => Ok(ToolResult::from_answer(answer)),
         Settled::LeftToLease(reason) => {
             let (scope, key) = call.scope_and_key();
             Err(ToolError::NotJournaled { scope, key, reason: Box::new(reason) })
         }
-        _ => Ok(()),
+        Settled::Released | Settled::LeaseMovedOn => Ok(result),
     }
 }
 

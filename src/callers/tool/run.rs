@@ -111,7 +111,10 @@ pub enum Checkpoint {
 /// How a guarded call ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolRun {
-    /// The tool ran in this attempt.
+    /// The tool ran in this attempt. Its answer as the journal keeps it,
+    /// which is exactly what every replay answers (an error cut to its
+    /// first 1 KiB, an output above the store limit by reference); a
+    /// retryable failure, released, as the tool gave it.
     Executed(ToolResult),
     /// An earlier attempt ran it; this is its stored answer.
     Replayed(ToolResult),

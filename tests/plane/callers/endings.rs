@@ -152,8 +152,10 @@ async fn a_journaled_answer_replays_equal_whatever_it_holds<R: Repo>(faulty: Fau
         let key = Key::new(&format!("equal-{n}"), roomy());
         let held = hold(&driver, &key).await;
         let settled = held.settle(Settle::Journal(answer.clone())).await;
-        assert!(matches!(settled, Settled::Journaled { stand_in: None }), "answer {n}: {settled:?}");
-        assert_eq!(replay(&driver, &key).await, *answer, "answer {n} replays equal");
+        assert!(matches!(settled, Settled::Journaled { stand_in: None, .. }), "answer {n}: {settled:?}");
+        let back = replay(&driver, &key).await;
+        assert_eq!(back, *answer, "answer {n} replays equal");
+        assert_eq!(settled.journaled(), Some(&back), "answer {n}: the first answer is the replay's");
         let stored = row(&faulty, &key).await.expect("a row");
         assert_eq!(stored.status, ClaimStatus::Completed);
         assert_eq!(stored.resource_id.as_deref(), answer.resource.as_ref().map(|r| r.resource_id.as_str()));
@@ -175,8 +177,12 @@ async fn a_business_failure_with_a_100_kib_error_replays_as_a_failure<R: Repo>(f
             None
         });
         let settled = hold(&driver, &key).await.settle(Settle::Journal(answer.clone())).await;
-        assert!(matches!(settled, Settled::Journaled { stand_in: Some(Unstorable::TooLarge { .. }) }), "{settled:?}");
+        assert!(
+            matches!(settled, Settled::Journaled { stand_in: Some(Unstorable::TooLarge { .. }), .. }),
+            "{settled:?}"
+        );
         let back = replay(&driver, &key).await;
+        assert_eq!(settled.journaled(), Some(&back), "the first answer is the replay's");
         assert!(!back.ok, "a failure replays as a failure");
         let kept = back.error.expect("the error is kept");
         assert!(!kept.is_empty() && kept.len() <= MAX_STORED_ERROR_BYTES && error.starts_with(&kept), "{kept:.40}");
@@ -202,11 +208,12 @@ async fn an_answer_above_the_limit_goes_by_reference_and_keeps_its_resource<R: R
             Answer::success(output.clone()).with_resource(if with_resource { resource("m-big") } else { None });
         let settled = hold(&driver, &key).await.settle(Settle::Journal(answer.clone())).await;
         assert!(
-            matches!(settled, Settled::Journaled { stand_in: Some(Unstorable::TooLarge { size, limit }) }
+            matches!(settled, Settled::Journaled { stand_in: Some(Unstorable::TooLarge { size, limit }), .. }
                 if size > limit && limit == LIMIT),
             "{settled:?}"
         );
         let back = replay(&driver, &key).await;
+        assert_eq!(settled.journaled(), Some(&back), "the first answer is the replay's");
         assert_eq!((back.ok, back.error.as_deref(), &back.resource), (true, None, &answer.resource));
         if with_resource {
             let reference = reference(&back.output);
@@ -239,13 +246,14 @@ async fn a_journal_the_store_refuses_falls_back_to_a_reference_and_keeps_the_res
         let before = (faulty.calls(Op::Complete), faulty.reached(Op::Complete));
         faulty.once(Op::Complete, Fault::refuse_journal());
         let settled = hold(&driver, &key).await.settle(Settle::Journal(answer.clone())).await;
-        assert!(matches!(settled, Settled::Journaled { stand_in: Some(_) }), "{settled:?}");
+        assert!(matches!(settled, Settled::Journaled { stand_in: Some(_), .. }), "{settled:?}");
         assert_eq!(
             (faulty.calls(Op::Complete) - before.0, faulty.reached(Op::Complete) - before.1),
             (2, 1),
             "the refused write, then the stand-in"
         );
         let back = replay(&driver, &key).await;
+        assert_eq!(settled.journaled(), Some(&back), "the first answer is the replay's");
         assert_eq!((back.ok, &back.resource), (true, &answer.resource));
         if with_resource {
             let reference = reference(&back.output);
@@ -283,7 +291,7 @@ async fn a_journal_whose_answer_is_lost_after_commit_is_retried_and_ends_journal
     let deadline = held.ending_deadline();
     faulty.once(Op::Complete, Fault::LoseAnswer);
     let settled = held.settle(Settle::Journal(answer.clone())).await;
-    assert!(matches!(settled, Settled::Journaled { stand_in: None }), "{settled:?}");
+    assert!(matches!(settled, Settled::Journaled { stand_in: None, .. }), "{settled:?}");
     assert_eq!(faulty.reached(Op::Complete), 2, "the write whose answer was lost, and its repeat");
     assert!(faulty.reached_at(Op::Complete).iter().all(|at| *at < deadline), "both within the deadline");
     assert_eq!(replay(&driver, &key).await, answer);

@@ -535,7 +535,7 @@ async fn a_response_above_the_scopes_limit_is_refused_by_the_database_and_journa
     let resource = idempotency_plane::ResourceRef { resource_type: "blob".into(), resource_id: "b-1".into() };
     let answer = Answer::failure("partial", big.clone()).with_resource(Some(resource.clone()));
     let settled = held.settle(Settle::Journal(answer)).await;
-    assert!(matches!(settled, Settled::Journaled { stand_in: Some(_) }), "{settled:?}");
+    assert!(matches!(settled, Settled::Journaled { stand_in: Some(_), .. }), "{settled:?}");
     let stored: (Value, Option<String>, Option<String>) =
         sqlx::query_as("select response, resource_type, resource_id from agent.idempotency_keys where key = 'd-2'")
             .fetch_one(stack.db())

@@ -87,10 +87,10 @@ async fn a_large_business_failure_with_a_resource_replays_as_the_same_business_f
     let made = ToolResult::business_failure("invalid_input", output).with_resource("crm.import", "imp-1");
 
     let first = guard.run(org, &spec(), &key, &args, allow, |_| async { made.clone() }).await.unwrap();
-    assert_eq!(first, ToolRun::Executed(made.clone()));
 
     let again = guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("must replay") }).await.unwrap();
     let ToolRun::Replayed(replayed) = again else { panic!("expected a replay, got {again:?}") };
+    assert_eq!(first, ToolRun::Executed(replayed.clone()), "the first answer is the replay's");
     assert!(!replayed.ok, "a business failure replays as a failure, not a success");
     assert!(!replayed.retryable);
     assert_eq!(replayed.error.as_deref(), Some("invalid_input"));
@@ -146,7 +146,44 @@ async fn a_business_failure_whose_error_holds_nul_is_journaled_and_replays_equal
     assert_eq!(again, ToolRun::Replayed(failure));
 }
 
+/// Nested `levels` arrays deep: deeper than the store holds as JSON.
+fn nested(levels: usize) -> serde_json::Value {
+    (0..levels).fold(json!(1), |inner, _| json!([inner]))
+}
+
+/// The first caller gets exactly what every replay will say, whatever the
+/// answer holds: a 70,000-character error (kept as its first 1 KiB), U+0000
+/// in the error and the output, an output above the store limit (by
+/// reference to the resource, or as a summary), and outputs the store keeps
+/// through its lossless wrapper (nested deeper than `jsonb` holds, shaped
+/// like a stand-in).
+async fn the_first_answer_is_exactly_what_every_replay_says<P: Plane>(plane: &P) {
+    let guard = guard(plane);
+    let org = org();
+    let answers = [
+        ("long-error", ToolResult::business_failure("e".repeat(70_000), json!({"field": "to"}))),
+        ("nul", ToolResult::business_failure("bad\u{0}byte", json!({"body": "PK\u{0}\u{3}"}))),
+        ("oversized", ToolResult::success(json!({"rows": "x".repeat(100 * 1024)}))),
+        (
+            "oversized-with-resource",
+            ToolResult::success(json!({"rows": "x".repeat(100 * 1024)})).with_resource("crm.export", "x-1"),
+        ),
+        ("deep", ToolResult::success(nested(100))),
+        ("marker-shaped", ToolResult::success(json!({"$json": "{}"}))),
+    ];
+    for (step, made) in answers {
+        let (key, args) = (ToolKey::for_step(Uuid::new_v4(), step), json!({"step": step}));
+        let first = guard.run(org, &spec(), &key, &args, allow, |_| async { made.clone() }).await.unwrap();
+        let ToolRun::Executed(first) = first else { panic!("{step}: executed, got {first:?}") };
+        let again = guard.run(org, &spec(), &key, &args, allow, |_| async { panic!("must replay") }).await.unwrap();
+        let ToolRun::Replayed(replayed) = again else { panic!("{step}: a replay, got {again:?}") };
+        assert_eq!(first, replayed, "{step}: the first answer differs from its replay");
+        assert_eq!((first.ok, first.error.is_some()), (made.ok, made.error.is_some()), "{step}");
+    }
+}
+
 on_every_plane!(
+    the_first_answer_is_exactly_what_every_replay_says,
     a_resource_the_store_would_refuse_still_journals_the_answer,
     a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_summary,
     a_tool_output_holding_nul_is_journaled_whole_and_the_next_attempt_replays_it_without_a_second_vendor_call,
