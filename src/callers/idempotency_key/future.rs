@@ -13,7 +13,7 @@ use std::sync::Arc;
 use axum::body::{Body, Bytes};
 use axum::extract::MatchedPath;
 use axum::http::request::Parts;
-use axum::http::{Request, Response, StatusCode};
+use axum::http::{HeaderMap, Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
 use tracing::{field, Instrument};
@@ -86,9 +86,12 @@ enum Decision<R> {
 enum Ran<R, E> {
     /// The handler answered: its answer is still to be kept.
     Answered(Held<R>, Response<Body>),
-    /// The request ends here (the handler failed, panicked or timed out),
-    /// its claim released: this is what the caller gets.
-    Ended(Result<Response<Body>, E>),
+    /// The handler started, then panicked or overran its timeout: it may
+    /// have taken effect, so this problem is its answer, kept like one.
+    Failed(Held<R>, Problem),
+    /// The service failed with an error of its own after it started: the
+    /// caller gets the error, and the claim is left to its lease.
+    Errored(E),
 }
 
 /// Serves one request: a request the layer does not protect goes straight
@@ -208,7 +211,8 @@ where
     tracing::Span::current().record("outcome", "claimed");
     match run_inner(config, held, inner, keyed.into_request()).await {
         Ran::Answered(held, response) => Ok(keep_answer(config, held, response).await),
-        Ran::Ended(ending) => ending,
+        Ran::Failed(held, problem) => Ok(keep_problem(held, problem).await),
+        Ran::Errored(error) => Err(error),
     }
 }
 
@@ -271,10 +275,11 @@ fn decide<R>(config: &Config<R>, begun: Begun<R>) -> Decision<R> {
     Decision::Answer(problem.into_response())
 }
 
-/// Runs the handler under `held`, cut off at its timeout. A failed,
-/// panicked or timed-out handler gave no answer to anyone: its claim is
-/// released, like any failed request's, so the client's retry runs it
-/// (see the module docs for what that assumes of the handler).
+/// Runs the handler under `held`, cut off at its timeout. Once it started,
+/// only the handler knows whether it took effect: a panic or a timeout is
+/// its answer (a problem, kept for the key like any answer), and an error
+/// of the service leaves the claim to its lease. None releases the claim,
+/// so a retry never runs a handler that may have taken effect a second time.
 async fn run_inner<S, R>(config: &Config<R>, held: Held<R>, mut inner: S, request: Request<Body>) -> Ran<R, S::Error>
 where
     S: Service<Request<Body>, Response = Response<Body>> + Send,
@@ -282,50 +287,62 @@ where
     R: IdempotencyRepository + 'static,
 {
     // `call` itself may panic, before any future exists: caught like a
-    // panic of the future (which the driver catches), so the claim is
-    // released either way.
+    // panic of the future (which the driver catches).
     let ran = async {
         match std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request))) {
             Ok(future) => Ok(future.await),
             Err(panic) => Err(panic),
         }
     };
-    let ending = match held.run(ran).await {
-        Ok(Ok(Ok(response))) => return Ran::Answered(held, response),
-        Ok(Ok(Err(error))) => Err(error),
+    match held.run(ran).await {
+        Ok(Ok(Ok(response))) => Ran::Answered(held, response),
+        Ok(Ok(Err(error))) => {
+            let settled = held.settle(Settle::Unknown("the service failed after the handler started")).await;
+            tracing::Span::current().record("ending", settled.as_str());
+            Ran::Errored(error)
+        }
         Ok(Err(_)) | Err(Cut::Panicked) => {
-            tracing::error!("the handler panicked; its claim is released");
-            Ok(Problem::handler_failed().into_response())
+            tracing::error!("the handler panicked after it started; its problem is kept for the key");
+            Ran::Failed(held, Problem::started_and_failed(ProblemType::HandlerFailed))
         }
         Err(Cut::TimedOut) => {
             tracing::warn!(
                 timeout_ms = config.handler_timeout.as_millis() as u64,
-                "the handler timed out; its claim is released"
+                "the handler timed out after it started; its problem is kept for the key"
             );
-            Ok(Problem::new(
-                ProblemType::HandlerTimeout,
-                "the request was cut off before it finished; retry with the same key",
-            )
-            .into_response())
+            Ran::Failed(held, Problem::started_and_failed(ProblemType::HandlerTimeout))
         }
-    };
-    release(held).await;
-    Ran::Ended(ending)
+    }
 }
 
-/// Keeps the handler's answer as the key's, and returns what the caller
-/// gets: a retryable answer (5xx, 429) releases the claim instead; an
-/// answer that cannot be read whole is kept without its body.
+/// Keeps the problem of a handler that failed after it started as the
+/// key's answer, and answers it: the first caller and every repeat get it.
+async fn keep_problem<R: IdempotencyRepository>(held: Held<R>, problem: Problem) -> Response<Body> {
+    let stored = StoredResponse::refusal(&problem);
+    let settled = journal(held, stored, 0).await;
+    record_kept(&settled);
+    first_answer(&settled, &HeaderMap::new()).unwrap_or_else(|| problem.into_response())
+}
+
+/// Keeps the handler's answer as the key's, whatever its status (a 500
+/// included: the handler started), and returns what the caller gets: what
+/// every replay will say. Only an answer the handler marked
+/// [`NothingHappened`](super::NothingHappened), and that is not a success,
+/// releases the claim instead. An answer that cannot be read whole is kept
+/// without its body.
 async fn keep_answer<R: IdempotencyRepository>(
     config: &Config<R>,
     held: Held<R>,
     response: Response<Body>,
 ) -> Response<Body> {
     let status = response.status();
-    if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
-        // Retryable: not the answer to this key, so the next try runs again.
-        release(held).await;
-        return response;
+    if response.extensions().get::<super::NothingHappened>().is_some() {
+        if !status.is_success() {
+            // The handler says no effect was made, and no success was given.
+            release(held).await;
+            return response;
+        }
+        tracing::warn!(%status, "a success marked NothingHappened is kept: a success was given on the strength of its claim");
     }
     let (parts, body) = response.into_parts();
     let buffered = tokio::time::timeout_at(held.effect_deadline(), buffer(body, config.response_body_limit)).await;
@@ -336,13 +353,13 @@ async fn keep_answer<R: IdempotencyRepository>(
             let body_bytes = bytes.len() as u64;
             let answer = match stored.refused() {
                 Some(refusal) => refusal,
-                None => Response::from_parts(parts, Body::from(bytes)),
+                None => Response::from_parts(parts.clone(), Body::from(bytes)),
             };
             (answer, stored, body_bytes)
         }
         Ok(Err(_)) | Err(_) => {
-            // The handler ran (its effect is made) but its answer could
-            // not be read whole, in size or in time: keep what is known.
+            // The handler ran (its effect is made) but its answer could not be
+            // read whole, in size or in time: keep what is known.
             let stored = StoredResponse::of(status, &parts.headers, &config.kept_headers, &Bytes::new())
                 .without_body(config.response_body_limit as u64);
             let problem = Problem::new(
@@ -353,14 +370,45 @@ async fn keep_answer<R: IdempotencyRepository>(
         }
     };
     let settled = journal(held, stored, body_bytes).await;
-    tracing::Span::current().record("ending", settled.as_str());
-    if let Settled::LeftToLease(why) = &settled {
-        tracing::error!(reason = %why, "the answer could not be journaled; the claim frees itself when its lease passes");
-    }
-    answer
+    record_kept(&settled);
+    // Not journaled (the lease moved on, or the journal failed): the
+    // handler's own answer, as nothing replays it.
+    first_answer(&settled, &parts.headers).unwrap_or(answer)
 }
 
-/// Releases a claim whose handler gave no answer; the span records how.
+/// Records how keeping an answer ended on the span (and logs an answer the
+/// journal did not take).
+fn record_kept(settled: &Settled) {
+    tracing::Span::current().record("ending", settled.as_str());
+    if let Settled::LeftToLease(why) = settled {
+        tracing::error!(reason = %why, "the answer could not be journaled; the claim frees itself when its lease passes");
+    }
+}
+
+/// What the first caller gets once an answer is journaled: exactly what a
+/// replay will say (status, kept headers, the body or its omission), less
+/// `Idempotent-Replayed`; and the handler's own `headers` a replay leaves
+/// out on purpose (credentials, headers not kept) unless the journal keeps
+/// a refusal the layer answered in the handler's place. `None` when nothing
+/// was journaled.
+fn first_answer(settled: &Settled, headers: &HeaderMap) -> Option<Response<Body>> {
+    let journaled = settled.journaled()?;
+    let stored = serde_json::from_value::<StoredResponse>(journaled.output.clone()).ok()?;
+    let mut response = stored.replay()?;
+    response.headers_mut().remove("idempotent-replayed");
+    if !stored.refused {
+        let replayed: Vec<_> = response.headers().keys().cloned().collect();
+        for (name, value) in headers {
+            let length = name == axum::http::header::CONTENT_LENGTH || name == axum::http::header::TRANSFER_ENCODING;
+            if !length && !replayed.contains(name) {
+                response.headers_mut().append(name.clone(), value.clone());
+            }
+        }
+    }
+    Some(response)
+}
+
+/// Releases a claim whose handler said nothing happened; the span records how.
 async fn release<R: IdempotencyRepository>(held: Held<R>) {
     let settled = held.settle(Settle::Release).await;
     tracing::Span::current().record("ending", settled.as_str());

@@ -23,8 +23,8 @@ const TYPE_BASE: &str = "https://github.com/idempotency-plane/idempotency-plane#
 /// | `body-unreadable` | 400 | the request body broke off |
 /// | `key-reused` | 422 | the key was used for another request |
 /// | `in-flight` | 409 | a request with the key has not finished (`Retry-After`) |
-/// | `handler-failed` | 500 | the handler panicked (its claim is released) |
-/// | `handler-timeout` | 504 | the handler overran its timeout (its claim is released) |
+/// | `handler-failed` | 500 | the handler panicked after it started (kept for its key and replayed), or a request the layer passed through failed |
+/// | `handler-timeout` | 504 | the handler overran its timeout (kept for its key and replayed) |
 /// | `answer-incomplete` | 502 | the handler's answer outgrew the buffer or the timeout |
 /// | `answer-not-kept` | 500 | an answer above the journal's limit, refused for all (`OversizeResponse::Refuse`) |
 /// | `unreadable-answer` | 500 | the journaled answer is not one this layer wrote |
@@ -175,9 +175,29 @@ impl Problem {
         }
     }
 
-    /// `handler-failed`: the handler panicked, or its task failed.
+    /// `handler-failed` for a request the layer did not get to protect (it
+    /// passed through, or the layer's own task failed): no key advice, as
+    /// the request may have carried none.
     pub(crate) fn handler_failed() -> Self {
-        Problem::new(ProblemType::HandlerFailed, "the request failed before it finished; retry with the same key")
+        Problem::new(ProblemType::HandlerFailed, "the request failed; whether it took effect is unknown")
+    }
+
+    /// A keyed handler that started and then panicked (`handler-failed`) or
+    /// overran its timeout (`handler-timeout`): it may have taken effect, so
+    /// this problem is kept for the key and every retry with it gets it again.
+    pub(crate) fn started_and_failed(kind: ProblemType) -> Self {
+        let what = match kind {
+            ProblemType::HandlerTimeout => "was cut off at its timeout",
+            _ => "failed",
+        };
+        Problem::new(
+            kind,
+            format!(
+                "the request {what} after it started, and may have taken effect; this Idempotency-Key now \
+                 answers this to every retry: check what took effect before sending the request again \
+                 with a new key"
+            ),
+        )
     }
 
     /// `not-configured`: the server cannot protect this route, for the

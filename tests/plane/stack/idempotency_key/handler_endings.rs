@@ -1,7 +1,8 @@
-//! How a handler's ending decides its claim: retryable answers, panics
-//! (in the handler or in the service's `call` itself) and timeouts release
-//! it, other answers are final, and a lease that passes mid-handler is
-//! reclaimed with the late completion fenced off.
+//! How a handler's ending decides its claim: once a handler started, its
+//! answer is kept for the key and replayed, a 5xx, a panic (in the handler
+//! or in the service's `call` itself) and a timeout included, unless the
+//! handler marks a failure `NothingHappened`; and a lease that passes
+//! mid-handler is reclaimed with the late completion fenced off.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -17,32 +18,60 @@ use crate::support::harness::*;
 use super::{api, assert_problem, bind, body, keyed, serve, shared, Api, Orders};
 
 #[tokio::test]
-async fn retryable_answers_panics_and_timeouts_release_and_other_answers_are_final() {
+async fn a_handler_that_started_is_answered_the_same_to_every_retry_unless_it_says_nothing_happened() {
     let stack = stack().await;
     let layer = keyed(service(&stack))
         .handler_timeout(Duration::from_millis(500), Duration::from_secs(5))
         .expect("a lease the plane accepts");
     let api = serve(layer).await;
-    // 503 and 429 are not answers: released, and the retry runs.
+    // 503 and 429 marked NothingHappened: released, and the retry runs.
     for status in [503, 429] {
-        let key = format!("retryable-{status}");
+        let key = format!("nothing-happened-{status}");
         let status_text = status.to_string();
-        assert_eq!(
-            api.post(Some(&key), &[("x-status", status_text.as_str())], "{}").send().await.unwrap().status(),
-            status
-        );
+        let flags = [("x-status", status_text.as_str()), ("x-nothing-happened", "1")];
+        assert_eq!(api.post(Some(&key), &flags, "{}").send().await.unwrap().status(), status);
         assert_eq!(api.post(Some(&key), &[], "{}").send().await.unwrap().status(), 201, "retried");
     }
-    // A panic: 500 problem, released, and the retry runs.
+    // Unmarked 500, 503 and 429: the handler started, so its answer is kept
+    // and every retry gets it, byte for byte, without running it again.
+    for status in [500, 503, 429] {
+        let key = format!("kept-{status}");
+        let status_text = status.to_string();
+        let runs = api.runs();
+        let (first_status, _, first) =
+            body(api.post(Some(&key), &[("x-status", status_text.as_str())], "{}").send().await.unwrap()).await;
+        let (again_status, headers, again) = body(api.post(Some(&key), &[], "{}").send().await.unwrap()).await;
+        assert_eq!((first_status.as_u16(), again_status.as_u16()), (status, status), "{status}");
+        assert_eq!((headers["idempotent-replayed"].to_str().unwrap(), &again), ("true", &first), "{status}");
+        assert_eq!(api.runs(), runs + 1, "{status}: the handler ran once");
+    }
+    // A panic after the handler started: a 500 problem, kept, and the retry
+    // gets the same problem (telling it not to expect otherwise) without a run.
+    let runs = api.runs();
     let (status, headers, problem) =
         body(api.post(Some("panics"), &[("x-panic", "1")], "{}").send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "handler-failed");
-    assert_eq!(api.post(Some("panics"), &[], "{}").send().await.unwrap().status(), 201);
-    // Past the handler timeout: 504 problem, released, and the retry runs.
+    assert!(headers.get("idempotent-replayed").is_none());
+    assert!(problem["detail"].as_str().unwrap().contains("new key"), "{problem}");
+    let (status, headers, again) = body(api.post(Some("panics"), &[], "{}").send().await.unwrap()).await;
+    assert_eq!(
+        (status, &headers["idempotent-replayed"], &again),
+        (StatusCode::INTERNAL_SERVER_ERROR, &"true".parse().unwrap(), &problem)
+    );
+    assert_eq!(api.runs(), runs + 1, "the panicked handler was not run again");
+    // Past the handler timeout: a 504 problem, kept and replayed the same way.
     let (status, headers, problem) =
         body(api.post(Some("slow"), &[("x-delay-ms", "3000")], "{}").send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::GATEWAY_TIMEOUT, "handler-timeout");
-    assert_eq!(api.post(Some("slow"), &[], "{}").send().await.unwrap().status(), 201);
+    let (status, _, again) = body(api.post(Some("slow"), &[], "{}").send().await.unwrap()).await;
+    assert_eq!((status, &again), (StatusCode::GATEWAY_TIMEOUT, &problem));
+    assert_eq!(api.runs(), runs + 2, "the cut handler was not run again");
+    // A success marked NothingHappened is kept all the same: it was given.
+    let (status, _, created) =
+        body(api.post(Some("marked-success"), &[("x-nothing-happened", "1")], "{}").send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (_, headers, again) = body(api.post(Some("marked-success"), &[], "{}").send().await.unwrap()).await;
+    assert_eq!((&headers["idempotent-replayed"], &again), (&"true".parse().unwrap(), &created));
     // A 400 is the answer: kept and replayed, the handler not run again.
     let runs = api.runs();
     assert_eq!(api.post(Some("bad"), &[("x-status", "400")], "{}").send().await.unwrap().status(), 400);
@@ -108,7 +137,7 @@ impl tower_service::Service<axum::extract::Request> for PanicsInCall {
 }
 
 #[tokio::test]
-async fn a_panic_in_the_services_call_itself_releases_the_claim() {
+async fn a_panic_in_the_services_call_itself_is_kept_for_the_key() {
     let stack = stack().await;
     let service = PanicsInCall::default();
     // The layer wraps the service itself (axum's own routes call theirs
@@ -120,8 +149,11 @@ async fn a_panic_in_the_services_call_itself_releases_the_claim() {
     let (status, headers, problem) =
         body(api.post(Some("sync-panic"), &[("x-panic-sync", "1")], "{}").send().await.unwrap()).await;
     assert_problem(status, &headers, &problem, StatusCode::INTERNAL_SERVER_ERROR, "handler-failed");
-    let retry = api.post(Some("sync-panic"), &[], "{}").send().await.unwrap();
-    assert_eq!(retry.status(), StatusCode::CREATED, "released: the retry runs");
-    assert_eq!(service.runs.load(Ordering::SeqCst), 1);
+    let (status, headers, again) = body(api.post(Some("sync-panic"), &[], "{}").send().await.unwrap()).await;
+    assert_eq!(
+        (status, &headers["idempotent-replayed"], &again),
+        (StatusCode::INTERNAL_SERVER_ERROR, &"true".parse().unwrap(), &problem)
+    );
+    assert_eq!(service.runs.load(Ordering::SeqCst), 0, "kept: the retry does not call the service again");
     stack.stop().await.unwrap();
 }

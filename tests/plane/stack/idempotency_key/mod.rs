@@ -23,7 +23,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idempotency_plane::callers::idempotency_key::IdempotencyKeyLayer;
+use idempotency_plane::callers::idempotency_key::{IdempotencyKeyLayer, NothingHappened};
 use idempotency_plane::local::LocalStack;
 use idempotency_plane::PostgrestRepository;
 use serde_json::{json, Value};
@@ -34,7 +34,8 @@ use crate::support::harness::*;
 
 /// The API under test: `POST /orders` creates an order with a fresh id.
 /// Headers make the handler slow (`x-delay-ms`), wait for a permit
-/// (`x-hold`), panic (`x-panic`), or answer a given status (`x-status`);
+/// (`x-hold`), panic (`x-panic`), or answer a given status (`x-status`),
+/// marked as having made no effect (`x-nothing-happened`);
 /// headers are not part of a request's identity unless counted.
 #[derive(Clone)]
 struct Orders {
@@ -52,7 +53,7 @@ fn flag(headers: &HeaderMap, name: &str) -> Option<u64> {
     headers.get(name)?.to_str().ok()?.parse().ok()
 }
 
-async fn create_order(State(orders): State<Orders>, flags: HeaderMap, body: String) -> impl IntoResponse {
+async fn create_order(State(orders): State<Orders>, flags: HeaderMap, body: String) -> axum::response::Response {
     orders.runs.fetch_add(1, Ordering::SeqCst);
     if let Some(ms) = flag(&flags, "x-delay-ms") {
         tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -68,7 +69,11 @@ async fn create_order(State(orders): State<Orders>, flags: HeaderMap, body: Stri
     let mut headers = HeaderMap::new();
     headers.insert("location", format!("/orders/{id}").parse().expect("header"));
     headers.insert("x-not-kept", "1".parse().expect("header"));
-    (status, headers, Json(json!({"id": id, "received": body})))
+    let answer = Json(json!({"id": id, "received": body}));
+    match flag(&flags, "x-nothing-happened") {
+        Some(_) => (status, NothingHappened, headers, answer).into_response(),
+        None => (status, headers, answer).into_response(),
+    }
 }
 
 struct Api {
