@@ -19,8 +19,11 @@
 //!
 //! | request | answer |
 //! |---|---|
-//! | first with this key | the handler runs; its answer is journaled and returned |
-//! | the handler answered 5xx or 429, panicked (in `call` or in its future) or timed out | the claim is released: a retry runs the handler again |
+//! | first with this key | the handler runs; its answer is journaled, and the caller gets exactly what a replay will say |
+//! | the handler answered anything, a 5xx or 429 included | journaled and replayed: the handler started, so only it knows what took effect |
+//! | the handler panicked (in `call` or in its future) or timed out | a 500 `handler-failed` or 504 `handler-timeout` problem, journaled and replayed |
+//! | the handler answered a failure marked [`NothingHappened`] | the claim is released: a retry runs the handler again |
+//! | the service answered an error of its own | the error; the claim is left to its lease |
 //! | repeat after completion | the journaled status, headers and body, `Idempotent-Replayed: true` |
 //! | repeat while the first is in flight, its answer still being journaled included | 409, `Retry-After` |
 //! | same key, different fingerprint | 422 |
@@ -43,12 +46,20 @@
 //! store refuses (an answer above a scope's own, lower limit) is written
 //! again without its body.
 //!
+//! As Stripe's API does, once a handler started its result is kept for the
+//! key, a 500 included: only the handler knows whether it took effect, and
+//! a retry that ran it again could make the effect twice. A request refused
+//! before the handler ran (400, 401, 409, 413, 422) keeps nothing.
+//!
 //! A replay carries the status, the body and the kept headers
 //! (`Content-Type`, `Location` and those named with
 //! [`keep_header`](IdempotencyKeyLayer::keep_header)); a header that
 //! carries credentials ([`CREDENTIAL_HEADERS`]: `Set-Cookie`,
 //! `Authorization`, …) is refused by `keep_header` and never replayed, even
-//! from a journal that holds one.
+//! from a journal that holds one. The first caller gets exactly what a
+//! replay will say (a body above the journal's limit omitted, too), without
+//! `Idempotent-Replayed`, and with the handler's headers a replay leaves out
+//! on purpose.
 //!
 //! Every answer of the layer's own is RFC 9457 problem details, of one of
 //! the types [`ProblemType`] catalogues (each with its slug, status and

@@ -25,7 +25,7 @@ const TYPE_BASE: &str = "https://github.com/idempotency-plane/idempotency-plane#
 /// | `in-flight` | 409 | a request with the key has not finished (`Retry-After`) |
 /// | `handler-failed` | 500 | the handler panicked after it started (kept for its key and replayed), or a request the layer passed through failed |
 /// | `handler-timeout` | 504 | the handler overran its timeout (kept for its key and replayed) |
-/// | `answer-incomplete` | 502 | the handler's answer outgrew the buffer or the timeout |
+/// | `answer-incomplete` | 502 | the handler's answer outgrew the buffer or the timeout, and could not be journaled either |
 /// | `answer-not-kept` | 500 | an answer above the journal's limit, refused for all (`OversizeResponse::Refuse`) |
 /// | `unreadable-answer` | 500 | the journaled answer is not one this layer wrote |
 /// | `not-configured` | 500 | no policy for the scope, no matched route, or no caller scoping chosen |

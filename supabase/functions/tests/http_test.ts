@@ -8,6 +8,7 @@
 import {
   fingerprint,
   IdempotencyPlane,
+  NothingHappened,
   planeKey,
   type PlaneOptions,
   scopeOf,
@@ -243,21 +244,56 @@ Deno.test("plane: two callers' keys are their own unless shared across callers",
   assertEquals(shared.runs(), 1);
 });
 
-Deno.test("plane: a handler that throws, or answers 5xx or 429, is released: a retry runs it again", async () => {
+Deno.test("plane: a handler that started keeps its answer for the key, a 5xx and a throw included", async () => {
   const { serve, runs } = setup((req, n) => {
-    if (n === 1) throw new Error("the database went away");
-    if (n === 2) return new Response("busy", { status: 503 });
-    if (n === 3) return new Response("slow down", { status: 429 });
+    const flag = req.headers.get("x-case");
+    if (flag === "throw") throw new Error("the database went away after the order was written");
+    if (flag === "503") return new Response("busy", { status: 503 });
+    if (flag === "500") return new Response("oops", { status: 500 });
+    return created(req, n);
+  });
+  // A throw after the handler started: a 500 problem, kept; the retry gets it again.
+  const thrown = crypto.randomUUID();
+  const problem = await problemOf(
+    await serve(request(thrown, undefined, { "x-case": "throw" })),
+    500,
+    "handler-failed",
+  );
+  assert(String(problem.detail).includes("new key"), String(problem.detail));
+  const again = await serve(request(thrown));
+  assertEquals([again.status, again.headers.get("idempotent-replayed")], [500, "true"]);
+  assertEquals(await again.json(), problem);
+  // An unmarked 5xx is the answer too: kept and replayed byte for byte.
+  for (const status of ["503", "500"]) {
+    const key = crypto.randomUUID();
+    const first = await serve(request(key, undefined, { "x-case": status }));
+    const firstBody = await first.text();
+    const replayed = await serve(request(key));
+    assertEquals([replayed.status, replayed.headers.get("idempotent-replayed"), await replayed.text()], [
+      Number(status),
+      "true",
+      firstBody,
+    ]);
+    assertEquals(first.status, Number(status));
+  }
+  assertEquals(runs(), 3, "no handler that started ran twice");
+});
+
+Deno.test("plane: a handler that throws NothingHappened is released: a retry runs it again", async () => {
+  const { serve, runs } = setup((req, n) => {
+    if (n === 1) throw new NothingHappened("payments down", { response: new Response("busy", { status: 503 }) });
+    if (n === 2) throw new NothingHappened("rate limited before anything was written");
     return created(req, n);
   });
   const key = crypto.randomUUID();
-  await problemOf(await serve(request(key)), 500, "handler-failed");
-  assertEquals((await serve(request(key))).status, 503);
-  assertEquals((await serve(request(key))).status, 429);
+  const busy = await serve(request(key));
+  assertEquals([busy.status, await busy.text()], [503, "busy"], "the response it carries");
+  const problem = await problemOf(await serve(request(key)), 500, "handler-failed");
+  assert(String(problem.detail).includes("retry with the same key"), String(problem.detail));
   const ran = await serve(request(key));
   assertEquals([ran.status, ran.headers.get("idempotent-replayed")], [201, null]);
   assertEquals((await serve(request(key))).headers.get("idempotent-replayed"), "true");
-  assertEquals(runs(), 4);
+  assertEquals(runs(), 3);
 });
 
 Deno.test("plane: a 4xx answer is the answer: journaled and replayed", async () => {
@@ -274,7 +310,7 @@ Deno.test("plane: a 4xx answer is the answer: journaled and replayed", async () 
   assertEquals(runs(), 1);
 });
 
-Deno.test("plane: a handler past its timeout is 504, its signal aborted, its claim released", async () => {
+Deno.test("plane: a handler past its timeout that ends late keeps its late answer for the key", async () => {
   let aborted = false;
   const { serve, runs } = setup(async (req, n) => {
     if (n === 1) {
@@ -286,12 +322,15 @@ Deno.test("plane: a handler past its timeout is 504, its signal aborted, its cla
   }, { handlerTimeoutMs: 400, journalDeadlineMs: 1_000, marginMs: 0 });
   const key = crypto.randomUUID();
   const started = Date.now();
-  await problemOf(await serve(request(key)), 504, "handler-timeout");
-  assert(Date.now() - started < 2_000, "cut at its timeout");
+  const first = await serve(request(key));
+  assert(Date.now() - started < 2_000, "cut at its timeout, then waited on for a while");
   assert(aborted, "the handler's signal aborted");
+  // It answered once aborted: that answer is the key's, and the first caller's.
+  assertEquals([first.status, first.headers.get("idempotent-replayed")], [201, null]);
+  const firstBody = await first.text();
   const retry = await serve(request(key));
-  assertEquals([retry.status, retry.headers.get("idempotent-replayed")], [201, null]);
-  assertEquals(runs(), 2);
+  assertEquals([retry.status, retry.headers.get("idempotent-replayed"), await retry.text()], [201, "true", firstBody]);
+  assertEquals(runs(), 1);
 });
 
 Deno.test("plane: a handler that ignores its signal past the timeout is not released while it runs", async () => {
@@ -316,7 +355,9 @@ Deno.test("plane: an answer above the store limit keeps its status and headers, 
   const { serve, runs } = setup(() => new Response(big, { status: 201, headers: { location: "/orders/big" } }));
   const key = crypto.randomUUID();
   const first = await serve(request(key));
-  assertEquals([first.status, (await first.text()).length], [201, big.length], "the first caller gets it whole");
+  assertEquals([first.status, await first.text()], [201, ""], "the first caller gets what a replay will");
+  assertEquals(first.headers.get("idempotent-body-omitted"), String(big.length));
+  assertEquals(first.headers.get("idempotent-replayed"), null);
   const again = await serve(request(key));
   assertEquals(again.status, 201);
   assertEquals(again.headers.get("idempotent-replayed"), "true");
@@ -346,7 +387,12 @@ Deno.test("plane: an answer the store refuses (the scope's limit below the clien
   const log = (event: { event: string }) => void events.push(event.event);
   const { serve, runs } = setup(() => new Response(body, { status: 200 }), { plane, log });
   const key = crypto.randomUUID();
-  assertEquals((await (await serve(request(key))).text()).length, body.length);
+  const first = await serve(request(key));
+  assertEquals([first.status, first.headers.get("idempotent-body-omitted"), await first.text()], [
+    200,
+    String(body.length),
+    "",
+  ], "the first caller gets what a replay will");
   const again = await serve(request(key));
   assertEquals([again.status, again.headers.get("idempotent-body-omitted")], [200, String(body.length)]);
   assertEquals(await again.text(), "");
@@ -354,12 +400,13 @@ Deno.test("plane: an answer the store refuses (the scope's limit below the clien
   assert(events.includes("idempotency.http_answer_refused"), `the store refused it first: ${events}`);
 });
 
-Deno.test("plane: an answer above the response buffer is 502 answer-incomplete, kept without its body", async () => {
+Deno.test("plane: an answer above the response buffer is kept without its body, for the first caller too", async () => {
   const { serve, runs } = setup(() => new Response("z".repeat(2_000), { status: 201 }), {
     responseBodyLimitBytes: 1_000,
   });
   const key = crypto.randomUUID();
-  await problemOf(await serve(request(key)), 502, "answer-incomplete");
+  const first = await serve(request(key));
+  assertEquals([first.status, first.headers.get("idempotent-body-omitted"), await first.text()], [201, "1000", ""]);
   const again = await serve(request(key));
   assertEquals([again.status, again.headers.get("idempotent-body-omitted")], [201, "1000"]);
   assertEquals(runs(), 1);

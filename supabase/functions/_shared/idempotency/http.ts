@@ -26,9 +26,12 @@
 //
 // | request | answer |
 // |---|---|
-// | first with this key | the handler runs; its answer is journaled and returned |
-// | the handler answered 5xx or 429, threw, or timed out | the claim is released: a retry runs the handler again |
-// | the handler timed out and still runs half the journal's deadline later | left to its lease: a retry meanwhile is 409 |
+// | first with this key | the handler runs; its answer is journaled, and the caller gets exactly what a replay will say |
+// | the handler answered anything, a 5xx or 429 included | journaled and replayed: the handler started, so only it knows what took effect |
+// | the handler threw (or timed out, then threw) | a 500 `handler-failed` (504 `handler-timeout`) problem, journaled and replayed |
+// | the handler threw `NothingHappened` | the claim is released, the response it carries answered: a retry runs the handler again |
+// | the handler timed out and answered within half the journal's deadline | that answer, journaled and returned |
+// | the handler timed out and still runs half the journal's deadline later | 504, left to its lease: a retry meanwhile is 409 |
 // | repeat after completion | the journaled status, headers and body, `Idempotent-Replayed: true` |
 // | repeat while the first is in flight, its answer still being journaled included | 409, `Retry-After: 1` |
 // | same key, different fingerprint | 422 |
@@ -42,13 +45,13 @@
 //
 // Endings. Every claim ends through the driver (held.ts): the answer is
 // journaled exactly (`Held.journalExact`) or, when the store refuses it (an
-// answer above a scope's own, lower limit), without its body. The one
-// exception to the driver's rule — release only when no effect happened —
-// is the Rust layer's, and documented there and here: a claim whose
-// handler threw, timed out or answered 5xx/429 is RELEASED, as any retry of
-// a failed HTTP request assumes (the handler made no effect it cannot
-// repeat; one that passes an effect on dedupes it downstream with the same
-// key, as `vendorKey` does).
+// answer above a scope's own, lower limit), without its body. As Stripe's
+// API does, once a handler started its result is kept for the key, a 500
+// included: only the handler knows whether it took effect, and a retry that
+// ran it again could make the effect twice. It releases the claim only by
+// throwing `NothingHappened` (a refusal of its own before any effect: a
+// downstream that was unavailable, a rate limit); a request refused before
+// the handler ran (400, 401, 409, 413, 422) keeps nothing.
 //
 // Timing. The handler is cut at its timeout (30 s), counted from before its
 // claim: its Request's `signal` aborts then and a later answer is ignored.

@@ -22,6 +22,17 @@ import { Attempt, EffectDriver, type EffectSpec } from "./driver.ts";
  */
 export class NothingHappened extends Error {
   override readonly name = "NothingHappened";
+  /**
+   * What an Idempotency-Key handler answers the caller (its claim released,
+   * so a retry with the same key runs it again); without one the middleware
+   * answers a 500 problem saying so. `idempotent()` ignores it.
+   */
+  readonly response?: Response;
+
+  constructor(message?: string, options?: { response?: Response; cause?: unknown }) {
+    super(message, options?.cause === undefined ? undefined : { cause: options.cause });
+    this.response = options?.response;
+  }
 }
 
 /** What an effect sees. */

@@ -20,9 +20,9 @@ export const PROBLEM_TYPE_BASE = "https://github.com/idempotency-plane/idempoten
  * | `body-unreadable` | 400 | the request body broke off |
  * | `key-reused` | 422 | the key was used for another request |
  * | `in-flight` | 409 | a request with the key has not finished (`Retry-After`) |
- * | `handler-failed` | 500 | the handler threw (its claim is released) |
- * | `handler-timeout` | 504 | the handler overran its timeout (its claim is released) |
- * | `answer-incomplete` | 502 | the handler's answer outgrew the buffer or the timeout |
+ * | `handler-failed` | 500 | the handler threw after it started (kept for its key and replayed), threw `NothingHappened` without a response (released), or a request the middleware passed through failed |
+ * | `handler-timeout` | 504 | the handler overran its timeout (kept for its key and replayed; left to its lease while it still runs) |
+ * | `answer-incomplete` | 502 | the handler's answer outgrew the buffer or the timeout, and could not be journaled either |
  * | `answer-not-kept` | 500 | an answer above the journal's limit, refused for all (`onOversize: "refuse"`) |
  * | `unreadable-answer` | 500 | the journaled answer is not one this layer wrote |
  * | `not-configured` | 500 | no policy for the scope, no route, or no caller scoping chosen |

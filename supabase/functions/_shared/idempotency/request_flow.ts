@@ -9,10 +9,11 @@
 
 import { storedSize, success } from "./answer.ts";
 import { PlaneError } from "./errors.ts";
+import { NothingHappened } from "./idempotent.ts";
 import { checkOrganization } from "./plane.ts";
 import { fingerprint, scopeOf } from "./fingerprint.ts";
 import { type Problem, problem, problemResponse } from "./problem.ts";
-import { refusal, refusedResponse, replay, storedOf, type StoredResponse, withoutBody } from "./stored_response.ts";
+import { refusal, replay, storedOf, type StoredResponse, withoutBody } from "./stored_response.ts";
 import type { Held, Settled } from "./held.ts";
 import { Attempt, type Begun, type EffectSpec } from "./driver.ts";
 import { idempotencyKey, planeKey, targetOf } from "./key.ts";
@@ -62,9 +63,27 @@ export async function handle(config: Config, handler: Handler, req: Request): Pr
   return await protect(config, handler, step.next);
 }
 
-/** 500 handler-failed: the request failed before it finished (the client retries with the same key). */
+/**
+ * 500 handler-failed for a request the middleware did not get to protect
+ * (it passed through, or the middleware itself failed): no key advice, as
+ * the request may have carried none.
+ */
 export function handlerFailed(): Problem {
-  return problem("handler-failed", "the request failed before it finished; retry with the same key");
+  return problem("handler-failed", "the request failed; whether it took effect is unknown");
+}
+
+/**
+ * A keyed handler that started and then threw (`handler-failed`) or was cut
+ * at its timeout (`handler-timeout`): it may have taken effect, so this
+ * problem is kept for the key and every retry with it gets it again.
+ */
+function startedAndFailed(slug: "handler-failed" | "handler-timeout"): Problem {
+  const what = slug === "handler-timeout" ? "was cut off at its timeout" : "failed";
+  return problem(
+    slug,
+    `the request ${what} after it started, and may have taken effect; this Idempotency-Key now answers ` +
+      "this to every retry: check what took effect before sending the request again with a new key",
+  );
 }
 
 function notConfigured(detail: string): Response {
@@ -235,41 +254,69 @@ function decide(config: Config, begun: Begun, event: Record<string, unknown>): H
 }
 
 /**
- * Runs the handler under `held`, cut at its timeout. A handler that threw
- * or answered something other than a Response gave no answer to anyone:
- * its claim is released, like any failed request's, so the client's retry
- * runs it (the documented exception to the driver's rule; see http.ts). One
- * that timed out ends as `cutOff` says.
+ * Runs the handler under `held`, cut at its timeout. Once it started, only
+ * the handler knows whether it took effect: whatever it ends with is kept
+ * for the key (a throw as a `handler-failed` problem), unless it throws
+ * `NothingHappened`, which releases the claim. One that timed out ends as
+ * `cutOff` says.
  */
 async function runHandler(config: Config, held: Held, handler: Handler, keyed: Keyed): Promise<Ran> {
   const ran = await held.run(async (signal) => await handler(rebuilt(keyed.req, keyed.bytes, signal)));
-  if (!("value" in ran)) {
-    if (ran.cut === "timed_out") return { ended: await cutOff(config, held, keyed.event) };
-    config.log({
-      event: "idempotency.http_handler_failed",
-      level: "error",
-      ...keyed.event,
-      error: String(ran.error),
-      why: "the handler threw; its claim is released",
-    });
-    await release(config, held, keyed.event);
-    return { ended: problemResponse(handlerFailed()) };
-  }
-  const response = ran.value;
-  if (!(response instanceof Response)) {
-    config.log({ event: "idempotency.http_handler_failed", level: "error", ...keyed.event, why: "not a Response" });
-    await release(config, held, keyed.event);
-    return { ended: problemResponse(handlerFailed()) };
-  }
-  return { answered: response };
+  if ("value" in ran) return await answered(config, held, ran.value, keyed.event, "handler-failed");
+  if (ran.cut === "timed_out") return { ended: await cutOff(config, held, keyed.event) };
+  return { ended: await failed(config, held, ran.error, keyed.event, "handler-failed") };
+}
+
+/** What the handler returned: its answer, or, when it is not a Response, a failure kept as `slug`. */
+async function answered(
+  config: Config,
+  held: Held,
+  value: unknown,
+  event: Record<string, unknown>,
+  slug: "handler-failed" | "handler-timeout",
+): Promise<Ran> {
+  if (value instanceof Response) return { answered: value };
+  return {
+    ended: await failed(config, held, new Error("the handler answered something other than a Response"), event, slug),
+  };
 }
 
 /**
- * The handler timed out: 504. JavaScript cannot stop it (its signal only
- * asks it to), and a claim released while it still runs would let the
- * client's retry run it a second time beside it. So wait for it through half
- * the journal's deadline: one that ended by then is released, one still
- * running is left to its lease.
+ * The handler threw after it started. `NothingHappened` releases the claim
+ * and answers the response it carries (or a `handler-failed` problem that
+ * says a retry runs it again); any other throw keeps the `slug` problem for
+ * the key, so a retry does not run a handler that may have taken effect.
+ */
+async function failed(
+  config: Config,
+  held: Held,
+  error: unknown,
+  event: Record<string, unknown>,
+  slug: "handler-failed" | "handler-timeout",
+): Promise<Response> {
+  if (error instanceof NothingHappened) {
+    config.log({ event: "idempotency.http_nothing_happened", level: "info", ...event, why: error.message });
+    await release(config, held, event);
+    return error.response ??
+      problemResponse(problem("handler-failed", "the request failed before it took effect; retry with the same key"));
+  }
+  config.log({
+    event: "idempotency.http_handler_failed",
+    level: "error",
+    ...event,
+    error: String(error),
+    why: "the handler failed after it started; its problem is kept for the key",
+  });
+  return await keepProblem(config, held, startedAndFailed(slug), event);
+}
+
+/**
+ * The handler timed out: JavaScript cannot stop it (its signal only asks it
+ * to), so wait for it through half the journal's deadline. One that ended by
+ * then ends as it ended (its late answer kept and answered, a throw kept as
+ * a `handler-timeout` problem, `NothingHappened` released); one still
+ * running is left to its lease, as a claim given up while it runs could let
+ * a retry run it a second time beside it.
  */
 async function cutOff(config: Config, held: Held, event: Record<string, unknown>): Promise<Response> {
   config.log({
@@ -283,55 +330,35 @@ async function cutOff(config: Config, held: Held, event: Record<string, unknown>
   if (late === undefined) {
     const settled = await held.settle({ unknown: "the handler timed out and is still running" });
     config.log({ event: "idempotency.http_left_to_lease", level: "warn", ...event, ending: settled.ending });
-  } else {
-    await release(config, held, event);
-  }
-  return problemResponse(
-    problem("handler-timeout", "the request was cut off before it finished; retry with the same key"),
-  );
-}
-
-/**
- * Keeps the handler's answer as the key's, and returns what the caller
- * gets: a retryable answer (5xx, 429) releases the claim instead; an
- * answer that cannot be read whole, in size or in time, is kept without its
- * body and answered 502.
- */
-async function keepAnswer(
-  config: Config,
-  held: Held,
-  response: Response,
-  event: Record<string, unknown>,
-): Promise<Response> {
-  if (response.status >= 500 || response.status === 429) {
-    // Retryable: not the answer to this key, so the next try runs again.
-    await release(config, held, event);
-    return response;
-  }
-
-  const answerBody = await readBody(response.body, config.responseBodyLimit, held.effectDeadline);
-  let answer: Response;
-  let stored: StoredResponse;
-  let bodyBytes: number;
-  if ("bytes" in answerBody) {
-    bodyBytes = answerBody.bytes.length;
-    stored = await fit(config, storedOf(response.status, response.headers, config.kept, answerBody.bytes), bodyBytes);
-    answer = refusedResponse(stored) ??
-      new Response(NULL_BODY.has(response.status) ? null : answerBody.bytes as Uint8Array<ArrayBuffer>, {
-        status: response.status,
-        statusText: response.statusText,
-        headers: response.headers,
-      });
-  } else {
-    // The handler ran (its effect is made) but its answer could not be read
-    // whole, in size or in time: keep what is known.
-    bodyBytes = config.responseBodyLimit;
-    stored = withoutBody(storedOf(response.status, response.headers, config.kept, new Uint8Array(0)), bodyBytes);
-    answer = problemResponse(
-      problem("answer-incomplete", "the request ran, but its answer was too large or too slow to return"),
+    return problemResponse(
+      problem(
+        "handler-timeout",
+        "the request was cut off at its timeout and may still take effect; a retry with the same key is " +
+          "answered 409 while it may run, and runs the request again once its lease has passed",
+      ),
     );
   }
-  const settled = await journal(config, held, stored, bodyBytes);
+  if ("value" in late) {
+    const ran = await answered(config, held, late.value, event, "handler-timeout");
+    return "ended" in ran ? ran.ended : await keepAnswer(config, held, ran.answered, event);
+  }
+  return await failed(config, held, late.error, event, "handler-timeout");
+}
+
+/** Keeps `kept`, a problem the handler's failure is answered with, as the key's answer, and answers it. */
+async function keepProblem(
+  config: Config,
+  held: Held,
+  kept: Problem,
+  event: Record<string, unknown>,
+): Promise<Response> {
+  const { settled, stored } = await journal(config, held, refusal(kept), 0);
+  logKept(config, settled, event);
+  return (settled.ending === "journaled" ? firstAnswer(stored, new Headers()) : undefined) ?? problemResponse(kept);
+}
+
+/** Logs how keeping an answer ended. */
+function logKept(config: Config, settled: Settled, event: Record<string, unknown>): void {
   config.log({
     event: "idempotency.http",
     level: settled.ending === "journaled" ? "info" : settled.ending === "left_to_lease" ? "error" : "warn",
@@ -342,10 +369,71 @@ async function keepAnswer(
       ? { why: `the answer could not be journaled; the claim frees itself when its lease passes: ${settled.why}` }
       : {}),
   });
-  return answer;
 }
 
-/** Releases a claim whose handler gave no answer (the layer's documented exception). */
+/**
+ * What the first caller gets once `stored` is journaled: exactly what a
+ * replay will say (status, kept headers, the body or its omission), less
+ * `Idempotent-Replayed`; and the handler's own `headers` a replay leaves out
+ * on purpose (credentials, headers not kept), unless the journal keeps a
+ * refusal answered in the handler's place.
+ */
+function firstAnswer(stored: StoredResponse, headers: Headers): Response | undefined {
+  const response = replay(stored);
+  if (response === undefined) return undefined;
+  response.headers.delete("idempotent-replayed");
+  if (stored.refused !== true) {
+    const replayed = new Set(response.headers.keys());
+    for (const [name, value] of headers) {
+      if (name === "content-length" || name === "transfer-encoding" || replayed.has(name)) continue;
+      response.headers.append(name, value);
+    }
+  }
+  return response;
+}
+
+/**
+ * Keeps the handler's answer as the key's, whatever its status (a 500
+ * included: the handler started), and returns what the caller gets: what
+ * every replay will say. An answer that cannot be read whole, in size or in
+ * time, is kept without its body.
+ */
+async function keepAnswer(
+  config: Config,
+  held: Held,
+  response: Response,
+  event: Record<string, unknown>,
+): Promise<Response> {
+  const answerBody = await readBody(response.body, config.responseBodyLimit, held.effectDeadline);
+  let answer: Response;
+  let stored: StoredResponse;
+  let bodyBytes: number;
+  if ("bytes" in answerBody) {
+    bodyBytes = answerBody.bytes.length;
+    stored = await fit(config, storedOf(response.status, response.headers, config.kept, answerBody.bytes), bodyBytes);
+    answer = new Response(NULL_BODY.has(response.status) ? null : answerBody.bytes as Uint8Array<ArrayBuffer>, {
+      status: response.status,
+      statusText: response.statusText,
+      headers: response.headers,
+    });
+  } else {
+    // The handler ran (its effect is made) but its answer could not be read
+    // whole, in size or in time: keep what is known.
+    bodyBytes = config.responseBodyLimit;
+    stored = withoutBody(storedOf(response.status, response.headers, config.kept, new Uint8Array(0)), bodyBytes);
+    answer = problemResponse(
+      problem("answer-incomplete", "the request ran, but its answer was too large or too slow to return"),
+    );
+  }
+  const journaled = await journal(config, held, stored, bodyBytes);
+  logKept(config, journaled.settled, event);
+  // Not journaled (the lease moved on, or the journal failed): the handler's
+  // own answer, as nothing replays it.
+  if (journaled.settled.ending !== "journaled") return answer;
+  return firstAnswer(journaled.stored, response.headers) ?? answer;
+}
+
+/** Releases a claim whose handler threw `NothingHappened`. */
 async function release(config: Config, held: Held, event: Record<string, unknown>): Promise<void> {
   const settled = await held.settle("release");
   config.log({ event: "idempotency.http", ...event, outcome: "claimed", ending: settled.ending });
@@ -358,9 +446,14 @@ async function release(config: Config, held: Held, event: Record<string, unknown
  * without its body, so that a repeat replays instead of running the handler
  * again.
  */
-async function journal(config: Config, held: Held, stored: StoredResponse, bodyBytes: number): Promise<Settled> {
+async function journal(
+  config: Config,
+  held: Held,
+  stored: StoredResponse,
+  bodyBytes: number,
+): Promise<{ settled: Settled; stored: StoredResponse }> {
   const exact = await held.journalExact(success(stored));
-  if (!("refused" in exact)) return exact;
+  if (!("refused" in exact)) return { settled: exact, stored };
   config.log({
     event: "idempotency.http_answer_refused",
     level: "warn",
@@ -368,7 +461,8 @@ async function journal(config: Config, held: Held, stored: StoredResponse, bodyB
     error: exact.refused.message,
     why: "the store refused the answer; journaling it without its body",
   });
-  return await held.settle({ journal: success(withoutBody(stored, bodyBytes)) });
+  const bodiless = withoutBody(stored, bodyBytes);
+  return { settled: await held.settle({ journal: success(bodiless) }), stored: bodiless };
 }
 
 /**
