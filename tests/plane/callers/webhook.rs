@@ -290,7 +290,37 @@ async fn an_absurd_processing_timeout_is_refused_not_a_panic<P: Plane>(plane: &P
     );
 }
 
+/// What a vendor hears of a delivery is its status alone: the first
+/// delivery and every redelivery are answered the same 200 ACK, with no
+/// body, whatever processing answered (a 70,000-character failure, NUL, an
+/// output above the store limit, one the store keeps through its lossless
+/// wrapper); the first is journaled whole or by its stand-in, and each
+/// redelivery is counted as a duplicate, as the spec requires.
+async fn the_first_delivery_is_answered_as_every_redelivery_is<P: Plane>(plane: &P) {
+    let gate = gate(plane);
+    let org = org();
+    let deep = (0..100).fold(json!(1), |inner, _| json!([inner]));
+    let answers: [(&str, Result<Value, ProcessingError>); 4] = [
+        ("long-error", Err(ProcessingError::permanent("e".repeat(70_000)))),
+        ("nul", Ok(json!({"body": "PK\u{0}\u{3}"}))),
+        ("oversized", Ok(json!({"rows": "x".repeat(100 * 1024)}))),
+        ("deep", Ok(deep)),
+    ];
+    for (n, (id, answer)) in answers.into_iter().enumerate() {
+        let body = format!("{{\"id\":\"{id}\"}}");
+        let process = move || std::future::ready(answer.clone());
+        let first = gate.handle(delivery(org, id, body.as_bytes()), process).await;
+        let again =
+            gate.handle(delivery(org, id, body.as_bytes()), || async { panic!("must not process twice") }).await;
+        assert_eq!((&first, &again), (&Ack::Processed, &Ack::Dropped(DropReason::Duplicate)), "{id}");
+        assert_eq!((first.status(), again.status()), (200, 200), "{id}: one answer to the vendor");
+        assert_eq!(row(plane, org, "webhook.nylas", id).await.status, ClaimStatus::Completed, "{id}");
+        assert_eq!(gate.drops().get(DropReason::Duplicate), n as u64 + 1);
+    }
+}
+
 on_every_plane!(
+    the_first_delivery_is_answered_as_every_redelivery_is,
     a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing,
     a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate,
     the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch,

@@ -137,3 +137,59 @@ async fn a_replay_never_carries_a_credential_header_even_when_one_was_journaled(
     assert!(replay.headers().get("location").is_some(), "the kept headers still are");
     stack.stop().await.unwrap();
 }
+
+/// The first caller gets exactly what every replay says, whatever the
+/// answer's body holds: a NUL byte, bytes that are not UTF-8, JSON whose
+/// members are in no sorted order (kept as its bytes, not reordered), and a
+/// body above the journal's limit (omitted for the first caller too).
+#[tokio::test]
+async fn the_first_answer_is_exactly_what_every_replay_says() {
+    use axum::body::Bytes;
+    use axum::routing::post;
+
+    let stack = stack().await;
+    // Answers the request's own bytes, with the request's content type.
+    async fn echo(headers: axum::http::HeaderMap, bytes: Bytes) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        let content_type = headers.get("content-type").cloned();
+        let mut answer = (StatusCode::CREATED, bytes).into_response();
+        if let Some(content_type) = content_type {
+            answer.headers_mut().insert("content-type", content_type);
+        }
+        answer
+    }
+    let layer = keyed(service(&stack).with_response_limit(1024));
+    let app = axum::Router::new().route("/echo", post(echo)).route_layer(layer);
+    let url = super::bind(app).await;
+    let http = reqwest::Client::new();
+    let send = |key: &str, content_type: &str, body: Vec<u8>| {
+        http.post(format!("{url}/echo"))
+            .header("idempotency-key", key)
+            .header("x-tenant", TENANT)
+            .header("x-user", "user-1")
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+    };
+    let cases: [(&str, &str, Vec<u8>); 4] = [
+        ("nul", "text/plain", b"a\0b".to_vec()),
+        ("not-utf8", "application/octet-stream", vec![0xff, 0x00, 0xfe]),
+        ("unsorted-json", "application/json", br#"{"z": 1,  "a": [2, {"y":3,"b":4}]}"#.to_vec()),
+        ("oversized", "text/plain", vec![b'x'; 4096]),
+    ];
+    for (key, content_type, sent) in cases {
+        let first = send(key, content_type, sent.clone()).await.unwrap();
+        let again = send(key, content_type, sent.clone()).await.unwrap();
+        assert_eq!((first.status(), again.status()), (StatusCode::CREATED, StatusCode::CREATED), "{key}");
+        assert!(first.headers().get("idempotent-replayed").is_none(), "{key}");
+        assert_eq!(again.headers()["idempotent-replayed"], "true", "{key}");
+        for name in ["content-type", "idempotent-body-omitted"] {
+            assert_eq!(first.headers().get(name), again.headers().get(name), "{key}: {name}");
+        }
+        let (first, again) = (first.bytes().await.unwrap(), again.bytes().await.unwrap());
+        assert_eq!(first, again, "{key}: the first body differs from its replay");
+        let expected: &[u8] = if key == "oversized" { b"" } else { &sent };
+        assert_eq!(&first[..], expected, "{key}");
+    }
+    stack.stop().await.unwrap();
+}

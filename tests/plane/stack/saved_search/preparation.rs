@@ -218,3 +218,60 @@ async fn a_saved_search_preparation_carries_the_specs_30_second_lease() {
     assert!(preparing.await.expect("task").is_ok());
     stack.stop().await.unwrap();
 }
+
+/// A source that freezes one given value, and counts its freezes.
+struct Fixed(Value, std::sync::atomic::AtomicUsize);
+
+impl SnapshotSource for Fixed {
+    async fn freeze(&self, _: Uuid, _: &str) -> Result<Value, SnapshotError> {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(self.0.clone())
+    }
+}
+
+/// The first start answers exactly the snapshot and Run every replay
+/// answers, whatever the snapshot holds: members in no sorted order, a
+/// 70,000-character string (kept as the Run's input, by reference from the
+/// claim). A snapshot the store cannot hold as it is (U+0000, nested deeper
+/// than `jsonb` holds) is refused to the first start and to the next alike,
+/// and nothing is kept: a Run's input has no lossless wrapper.
+#[tokio::test]
+async fn the_first_start_answers_what_every_replay_answers() {
+    let stack = stack().await;
+    let deep = (0..100).fold(json!(1), |inner, _| json!([inner]));
+    let cases = [
+        ("unsorted", json!({"z": 1, "a": {"y": [3, 2], "b": "brief"}}), true),
+        ("long", json!({"brief": "b".repeat(70_000)}), true),
+        ("nul", json!({"brief": "a\u{0}b"}), false),
+        ("deep", deep, false),
+    ];
+    for (name, snapshot, storable) in cases {
+        let source = Fixed(snapshot.clone(), Default::default());
+        let starter = SavedSearchStart::new(
+            service(&stack),
+            RunAdmission::new(PostgrestRepository::new(client(&stack))),
+            source,
+            HORIZON,
+        )
+        .unwrap();
+        let org = org();
+        let first = starter.start(org, name, "tick-1").await;
+        let again = starter.start(org, name, "tick-1").await;
+        match (first, again) {
+            (Ok(first), Ok(again)) if storable => {
+                assert_eq!((first.run.id, &first.snapshot), (again.run.id, &again.snapshot), "{name}");
+                assert_eq!(first.snapshot, snapshot, "{name}");
+                assert!(!first.replayed && again.replayed, "{name}");
+            }
+            (Err(first), Err(again)) if !storable => {
+                assert!(first.to_string() == again.to_string(), "{name}: {first} / {again}");
+                assert!(
+                    matches!(first, SavedSearchError::Plane(ref error) if error.is_unstorable_answer()),
+                    "{name}: {first:?}"
+                );
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    stack.stop().await.unwrap();
+}
