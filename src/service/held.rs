@@ -292,8 +292,16 @@ impl<R: IdempotencyRepository> Held<R> {
     }
 
     /// Deletes the claim, retrying transient failures within the deadline.
+    ///
+    /// A release whose answer was lost may have landed, and then a retry
+    /// finds nothing to delete and answers as a moved-on fence would. So
+    /// after such a failure, a retry that deletes nothing is checked
+    /// against the row: none left means the release landed (or the key was
+    /// freed since, which is the same for the caller), a row means another
+    /// worker holds or answered the key.
     async fn release(&self) -> Settled {
         let mut backoff = FIRST_ENDING_BACKOFF;
+        let mut may_have_landed = false;
         loop {
             if Instant::now() >= self.ending_deadline {
                 return Settled::LeftToLease(LeftToLease::Deadline { ending: "release" });
@@ -301,7 +309,32 @@ impl<R: IdempotencyRepository> Held<R> {
             let attempt = tokio::time::timeout_at(self.ending_deadline, self.service.release(&self.claim));
             let error = match attempt.await {
                 Ok(Ok(Ending::Recorded)) => return Settled::Released,
+                Ok(Ok(Ending::LeaseMovedOn)) if may_have_landed => return self.released_or_moved_on().await,
                 Ok(Ok(Ending::LeaseMovedOn)) => return Settled::LeaseMovedOn,
+                Err(_elapsed) => return Settled::LeftToLease(LeftToLease::Deadline { ending: "release" }),
+                Ok(Err(error)) => error,
+            };
+            may_have_landed |= super::driver::may_have_written(&error);
+            if !self.wait_to_retry(&error, &mut backoff).await {
+                return Settled::LeftToLease(LeftToLease::Failed { ending: "release", error });
+            }
+        }
+    }
+
+    /// After a release whose answer was lost, a retry deleted nothing: asks
+    /// the row (retrying transient failures within the deadline) whether
+    /// the first one landed.
+    async fn released_or_moved_on(&self) -> Settled {
+        let mut backoff = FIRST_ENDING_BACKOFF;
+        let claim = &self.claim;
+        loop {
+            let read = self.service.repository().get(claim.organization_id, &claim.scope, &claim.key);
+            let error = match tokio::time::timeout_at(self.ending_deadline, read).await {
+                Ok(Ok(None)) => {
+                    tracing::info!("a retried release deleted nothing, and no row is left: the first one landed");
+                    return Settled::Released;
+                }
+                Ok(Ok(Some(_))) => return Settled::LeaseMovedOn,
                 Err(_elapsed) => return Settled::LeftToLease(LeftToLease::Deadline { ending: "release" }),
                 Ok(Err(error)) => error,
             };

@@ -111,6 +111,19 @@ Deno.test("a completion whose answer was lost is asked again inside the journal'
   });
 });
 
+Deno.test("a release whose answer was lost and whose repeat deletes nothing is reported released, as it landed", async () => {
+  const lossy = new Lossy().loseNext("idempotency_release");
+  const opts = options({ plane: plane({ fetch: lossy.fetch }) });
+  const first = await idempotent(() => {
+    throw new NothingHappened("vendor 429");
+  }, opts);
+  assert.equal(first.status, "failed");
+  if (first.status !== "failed") return;
+  assert.deepEqual(first.settled, { ending: "released" }, "not lease_moved_on: the row is gone");
+  assert.equal(lossy.count("idempotency_release"), 2, "the lost release, and its repeat");
+  assert.equal((await idempotent(() => success("ran"), opts)).status, "ran", "the key is free");
+});
+
 Deno.test("a journal the plane refuses after the effect goes by reference, keeping ok, error and resource", async () => {
   // This client believes the limit is 1 MiB; the scope's policy keeps 64 KiB,
   // so the database refuses the answer (IDEM2) after the effect happened.

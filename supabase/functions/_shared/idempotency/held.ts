@@ -214,22 +214,57 @@ export class Held {
     }
   }
 
+  /**
+   * Deletes the claim, retrying transient failures within the deadline. A
+   * release whose answer was lost may have landed, and then a retry finds
+   * nothing to delete and answers as a moved-on fence would: after such a
+   * failure, a retry that deletes nothing is checked against the row (none
+   * left: released; a row: another worker holds or answered the key).
+   */
   async #release(): Promise<Settled> {
     const plane = this.#driver.plane;
     let backoff = FIRST_ENDING_BACKOFF_MS;
+    let mayHaveLanded = false;
     for (;;) {
       const remaining = this.endingDeadline - Date.now();
       if (remaining <= 0) return { ending: "left_to_lease", why: "the release did not land before its deadline" };
       let error: PlaneError;
       try {
         const ending = await plane.release(this.claim, { deadlineMs: remaining });
-        return ending === "recorded" ? { ending: "released" } : { ending: "lease_moved_on" };
+        if (ending === "recorded") return { ending: "released" };
+        return mayHaveLanded ? await this.#releasedOrMovedOn() : { ending: "lease_moved_on" };
+      } catch (caught) {
+        if (!(caught instanceof PlaneError)) throw caught;
+        error = caught;
+      }
+      mayHaveLanded ||= error.mayHaveWritten;
+      if (!await this.#waitToRetry(error, backoff)) {
+        return { ending: "left_to_lease", why: `the release failed: ${error.message}`, error };
+      }
+      backoff = Math.min(backoff * 2, MAX_ENDING_BACKOFF_MS);
+    }
+  }
+
+  /**
+   * After a release whose answer was lost, a retry deleted nothing: asks the
+   * row (retrying transient failures within the deadline) whether the first
+   * one landed.
+   */
+  async #releasedOrMovedOn(): Promise<Settled> {
+    let backoff = FIRST_ENDING_BACKOFF_MS;
+    for (;;) {
+      const remaining = this.endingDeadline - Date.now();
+      if (remaining <= 0) return { ending: "left_to_lease", why: "the release did not land before its deadline" };
+      let error: PlaneError;
+      try {
+        const held = await this.#driver.plane.rowExists(this.claim, { deadlineMs: remaining });
+        return held ? { ending: "lease_moved_on" } : { ending: "released" };
       } catch (caught) {
         if (!(caught instanceof PlaneError)) throw caught;
         error = caught;
       }
       if (!await this.#waitToRetry(error, backoff)) {
-        return { ending: "left_to_lease", why: `the release failed: ${error.message}`, error };
+        return { ending: "left_to_lease", why: `the release's outcome is unknown: ${error.message}`, error };
       }
       backoff = Math.min(backoff * 2, MAX_ENDING_BACKOFF_MS);
     }

@@ -302,6 +302,20 @@ export class IdempotencyPlane {
     return data ? "recorded" : "lease_moved_on";
   }
 
+  /**
+   * Whether any row holds `claim`'s key (its own, or another worker's),
+   * without writing anything: how a release whose answer was lost learns
+   * whether it landed.
+   */
+  async rowExists(claim: Claim, call: CallOptions = {}): Promise<boolean> {
+    const data = await this.client.rpc("idempotency_get", {
+      p_organization_id: claim.organizationId,
+      p_scope: claim.scope,
+      p_key: claim.key,
+    }, call);
+    return rowsOf("idempotency_get", data).length > 0;
+  }
+
   /** What the journal holds for this request, without writing anything. */
   async read(
     request: { organizationId: string; scope: string; key: string; requestHash: string },
