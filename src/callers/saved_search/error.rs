@@ -19,14 +19,6 @@ pub enum SavedSearchError {
         /// When that preparation's lease passes.
         lease_expires_at: chrono::DateTime<chrono::Utc>,
     },
-    /// Our lease passed while we froze the input and another worker took the
-    /// start over: our snapshot is not the one stored, and no Run was started
-    /// from it.
-    #[error("saved search start {key}: the lease moved on before completion; no Run started")]
-    FenceLost {
-        /// The start key.
-        key: String,
-    },
     /// The start key was used for a different saved search.
     #[error("saved search start {key} was used for a different request")]
     Conflict {
@@ -64,10 +56,8 @@ impl SavedSearchError {
     /// True for the endings a caller should retry later.
     pub fn is_retryable(&self) -> bool {
         match self {
-            // FenceLost: starting again answers the Run the winner admitted.
             SavedSearchError::InProgress { .. }
             | SavedSearchError::Snapshot(_)
-            | SavedSearchError::FenceLost { .. }
             | SavedSearchError::NotJournaled { .. } => true,
             SavedSearchError::Plane(error) => error.is_transient(),
             _ => false,

@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use super::error::SavedSearchError;
+use super::start::Started;
 use crate::callers::runs::{AdmissionToken, AdmittedRun};
 use crate::service::{journal, ResponseRef};
 
@@ -48,9 +49,12 @@ impl Start<'_> {
         SavedSearchError::StoredAnswer { key: self.key.to_owned(), reason: reason.into() }
     }
 
-    pub(super) fn fence_lost(&self) -> SavedSearchError {
+    /// Our preparation's fence moved on: another start holds the trigger
+    /// now, and its ending is the one that counts. Nothing to do.
+    pub(super) fn fence_lost(&self) -> Started {
         tracing::Span::current().record("outcome", "fence_lost");
-        SavedSearchError::FenceLost { key: self.key.to_owned() }
+        tracing::info!("the preparation's lease moved on to another start; this one does nothing more");
+        Started::Superseded
     }
 }
 

@@ -7,7 +7,7 @@ use serde_json::Value;
 use super::error::SavedSearchError;
 use super::identity::{lease_delta, Prepared, Start, SNAPSHOT_RESOURCE_TYPE};
 use super::source::{SnapshotError, SnapshotSource};
-use super::start::{SavedSearchStart, StartedRun};
+use super::start::{SavedSearchStart, Started};
 use crate::callers::runs::{AdmissionError, AdmittedRun};
 use crate::error::InvalidInput;
 use crate::repo::{IdempotencyRepository, RunRepository};
@@ -21,7 +21,7 @@ enum Next<R> {
     /// On to the next step, still holding the claim.
     Go(Held<R>),
     /// The start is answered.
-    Done(StartedRun),
+    Done(Started),
 }
 
 /// When our own claim started, by the database's clock: a Run admitted
@@ -38,7 +38,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         start: &Start<'_>,
         saved_search_id: &str,
         held: Held<R>,
-    ) -> Result<StartedRun, SavedSearchError> {
+    ) -> Result<Started, SavedSearchError> {
         let held = match self.adopt_earlier_run(start, held).await? {
             Next::Go(held) => held,
             Next::Done(started) => return Ok(started),
@@ -67,7 +67,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
                 tracing::info!(run_id = %run.id, "an earlier holder admitted the Run; journaling its input");
                 self.journal_run(start, held, &run).await;
                 // This start froze nothing: the input is an earlier one's.
-                Ok(Next::Done(self.started(run, true, None)))
+                Ok(Next::Done(Started::Run(self.started(run, true, None))))
             }
             None => Ok(Next::Go(held)),
         }
@@ -128,9 +128,9 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
                 // was swept finds the Run admitted then, with the input it
                 // was admitted with.
                 let run = self.runs.admit_as(start.organization_id, &start.run_key, snapshot, start.token).await?;
-                Ok(Next::Done(self.started(run, false, Some(claimed_at))))
+                Ok(Next::Done(Started::Run(self.started(run, false, Some(claimed_at)))))
             }
-            Ok(Settled::LeaseMovedOn) => Err(start.fence_lost()),
+            Ok(Settled::LeaseMovedOn) => Ok(Next::Done(start.fence_lost())),
             Ok(other) => Err(SavedSearchError::NotJournaled { key: start.key.to_owned(), ending: other.as_str() }),
             Err(Refused { held, error }) => {
                 tracing::info!(%error, "the snapshot does not fit its claim; keeping it in the Run");
@@ -150,14 +150,14 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         held: Held<R>,
         snapshot: &Value,
         claimed_at: ClaimedAt,
-    ) -> Result<StartedRun, SavedSearchError> {
+    ) -> Result<Started, SavedSearchError> {
         tracing::Span::current().record("fenced", true);
         let admitted =
             self.runs.admit_fenced(start.organization_id, &start.run_key, snapshot, start.token, held.claim()).await;
         let run = match admitted {
             Ok(run) => run,
             // The claim is another start's now; ours writes nothing more.
-            Err(AdmissionError::FenceLost { .. }) => return Err(start.fence_lost()),
+            Err(AdmissionError::FenceLost { .. }) => return Ok(start.fence_lost()),
             Err(AdmissionError::Plane(error)) => {
                 let ending = if may_have_written(&error) {
                     Settle::Unknown("the admission's outcome is unknown")
@@ -171,28 +171,40 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         // The Run is admitted, under our fence: it is the answer now, however
         // the journal ends.
         self.journal_run(start, held, &run).await;
-        Ok(self.started(run, false, Some(claimed_at)))
+        Ok(Started::Run(self.started(run, false, Some(claimed_at))))
     }
 
-    /// Journals `run`'s input as the claim's answer, with the Run as its
-    /// resource: inline when it fits, else by reference to the Run. A
+    /// Journals `run`'s input as the claim's answer: inline when it fits,
+    /// recording nothing of the Run (the spec's claim holds the frozen input
+    /// and the Run key only); else by reference to the Run, whose input is
+    /// the snapshot's only home, with the Run as the claim's resource (the
+    /// one thing of a Run a claim records, docs/differences.md says why). A
     /// journal that does not land leaves the claim to its lease; its next
     /// holder finds the Run and journals it.
     async fn journal_run(&self, start: &Start<'_>, held: Held<R>, run: &AdmittedRun) {
+        let answer = Answer::success(Prepared::inline(&start.run_key, &run.input));
+        let held = match held.journal_exact(answer.clone()).await {
+            Ok(settled) => return record_journaled_run(run, settled),
+            Err(Refused { held, .. }) => held,
+        };
         let resource =
             ResourceRef { resource_type: SNAPSHOT_RESOURCE_TYPE.to_owned(), resource_id: run.id.to_string() };
-        let answer = Answer::success(Prepared::inline(&start.run_key, &run.input)).with_resource(Some(resource));
-        match held.settle(Settle::Journal(answer)).await {
-            Settled::Journaled { stand_in, .. } => {
-                tracing::Span::current().record("by_reference", stand_in.is_some());
-            }
-            Settled::LeaseMovedOn => {
-                tracing::info!(run_id = %run.id, "the Run is admitted; the claim moved on before its completion")
-            }
-            other => tracing::warn!(
-                ending = other.as_str(), run_id = %run.id,
-                "the Run is admitted, its claim not completed; the next start after the lease completes it"
-            ),
+        record_journaled_run(run, held.settle(Settle::Journal(answer.with_resource(Some(resource)))).await);
+    }
+}
+
+/// Records how journaling an admitted Run's input as the claim's answer ended.
+fn record_journaled_run(run: &AdmittedRun, settled: Settled) {
+    match settled {
+        Settled::Journaled { stand_in, .. } => {
+            tracing::Span::current().record("by_reference", stand_in.is_some());
         }
+        Settled::LeaseMovedOn => {
+            tracing::info!(run_id = %run.id, "the Run is admitted; the claim moved on before its completion")
+        }
+        other => tracing::warn!(
+            ending = other.as_str(), run_id = %run.id,
+            "the Run is admitted, its claim not completed; the next start after the lease completes it"
+        ),
     }
 }

@@ -34,6 +34,32 @@ pub struct StartedRun {
     pub replayed: bool,
 }
 
+/// How a start ended, when it did not fail.
+#[derive(Debug, Clone, PartialEq)]
+#[must_use = "a start that was superseded started no Run from this call"]
+pub enum Started {
+    /// The trigger's Run: admitted by this start, or answered from an
+    /// earlier one.
+    Run(StartedRun),
+    /// This start's preparation lost its fence: its lease passed while it
+    /// froze the input, and another start took the trigger over, whose
+    /// ending is the one that counts. No Run was started from this call's
+    /// snapshot. Nothing to do: it is not an error and must not be retried
+    /// (the start that holds the trigger admits its Run; a later start of
+    /// the trigger answers it).
+    Superseded,
+}
+
+impl Started {
+    /// The Run, unless this start was superseded.
+    pub fn into_run(self) -> Option<StartedRun> {
+        match self {
+            Started::Run(run) => Some(run),
+            Started::Superseded => None,
+        }
+    }
+}
+
 /// Refuses a lease outside the plane's range, or one still held at the
 /// scheduler's last retry.
 fn check_lease(lease: Duration, horizon: RetryHorizon) -> Result<(), StartConfigError> {
@@ -103,13 +129,15 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
 
     /// Starts saved search `saved_search_id` for `trigger_id` (the schedule
     /// tick or the click that asked for it): freezes its input once, and
-    /// admits one Run from it. Every repeat answers that Run.
+    /// admits one Run from it. Every repeat answers that Run; a start whose
+    /// preparation was taken over by another answers
+    /// [`Started::Superseded`] and does nothing more.
     pub async fn start(
         &self,
         organization_id: Uuid,
         saved_search_id: &str,
         trigger_id: &str,
-    ) -> Result<StartedRun, SavedSearchError> {
+    ) -> Result<Started, SavedSearchError> {
         // Length-prefixed, so ("a:b", "c") and ("a", "b:c") are different keys.
         let key = format!("{}:{saved_search_id}:{trigger_id}", saved_search_id.len());
         let span = tracing::info_span!(
@@ -127,7 +155,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         saved_search_id: &str,
         trigger_id: &str,
         key: &str,
-    ) -> Result<StartedRun, SavedSearchError> {
+    ) -> Result<Started, SavedSearchError> {
         let hash = RequestHash::of_json(&json!({"saved_search_id": saved_search_id, "trigger_id": trigger_id}));
         let start = Start {
             organization_id,
@@ -145,7 +173,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         };
         match self.driver.begin(&effect).await? {
             Begun::Held(held) => self.prepare(&start, saved_search_id, held).await,
-            Begun::Replayed(answer) => self.replay(&start, answer.output).await,
+            Begun::Replayed(answer) => self.replay(&start, answer.output).await.map(Started::Run),
             Begun::InFlight { lease_expires_at } => {
                 span.record("outcome", "in_progress");
                 Err(SavedSearchError::InProgress { key: key.to_owned(), lease_expires_at })

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use idempotency_plane::callers::runs::RunAdmission;
 use idempotency_plane::callers::saved_search::{
-    SavedSearchError, SavedSearchStart, SnapshotError, SnapshotSource, StartedRun, SNAPSHOT_RESOURCE_TYPE,
+    SavedSearchError, SavedSearchStart, SnapshotError, SnapshotSource, Started, StartedRun, SNAPSHOT_RESOURCE_TYPE,
 };
 use idempotency_plane::callers::tool::RetryHorizon;
 use idempotency_plane::{IdempotencyService, PostgrestRepository};
@@ -89,7 +89,6 @@ struct Scheduler {
 fn start_ending(error: &SavedSearchError) -> &'static str {
     match error {
         SavedSearchError::InProgress { .. } => "in_progress",
-        SavedSearchError::FenceLost { .. } => "fence_lost",
         SavedSearchError::Snapshot(_) => "snapshot_failed",
         SavedSearchError::NotJournaled { .. } => "not_journaled",
         SavedSearchError::Plane(_) => "plane",
@@ -99,7 +98,9 @@ fn start_ending(error: &SavedSearchError) -> &'static str {
 
 impl Scheduler {
     /// Chain `chain` of trigger `n`: starts it again after every retryable
-    /// ending, until a Run is answered or `START_TRIES` ran out. A start
+    /// ending, until a Run is answered or `START_TRIES` ran out; a start
+    /// superseded by another (its fence lost) ends the chain, as the caller
+    /// then does nothing more. A start
     /// told the trigger is in progress sometimes takes its holder for
     /// stalled: its lease passes.
     async fn run(self, n: usize, chain: usize, seen: Arc<Mutex<Starts>>) {
@@ -108,15 +109,20 @@ impl Scheduler {
             let id = start_id(n, chain, try_number);
             let started = START.scope(id, self.starter.start(self.org, &search_id(n), &format!("tick-{n}"))).await;
             match &started {
-                Ok(run) => self
+                Ok(Started::Run(run)) => self
                     .story
                     .tell_of(id, format!("answered v{} (replayed: {})", run.snapshot["version"], run.replayed)),
+                Ok(Started::Superseded) => self.story.tell_of(id, "superseded: its fence was lost; does nothing more"),
                 Err(error) => self.story.tell_of(id, format!("ended {error}")),
             }
             match started {
-                Ok(started) => {
+                Ok(Started::Run(started)) => {
                     self.tally.add(if started.replayed { "replayed" } else { "admitted" });
                     return seen.lock().unwrap().started.push((id, started));
+                }
+                Ok(Started::Superseded) => {
+                    self.tally.add("fence_lost");
+                    return seen.lock().unwrap().fence_lost.push(id);
                 }
                 Err(SavedSearchError::InProgress { .. }) if waits.random_bool(0.4) => {
                     self.tally.add("in_progress, lease passed");
@@ -125,9 +131,6 @@ impl Scheduler {
                 }
                 Err(error) if error.is_retryable() => {
                     self.tally.add(start_ending(&error));
-                    if matches!(error, SavedSearchError::FenceLost { .. }) {
-                        seen.lock().unwrap().fence_lost.push(id);
-                    }
                     tokio::time::sleep(ms(waits.random_range(10..150))).await;
                 }
                 Err(error) => panic!("seed {}: trigger {n}: the start failed for good: {error:?}", self.seed),
@@ -386,12 +389,12 @@ async fn a_reclaimed_preparation_journals_the_run_an_earlier_holder_admitted_ins
     // never calls its source (which would fail).
     pass_lease_of(stack.db(), org, SEARCH_SCOPE, key).await;
     let b = starter(Version { version: 2, large: false, fails: true }).start(org, "search-gap", "tick-1").await;
-    let b = b.expect("B answers A's Run");
+    let b = b.expect("B answers A's Run").into_run().expect("a Run");
     assert_eq!(b.snapshot["version"], json!(1), "the Run A admitted wins");
 
     // C starts the trigger: it answers A's Run, and its claim must say so.
     let c = starter(Version { version: 3, large: false, fails: false }).start(org, "search-gap", "tick-1").await;
-    let c = c.expect("C answers the Run");
+    let c = c.expect("C answers the Run").into_run().expect("a Run");
     assert_eq!(c.snapshot["version"], json!(1), "the Run A admitted wins");
     let (response,): (Value,) = sqlx::query_as(
         "select response from agent.idempotency_keys where organization_id = $1 and scope = $2 and key = $3",

@@ -69,7 +69,7 @@ async fn a_start_rerun_after_its_admission_answer_was_lost_beyond_the_clients_re
     assert_eq!(count_runs(&stack).await, 1);
 
     // The scheduler runs the start again: the same trigger admitted that Run.
-    let again = starter.start(org, "search-lost", "tick-1").await.unwrap();
+    let again = starter.start(org, "search-lost", "tick-1").await.unwrap().into_run().expect("a Run");
     assert!(again.run.admitted, "every start of the trigger carries its admission token: {again:?}");
     assert!(again.replayed, "the snapshot was frozen by the first start");
     assert_eq!(again.snapshot["brief"], "brief v1");

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use idempotency_plane::callers::runs::RunAdmission;
-use idempotency_plane::callers::saved_search::{SavedSearchError, SavedSearchStart, SNAPSHOT_RESOURCE_TYPE};
+use idempotency_plane::callers::saved_search::{SavedSearchError, SavedSearchStart, Started, SNAPSHOT_RESOURCE_TYPE};
 use idempotency_plane::repo::{ClaimCall, ClaimRequest, ClaimRow, CompletionArgs};
 use idempotency_plane::{Error, IdempotencyRecord, IdempotencyRepository, IdempotencyService, PostgrestRepository};
 use serde_json::{json, Value};
@@ -46,7 +46,12 @@ fn assert_kept_by_reference(stored: &Stored, run: &idempotency_plane::callers::r
 async fn a_200_kib_snapshot_starts_a_run_that_keeps_it_and_every_replay_answers_the_same_snapshot() {
     let stack = stack().await;
     let org = org();
-    let first = starter(&stack, ProductTables::open().padded(200)).start(org, "search-large", "tick-1").await.unwrap();
+    let first = starter(&stack, ProductTables::open().padded(200))
+        .start(org, "search-large", "tick-1")
+        .await
+        .unwrap()
+        .into_run()
+        .expect("a Run");
     assert!(first.run.admitted && !first.replayed);
     assert!(digest(&first.snapshot).0 > 200 * 1024, "above the 64 KiB a claim keeps");
     assert_eq!(first.run.input, first.snapshot);
@@ -54,14 +59,16 @@ async fn a_200_kib_snapshot_starts_a_run_that_keeps_it_and_every_replay_answers_
 
     // The product tables changed; a repeat answers the frozen snapshot, read back from the Run.
     let later = ProductTables::open().padded(200).starting_at(5);
-    let replay = starter(&stack, later.clone()).start(org, "search-large", "tick-1").await.unwrap();
+    let replay =
+        starter(&stack, later.clone()).start(org, "search-large", "tick-1").await.unwrap().into_run().expect("a Run");
     assert!(replay.replayed && replay.run.admitted);
     assert_eq!((replay.run.id, &replay.snapshot), (first.run.id, &first.snapshot));
     assert_eq!(later.freezes(), 0);
 
     // After the snapshot claim is swept, the Run still answers with its own input.
     sqlx::query("delete from agent.idempotency_keys").execute(stack.db()).await.unwrap();
-    let again = starter(&stack, later.clone()).start(org, "search-large", "tick-1").await.unwrap();
+    let again =
+        starter(&stack, later.clone()).start(org, "search-large", "tick-1").await.unwrap().into_run().expect("a Run");
     assert_eq!(later.freezes(), 1, "a new claim froze again");
     assert!(again.replayed, "but the Run predates it");
     assert_eq!((again.run.id, &again.snapshot), (first.run.id, &first.snapshot), "the first snapshot wins");
@@ -84,18 +91,19 @@ async fn twenty_concurrent_starts_with_a_large_snapshot_produce_one_run_and_one_
     let mut answers = std::collections::HashSet::new();
     for result in &results {
         match result {
-            Ok(started) => {
+            Ok(Started::Run(started)) => {
                 assert_eq!(started.run.input, started.snapshot);
                 answers.insert((started.run.id, started.snapshot["brief"].clone()));
             }
             Err(error @ SavedSearchError::InProgress { .. }) => assert!(error.is_retryable()),
+            Ok(Started::Superseded) => panic!("no lease passed, yet a start was superseded"),
             Err(other) => panic!("unexpected ending: {other:?}"),
         }
     }
     assert_eq!(source.freezes(), 1, "one snapshot");
     assert!(answers.len() <= 1, "{answers:?}");
     assert_eq!((count_runs(&stack).await, count_rows(&stack).await), (1, 1), "one Run, one claim");
-    let replay = starter.start(org, "search-large-20", "tick-1").await.unwrap();
+    let replay = starter.start(org, "search-large-20", "tick-1").await.unwrap().into_run().expect("a Run");
     assert!(replay.replayed && replay.run.admitted);
     assert_eq!(replay.snapshot["brief"], "brief v1");
     assert_kept_by_reference(&stored(&stack).await, &replay.run, &replay.snapshot);
@@ -127,18 +135,24 @@ async fn a_large_snapshot_preparation_whose_fence_was_lost_starts_no_run() {
     // A wakes first: its fenced admission is refused, and no Run exists.
     gate_a.add_permits(1);
     let lost = a.await.expect("task");
-    assert!(matches!(&lost, Err(error @ SavedSearchError::FenceLost { .. }) if error.is_retryable()), "{lost:?}");
+    // Superseded: not an error, and nothing for its caller to retry.
+    assert!(matches!(&lost, Ok(Started::Superseded)), "{lost:?}");
     assert_eq!(count_runs(&stack).await, 0, "no Run from the loser");
 
     // B admits its own snapshot.
     gate_b.add_permits(1);
-    let won = b.await.expect("task").unwrap();
+    let won = b.await.expect("task").unwrap().into_run().expect("a Run");
     assert!(won.run.admitted && !won.replayed);
     assert_eq!(won.snapshot["brief"], "brief v2");
     assert_eq!(count_runs(&stack).await, 1);
     assert_kept_by_reference(&stored(&stack).await, &won.run, &won.snapshot);
-    // A's retry answers B's Run.
-    let retried = starter(&stack, ProductTables::open()).start(org, "search-fenced", "tick-1").await.unwrap();
+    // A later start of the trigger answers B's Run.
+    let retried = starter(&stack, ProductTables::open())
+        .start(org, "search-fenced", "tick-1")
+        .await
+        .unwrap()
+        .into_run()
+        .expect("a Run");
     assert!(retried.replayed);
     assert_eq!((retried.run.id, &retried.snapshot), (won.run.id, &won.snapshot));
     stack.stop().await.unwrap();
@@ -187,7 +201,7 @@ async fn a_start_that_died_between_a_large_admission_and_its_completion_is_compl
         HORIZON,
     )
     .unwrap();
-    let first = dies.start(org, "search-crash", "tick-1").await.unwrap();
+    let first = dies.start(org, "search-crash", "tick-1").await.unwrap().into_run().expect("a Run");
     assert!(first.run.admitted, "the Run was admitted under the fence; it is the answer");
     assert_eq!(stored(&stack).await.0, "processing", "the claim was never completed");
     let waiting = starter(&stack, ProductTables::open()).start(org, "search-crash", "tick-1").await;
@@ -197,12 +211,18 @@ async fn a_start_that_died_between_a_large_admission_and_its_completion_is_compl
     // first and journals its input, freezing nothing.
     pass_lease(&stack, claim_id(&stack).await).await;
     let tables = ProductTables::open().starting_at(7);
-    let next = starter(&stack, tables.clone()).start(org, "search-crash", "tick-1").await.unwrap();
+    let next =
+        starter(&stack, tables.clone()).start(org, "search-crash", "tick-1").await.unwrap().into_run().expect("a Run");
     assert_eq!(tables.freezes(), 0, "the Run's input is the snapshot; nothing is frozen again");
     assert!(next.replayed && next.run.admitted);
     assert_eq!((next.run.id, &next.snapshot), (first.run.id, &first.snapshot), "the first snapshot wins");
     assert_kept_by_reference(&stored(&stack).await, &first.run, &first.snapshot);
-    let replay = starter(&stack, ProductTables::open()).start(org, "search-crash", "tick-1").await.unwrap();
+    let replay = starter(&stack, ProductTables::open())
+        .start(org, "search-crash", "tick-1")
+        .await
+        .unwrap()
+        .into_run()
+        .expect("a Run");
     assert_eq!(replay.snapshot, first.snapshot);
     assert_eq!(count_runs(&stack).await, 1);
     stack.stop().await.unwrap();

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_plane::callers::runs::RunAdmission;
-use idempotency_plane::callers::saved_search::{SavedSearchError, SavedSearchStart, SnapshotError, SnapshotSource};
+use idempotency_plane::callers::saved_search::{
+    SavedSearchError, SavedSearchStart, SnapshotError, SnapshotSource, Started,
+};
 use idempotency_plane::PostgrestRepository;
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -31,10 +33,11 @@ async fn twenty_concurrent_preparations_produce_one_snapshot_and_one_run() {
     let mut run_ids = std::collections::HashSet::new();
     for result in &results {
         match result {
-            Ok(started) => {
+            Ok(Started::Run(started)) => {
                 run_ids.insert(started.run.id);
             }
             Err(error @ SavedSearchError::InProgress { .. }) => assert!(error.is_retryable()),
+            Ok(Started::Superseded) => panic!("no lease passed, yet a start was superseded"),
             Err(other) => panic!("unexpected ending: {other:?}"),
         }
     }
@@ -44,7 +47,7 @@ async fn twenty_concurrent_preparations_produce_one_snapshot_and_one_run() {
     assert_eq!(count_rows(&stack).await, 1);
     // Everyone who retries gets that one Run with that one snapshot, and
     // as a start of this trigger, its admitter.
-    let replay = starter.start(org, "search-1", "tick-2026-11-30T06").await.unwrap();
+    let replay = starter.start(org, "search-1", "tick-2026-11-30T06").await.unwrap().into_run().expect("a Run");
     assert!(replay.replayed && replay.run.admitted);
     assert_eq!(replay.snapshot["brief"], "brief v1");
     assert_eq!(replay.run.input, replay.snapshot);
@@ -101,13 +104,19 @@ async fn a_preparation_whose_fence_was_lost_before_completion_starts_no_run() {
     // Its lease passes; worker B reclaims, freezes, completes and admits.
     let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
     pass_lease(&stack, id).await;
-    let b = starter(&stack, ProductTables::open()).start(org, "search-3", "tick-1").await.unwrap();
+    let b = starter(&stack, ProductTables::open())
+        .start(org, "search-3", "tick-1")
+        .await
+        .unwrap()
+        .into_run()
+        .expect("a Run");
     assert!(b.run.admitted);
 
     // A wakes: its completion is fenced off and it starts no Run.
     gate.add_permits(1);
     let a = stalled.await.expect("task");
-    assert!(matches!(a, Err(SavedSearchError::FenceLost { .. })), "{a:?}");
+    // Superseded: it neither raises nor asks to be retried.
+    assert!(matches!(a, Ok(Started::Superseded)), "{a:?}");
     assert_eq!(count_runs(&stack).await, 1, "only B's Run exists");
     let input: Value = sqlx::query_scalar("select input from agent.runs").fetch_one(stack.db()).await.unwrap();
     assert_eq!(input, b.snapshot, "the Run was built from the stored snapshot");
@@ -118,14 +127,20 @@ async fn a_preparation_whose_fence_was_lost_before_completion_starts_no_run() {
 async fn a_snapshot_remains_for_24_hours_and_its_run_key_replays_the_run_for_396_days() {
     let stack = stack().await;
     let org = org();
-    let first = starter(&stack, ProductTables::open()).start(org, "search-4", "tick-1").await.unwrap();
+    let first = starter(&stack, ProductTables::open())
+        .start(org, "search-4", "tick-1")
+        .await
+        .unwrap()
+        .into_run()
+        .expect("a Run");
     assert!(first.run.admitted && !first.replayed);
 
     // 23 hours later the product tables changed; a repeat still answers the frozen snapshot.
     let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
     travel_back(&stack, id, Duration::from_secs(23 * 3600)).await;
     let later = ProductTables::open();
-    let repeat = starter(&stack, later.clone()).start(org, "search-4", "tick-1").await.unwrap();
+    let repeat =
+        starter(&stack, later.clone()).start(org, "search-4", "tick-1").await.unwrap().into_run().expect("a Run");
     assert!(repeat.replayed);
     assert_eq!(later.freezes(), 0);
     assert_eq!(repeat.snapshot, first.snapshot);
@@ -159,11 +174,17 @@ async fn a_snapshot_remains_for_24_hours_and_its_run_key_replays_the_run_for_396
 async fn a_start_after_the_snapshot_claim_was_swept_answers_the_same_run() {
     let stack = stack().await;
     let org = org();
-    let first = starter(&stack, ProductTables::open()).start(org, "search-5", "tick-1").await.unwrap();
+    let first = starter(&stack, ProductTables::open())
+        .start(org, "search-5", "tick-1")
+        .await
+        .unwrap()
+        .into_run()
+        .expect("a Run");
     // A day later the sweeper removed the snapshot claim; the trigger fires again.
     sqlx::query("delete from agent.idempotency_keys").execute(stack.db()).await.unwrap();
     let later = ProductTables::open();
-    let again = starter(&stack, later.clone()).start(org, "search-5", "tick-1").await.unwrap();
+    let again =
+        starter(&stack, later.clone()).start(org, "search-5", "tick-1").await.unwrap().into_run().expect("a Run");
     assert_eq!(again.run.id, first.run.id, "the Run key is stable beyond the claim");
     assert!(again.replayed, "the Run predates this start's claim");
     assert!(again.run.admitted, "a start of the same trigger is the Run's admitter");
@@ -258,10 +279,20 @@ async fn the_first_start_answers_what_every_replay_answers() {
         let first = starter.start(org, name, "tick-1").await;
         let again = starter.start(org, name, "tick-1").await;
         match (first, again) {
-            (Ok(first), Ok(again)) if storable => {
+            (Ok(Started::Run(first)), Ok(Started::Run(again))) if storable => {
                 assert_eq!((first.run.id, &first.snapshot), (again.run.id, &again.snapshot), "{name}");
                 assert_eq!(first.snapshot, snapshot, "{name}");
                 assert!(!first.replayed && again.replayed, "{name}");
+                // The claim records the frozen input and the Run key; of the
+                // Run, only where a snapshot too large for the claim lives.
+                let (resource_type,): (Option<String>,) =
+                    sqlx::query_as("select resource_type from agent.idempotency_keys where organization_id = $1")
+                        .bind(org)
+                        .fetch_one(stack.db())
+                        .await
+                        .unwrap();
+                let expected = (name == "long").then(|| "agent.run".to_owned());
+                assert_eq!(resource_type, expected, "{name}");
             }
             (Err(first), Err(again)) if !storable => {
                 assert!(first.to_string() == again.to_string(), "{name}: {first} / {again}");
