@@ -171,6 +171,17 @@ pub enum InvalidInput {
         /// Which duration.
         what: &'static str,
     },
+    /// A Run's `max_run_duration` that is zero or above the 30-day cap
+    /// ([`MAX_RUN_DURATION`](crate::callers::runs::MAX_RUN_DURATION)): a
+    /// tool claim, the Run's replay journal, is kept 30 days, so no Run may
+    /// run longer.
+    #[error("max_run_duration {duration:?} must be above zero and at most {cap:?} (the tool retention)")]
+    RunDurationOutOfRange {
+        /// The duration asked for.
+        duration: Duration,
+        /// The cap.
+        cap: Duration,
+    },
     /// A completion with no response and no resource would replay an empty success.
     #[error("a completion must carry a response or a resource")]
     EmptyCompletion,

@@ -14,6 +14,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0012_fenced_admission.sql", include_str!("../sql/0012_fenced_admission.sql")),
     ("0013_sweep.sql", include_str!("../sql/0013_sweep.sql")),
     ("0014_claims_by_organization.sql", include_str!("../sql/0014_claims_by_organization.sql")),
+    ("0015_max_run_duration.sql", include_str!("../sql/0015_max_run_duration.sql")),
 ];
 
 /// The optional layout that hash-partitions the claim table by

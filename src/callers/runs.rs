@@ -17,6 +17,24 @@ use crate::service::{validate_key, Claim};
 
 pub use crate::repo::AdmittedRun;
 
+/// The longest `max_run_duration` a Run's definition may set: 30 days, the
+/// retention of every tool claim ([`TOOL_RETENTION`](crate::service::TOOL_RETENTION)).
+/// A tool claim is the replay journal of the Run that made it, so it must
+/// outlive the longest Run; the plane refuses a longer duration (here
+/// before any request, and in `agent.run_admit` and on `agent.runs`
+/// whoever writes).
+pub const MAX_RUN_DURATION: std::time::Duration = crate::service::TOOL_RETENTION;
+
+/// Checks a definition's `max_run_duration`: above zero, at most
+/// [`MAX_RUN_DURATION`]. Check it where a definition is accepted; an
+/// admission checks it again.
+pub fn validate_max_run_duration(duration: std::time::Duration) -> Result<(), InvalidInput> {
+    if duration.as_millis() == 0 || duration > MAX_RUN_DURATION {
+        return Err(InvalidInput::RunDurationOutOfRange { duration, cap: MAX_RUN_DURATION });
+    }
+    Ok(())
+}
+
 /// Who admits a Run: the Run answers `admitted = true` to every admission
 /// carrying the token it was inserted with.
 ///
@@ -143,8 +161,37 @@ impl<R: RunRepository> RunAdmission<R> {
         input: &serde_json::Value,
         token: AdmissionToken,
     ) -> Result<AdmittedRun, Error> {
+        self.admit_inner(organization_id, start_key, input, token, None).await
+    }
+
+    /// [`admit_as`](Self::admit_as) for a Run whose definition sets a
+    /// `max_run_duration`, kept with the Run. Refused, before any request,
+    /// when it is zero or above [`MAX_RUN_DURATION`]
+    /// ([`InvalidInput::RunDurationOutOfRange`]); the plane refuses it too.
+    /// A Run already admitted under the key keeps the duration it was
+    /// admitted with.
+    pub async fn admit_with_max_duration(
+        &self,
+        organization_id: Uuid,
+        start_key: &str,
+        input: &serde_json::Value,
+        token: AdmissionToken,
+        max_run_duration: std::time::Duration,
+    ) -> Result<AdmittedRun, Error> {
+        validate_max_run_duration(max_run_duration)?;
+        self.admit_inner(organization_id, start_key, input, token, Some(max_run_duration)).await
+    }
+
+    async fn admit_inner(
+        &self,
+        organization_id: Uuid,
+        start_key: &str,
+        input: &serde_json::Value,
+        token: AdmissionToken,
+        max_run_duration: Option<std::time::Duration>,
+    ) -> Result<AdmittedRun, Error> {
         check(start_key, input)?;
-        let run = self.repo.admit(organization_id, start_key, input, token.as_uuid()).await?;
+        let run = self.repo.admit(organization_id, start_key, input, token.as_uuid(), max_run_duration).await?;
         tracing::info!(
             %organization_id, start_key, run_id = %run.id, admitted = run.admitted, fenced = false,
             "run admission"
@@ -208,6 +255,24 @@ fn check(start_key: &str, input: &serde_json::Value) -> Result<(), InvalidInput>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_run_duration_is_capped_at_the_tool_retention() {
+        let day = std::time::Duration::from_secs(86_400);
+        assert_eq!(MAX_RUN_DURATION, day * 30);
+        assert!(validate_max_run_duration(day * 30).is_ok());
+        assert!(validate_max_run_duration(std::time::Duration::from_millis(1)).is_ok());
+        for refused in [
+            std::time::Duration::ZERO,
+            std::time::Duration::from_micros(999),
+            day * 30 + std::time::Duration::from_millis(1),
+        ] {
+            assert!(
+                matches!(validate_max_run_duration(refused), Err(InvalidInput::RunDurationOutOfRange { cap, .. }) if cap == day * 30),
+                "{refused:?}"
+            );
+        }
+    }
 
     #[test]
     fn a_derived_token_is_stable_per_identity_and_organization_and_says_nothing_in_debug() {

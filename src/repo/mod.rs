@@ -166,12 +166,15 @@ pub trait RunRepository: Send + Sync {
     /// Admits the Run `start_key` names, or answers the one already admitted
     /// under it. `admitted` is true for the call that inserted it, and for a
     /// repeat carrying the same `admission_token` (its answer was lost).
+    /// `max_run_duration`, when the Run's definition sets one, is kept with
+    /// the Run; the store refuses one that is zero or above 30 days.
     fn admit(
         &self,
         organization_id: Uuid,
         start_key: &str,
         input: &serde_json::Value,
         admission_token: Uuid,
+        max_run_duration: Option<std::time::Duration>,
     ) -> impl Future<Output = Result<AdmittedRun, Error>> + Send;
 
     /// [`admit`](Self::admit), but only while `fence` holds: its claim is

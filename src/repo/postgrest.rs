@@ -213,6 +213,8 @@ struct AdmitArgs<'a> {
     p_claim_id: Option<Uuid>,
     #[serde(skip_serializing_if = "Option::is_none")]
     p_lease_token: Option<Uuid>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_max_run_duration_ms: Option<u128>,
 }
 
 #[derive(Serialize)]
@@ -244,6 +246,7 @@ impl RunRepository for PostgrestRepository {
         start_key: &str,
         input: &serde_json::Value,
         admission_token: Uuid,
+        max_run_duration: Option<std::time::Duration>,
     ) -> Result<AdmittedRun, Error> {
         self.run_admit(&AdmitArgs {
             p_organization_id: organization_id,
@@ -252,6 +255,7 @@ impl RunRepository for PostgrestRepository {
             p_admission_token: admission_token,
             p_claim_id: None,
             p_lease_token: None,
+            p_max_run_duration_ms: max_run_duration.map(|duration| duration.as_millis()),
         })
         .await
     }
@@ -272,6 +276,7 @@ impl RunRepository for PostgrestRepository {
                 p_admission_token: admission_token,
                 p_claim_id: Some(fence.claim_id),
                 p_lease_token: Some(fence.lease_token),
+                p_max_run_duration_ms: None,
             })
             .await;
         match admitted {

@@ -228,8 +228,9 @@ impl<R: RunRepository> RunRepository for TenantRouter<R> {
         start_key: &str,
         input: &serde_json::Value,
         admission_token: Uuid,
+        max_run_duration: Option<std::time::Duration>,
     ) -> Result<AdmittedRun, Error> {
-        self.route(organization_id)?.admit(organization_id, start_key, input, admission_token).await
+        self.route(organization_id)?.admit(organization_id, start_key, input, admission_token, max_run_duration).await
     }
 
     async fn admit_fenced(
@@ -416,7 +417,7 @@ mod tests {
         unrouted(router.get(stranger, SCOPE, "k").await.map(drop));
         unrouted(router.complete(stranger, id, token, CompletionArgs::default()).await.map(drop));
         unrouted(router.release(stranger, id, token).await.map(drop));
-        unrouted(router.admit(stranger, "start", &input, token).await.map(drop));
+        unrouted(router.admit(stranger, "start", &input, token, None).await.map(drop));
         unrouted(router.admit_fenced(stranger, "start", &input, token, fence).await.map(drop));
         unrouted(router.find(stranger, "start", None).await.map(drop));
         unrouted(router.register(stranger, "nylas", "job-1").await.map(drop));

@@ -17,8 +17,10 @@ pub const MAX_SCOPE_CHARS: usize = 128;
 pub const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Retention of every tool scope (`tool.*`): the ceiling of
-/// `max_run_duration`, because a Run can wait on an approval for days and
-/// the claim is its replay journal. The database refuses a shorter one.
+/// `max_run_duration` ([`MAX_RUN_DURATION`](crate::callers::runs::MAX_RUN_DURATION)
+/// is this value, and the plane refuses a longer Run), because a Run can
+/// wait on an approval for days and the claim is its replay journal. The
+/// database refuses a shorter retention.
 pub const TOOL_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 
 /// A scope is 1 to 128 characters of `a-z 0-9 . _ -`. Whether it has a

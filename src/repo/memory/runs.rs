@@ -58,6 +58,15 @@ fn run_arguments_well_formed(start_key: &str, input: Option<&serde_json::Value>)
     (1..=512).contains(&start_key.chars().count()) && input.is_none_or(|input| !input.is_null())
 }
 
+/// Whether `agent.run_admit` takes a Run's max_run_duration: above zero, at
+/// most 30 days (22023 otherwise), whole milliseconds as sent.
+fn run_duration_accepted(max_run_duration: Option<std::time::Duration>) -> bool {
+    max_run_duration.is_none_or(|duration| {
+        let ms = duration.as_millis();
+        ms > 0 && ms <= crate::callers::runs::MAX_RUN_DURATION.as_millis()
+    })
+}
+
 impl RunRepository for MemoryRepository {
     async fn admit(
         &self,
@@ -65,8 +74,9 @@ impl RunRepository for MemoryRepository {
         start_key: &str,
         input: &serde_json::Value,
         admission_token: Uuid,
+        max_run_duration: Option<std::time::Duration>,
     ) -> Result<AdmittedRun, Error> {
-        if !run_arguments_well_formed(start_key, Some(input)) {
+        if !run_arguments_well_formed(start_key, Some(input)) || !run_duration_accepted(max_run_duration) {
             return Err(refused("run_admit", codes::INVALID_PARAMETER_VALUE));
         }
         Ok(self.lock().admit(organization_id, start_key, input, admission_token))

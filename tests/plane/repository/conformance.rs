@@ -221,11 +221,25 @@ async fn expired_claims_are_read_oldest_first_within_the_bound_and_deleted(
 /// Run admission and provider jobs.
 async fn runs_are_admitted_once_and_provider_jobs_belong_to_one_organization(repo: &impl Backend, _: &impl TimeTravel) {
     let (org, input, token) = (Uuid::new_v4(), json!({"q": 1}), Uuid::new_v4());
-    let run = repo.admit(org, "capability:x:1", &input, token).await.unwrap();
+    let run = repo.admit(org, "capability:x:1", &input, token, None).await.unwrap();
     assert!(run.admitted);
-    assert!(repo.admit(org, "capability:x:1", &input, token).await.unwrap().admitted, "a repeat of the same call");
-    let other = repo.admit(org, "capability:x:1", &json!({"q": 2}), Uuid::new_v4()).await.unwrap();
+    assert!(
+        repo.admit(org, "capability:x:1", &input, token, None).await.unwrap().admitted,
+        "a repeat of the same call"
+    );
+    let other = repo.admit(org, "capability:x:1", &json!({"q": 2}), Uuid::new_v4(), None).await.unwrap();
     assert_eq!((other.admitted, other.id, other.input), (false, run.id, input));
+
+    // A Run's max_run_duration: above zero, at most 30 days (the tool
+    // retention, which every tool claim of the Run is kept for).
+    let thirty_days = Duration::from_secs(30 * 86_400);
+    let kept = repo.admit(org, "capability:x:2", &json!({}), Uuid::new_v4(), Some(thirty_days)).await.unwrap();
+    assert!(kept.admitted, "30 days is the cap, and allowed");
+    for refused in [Duration::ZERO, Duration::from_micros(999), thirty_days + Duration::from_millis(1)] {
+        let answer = repo.admit(org, "capability:x:3", &json!({}), Uuid::new_v4(), Some(refused)).await;
+        assert_eq!(code(answer), "22023", "{refused:?}");
+    }
+    assert_eq!(repo.find(org, "capability:x:3", None).await.unwrap(), None, "nothing admitted");
 
     let job = repo.register(org, "transcribe", "job-1").await.unwrap();
     assert_eq!(repo.register(org, "transcribe", "job-1").await.unwrap(), job, "a repeat answers the job");

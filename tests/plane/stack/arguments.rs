@@ -92,7 +92,7 @@ fn surface() -> Vec<Call> {
             arguments: vec![("p_bound", "10".to_owned(), true), ("p_row_cap", "1000".to_owned(), true)],
         },
         Call {
-            sql: "select * from agent.run_admit($1::uuid, $2, $3::jsonb, $4::uuid, $5::uuid, $6::uuid)",
+            sql: "select * from agent.run_admit($1::uuid, $2, $3::jsonb, $4::uuid, $5::uuid, $6::uuid, $7::bigint)",
             arguments: vec![
                 ("p_organization_id", ORG.to_owned(), true),
                 ("p_start_key", "start-1".to_owned(), true),
@@ -101,6 +101,7 @@ fn surface() -> Vec<Call> {
                 // The fence: the processing claim arranged below, held by TOKEN.
                 ("p_claim_id", CLAIM_ID.to_owned(), false),
                 ("p_lease_token", TOKEN.to_owned(), false),
+                ("p_max_run_duration_ms", "86400000".to_owned(), false),
             ],
         },
         Call {
@@ -488,5 +489,68 @@ async fn an_unreadable_response_is_refused_while_another_transaction_holds_the_r
         "refused without waiting for the row"
     );
     assert_eq!(status(&stack).await, "processing");
+    stack.stop().await.unwrap();
+}
+
+/// A Run's max_run_duration is capped at 30 days, the tool retention, in
+/// SQL whoever calls: `run_admit` refuses zero, a negative duration and one
+/// above 30 days with 22023, naming the argument and admitting nothing, and
+/// the table itself refuses a row that carries one (a superuser's insert).
+/// The crate refuses it before any request.
+#[tokio::test]
+async fn a_run_longer_than_30_days_is_refused_by_the_function_the_table_and_the_crate() {
+    let stack = stack().await;
+    let mut conn = stack.db().acquire().await.expect("a connection");
+    let admit = |ms: &str| Call {
+        sql: "select * from agent.run_admit($1::uuid, $2, $3::jsonb, p_max_run_duration_ms => $4::bigint)",
+        arguments: vec![
+            ("p_organization_id", ORG.to_owned(), true),
+            ("p_start_key", "long-run".to_owned(), true),
+            ("p_input", "{}".to_owned(), true),
+            ("p_max_run_duration_ms", ms.to_owned(), false),
+        ],
+    };
+    for ms in ["0", "-1", "2592000001"] {
+        let refused = run(&mut conn, Some("service_role"), &admit(ms), None).await;
+        assert!(
+            matches!(&refused, Some((code, message)) if code == codes::INVALID_PARAMETER_VALUE
+                && message.contains("p_max_run_duration_ms") && message.contains("30 days")),
+            "{ms} ms: {refused:?}"
+        );
+    }
+    assert_eq!(run(&mut conn, Some("service_role"), &admit("2592000000"), None).await, None, "30 days exactly");
+    let inserted = sqlx::query(
+        "insert into agent.runs (organization_id, start_key, input, max_run_duration)
+         values ($1::uuid, 'by-hand', '{}', interval '31 days')",
+    )
+    .bind(ORG)
+    .execute(&mut *conn)
+    .await
+    .expect_err("a Run of 31 days");
+    let code = inserted.as_database_error().and_then(|db| db.code().map(|c| c.into_owned()));
+    assert_eq!(code.as_deref(), Some("23514"), "{inserted}");
+    drop(conn);
+    assert_eq!(count_runs(&stack).await, 0, "nothing admitted");
+
+    let runs = idempotency_plane::callers::runs::RunAdmission::new(PostgrestRepository::new(client(&stack)));
+    let token = idempotency_plane::callers::runs::AdmissionToken::random();
+    let over = std::time::Duration::from_secs(30 * 86_400 + 1);
+    let refused = runs.admit_with_max_duration(org(), "long-run", &json!({}), token, over).await;
+    assert!(
+        matches!(
+            refused,
+            Err(idempotency_plane::Error::Invalid(idempotency_plane::InvalidInput::RunDurationOutOfRange { .. }))
+        ),
+        "{refused:?}"
+    );
+    let day = std::time::Duration::from_secs(86_400);
+    let admitted = runs.admit_with_max_duration(org(), "day-run", &json!({}), token, day).await.expect("a day");
+    let stored: sqlx::postgres::types::PgInterval =
+        sqlx::query_scalar("select max_run_duration from agent.runs where id = $1")
+            .bind(admitted.id)
+            .fetch_one(stack.db())
+            .await
+            .expect("the Run's duration");
+    assert_eq!((stored.months, stored.days, stored.microseconds), (0, 0, 86_400_000_000), "kept with the Run");
     stack.stop().await.unwrap();
 }

@@ -255,9 +255,10 @@ impl RunRepository for LossyRuns {
         start_key: &str,
         input: &Value,
         admission_token: Uuid,
+        max_run_duration: Option<std::time::Duration>,
     ) -> Result<AdmittedRun, Error> {
         let lose = self.loses();
-        let admitted = self.inner.admit(organization_id, start_key, input, admission_token).await;
+        let admitted = self.inner.admit(organization_id, start_key, input, admission_token, max_run_duration).await;
         self.answer("admit", admitted, lose, |run| Some((run.id, run.input.clone())))
     }
 
