@@ -13,6 +13,7 @@ import {
   type IdempotentOptions,
   makeIdempotent,
   NothingHappened,
+  PlaneError,
   responseRefOf,
   success,
   Timing,
@@ -235,4 +236,76 @@ Deno.test("an effect that ignores its signal but ends soon after its timeout is 
     answer: success("late but done"),
   });
   assert.equal(runs, 1);
+});
+
+Deno.test("the first answer is the replay's, byte for byte, whatever it holds", async () => {
+  const deep = Array.from({ length: 100 }).reduce<unknown>((inner) => [inner], 1);
+  const cases: Array<[string, Answer]> = [
+    ["member order", success({ zeta: 1, a: { yy: [3, { b: 1, aa: 2 }], x: null }, "10": "n", "2": "m", éé: true })],
+    ["long error", failure("e".repeat(70_000), { field: "to" })],
+    ["nul", failure("bad\0byte", { body: "PK\0\u0003", z: 1, a: 2 })],
+    ["oversized", success({ rows: "x".repeat(100 * 1024), b: 1, a: 2 })],
+    [
+      "oversized with resource",
+      success({ rows: "x".repeat(100 * 1024) }, { resourceType: "export", resourceId: "x-1" }),
+    ],
+    ["deep", success(deep)],
+    ["marker-shaped", success({ $json: "{}" })],
+  ];
+  for (const [name, made] of cases) {
+    const opts = options();
+    const first = await idempotent(() => made, opts);
+    assert.equal(first.status, "ran", name);
+    if (first.status !== "ran") return;
+    assert.equal(first.settled.ending, "journaled", name);
+    const again = await idempotent(() => success("never"), opts);
+    assert.equal(again.status, "replayed", name);
+    if (again.status !== "replayed") return;
+    assert.equal(
+      JSON.stringify(first.answer),
+      JSON.stringify(again.answer),
+      `${name}: the first answer is the replay's`,
+    );
+    assert.equal(first.answer.ok, made.ok, name);
+  }
+});
+
+Deno.test("idempotent() without timeoutMs or leaseMs is refused before any request, naming both", async () => {
+  const lossy = new Lossy();
+  const { timeoutMs: _timeout, ...rest } = options({ plane: plane({ fetch: lossy.fetch }) });
+  await assert.rejects(idempotent(() => success(1), rest), (error: unknown) => {
+    assert.ok(error instanceof PlaneError, String(error));
+    assert.equal(error.kind, "invalid_input");
+    assert.equal(error.reason, "bad_configuration");
+    assert.match(error.message, /timeoutMs/);
+    assert.match(error.message, /leaseMs/);
+    return true;
+  });
+  assert.equal(lossy.calls.length, 0, "nothing was sent");
+});
+
+Deno.test("idempotent() throws a PlaneError of the documented kind, and only before the effect ran", async () => {
+  let ran = 0;
+  const effect = () => {
+    ran += 1;
+    return success(1);
+  };
+  const kinds: Array<[string, Partial<IdempotentOptions>, (error: PlaneError) => boolean]> = [
+    ["malformed organization", { organizationId: "not-a-uuid" }, (e) => e.reason === "malformed_organization"],
+    ["key over 512 characters", { key: "k".repeat(513) }, (e) => e.reason === "key_too_long"],
+    ["unknown scope", { scope: "nobody.knows" }, (e) => e.kind === "unknown_scope"],
+    [
+      "plane unreachable",
+      { plane: plane({ fetch: new Lossy().refuseAll().fetch }), askForMs: 300 },
+      (e) => e.isTransient,
+    ],
+  ];
+  for (const [name, extra, expected] of kinds) {
+    await assert.rejects(idempotent(effect, options(extra)), (error: unknown) => {
+      assert.ok(error instanceof PlaneError, `${name}: ${error}`);
+      assert.ok(expected(error), `${name}: ${error.kind} ${error.reason ?? ""} ${error.message}`);
+      return true;
+    });
+  }
+  assert.equal(ran, 0, "the effect never ran");
 });

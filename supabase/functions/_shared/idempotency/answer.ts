@@ -199,10 +199,39 @@ function isEnvelope(value: unknown): value is Record<string, unknown> {
 }
 
 /**
- * Reads a stored answer back. A response another client stored in another
- * shape replays as a success whose output is that response.
+ * `value` with every object's members in the order PostgreSQL's `jsonb`
+ * keeps them: shorter keys first, then by their UTF-8 bytes. (JavaScript
+ * still puts integer-like keys first.) Servers hand a stored answer back in
+ * different orders (PostgREST in `jsonb`'s, others sorted), so every
+ * answer read back is put in this one order, and the first answer too: the
+ * two are then equal byte for byte as JSON, whichever server answered. A
+ * field kept as its JSON text (`{"$json": "…"}`) is a string here, so its
+ * own order (the effect's) stays.
  */
-export function answerFromStored(response: unknown, resource?: ResourceRef): Answer {
+export function inJsonbOrder(value: unknown): unknown {
+  if (Array.isArray(value)) return value.map(inJsonbOrder);
+  if (value === null || typeof value !== "object") return value;
+  const encoder = new TextEncoder();
+  const keys = Object.keys(value).map((key) => ({ key, bytes: encoder.encode(key) }));
+  keys.sort((a, b) => {
+    if (a.bytes.length !== b.bytes.length) return a.bytes.length - b.bytes.length;
+    for (let i = 0; i < a.bytes.length; i++) {
+      if (a.bytes[i] !== b.bytes[i]) return a.bytes[i] - b.bytes[i];
+    }
+    return 0;
+  });
+  const ordered: Record<string, unknown> = {};
+  for (const { key } of keys) ordered[key] = inJsonbOrder((value as Record<string, unknown>)[key]);
+  return ordered;
+}
+
+/**
+ * Reads a stored answer back, its members in one order (`inJsonbOrder`). A
+ * response another client stored in another shape replays as a success
+ * whose output is that response.
+ */
+export function answerFromStored(stored: unknown, resource?: ResourceRef): Answer {
+  const response = inJsonbOrder(stored);
   let answer: Answer;
   if (response === undefined || response === null) {
     answer = { ok: true, output: null };

@@ -16,7 +16,7 @@
 // The journal and the release are retried on transient failures until the
 // ending's deadline (timing.ts); none starts after it.
 
-import { type Answer, replayable, store, storedSize } from "./answer.ts";
+import { type Answer, answerFromStored, replayable, store, storedSize } from "./answer.ts";
 import { sleep } from "./client.ts";
 import { PlaneError } from "./errors.ts";
 import type { Claim, IdempotencyPlane } from "./plane.ts";
@@ -60,6 +60,17 @@ export class Held {
   readonly #driver: { readonly plane: IdempotencyPlane; readonly log: Logger };
   #settled = false;
   #running?: Promise<{ value: unknown } | { cut: "threw"; error: unknown }>;
+  #journaled?: Answer;
+
+  /**
+   * Once the claim ended journaled: the answer as every replay of the key
+   * will give it (an error cut to its first bytes, an output above the limit
+   * by reference, members in the order the store keeps them). Answer the
+   * first caller with this, so the first answer equals its replays.
+   */
+  get journaled(): Answer | undefined {
+    return this.#journaled;
+  }
 
   /**
    * Made by `EffectDriver.begin` (driver.ts) for the claim it made: `driver`
@@ -187,6 +198,7 @@ export class Held {
           deadlineMs: remaining,
         });
         if (ending === "lease_moved_on") return { ending: "lease_moved_on" };
+        this.#journaled = answerFromStored(stored.response, stored.resource);
         return stored.standIn ? { ending: "journaled", standIn: stored.standIn.reason } : { ending: "journaled" };
       } catch (caught) {
         if (!(caught instanceof PlaneError)) throw caught;

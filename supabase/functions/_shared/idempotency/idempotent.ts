@@ -86,7 +86,25 @@ export interface IdempotentOptions {
  * claim, run (cut at its timeout), and journal its answer (business
  * failures included, oversized ones by reference); release when it throws
  * `NothingHappened`; leave the claim to its lease when it throws anything
- * else or times out; replay the journaled answer to duplicates.
+ * else or times out; replay the journaled answer to duplicates. A first
+ * answer (`ran`) is the journaled one, exactly as every replay returns it:
+ * `JSON.stringify` of both is the same string.
+ *
+ * What the effect throws is answered as `failed`, never thrown. What this
+ * function throws is a `PlaneError`, always before the effect ran (no claim
+ * of this call is held, or the one that may exist is left to its lease):
+ *
+ * - `kind: "invalid_input"`: the options were refused before any request
+ *   (`reason`: a malformed organization, an empty key or one over 512
+ *   characters, a malformed scope, `bad_configuration` for a missing
+ *   `timeoutMs`/`leaseMs` or two that disagree): a bug or bad input, 400/500;
+ * - `kind: "unknown_scope"`: the scope has no policy row in the plane
+ *   (IDEM1): a deployment fault, 500;
+ * - `isTransient` (`transport`, `deadline`, a 5xx): the plane could not be
+ *   reached or answer in time, after the client's own retries: 503, and the
+ *   caller retries later with the same key;
+ * - anything else (`api`, `decode`, `inconsistent`): the plane answered
+ *   something unexpected: 502.
  */
 export async function idempotent(
   effect: (context: EffectContext) => Promise<Answer> | Answer,
@@ -94,7 +112,13 @@ export async function idempotent(
 ): Promise<IdempotentResult> {
   const journalMs = options.journalDeadlineMs ?? DEFAULT_JOURNAL_DEADLINE_MS;
   const marginMs = options.marginMs ?? DEFAULT_MARGIN_MS;
-  const timeoutMs = options.timeoutMs ?? (options.leaseMs === undefined ? NaN : options.leaseMs - journalMs - marginMs);
+  if (options.timeoutMs === undefined && options.leaseMs === undefined) {
+    throw PlaneError.invalid(
+      "bad_configuration",
+      "idempotent() needs timeoutMs (how long the effect may run) or leaseMs (the whole lease); neither was given",
+    );
+  }
+  const timeoutMs = options.timeoutMs ?? (options.leaseMs as number) - journalMs - marginMs;
   if (
     options.timeoutMs !== undefined && options.leaseMs !== undefined &&
     options.leaseMs !== timeoutMs + journalMs + marginMs
@@ -155,9 +179,10 @@ export async function idempotent(
         settled: await held.settle({ unknown: "the effect returned something that is not an Answer" }),
       };
     }
-    // The first answer as the journal holds it, so a replay equals it.
+    // The first answer as the journal holds it, so every replay equals it.
     const answer = replayable(ended.value);
-    return { status: "ran", answer, settled: await held.settle({ journal: answer }) };
+    const settled = await held.settle({ journal: answer });
+    return { status: "ran", answer: held.journaled ?? answer, settled };
   }
   const settle: Settle = ended.error instanceof NothingHappened ? "release" : { unknown: "the effect threw" };
   return { status: "failed", error: ended.error, settled: await held.settle(settle) };
