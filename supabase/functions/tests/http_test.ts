@@ -327,7 +327,9 @@ Deno.test("plane: a handler past its timeout that ends late keeps its late answe
   assert(aborted, "the handler's signal aborted");
   // It answered once aborted: that answer is the key's, and the first caller's.
   assertEquals([first.status, first.headers.get("idempotent-replayed")], [201, null]);
+  assertEquals(first.headers.get("idempotent-body-omitted"), null, "its body read whole");
   const firstBody = await first.text();
+  assertEquals(JSON.parse(firstBody).id, 1);
   const retry = await serve(request(key));
   assertEquals([retry.status, retry.headers.get("idempotent-replayed"), await retry.text()], [201, "true", firstBody]);
   assertEquals(runs(), 1);

@@ -326,7 +326,8 @@ async function cutOff(config: Config, held: Held, event: Record<string, unknown>
     timeout_ms: config.timing.effectMs,
     why: "the handler timed out",
   });
-  const late = await held.late(held.effectDeadline + config.timing.journalMs / 2);
+  const waitedUntil = held.effectDeadline + config.timing.journalMs / 2;
+  const late = await held.late(waitedUntil);
   if (late === undefined) {
     const settled = await held.settle({ unknown: "the handler timed out and is still running" });
     config.log({ event: "idempotency.http_left_to_lease", level: "warn", ...event, ending: settled.ending });
@@ -340,7 +341,7 @@ async function cutOff(config: Config, held: Held, event: Record<string, unknown>
   }
   if ("value" in late) {
     const ran = await answered(config, held, late.value, event, "handler-timeout");
-    return "ended" in ran ? ran.ended : await keepAnswer(config, held, ran.answered, event);
+    return "ended" in ran ? ran.ended : await keepAnswer(config, held, ran.answered, event, waitedUntil);
   }
   return await failed(config, held, late.error, event, "handler-timeout");
 }
@@ -395,16 +396,18 @@ function firstAnswer(stored: StoredResponse, headers: Headers): Response | undef
 /**
  * Keeps the handler's answer as the key's, whatever its status (a 500
  * included: the handler started), and returns what the caller gets: what
- * every replay will say. An answer that cannot be read whole, in size or in
- * time, is kept without its body.
+ * every replay will say. An answer that cannot be read whole, in size or by
+ * `readUntil` (the handler's timeout, or the end of the wait for a late
+ * one), is kept without its body.
  */
 async function keepAnswer(
   config: Config,
   held: Held,
   response: Response,
   event: Record<string, unknown>,
+  readUntil = held.effectDeadline,
 ): Promise<Response> {
-  const answerBody = await readBody(response.body, config.responseBodyLimit, held.effectDeadline);
+  const answerBody = await readBody(response.body, config.responseBodyLimit, readUntil);
   let answer: Response;
   let stored: StoredResponse;
   let bodyBytes: number;
