@@ -48,7 +48,7 @@ pub(crate) const SWEEP: SqlFunction = function("idempotency_sweep", "p_bound int
 pub(crate) const RUN_ADMIT: SqlFunction = function(
     "run_admit",
     "p_organization_id uuid, p_start_key text, p_input jsonb, p_admission_token uuid, p_claim_id uuid, \
-     p_lease_token uuid",
+     p_lease_token uuid, p_max_run_duration_ms bigint",
 );
 pub(crate) const RUN_GET: SqlFunction =
     function("run_get", "p_organization_id uuid, p_start_key text, p_admission_token uuid");

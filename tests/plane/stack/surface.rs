@@ -23,7 +23,10 @@ const SURFACE: &[(&str, &str)] = &[
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
     ("idempotency_sweep", "p_bound,p_row_cap"),
-    ("run_admit", "p_organization_id,p_start_key,p_input,p_admission_token,p_claim_id,p_lease_token"),
+    (
+        "run_admit",
+        "p_organization_id,p_start_key,p_input,p_admission_token,p_claim_id,p_lease_token,p_max_run_duration_ms",
+    ),
     ("run_get", "p_organization_id,p_start_key,p_admission_token"),
     ("provider_job_register", "p_organization_id,p_provider,p_job_id"),
     ("provider_job_lookup", "p_provider,p_job_id"),
