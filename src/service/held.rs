@@ -266,14 +266,13 @@ impl<R: IdempotencyRepository> Held<R> {
                 return Ok(Settled::LeftToLease(LeftToLease::Deadline { ending: "journal" }));
             }
             let stored = answer::store(answer, limit, refused);
-            let completion = Completion { response: Some(stored.response.clone()), resource: stored.resource.clone() };
-            let attempt = tokio::time::timeout_at(self.ending_deadline, self.service.complete(&self.claim, completion));
-            let error = match attempt.await {
-                Ok(Ok(Ending::Recorded)) => {
-                    let answer = Answer::from_stored(Some(stored.response), stored.resource, None);
-                    return Ok(Settled::Journaled { stand_in: stored.stand_in, answer });
-                }
-                Ok(Ok(Ending::LeaseMovedOn)) => return Ok(Settled::LeaseMovedOn),
+            let completion = Completion { response: Some(stored.response), resource: stored.resource };
+            let completing = self.service.complete_stored(&self.claim, completion);
+            let error = match tokio::time::timeout_at(self.ending_deadline, completing).await {
+                // The row as the store answered it, which is what every replay
+                // reads (its numbers as the database writes them, too).
+                Ok(Ok(Some(answer))) => return Ok(Settled::Journaled { stand_in: stored.stand_in, answer }),
+                Ok(Ok(None)) => return Ok(Settled::LeaseMovedOn),
                 Err(_elapsed) => return Ok(Settled::LeftToLease(LeftToLease::Deadline { ending: "journal" })),
                 Ok(Err(error)) => error,
             };

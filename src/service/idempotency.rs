@@ -6,6 +6,7 @@ use std::time::Duration;
 use tracing::{field, Instrument};
 use uuid::Uuid;
 
+use super::answer::Answer;
 use super::hash::RequestHash;
 use super::outcome::{Claim, ClaimOutcome, Completion, Ending, ReadOutcome, ResourceRef};
 use super::replay_cache;
@@ -249,6 +250,16 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     /// reclaimed the key after our lease passed: our answer is not stored,
     /// and the caller must neither retry nor raise.
     pub async fn complete(&self, claim: &Claim, completion: Completion) -> Result<Ending, Error> {
+        Ok(match self.complete_stored(claim, completion).await? {
+            Some(_) => Ending::Recorded,
+            None => Ending::LeaseMovedOn,
+        })
+    }
+
+    /// [`complete`](Self::complete), answering the answer as the store
+    /// keeps it (the completed row read back, as every replay reads it), or
+    /// `None` when the lease moved on.
+    pub(super) async fn complete_stored(&self, claim: &Claim, completion: Completion) -> Result<Option<Answer>, Error> {
         let span = tracing::info_span!(
             "idempotency.complete",
             organization_id = %claim.organization_id, scope = %claim.scope, key = %claim.key,
@@ -266,7 +277,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 resource_id: completion.resource.as_ref().map(|r| r.resource_id.as_str()),
                 response: elided.as_ref().or(response),
             };
-            let ending = match self.repo.complete(claim.organization_id, claim.id, claim.lease_token, args).await? {
+            let stored_answer = match self.repo.complete(claim.organization_id, claim.id, claim.lease_token, args).await? {
                 Some(record) => {
                     let record =
                         checked(record, claim.organization_id, &claim.scope, &claim.key, Some(claim.lease_token))?;
@@ -285,12 +296,13 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                     let hash = record.request_hash.clone();
                     let stored = Stored::of(record.response, record.resource_type, record.resource_id);
                     self.remember(claim.organization_id, &claim.scope, &claim.key, &hash, &stored);
-                    Ending::Recorded
+                    Some(Answer::from_stored(stored.response, stored.resource, stored.response_ref))
                 }
-                None => Ending::LeaseMovedOn,
+                None => None,
             };
+            let ending = if stored_answer.is_some() { Ending::Recorded } else { Ending::LeaseMovedOn };
             record_ending("complete", &claim.scope, ending);
-            Ok(ending)
+            Ok(stored_answer)
         }
         .instrument(span)
         .await

@@ -170,6 +170,9 @@ async fn the_first_answer_is_exactly_what_every_replay_says<P: Plane>(plane: &P)
         ),
         ("deep", ToolResult::success(nested(100))),
         ("marker-shaped", ToolResult::success(json!({"$json": "{}"}))),
+        // Numbers the database writes back in another form (1e18 as an
+        // integer, 1e-7 in full).
+        ("numbers", ToolResult::success(json!({"big": 1e18, "small": 1e-7, "whole": 100.0, "neg": -1e17}))),
     ];
     for (step, made) in answers {
         let (key, args) = (ToolKey::for_step(Uuid::new_v4(), step), json!({"step": step}));
