@@ -277,29 +277,30 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 resource_id: completion.resource.as_ref().map(|r| r.resource_id.as_str()),
                 response: elided.as_ref().or(response),
             };
-            let stored_answer = match self.repo.complete(claim.organization_id, claim.id, claim.lease_token, args).await? {
-                Some(record) => {
-                    let record =
-                        checked(record, claim.organization_id, &claim.scope, &claim.key, Some(claim.lease_token))?;
-                    if record.status != ClaimStatus::Completed {
-                        return Err(Error::Inconsistent(format!(
-                            "completing claim {} left it {:?}",
-                            claim.id, record.status
-                        )));
+            let stored_answer =
+                match self.repo.complete(claim.organization_id, claim.id, claim.lease_token, args).await? {
+                    Some(record) => {
+                        let record =
+                            checked(record, claim.organization_id, &claim.scope, &claim.key, Some(claim.lease_token))?;
+                        if record.status != ClaimStatus::Completed {
+                            return Err(Error::Inconsistent(format!(
+                                "completing claim {} left it {:?}",
+                                claim.id, record.status
+                            )));
+                        }
+                        if record.id != claim.id {
+                            return Err(Error::Inconsistent(format!(
+                                "completing claim {} answered row {}",
+                                claim.id, record.id
+                            )));
+                        }
+                        let hash = record.request_hash.clone();
+                        let stored = Stored::of(record.response, record.resource_type, record.resource_id);
+                        self.remember(claim.organization_id, &claim.scope, &claim.key, &hash, &stored);
+                        Some(Answer::from_stored(stored.response, stored.resource, stored.response_ref))
                     }
-                    if record.id != claim.id {
-                        return Err(Error::Inconsistent(format!(
-                            "completing claim {} answered row {}",
-                            claim.id, record.id
-                        )));
-                    }
-                    let hash = record.request_hash.clone();
-                    let stored = Stored::of(record.response, record.resource_type, record.resource_id);
-                    self.remember(claim.organization_id, &claim.scope, &claim.key, &hash, &stored);
-                    Some(Answer::from_stored(stored.response, stored.resource, stored.response_ref))
-                }
-                None => None,
-            };
+                    None => None,
+                };
             let ending = if stored_answer.is_some() { Ending::Recorded } else { Ending::LeaseMovedOn };
             record_ending("complete", &claim.scope, ending);
             Ok(stored_answer)

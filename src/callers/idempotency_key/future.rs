@@ -249,11 +249,7 @@ fn decide<R>(config: &Config<R>, begun: Begun<R>) -> Decision<R> {
             let replay = serde_json::from_value::<StoredResponse>(answer.output).ok().and_then(|s| s.replay());
             return Decision::Answer(replay.unwrap_or_else(|| {
                 tracing::error!("the journaled answer is not one this layer wrote");
-                Problem::new(
-                    ProblemType::UnreadableAnswer,
-                    "this key completed, but its journaled answer is not an HTTP answer",
-                )
-                .into_response()
+                unreadable_answer()
             }));
         }
         Begun::InFlight { .. } => {
@@ -385,27 +381,55 @@ fn record_kept(settled: &Settled) {
     }
 }
 
+/// Headers that describe a body's bytes: never added to an answer whose
+/// body is not the handler's own bytes (omitted), and the length ones never
+/// copied at all (the server sets them for the body it sends).
+const BODY_HEADERS: [&str; 8] = [
+    "content-length",
+    "transfer-encoding",
+    "content-encoding",
+    "content-range",
+    "content-md5",
+    "digest",
+    "etag",
+    "trailer",
+];
+
 /// What the first caller gets once an answer is journaled: exactly what a
 /// replay will say (status, kept headers, the body or its omission), less
 /// `Idempotent-Replayed`; and the handler's own `headers` a replay leaves
 /// out on purpose (credentials, headers not kept) unless the journal keeps
-/// a refusal the layer answered in the handler's place. `None` when nothing
-/// was journaled.
+/// a refusal the layer answered in the handler's place. A journaled answer
+/// no replay could read is answered as a replay answers it. `None` when
+/// nothing was journaled.
 fn first_answer(settled: &Settled, headers: &HeaderMap) -> Option<Response<Body>> {
     let journaled = settled.journaled()?;
-    let stored = serde_json::from_value::<StoredResponse>(journaled.output.clone()).ok()?;
-    let mut response = stored.replay()?;
+    let stored = serde_json::from_value::<StoredResponse>(journaled.output.clone()).ok();
+    let Some((stored, mut response)) = stored.and_then(|stored| stored.replay().map(|response| (stored, response)))
+    else {
+        tracing::error!("the journaled answer is not one this layer can replay");
+        return Some(unreadable_answer());
+    };
     response.headers_mut().remove("idempotent-replayed");
     if !stored.refused {
         let replayed: Vec<_> = response.headers().keys().cloned().collect();
+        let body_omitted = stored.body_omitted.is_some();
         for (name, value) in headers {
-            let length = name == axum::http::header::CONTENT_LENGTH || name == axum::http::header::TRANSFER_ENCODING;
-            if !length && !replayed.contains(name) {
+            let describes_body = BODY_HEADERS.contains(&name.as_str());
+            let copied = !describes_body || (!body_omitted && name != "content-length" && name != "transfer-encoding");
+            if copied && !replayed.contains(name) {
                 response.headers_mut().append(name.clone(), value.clone());
             }
         }
     }
     Some(response)
+}
+
+/// 500 `unreadable-answer`: the key completed, but its journaled answer is
+/// not an HTTP answer this layer wrote.
+fn unreadable_answer() -> Response<Body> {
+    Problem::new(ProblemType::UnreadableAnswer, "this key completed, but its journaled answer is not an HTTP answer")
+        .into_response()
 }
 
 /// Releases a claim whose handler said nothing happened; the span records how.

@@ -156,6 +156,7 @@ async fn the_first_answer_is_exactly_what_every_replay_says() {
         if let Some(content_type) = content_type {
             answer.headers_mut().insert("content-type", content_type);
         }
+        answer.headers_mut().insert("etag", axum::http::HeaderValue::from_static("\"v1\""));
         answer
     }
     let layer = keyed(service(&stack).with_response_limit(1024));
@@ -186,6 +187,10 @@ async fn the_first_answer_is_exactly_what_every_replay_says() {
         for name in ["content-type", "idempotent-body-omitted"] {
             assert_eq!(first.headers().get(name), again.headers().get(name), "{key}: {name}");
         }
+        // An ETag describes the handler's bytes: the first caller gets it
+        // with them, never with an omitted body (a replay keeps none).
+        let etag = if key == "oversized" { None } else { Some("\"v1\"") };
+        assert_eq!(first.headers().get("etag").map(|v| v.to_str().unwrap()), etag, "{key}");
         let (first, again) = (first.bytes().await.unwrap(), again.bytes().await.unwrap());
         assert_eq!(first, again, "{key}: the first body differs from its replay");
         let expected: &[u8] = if key == "oversized" { b"" } else { &sent };
