@@ -14,8 +14,8 @@ use crate::service::{IdempotencyService, Timing};
 /// What a handler's answer above the journal's limit becomes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OversizeResponse {
-    /// The first caller gets the whole answer; the journal keeps its status
-    /// and headers, and a repeat gets them with an empty body and
+    /// The journal keeps its status and headers, and the first caller and
+    /// every repeat get them with an empty body and
     /// `Idempotent-Body-Omitted: <bytes>`.
     #[default]
     OmitBody,

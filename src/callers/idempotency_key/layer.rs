@@ -133,14 +133,17 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
 
     /// The largest handler answer buffered for the journal, in bytes. A
     /// larger one cannot be returned whole either (it was read to the
-    /// limit): the caller gets 502 and the journal keeps its status and
-    /// headers.
+    /// limit): the journal keeps its status and headers, and the caller
+    /// gets them as every repeat does, with an empty body and
+    /// `Idempotent-Body-Omitted` (the limit: the body was at least that
+    /// long).
     pub fn response_body_limit(self, bytes: usize) -> Self {
         self.edit(|c| c.response_body_limit = bytes)
     }
 
     /// How long the handler may run, counted from before its claim, before
-    /// it is cancelled and its claim released (504). The lease is this,
+    /// it is cancelled and answered a 504 problem, kept for the key (it may
+    /// have taken effect before it was cut). The lease is this,
     /// plus the [journal deadline](Self::journal_deadline), plus `margin`,
     /// so a live handler's claim is never taken over, nor one whose answer
     /// is being journaled. Refused when the timeout is zero or the lease is

@@ -251,6 +251,8 @@ Deno.test("the first answer is the replay's, byte for byte, whatever it holds", 
     ],
     ["deep", success(deep)],
     ["marker-shaped", success({ $json: "{}" })],
+    // A member named __proto__ is data: kept, never made a prototype.
+    ["proto", success(JSON.parse('{"__proto__": {"isAdmin": true}, "a": 1}'))],
   ];
   for (const [name, made] of cases) {
     const opts = options();
@@ -267,6 +269,12 @@ Deno.test("the first answer is the replay's, byte for byte, whatever it holds", 
       `${name}: the first answer is the replay's`,
     );
     assert.equal(first.answer.ok, made.ok, name);
+    if (name === "proto") {
+      const output = again.answer.output as Record<string, unknown>;
+      assert.ok(Object.hasOwn(output, "__proto__"), JSON.stringify(again.answer));
+      assert.equal((output as { isAdmin?: unknown }).isAdmin, undefined, "no prototype was set");
+      assert.ok(JSON.stringify(first.answer).includes("isAdmin"), "the member is kept");
+    }
   }
 });
 

@@ -283,6 +283,7 @@ Deno.test("plane: a handler that throws NothingHappened is released: a retry run
   const { serve, runs } = setup((req, n) => {
     if (n === 1) throw new NothingHappened("payments down", { response: new Response("busy", { status: 503 }) });
     if (n === 2) throw new NothingHappened("rate limited before anything was written");
+    if (n === 4) throw new NothingHappened("but it answered a success", { response: created(req, n) });
     return created(req, n);
   });
   const key = crypto.randomUUID();
@@ -294,6 +295,13 @@ Deno.test("plane: a handler that throws NothingHappened is released: a retry run
   assertEquals([ran.status, ran.headers.get("idempotent-replayed")], [201, null]);
   assertEquals((await serve(request(key))).headers.get("idempotent-replayed"), "true");
   assertEquals(runs(), 3);
+  // A success marked NothingHappened is kept all the same: a success was given.
+  const marked = crypto.randomUUID();
+  const success = await serve(request(marked));
+  assertEquals([success.status, (await success.json()).id], [201, 4]);
+  const again = await serve(request(marked));
+  assertEquals([again.status, again.headers.get("idempotent-replayed"), (await again.json()).id], [201, "true", 4]);
+  assertEquals(runs(), 4);
 });
 
 Deno.test("plane: a 4xx answer is the answer: journaled and replayed", async () => {
@@ -335,7 +343,7 @@ Deno.test("plane: a handler past its timeout that ends late keeps its late answe
   assertEquals(runs(), 1);
 });
 
-Deno.test("plane: a handler that ignores its signal past the timeout is not released while it runs", async () => {
+Deno.test("plane: a handler that ignores its signal past the timeout keeps its 504 for the key: never run twice", async () => {
   let finish!: () => void;
   const finished = new Promise<void>((resolve) => (finish = resolve));
   const { serve, runs } = setup(async (req, n) => {
@@ -343,11 +351,12 @@ Deno.test("plane: a handler that ignores its signal past the timeout is not rele
     return created(req, n);
   }, { handlerTimeoutMs: 400, journalDeadlineMs: 1_000, marginMs: 1_000 });
   const key = crypto.randomUUID();
-  await problemOf(await serve(request(key)), 504, "handler-timeout");
-  // Still running: the claim is left to its lease, so a retry cannot run beside it.
+  const problem = await problemOf(await serve(request(key)), 504, "handler-timeout");
+  // Still running, it may yet take effect: the problem is the key's answer,
+  // so a retry neither runs beside it nor after its lease.
   const retry = await serve(request(key));
-  assertEquals(retry.status, 409);
-  await retry.body?.cancel();
+  assertEquals([retry.status, retry.headers.get("idempotent-replayed")], [504, "true"]);
+  assertEquals(await retry.json(), problem);
   assertEquals(runs(), 1);
   finish();
 });

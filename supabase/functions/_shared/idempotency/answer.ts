@@ -220,9 +220,9 @@ export function inJsonbOrder(value: unknown): unknown {
     }
     return 0;
   });
-  const ordered: Record<string, unknown> = {};
-  for (const { key } of keys) ordered[key] = inJsonbOrder((value as Record<string, unknown>)[key]);
-  return ordered;
+  // Own data properties, never the `__proto__` setter: a member of that
+  // name is data like any other.
+  return Object.fromEntries(keys.map(({ key }) => [key, inJsonbOrder((value as Record<string, unknown>)[key])]));
 }
 
 /**

@@ -31,7 +31,7 @@
 // | the handler threw (or timed out, then threw) | a 500 `handler-failed` (504 `handler-timeout`) problem, journaled and replayed |
 // | the handler threw `NothingHappened` | the claim is released, the response it carries answered: a retry runs the handler again |
 // | the handler timed out and answered within half the journal's deadline | that answer, journaled and returned |
-// | the handler timed out and still runs half the journal's deadline later | 504, left to its lease: a retry meanwhile is 409 |
+// | the handler timed out and still runs half the journal's deadline later | a 504 `handler-timeout` problem, journaled and replayed (it may still take effect; no retry runs it again) |
 // | repeat after completion | the journaled status, headers and body, `Idempotent-Replayed: true` |
 // | repeat while the first is in flight, its answer still being journaled included | 409, `Retry-After: 1` |
 // | same key, different fingerprint | 422 |
@@ -54,7 +54,9 @@
 // the handler ran (400, 401, 409, 413, 422) keeps nothing.
 //
 // Timing. The handler is cut at its timeout (30 s), counted from before its
-// claim: its Request's `signal` aborts then and a later answer is ignored.
+// claim: its Request's `signal` aborts then; an answer that comes within
+// half the journal's deadline after it is kept, a later one is ignored (the
+// 504 problem is the key's answer by then).
 // The journal is cut a journal deadline (10 s) later and retried within it;
 // the lease is their sum plus a margin (5 s), so no other instance takes a
 // key over while the request holding it still runs or journals. The
@@ -123,9 +125,9 @@ export interface IdempotencyKeyOptions {
   optional?: boolean;
   /** The largest request body buffered, in bytes (default 1 MiB); a larger one is 413. */
   bodyLimitBytes?: number;
-  /** The largest answer buffered for the journal (default 8 MiB); a larger one is 502, journaled without its body. */
+  /** The largest answer buffered for the journal (default 8 MiB); a larger one is journaled without its body, and answered so. */
   responseBodyLimitBytes?: number;
-  /** How long the handler may run, from before its claim (default 30 s); then 504 and released. */
+  /** How long the handler may run, from before its claim (default 30 s); then a 504 problem, kept for the key. */
   handlerTimeoutMs?: number;
   /** How long journaling may take after the handler's timeout (default 10 s). */
   journalDeadlineMs?: number;

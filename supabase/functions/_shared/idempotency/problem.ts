@@ -21,7 +21,7 @@ export const PROBLEM_TYPE_BASE = "https://github.com/idempotency-plane/idempoten
  * | `key-reused` | 422 | the key was used for another request |
  * | `in-flight` | 409 | a request with the key has not finished (`Retry-After`) |
  * | `handler-failed` | 500 | the handler threw after it started (kept for its key and replayed), threw `NothingHappened` without a response (released), or a request the middleware passed through failed |
- * | `handler-timeout` | 504 | the handler overran its timeout (kept for its key and replayed; left to its lease while it still runs) |
+ * | `handler-timeout` | 504 | the handler overran its timeout (kept for its key and replayed) |
  * | `answer-incomplete` | 502 | the handler's answer outgrew the buffer or the timeout, and could not be journaled either |
  * | `answer-not-kept` | 500 | an answer above the journal's limit, refused for all (`onOversize: "refuse"`) |
  * | `unreadable-answer` | 500 | the journaled answer is not one this layer wrote |

@@ -294,6 +294,16 @@ async function failed(
   event: Record<string, unknown>,
   slug: "handler-failed" | "handler-timeout",
 ): Promise<Response> {
+  if (error instanceof NothingHappened && error.response?.ok) {
+    // A success was given on the strength of the claim: kept all the same.
+    config.log({
+      event: "idempotency.http_nothing_happened",
+      level: "warn",
+      ...event,
+      why: "a success marked NothingHappened is kept: a success was given on the strength of its claim",
+    });
+    return await keepAnswer(config, held, error.response, event);
+  }
   if (error instanceof NothingHappened) {
     config.log({ event: "idempotency.http_nothing_happened", level: "info", ...event, why: error.message });
     await release(config, held, event);
@@ -314,9 +324,10 @@ async function failed(
  * The handler timed out: JavaScript cannot stop it (its signal only asks it
  * to), so wait for it through half the journal's deadline. One that ended by
  * then ends as it ended (its late answer kept and answered, a throw kept as
- * a `handler-timeout` problem, `NothingHappened` released); one still
- * running is left to its lease, as a claim given up while it runs could let
- * a retry run it a second time beside it.
+ * a `handler-timeout` problem, `NothingHappened` released). One still
+ * running may yet take effect: its `handler-timeout` problem is kept for
+ * the key, as the Rust layer keeps it, so no retry ever runs it a second
+ * time (neither beside it nor after its lease).
  */
 async function cutOff(config: Config, held: Held, event: Record<string, unknown>): Promise<Response> {
   config.log({
@@ -329,15 +340,13 @@ async function cutOff(config: Config, held: Held, event: Record<string, unknown>
   const waitedUntil = held.effectDeadline + config.timing.journalMs / 2;
   const late = await held.late(waitedUntil);
   if (late === undefined) {
-    const settled = await held.settle({ unknown: "the handler timed out and is still running" });
-    config.log({ event: "idempotency.http_left_to_lease", level: "warn", ...event, ending: settled.ending });
-    return problemResponse(
-      problem(
-        "handler-timeout",
-        "the request was cut off at its timeout and may still take effect; a retry with the same key is " +
-          "answered 409 while it may run, and runs the request again once its lease has passed",
-      ),
-    );
+    config.log({
+      event: "idempotency.http_handler_failed",
+      level: "error",
+      ...event,
+      why: "the handler timed out and is still running; its problem is kept for the key",
+    });
+    return await keepProblem(config, held, startedAndFailed("handler-timeout"), event);
   }
   if ("value" in late) {
     const ran = await answered(config, held, late.value, event, "handler-timeout");
@@ -355,7 +364,7 @@ async function keepProblem(
 ): Promise<Response> {
   const { settled, stored } = await journal(config, held, refusal(kept), 0);
   logKept(config, settled, event);
-  return (settled.ending === "journaled" ? firstAnswer(stored, new Headers()) : undefined) ?? problemResponse(kept);
+  return settled.ending === "journaled" ? firstAnswer(stored, new Headers()) : problemResponse(kept);
 }
 
 /** Logs how keeping an answer ended. */
@@ -373,21 +382,45 @@ function logKept(config: Config, settled: Settled, event: Record<string, unknown
 }
 
 /**
+ * Headers that describe a body's bytes: never added to an answer whose body
+ * is not the handler's own bytes (omitted), and the length ones never copied
+ * at all (the runtime sets them for the body it sends).
+ */
+const BODY_HEADERS = new Set([
+  "content-length",
+  "transfer-encoding",
+  "content-encoding",
+  "content-range",
+  "content-md5",
+  "digest",
+  "etag",
+  "trailer",
+]);
+
+/**
  * What the first caller gets once `stored` is journaled: exactly what a
  * replay will say (status, kept headers, the body or its omission), less
  * `Idempotent-Replayed`; and the handler's own `headers` a replay leaves out
  * on purpose (credentials, headers not kept), unless the journal keeps a
- * refusal answered in the handler's place.
+ * refusal answered in the handler's place. A journaled answer no replay
+ * could read is answered as a replay answers it.
  */
-function firstAnswer(stored: StoredResponse, headers: Headers): Response | undefined {
+function firstAnswer(stored: StoredResponse, headers: Headers): Response {
   const response = replay(stored);
-  if (response === undefined) return undefined;
+  if (response === undefined) {
+    return problemResponse(
+      problem("unreadable-answer", "this key completed, but its journaled answer is not an HTTP answer"),
+    );
+  }
   response.headers.delete("idempotent-replayed");
   if (stored.refused !== true) {
     const replayed = new Set(response.headers.keys());
+    const bodyOmitted = stored.body_omitted !== undefined;
     for (const [name, value] of headers) {
-      if (name === "content-length" || name === "transfer-encoding" || replayed.has(name)) continue;
-      response.headers.append(name, value);
+      const describesBody = BODY_HEADERS.has(name);
+      const copied = !describesBody ||
+        (!bodyOmitted && name !== "content-length" && name !== "transfer-encoding");
+      if (copied && !replayed.has(name)) response.headers.append(name, value);
     }
   }
   return response;
@@ -433,7 +466,7 @@ async function keepAnswer(
   // Not journaled (the lease moved on, or the journal failed): the handler's
   // own answer, as nothing replays it.
   if (journaled.settled.ending !== "journaled") return answer;
-  return firstAnswer(journaled.stored, response.headers) ?? answer;
+  return firstAnswer(journaled.stored, response.headers);
 }
 
 /** Releases a claim whose handler threw `NothingHappened`. */
