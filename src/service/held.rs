@@ -271,7 +271,10 @@ impl<R: IdempotencyRepository> Held<R> {
             let error = match tokio::time::timeout_at(self.ending_deadline, completing).await {
                 // The row as the store answered it, which is what every replay
                 // reads (its numbers as the database writes them, too).
-                Ok(Ok(Some(answer))) => return Ok(Settled::Journaled { stand_in: stored.stand_in, answer }),
+                Ok(Ok(Some(row))) => {
+                    let answer = Answer::from_stored(row.response, row.resource, row.response_ref);
+                    return Ok(Settled::Journaled { stand_in: stored.stand_in, answer });
+                }
                 Ok(Ok(None)) => return Ok(Settled::LeaseMovedOn),
                 Err(_elapsed) => return Ok(Settled::LeftToLease(LeftToLease::Deadline { ending: "journal" })),
                 Ok(Err(error)) => error,

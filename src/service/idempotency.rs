@@ -6,7 +6,6 @@ use std::time::Duration;
 use tracing::{field, Instrument};
 use uuid::Uuid;
 
-use super::answer::Answer;
 use super::hash::RequestHash;
 use super::outcome::{Claim, ClaimOutcome, Completion, Ending, ReadOutcome, ResourceRef};
 use super::replay_cache;
@@ -256,10 +255,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         })
     }
 
-    /// [`complete`](Self::complete), answering the answer as the store
-    /// keeps it (the completed row read back, as every replay reads it), or
-    /// `None` when the lease moved on.
-    pub(super) async fn complete_stored(&self, claim: &Claim, completion: Completion) -> Result<Option<Answer>, Error> {
+    /// [`complete`](Self::complete), answering what the completed row
+    /// stores, as every replay reads it, or `None` when the lease moved on.
+    pub(super) async fn complete_stored(&self, claim: &Claim, completion: Completion) -> Result<Option<Stored>, Error> {
         let span = tracing::info_span!(
             "idempotency.complete",
             organization_id = %claim.organization_id, scope = %claim.scope, key = %claim.key,
@@ -277,33 +275,32 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 resource_id: completion.resource.as_ref().map(|r| r.resource_id.as_str()),
                 response: elided.as_ref().or(response),
             };
-            let stored_answer =
-                match self.repo.complete(claim.organization_id, claim.id, claim.lease_token, args).await? {
-                    Some(record) => {
-                        let record =
-                            checked(record, claim.organization_id, &claim.scope, &claim.key, Some(claim.lease_token))?;
-                        if record.status != ClaimStatus::Completed {
-                            return Err(Error::Inconsistent(format!(
-                                "completing claim {} left it {:?}",
-                                claim.id, record.status
-                            )));
-                        }
-                        if record.id != claim.id {
-                            return Err(Error::Inconsistent(format!(
-                                "completing claim {} answered row {}",
-                                claim.id, record.id
-                            )));
-                        }
-                        let hash = record.request_hash.clone();
-                        let stored = Stored::of(record.response, record.resource_type, record.resource_id);
-                        self.remember(claim.organization_id, &claim.scope, &claim.key, &hash, &stored);
-                        Some(Answer::from_stored(stored.response, stored.resource, stored.response_ref))
+            let completed = match self.repo.complete(claim.organization_id, claim.id, claim.lease_token, args).await? {
+                Some(record) => {
+                    let record =
+                        checked(record, claim.organization_id, &claim.scope, &claim.key, Some(claim.lease_token))?;
+                    if record.status != ClaimStatus::Completed {
+                        return Err(Error::Inconsistent(format!(
+                            "completing claim {} left it {:?}",
+                            claim.id, record.status
+                        )));
                     }
-                    None => None,
-                };
-            let ending = if stored_answer.is_some() { Ending::Recorded } else { Ending::LeaseMovedOn };
+                    if record.id != claim.id {
+                        return Err(Error::Inconsistent(format!(
+                            "completing claim {} answered row {}",
+                            claim.id, record.id
+                        )));
+                    }
+                    let hash = record.request_hash.clone();
+                    let stored = Stored::of(record.response, record.resource_type, record.resource_id);
+                    self.remember(claim.organization_id, &claim.scope, &claim.key, &hash, &stored);
+                    Some(stored)
+                }
+                None => None,
+            };
+            let ending = if completed.is_some() { Ending::Recorded } else { Ending::LeaseMovedOn };
             record_ending("complete", &claim.scope, ending);
-            Ok(stored_answer)
+            Ok(completed)
         }
         .instrument(span)
         .await

@@ -198,6 +198,9 @@ function isEnvelope(value: unknown): value is Record<string, unknown> {
     Object.keys(members).every((key) => ["ok", "error", "output", "error_elided"].includes(key));
 }
 
+/** Encodes keys to compare them by their UTF-8 bytes, as `jsonb` orders them. */
+const KEY_ENCODER = new TextEncoder();
+
 /**
  * `value` with every object's members in the order PostgreSQL's `jsonb`
  * keeps them: shorter keys first, then by their UTF-8 bytes. (JavaScript
@@ -211,8 +214,7 @@ function isEnvelope(value: unknown): value is Record<string, unknown> {
 export function inJsonbOrder(value: unknown): unknown {
   if (Array.isArray(value)) return value.map(inJsonbOrder);
   if (value === null || typeof value !== "object") return value;
-  const encoder = new TextEncoder();
-  const keys = Object.keys(value).map((key) => ({ key, bytes: encoder.encode(key) }));
+  const keys = Object.keys(value).map((key) => ({ key, bytes: KEY_ENCODER.encode(key) }));
   keys.sort((a, b) => {
     if (a.bytes.length !== b.bytes.length) return a.bytes.length - b.bytes.length;
     for (let i = 0; i < a.bytes.length; i++) {
