@@ -396,6 +396,40 @@ async fn a_release_lost_after_commit_still_ends_and_the_next_attempt_runs<R: Rep
     assert_eq!(replay(&driver, &key).await, Answer::success(json!("ran")));
 }
 
+/// A release whose answer is lost after it committed, while another worker
+/// claims the freed key before the driver's repeat: the repeat deletes
+/// nothing (another token), the row it then reads is the other worker's,
+/// and the ending is reported `LeaseMovedOn`; the other worker's claim is
+/// untouched and ends as it chooses.
+async fn a_lost_release_whose_key_another_worker_took_meanwhile_is_reported_moved_on<R: Repo>(
+    faulty: Faulty<R>,
+    _: &impl TimeTravel,
+) {
+    let driver = driver(&faulty);
+    let key = Key::new("lost-release-taken", roomy());
+    let held = hold(&driver, &key).await;
+    let first = held.claim().id();
+    // The release commits, then its answer is lost 2 s later: time enough,
+    // on a loaded machine, for the other worker's claim to land first (the
+    // ending's deadline, 5 s from the claim, leaves room for the repeat).
+    faulty.once(Op::Release, Fault::LoseAnswerAfter(ms(2000)));
+    let releasing = tokio::spawn(async move { held.settle(Settle::Release).await });
+    crate::support::within(ms(5000), "the release commits", async {
+        while row(&faulty, &key).await.is_some() {
+            tokio::time::sleep(ms(10)).await;
+        }
+    })
+    .await;
+    let other = hold(&driver, &key).await;
+    assert_ne!(other.claim().id(), first, "a fresh claim of the freed key");
+    let settled = releasing.await.expect("the release task");
+    assert!(matches!(settled, Settled::LeaseMovedOn), "{settled:?}");
+    let stored = row(&faulty, &key).await.expect("the other worker's claim is still there");
+    assert_eq!((stored.id, stored.status), (other.claim().id(), ClaimStatus::Processing));
+    assert!(other.settle(Settle::Journal(Answer::success(json!("theirs")))).await.is_journaled());
+    assert_eq!(replay(&driver, &key).await, Answer::success(json!("theirs")));
+}
+
 // ---------------------------------------------------------------------------
 // Left to the lease
 // ---------------------------------------------------------------------------
@@ -566,6 +600,7 @@ endings!(
     a_journal_whose_answer_is_lost_after_commit_is_retried_and_ends_journaled,
     a_journal_slower_than_its_deadline_is_left_to_its_lease_and_writes_nothing_after_it,
     a_release_lost_after_commit_still_ends_and_the_next_attempt_runs,
+    a_lost_release_whose_key_another_worker_took_meanwhile_is_reported_moved_on,
     an_unknown_outcome_writes_nothing_and_the_next_attempt_after_the_lease_reclaims,
     a_settle_after_the_lease_moved_on_does_not_overwrite_the_other_workers_answer,
     the_lease_is_effect_plus_journal_plus_margin,
