@@ -157,3 +157,51 @@ async fn a_panic_in_the_services_call_itself_is_kept_for_the_key() {
     assert_eq!(service.runs.load(Ordering::SeqCst), 0, "kept: the retry does not call the service again");
     stack.stop().await.unwrap();
 }
+
+/// A service whose future fails with an error of its own (not a response),
+/// after it started; counts its runs.
+#[derive(Clone, Default)]
+struct FailsWithAnError {
+    runs: Arc<AtomicUsize>,
+}
+
+impl tower_service::Service<axum::extract::Request> for FailsWithAnError {
+    type Response = axum::response::Response;
+    type Error = std::io::Error;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: axum::extract::Request) -> Self::Future {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Err(std::io::Error::other("the downstream connection broke half-way")))
+    }
+}
+
+#[tokio::test]
+async fn a_service_that_fails_with_an_error_of_its_own_leaves_its_claim_to_its_lease() {
+    let stack = stack().await;
+    let service = FailsWithAnError::default();
+    use tower_layer::Layer;
+    let layer = shared(crate::support::harness::service(&stack));
+    // The error goes on to the caller's error handler; the layer writes nothing.
+    let handled =
+        axum::error_handling::HandleError::new(layer.layer(service.clone()), |error: std::io::Error| async move {
+            (StatusCode::BAD_GATEWAY, error.to_string())
+        });
+    let app = Router::new().route_service("/orders", handled);
+    let api = Api { url: bind(app).await, orders: Orders::default(), http: reqwest::Client::new() };
+    let first = api.post(Some("errs"), &[], "{}").send().await.unwrap();
+    assert_eq!(first.status(), StatusCode::BAD_GATEWAY);
+    // Left to its lease: still processing, so a retry meanwhile is in flight
+    // and the service is not called again.
+    let status: String =
+        sqlx::query_scalar("select status from agent.idempotency_keys").fetch_one(stack.db()).await.unwrap();
+    assert_eq!(status, "processing", "neither released nor journaled");
+    let (status, headers, problem) = body(api.post(Some("errs"), &[], "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::CONFLICT, "in-flight");
+    assert_eq!(service.runs.load(Ordering::SeqCst), 1);
+    stack.stop().await.unwrap();
+}
