@@ -23,7 +23,7 @@ use super::config::{Callers, Config, OversizeResponse};
 use super::fingerprint;
 use super::key;
 use super::problem::{Problem, ProblemType};
-use super::stored::StoredResponse;
+use super::stored::{StoredResponse, BODY_HEADERS};
 use crate::error::Error;
 use crate::repo::IdempotencyRepository;
 use crate::service::{
@@ -380,20 +380,6 @@ fn record_kept(settled: &Settled) {
         tracing::error!(reason = %why, "the answer could not be journaled; the claim frees itself when its lease passes");
     }
 }
-
-/// Headers that describe a body's bytes: never added to an answer whose
-/// body is not the handler's own bytes (omitted), and the length ones never
-/// copied at all (the server sets them for the body it sends).
-const BODY_HEADERS: [&str; 8] = [
-    "content-length",
-    "transfer-encoding",
-    "content-encoding",
-    "content-range",
-    "content-md5",
-    "digest",
-    "etag",
-    "trailer",
-];
 
 /// What the first caller gets once an answer is journaled: exactly what a
 /// replay will say (status, kept headers, the body or its omission), less

@@ -94,4 +94,4 @@ pub use layer::{ConfigError, IdempotencyKeyLayer};
 pub use nothing_happened::NothingHappened;
 pub use problem::{Problem, ProblemType};
 pub use service::IdempotencyKey;
-pub use stored::CREDENTIAL_HEADERS;
+pub use stored::{BODY_HEADERS, CREDENTIAL_HEADERS};

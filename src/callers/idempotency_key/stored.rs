@@ -35,6 +35,22 @@ pub const CREDENTIAL_HEADERS: &[&str] = &[
     "x-xsrf-token",
 ];
 
+/// Headers that describe a response body's bytes, in lowercase: never
+/// copied onto a first answer whose body the journal omitted, and the length
+/// ones never copied at all (the server sets them for the body it sends).
+/// The TypeScript middleware reads the same list from its
+/// `body_headers.json`; a test keeps the two equal.
+pub const BODY_HEADERS: &[&str] = &[
+    "content-length",
+    "transfer-encoding",
+    "content-encoding",
+    "content-range",
+    "content-md5",
+    "digest",
+    "etag",
+    "trailer",
+];
+
 /// Whether `name` (any case) is one of [`CREDENTIAL_HEADERS`].
 pub(super) fn is_credential(name: &str) -> bool {
     CREDENTIAL_HEADERS.iter().any(|credential| credential.eq_ignore_ascii_case(name))

@@ -10,6 +10,7 @@
 import { storedSize, success } from "./answer.ts";
 import { PlaneError } from "./errors.ts";
 import { NothingHappened } from "./idempotent.ts";
+import bodyHeaders from "./body_headers.json" with { type: "json" };
 import { checkOrganization } from "./plane.ts";
 import { fingerprint, scopeOf } from "./fingerprint.ts";
 import { type Problem, problem, problemResponse } from "./problem.ts";
@@ -382,20 +383,12 @@ function logKept(config: Config, settled: Settled, event: Record<string, unknown
 }
 
 /**
- * Headers that describe a body's bytes: never added to an answer whose body
- * is not the handler's own bytes (omitted), and the length ones never copied
- * at all (the runtime sets them for the body it sends).
+ * Headers that describe a body's bytes (`body_headers.json`, shared with the
+ * Rust layer): never added to an answer whose body is not the handler's own
+ * bytes (omitted), and the length ones never copied at all (the runtime sets
+ * them for the body it sends).
  */
-const BODY_HEADERS = new Set([
-  "content-length",
-  "transfer-encoding",
-  "content-encoding",
-  "content-range",
-  "content-md5",
-  "digest",
-  "etag",
-  "trailer",
-]);
+const BODY_HEADERS = new Set<string>(bodyHeaders.headers);
 
 /**
  * What the first caller gets once `stored` is journaled: exactly what a
