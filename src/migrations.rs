@@ -15,6 +15,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0013_sweep.sql", include_str!("../sql/0013_sweep.sql")),
     ("0014_claims_by_organization.sql", include_str!("../sql/0014_claims_by_organization.sql")),
     ("0015_max_run_duration.sql", include_str!("../sql/0015_max_run_duration.sql")),
+    ("0016_lease_token_stays_with_its_holder.sql", include_str!("../sql/0016_lease_token_stays_with_its_holder.sql")),
 ];
 
 /// The optional layout that hash-partitions the claim table by

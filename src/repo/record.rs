@@ -29,8 +29,11 @@ pub struct IdempotencyRecord {
     pub request_hash: String,
     /// Processing or completed.
     pub status: ClaimStatus,
-    /// The fence: changes on every claim and reclaim.
-    pub lease_token: Uuid,
+    /// The fence, which changes on every claim and reclaim: present only in
+    /// an answer to its holder (its claim, reclaim or completion). Every read
+    /// answers `None`; whether a worker holds the claim is
+    /// [`lease_live`](Self::lease_live).
+    pub lease_token: Option<Uuid>,
     /// What kind of resource the effect made.
     pub resource_type: Option<String>,
     /// The resource the effect made.

@@ -17,7 +17,7 @@ pub(super) fn checked(
     lease_token: Option<Uuid>,
 ) -> Result<IdempotencyRecord, Error> {
     let same_row = record.organization_id == organization_id && record.scope == scope && record.key == key;
-    let same_token = lease_token.is_none_or(|token| record.lease_token == token);
+    let same_token = lease_token.is_none_or(|token| record.lease_token == Some(token));
     if same_row && same_token {
         return Ok(record);
     }

@@ -32,11 +32,6 @@ pub(crate) struct GetArgs {
     target: remote::Target,
 }
 
-/// Characters of a lease token shown: enough to tell two workers' tokens
-/// apart in a log, too few to complete or release the claim with. The token
-/// is the worker's secret; whoever holds it can record an ending.
-const SHOWN_TOKEN_CHARS: usize = 8;
-
 pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
     let service = IdempotencyService::new(PostgrestRepository::new(remote::client(&args.target)?));
     let record = service.record(args.org, &args.scope, &args.key).await.map_err(exit::refused_input)?;
@@ -67,7 +62,6 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
             println!("lease        {lease} (by the database clock), until {}", record.lease_expires_at);
         }
     }
-    println!("lease token  {}… (the rest is the worker's secret)", token_prefix(&record));
     println!("claimed at   {}", record.claimed_at);
     println!("retained to  {}", record.retain_until);
     println!("request hash {}", record.request_hash);
@@ -91,13 +85,10 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
     Ok(exit::ok())
 }
 
-/// The start of the claim's lease token, never the whole of it.
-fn token_prefix(record: &IdempotencyRecord) -> String {
-    record.lease_token.to_string().chars().take(SHOWN_TOKEN_CHARS).collect()
-}
-
-/// The claim for `--json`: every field a script needs, the lease token cut
-/// as on the terminal; the response whole (it is JSON already).
+/// The claim for `--json`: every field a script needs; the response whole
+/// (it is JSON already). No lease token: the plane answers a read without
+/// it, since whoever holds it can record an ending; `lease_live` says
+/// whether a worker holds the claim.
 fn as_json(record: Option<&IdempotencyRecord>) -> Value {
     let Some(record) = record else { return json!({"state": "absent"}) };
     let state = match record.status {
@@ -112,7 +103,6 @@ fn as_json(record: Option<&IdempotencyRecord>) -> Value {
         "scope": record.scope,
         "key": record.key,
         "lease_live": record.lease_live,
-        "lease_token_prefix": token_prefix(record),
         "claimed_at": record.claimed_at,
         "lease_expires_at": record.lease_expires_at,
         "retain_until": record.retain_until,

@@ -62,7 +62,7 @@ impl State {
                     key: call.key.to_owned(),
                     request_hash: call.request_hash.to_owned(),
                     status: ClaimStatus::Processing,
-                    lease_token: call.lease_token,
+                    lease_token: Some(call.lease_token),
                     resource_type: None,
                     resource_id: None,
                     response: None,
@@ -78,7 +78,7 @@ impl State {
             Some(row) if row.record.request_hash != call.request_hash => (ClaimDecision::Conflict, row.clone()),
             Some(row) if row.record.status == ClaimStatus::Completed => (ClaimDecision::Completed, row.clone()),
             Some(row) if row.record.lease_expires_at > now => {
-                let outcome = match (row.record.lease_token == call.lease_token, row.reclaims > 0) {
+                let outcome = match (row.record.lease_token == Some(call.lease_token), row.reclaims > 0) {
                     (false, _) => ClaimDecision::Processing,
                     (true, true) => ClaimDecision::Reclaimed,
                     (true, false) => ClaimDecision::Claimed,
@@ -88,7 +88,7 @@ impl State {
             // A passed lease the caller may not take over: nothing to answer.
             Some(_) if !may_take_over => return Ok(None),
             Some(row) => {
-                row.record.lease_token = call.lease_token;
+                row.record.lease_token = Some(call.lease_token);
                 row.record.claimed_at = now;
                 row.record.lease_expires_at = now + lease;
                 row.record.retain_until = row.record.retain_until.max(now + lease + retain);
@@ -112,7 +112,7 @@ fn shown(outcome: ClaimDecision, record: IdempotencyRecord, now: DateTime<Utc>) 
         key: record.key,
         request_hash: (outcome != ClaimDecision::Conflict).then_some(record.request_hash),
         status: record.status,
-        lease_token: owned.then_some(record.lease_token),
+        lease_token: record.lease_token.filter(|_| owned),
         resource_type: record.resource_type.filter(|_| completed),
         resource_id: record.resource_id.filter(|_| completed),
         response: record.response.filter(|_| completed),
@@ -135,7 +135,7 @@ fn owned_record(row: ClaimRow) -> Option<IdempotencyRecord> {
         key: row.key,
         request_hash: row.request_hash?,
         status: row.status,
-        lease_token: row.lease_token?,
+        lease_token: Some(row.lease_token?),
         resource_type: row.resource_type,
         resource_id: row.resource_id,
         response: row.response,
@@ -180,7 +180,8 @@ impl IdempotencyRepository for MemoryRepository {
         }
         let now = state.now();
         let row = state.claims.get(&(organization_id, scope.to_owned(), key.to_owned()));
-        Ok(row.map(|row| with_live(row.record.clone(), now)))
+        // The token is its holder's alone: a read never answers it.
+        Ok(row.map(|row| IdempotencyRecord { lease_token: None, ..with_live(row.record.clone(), now) }))
     }
 
     async fn complete(
@@ -231,7 +232,7 @@ impl IdempotencyRepository for MemoryRepository {
         }
         let Some(row) = state.claims.get_mut(&slot) else { return Ok(None) };
         let record = &mut row.record;
-        if record.lease_token != lease_token {
+        if record.lease_token != Some(lease_token) {
             return Ok(None);
         }
         let same_answer = record.resource_type.as_deref() == resource_type
@@ -257,7 +258,7 @@ impl IdempotencyRepository for MemoryRepository {
         state.claims.retain(|slot, row| {
             !(slot.0 == organization_id
                 && row.record.id == claim_id
-                && row.record.lease_token == lease_token
+                && row.record.lease_token == Some(lease_token)
                 && row.record.status == ClaimStatus::Processing)
         });
         Ok(state.claims.len() < before)

@@ -46,7 +46,7 @@ impl State {
             let record = &row.record;
             record.id == fence.claim_id
                 && record.status == ClaimStatus::Processing
-                && record.lease_token == fence.lease_token
+                && record.lease_token == Some(fence.lease_token)
                 && record.organization_id == organization_id
                 && record.lease_expires_at > now
         })

@@ -3,7 +3,7 @@
 
 import assert from "node:assert/strict";
 import { IdempotencyPlane, PlaneError, success } from "../_shared/idempotency/mod.ts";
-import { hashOf, KEY, Lossy, organization, plane, sleep, uniqueKey } from "./support.ts";
+import { functionOf, hashOf, KEY, Lossy, organization, plane, sleep, uniqueKey, URL_ } from "./support.ts";
 
 const SCOPE = "tool.email.send";
 
@@ -78,6 +78,45 @@ Deno.test("a lost claim answer is retried with the same lease token and answers 
   assert.equal((await claimOf(plane(), org, key2, hash, 30_000, token)).outcome, "claimed");
   assert.equal((await claimOf(plane(), org, key2, hash, 30_000, token)).outcome, "claimed");
   assert.equal((await claimOf(plane(), org, key2, hash)).outcome, "processing");
+});
+
+Deno.test("the lease token reaches its holder alone: no read answers it, whoever reads", async () => {
+  // Every answer the plane sends this client, by function.
+  const answers: { fn: string; body: string }[] = [];
+  const recording: typeof fetch = async (input, init) => {
+    const response = await fetch(input, init);
+    answers.push({ fn: functionOf(input), body: await response.clone().text() });
+    return response;
+  };
+  const p = plane({ fetch: recording });
+  const org = organization();
+  const key = uniqueKey();
+  const hash = await hashOf({ fence: true });
+  const held = await claimOf(p, org, key, hash);
+  if (held.outcome !== "claimed") throw new Error(held.outcome);
+  const token = held.claim.leaseToken;
+  // Another worker, and reads through the client and by hand (as curl would).
+  assert.equal((await claimOf(p, org, key, hash)).outcome, "processing");
+  assert.equal((await p.read({ organizationId: org, scope: SCOPE, key, requestHash: hash })).outcome, "processing");
+  assert.equal(await p.rowExists(held.claim), true);
+  const raw = await recording(`${URL_}/rpc/idempotency_get`, {
+    method: "POST",
+    headers: {
+      authorization: `Bearer ${KEY}`,
+      "content-type": "application/json",
+      "content-profile": "agent",
+      "accept-profile": "agent",
+    },
+    body: JSON.stringify({ p_organization_id: org, p_scope: SCOPE, p_key: key }),
+  });
+  const rows = await raw.json();
+  assert.equal(rows.length, 1);
+  assert.equal(rows[0].lease_token, null);
+  assert.equal(rows[0].lease_live, true, "whether a worker holds it is lease_live");
+  const carrying = answers.filter((answer) => answer.body.includes(token)).map((answer) => answer.fn);
+  assert.deepEqual(carrying, ["idempotency_claim"], "only the holder's own claim answer carries the token");
+  assert.equal(answers.filter((answer) => answer.fn === "idempotency_get").length, 3);
+  assert.equal(await p.complete(held.claim, { response: { ok: true } }), "recorded");
 });
 
 Deno.test("release gives the key back, and a release whose answer was lost is not sent again", async () => {

@@ -200,8 +200,7 @@ async fn idem_get_explains_a_claim_by_the_database_clock() {
     assert!(output.status.success(), "{out}");
     assert!(out.contains("the lease passed: its worker is gone"), "{out}");
     let token = claim.lease_token().to_string();
-    assert!(!out.contains(&token), "the whole lease token is the worker's secret: {out}");
-    assert!(out.contains(&format!("lease token  {}…", &token[..8])), "{out}");
+    assert!(!out.contains(&token[..8]), "the lease token is the worker's secret, not even its start shown: {out}");
     assert!(out.contains("lease        passed (by the database clock)"), "{out}");
 
     // The same as JSON, for a script; and an absent claim.
@@ -209,12 +208,12 @@ async fn idem_get_explains_a_claim_by_the_database_clock() {
     let output = idem(stack.url(), stack.service_key(), None, &json_args).await;
     let out = stdout(&output);
     assert!(output.status.success(), "{out}");
-    assert!(!out.contains(&token), "{out}");
+    assert!(!out.contains(&token[..8]), "{out}");
     let got: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
     assert_eq!(got["state"], "lease_passed");
     assert_eq!(got["id"], claim.id().to_string());
     assert_eq!(got["lease_live"], false);
-    assert_eq!(got["lease_token_prefix"], token[..8]);
+    assert!(got.get("lease_token").is_none() && got.get("lease_token_prefix").is_none(), "{got}");
     let absent = ["get", "--org", &org.to_string(), "--scope", "tool.email.send", "--key", "never", "--json"];
     let output = idem(stack.url(), stack.service_key(), None, &absent).await;
     assert_eq!(stdout(&output).trim(), r#"{"state":"absent"}"#);

@@ -505,3 +505,93 @@ async fn the_migrations_apply_as_a_createrole_role_that_is_no_superuser_and_hand
     let owners = owners.expect("the migrated database");
     assert!(owners.len() == 5 && owners.iter().all(|(_, owner)| owner == "idempotency_owner"), "{owners:?}");
 }
+
+/// One RPC as curl or an Edge Function calls it, with the service key: the
+/// rows it answers, as JSON.
+async fn rpc_rows(stack: &idempotency_plane::local::LocalStack, function: &str, args: Value) -> Vec<Value> {
+    let answer = reqwest::Client::new()
+        .post(format!("{}/rpc/{function}", stack.url()))
+        .bearer_auth(stack.service_key())
+        .header("Content-Profile", "agent")
+        .header("Accept-Profile", "agent")
+        .json(&args)
+        .send()
+        .await
+        .expect("the server answers");
+    assert!(answer.status().is_success(), "{function}: {}", answer.status());
+    match answer.json::<Value>().await.expect("JSON") {
+        Value::Array(rows) => rows,
+        other => panic!("{function}: not a set of rows: {other}"),
+    }
+}
+
+/// The lease token is the fence: whoever presents it may record any ending.
+/// Only its holder receives it (the claim, the claim repeated with the same
+/// token, its own completion); every read answers it as null, whoever asks,
+/// over HTTP and in SQL, on either layout (CI runs this file on both).
+#[tokio::test]
+async fn a_lease_token_is_answered_to_its_holder_alone_and_never_by_a_read() {
+    let stack = stack().await;
+    let org = org();
+    let token = uuid::Uuid::new_v4();
+    let claim_args = json!({
+        "p_organization_id": org, "p_scope": "tool.email.send", "p_key": "secret-fence",
+        "p_request_hash": hash("x").as_str(), "p_lease_token": token, "p_lease_ms": 60_000,
+    });
+    let claimed = rpc_rows(&stack, "idempotency_claim", claim_args.clone()).await;
+    assert_eq!(
+        (claimed[0]["outcome"].as_str(), claimed[0]["lease_token"].as_str()),
+        (Some("claimed"), Some(&*token.to_string()))
+    );
+    let repeated = rpc_rows(&stack, "idempotency_claim", claim_args.clone()).await;
+    assert_eq!(repeated[0]["lease_token"], token.to_string(), "the holder's repeat after a lost answer");
+    let mut other = claim_args.clone();
+    other["p_lease_token"] = json!(uuid::Uuid::new_v4());
+    let processing = rpc_rows(&stack, "idempotency_claim", other).await;
+    assert_eq!((processing[0]["outcome"].as_str(), &processing[0]["lease_token"]), (Some("processing"), &Value::Null));
+
+    // The read, over HTTP: held (lease_live), but no token.
+    let get_args = json!({"p_organization_id": org, "p_scope": "tool.email.send", "p_key": "secret-fence"});
+    let read = rpc_rows(&stack, "idempotency_get", get_args.clone()).await;
+    assert_eq!(read.len(), 1);
+    assert_eq!((&read[0]["lease_token"], read[0]["lease_live"].as_bool()), (&Value::Null, Some(true)), "{}", read[0]);
+    assert!(!read[0].to_string().contains(&token.to_string()));
+
+    // In SQL, as the service role and as the table's owner's caller alike.
+    let mut conn = stack.db().acquire().await.unwrap();
+    for role in ["service_role", "postgres"] {
+        sqlx::query("begin").execute(&mut *conn).await.unwrap();
+        if role != "postgres" {
+            sqlx::query(AssertSqlSafe(format!("set local role {role}"))).execute(&mut *conn).await.unwrap();
+        }
+        let (held, shown): (bool, Option<uuid::Uuid>) = sqlx::query_as(
+            "select lease_live, lease_token from agent.idempotency_get($1, 'tool.email.send', 'secret-fence')",
+        )
+        .bind(org)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        sqlx::query("rollback").execute(&mut *conn).await.unwrap();
+        assert_eq!((held, shown), (true, None), "{role}");
+    }
+
+    // The sweeper's bounded read: a processing row past retention (its
+    // worker long gone) answers no token either, so nobody can complete it
+    // before the sweep deletes it.
+    sqlx::query(
+        "update agent.idempotency_keys
+            set claimed_at = now() - interval '40 days', lease_expires_at = now() - interval '40 days',
+                retain_until = now() - interval '1 day'
+          where organization_id = $1",
+    )
+    .bind(org)
+    .execute(stack.db())
+    .await
+    .unwrap();
+    let expired = rpc_rows(&stack, "idempotency_expired", json!({"p_limit": 10})).await;
+    let ours: Vec<&Value> = expired.iter().filter(|row| row["organization_id"] == org.to_string()).collect();
+    assert_eq!(ours.len(), 1, "{expired:?}");
+    assert_eq!((ours[0]["status"].as_str(), &ours[0]["lease_token"]), (Some("processing"), &Value::Null));
+    drop(conn);
+    stack.stop().await.unwrap();
+}

@@ -255,10 +255,10 @@ async fn claim_and_complete_are_safe_to_repeat_after_a_lost_response() {
 
     let response = json!({"id": 1});
     let args = CompletionArgs { response: Some(&response), ..CompletionArgs::default() };
-    let done =
-        repo.complete(first.organization_id, first.id, first.lease_token, args).await.unwrap().expect("completed");
-    let again =
-        repo.complete(first.organization_id, first.id, first.lease_token, args).await.unwrap().expect("still ours");
+    assert_eq!(first.lease_token, Some(request.lease_token), "the claimant's answer carries its token");
+    let token = request.lease_token;
+    let done = repo.complete(first.organization_id, first.id, token, args).await.unwrap().expect("completed");
+    let again = repo.complete(first.organization_id, first.id, token, args).await.unwrap().expect("still ours");
     assert_eq!(done, again);
     stack.stop().await.unwrap();
 }
@@ -403,27 +403,19 @@ async fn a_repeat_answers_only_a_live_lease_or_the_same_completion() {
     let reclaim = ClaimRequest { lease_token: uuid::Uuid::new_v4(), ..request };
     let reclaimed = repo.reclaim(&reclaim).await.unwrap().expect("reclaimed");
     let repeated = repo.reclaim(&reclaim).await.unwrap().expect("our own reclaim");
-    assert_eq!(repeated.lease_token, reclaimed.lease_token);
+    assert_eq!((reclaimed.lease_token, repeated.lease_token), (Some(reclaim.lease_token), Some(reclaim.lease_token)));
     assert_eq!(repeated.lease_expires_at, reclaimed.lease_expires_at, "a repeat does not extend the lease");
 
     // A completion repeated with the same answer answers the row; with a
     // different answer it answers nothing: the ending already happened.
     let answer = json!({"id": 1});
     let same = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
-    assert!(repo
-        .complete(reclaimed.organization_id, reclaimed.id, reclaimed.lease_token, same)
-        .await
-        .unwrap()
-        .is_some());
-    assert!(repo
-        .complete(reclaimed.organization_id, reclaimed.id, reclaimed.lease_token, same)
-        .await
-        .unwrap()
-        .is_some());
+    assert!(repo.complete(reclaimed.organization_id, reclaimed.id, reclaim.lease_token, same).await.unwrap().is_some());
+    assert!(repo.complete(reclaimed.organization_id, reclaimed.id, reclaim.lease_token, same).await.unwrap().is_some());
     let other = json!({"id": 2});
     let different = CompletionArgs { response: Some(&other), ..CompletionArgs::default() };
     assert!(repo
-        .complete(reclaimed.organization_id, reclaimed.id, reclaimed.lease_token, different)
+        .complete(reclaimed.organization_id, reclaimed.id, reclaim.lease_token, different)
         .await
         .unwrap()
         .is_none());
@@ -437,8 +429,8 @@ async fn a_repeat_answers_only_a_live_lease_or_the_same_completion() {
     // Release reports what happened: true once, then false.
     let other_key = ClaimRequest { key: "k2", lease_token: uuid::Uuid::new_v4(), ..request };
     let claim = repo.try_claim(&other_key).await.unwrap().expect("claimed");
-    assert!(repo.release(claim.organization_id, claim.id, claim.lease_token).await.unwrap());
-    assert!(!repo.release(claim.organization_id, claim.id, claim.lease_token).await.unwrap());
+    assert!(repo.release(claim.organization_id, claim.id, other_key.lease_token).await.unwrap());
+    assert!(!repo.release(claim.organization_id, claim.id, other_key.lease_token).await.unwrap());
     stack.stop().await.unwrap();
 }
 

@@ -443,7 +443,7 @@ mod tests {
         let lost = faulty.claim(&call(org, "k", &hash, token)).await.expect_err("the answer is lost");
         assert!(lost.is_transient() && !lost.is_unstorable_answer(), "{lost}");
         let row = faulty.get(org, "tool.email.send", "k").await.unwrap().expect("the claim committed");
-        assert_eq!((row.status, row.lease_token), (ClaimStatus::Processing, token));
+        assert_eq!((row.status, row.lease_live, row.lease_token), (ClaimStatus::Processing, true, None));
         assert_eq!(faulty.key_of(row.id).as_deref(), Some("k"), "learned from the lost answer");
         assert_eq!((faulty.calls(Op::Claim), faulty.reached(Op::Claim), faulty.injected(Op::Claim)), (1, 1, 1));
 
