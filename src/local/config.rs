@@ -3,6 +3,7 @@
 
 use url::Url;
 
+use super::authenticator::AUTHENTICATOR_PASSWORD_VAR;
 use super::cluster::redacted;
 use super::database_name::DatabaseName;
 use crate::migrations::Layout;
@@ -41,6 +42,22 @@ pub struct LocalStackConfig {
     /// Default [`Layout::Single`]; `idem up` and the tests read
     /// [`Layout::from_env`] (`IDEM_LAYOUT`).
     pub layout: Layout,
+    /// The password the server logs in to the cluster with, as
+    /// `authenticator` (it never serves as `database_url`'s user). `None`:
+    /// none, for a cluster that lets `authenticator` in from loopback
+    /// without one. Default: [`AUTHENTICATOR_PASSWORD_VAR`] when set.
+    pub authenticator_password: Option<String>,
+    /// Host names the server answers beyond loopback's (`127.0.0.1`,
+    /// `localhost`, `[::1]`), with or without a port
+    /// ([`with_allowed_host`](Self::with_allowed_host)). Default none: a
+    /// request whose `Host` names anything else is refused, so a web page
+    /// cannot reach the server through a name that resolves to loopback (DNS
+    /// rebinding).
+    pub allowed_hosts: Vec<String>,
+    /// Browser origins the server sends CORS headers for
+    /// ([`with_cors_origin`](Self::with_cors_origin)). Default none: no
+    /// CORS headers at all, so no web page may read an answer.
+    pub cors_origins: Vec<String>,
 }
 
 impl std::fmt::Debug for LocalStackConfig {
@@ -58,6 +75,9 @@ impl std::fmt::Debug for LocalStackConfig {
             .field("database", &self.database)
             .field("reset_database", &self.reset_database)
             .field("layout", &self.layout)
+            .field("authenticator_password", &self.authenticator_password.as_ref().map(|_| "<redacted>"))
+            .field("allowed_hosts", &self.allowed_hosts)
+            .field("cors_origins", &self.cors_origins)
             .finish()
     }
 }
@@ -76,6 +96,9 @@ impl Default for LocalStackConfig {
             database: None,
             reset_database: false,
             layout: Layout::Single,
+            authenticator_password: std::env::var(AUTHENTICATOR_PASSWORD_VAR).ok().filter(|v| !v.is_empty()),
+            allowed_hosts: Vec::new(),
+            cors_origins: Vec::new(),
         }
     }
 }
@@ -132,6 +155,29 @@ impl LocalStackConfig {
         self
     }
 
+    /// Logs the server in as `authenticator` with `password`, for a cluster
+    /// that asks for one (set it as the superuser: `ALTER ROLE
+    /// authenticator LOGIN PASSWORD '…'`).
+    pub fn with_authenticator_password(mut self, password: impl Into<String>) -> Self {
+        self.authenticator_password = Some(password.into());
+        self
+    }
+
+    /// Also answers requests whose `Host` is `host` (a name, or `name:port`),
+    /// for a server reached through a name of this machine's own.
+    pub fn with_allowed_host(mut self, host: impl Into<String>) -> Self {
+        self.allowed_hosts.push(host.into());
+        self
+    }
+
+    /// Sends CORS headers to `origin` (`http://localhost:5173`, say), so a
+    /// page served from there may call the server. Only the origins given
+    /// ever get them.
+    pub fn with_cors_origin(mut self, origin: impl Into<String>) -> Self {
+        self.cors_origins.push(origin.into());
+        self
+    }
+
     /// Lays the claim table out as `layout`. A named database built in
     /// another layout is refused as built from another migration set.
     pub fn with_layout(mut self, layout: Layout) -> Self {
@@ -150,9 +196,13 @@ mod tests {
             database_url: "postgres://u:hunter2@127.0.0.1/postgres".into(),
             ..LocalStackConfig::default()
         }
-        .with_jwt_secret("a-secret-of-at-least-thirty-two-bytes-long");
+        .with_jwt_secret("a-secret-of-at-least-thirty-two-bytes-long")
+        .with_authenticator_password("swordfish");
         let printed = format!("{config:?}");
-        assert!(!printed.contains("hunter2") && !printed.contains("a-secret-of"), "{printed}");
+        assert!(
+            !printed.contains("hunter2") && !printed.contains("a-secret-of") && !printed.contains("swordfish"),
+            "{printed}"
+        );
         assert!(printed.contains("jwt_secret: Some(\"<redacted>\")"), "{printed}");
     }
 }

@@ -25,6 +25,10 @@ pub enum LocalError {
         #[source]
         source: sqlx::Error,
     },
+    /// The server cannot log in as `authenticator`, or `authenticator` is
+    /// (or may switch to) a superuser: the message names the fix.
+    #[error("local stack: {0}")]
+    Authenticator(String),
     /// The PostgREST-compatible server could not be built or bound.
     #[error("starting the local PostgREST-compatible server: {0}")]
     Server(String),

@@ -30,19 +30,24 @@
 //! leftovers (`database`, `database_name`); the migrations' template
 //! database (`template`); the server (`server`) and its port (`ports`); the
 //! cluster's maintenance connection and catalog helpers (`cluster`); the
-//! keys (`jwt`); and why a start failed (`error`).
+//! keys (`jwt`); the login the server serves as (`authenticator`); what
+//! the server lets in (`guard`: loopback hosts, tokens of the API roles, no
+//! CORS unless asked); and why a start failed (`error`).
 
+mod authenticator;
 mod cluster;
 mod config;
 mod database;
 mod database_name;
 mod error;
+mod guard;
 mod jwt;
 mod ports;
 mod server;
 mod stack;
 mod template;
 
+pub use authenticator::{AUTHENTICATOR, AUTHENTICATOR_PASSWORD_VAR};
 pub use config::{LocalStackConfig, DEFAULT_DATABASE_URL};
 pub use database_name::{DatabaseName, DatabaseNameError};
 pub use error::LocalError;

@@ -9,9 +9,11 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use url::Url;
 
+use super::authenticator::{authenticator_url, check_login};
 use super::cluster::redacted;
 use super::config::LocalStackConfig;
 use super::error::LocalError;
+use super::guard;
 
 /// Where Supabase serves PostgREST beneath a project's URL: supabase-js
 /// calls `<SUPABASE_URL>/rest/v1/rpc/...`. The local server answers there
@@ -108,43 +110,42 @@ pub(super) fn serve(listener: tokio::net::TcpListener, router: axum::Router) -> 
     (shutdown, server)
 }
 
-/// Builds the server's router. Connects as `authenticator` (the role
-/// PostgREST logs in as) when the cluster lets it log in without a password,
-/// else with the admin credentials, which may also switch roles. A build
-/// that fails with both (its schema cache load cut off by a
-/// `statement_timeout` on a busy machine, say) is tried again a few times, as
-/// PostgREST retries loading its schema cache.
+/// Builds the server's router, logged in as `authenticator` only (see
+/// [`authenticator`](super::authenticator): never the admin credentials,
+/// which could serve a token naming a superuser), behind the
+/// [`guard`](super::guard). A build that fails (its schema cache load cut
+/// off by a `statement_timeout` on a busy machine, say) is tried again a few
+/// times, as PostgREST retries loading its schema cache.
 pub(super) async fn build_router(
     config: &LocalStackConfig,
     db_url: &Url,
     jwt_secret: &str,
 ) -> Result<axum::Router, LocalError> {
-    let mut authenticator_url = db_url.clone();
-    let _ = authenticator_url.set_username("authenticator");
-    let _ = authenticator_url.set_password(None);
+    let password = config.authenticator_password.as_deref();
+    let login = authenticator_url(db_url, password);
+    check_login(&login, password.is_some()).await?;
 
     let mut last_error = String::new();
     for round in 0..SERVER_BUILD_ROUNDS {
         if round > 0 {
             tokio::time::sleep(Duration::from_millis(100 << round)).await;
         }
-        for uri in [&authenticator_url, db_url] {
-            let mut server_config = postrust_core::AppConfig::default();
-            server_config.db_uri = uri.to_string();
-            server_config.db_schemas = exposed_schemas()?.to_vec();
-            server_config.db_anon_role = Some("anon".into());
-            server_config.db_pool_size = config.pool_size;
-            server_config.db_max_rows = Some(i64::from(config.max_rows));
-            server_config.jwt_secret = Some(jwt_secret.to_owned());
-            server_config.compat_mode = true;
-            server_config.server_host = "127.0.0.1".into();
-            server_config.server_port = config.port;
-            match postrust_server::build(server_config, postrust_server::Host::SERVER).await {
-                Ok(app) => return Ok(with_supabase_path(app.router)),
-                Err(error) => {
-                    tracing::debug!(uri = %redacted(uri), %error, round, "local server could not start with this login");
-                    last_error = format!("{error:#}");
-                }
+        let mut server_config = postrust_core::AppConfig::default();
+        server_config.db_uri = login.to_string();
+        server_config.db_schemas = exposed_schemas()?.to_vec();
+        server_config.db_anon_role = Some("anon".into());
+        server_config.db_pool_size = config.pool_size;
+        server_config.db_max_rows = Some(i64::from(config.max_rows));
+        server_config.jwt_secret = Some(jwt_secret.to_owned());
+        server_config.compat_mode = true;
+        server_config.server_host = "127.0.0.1".into();
+        server_config.server_port = config.port;
+        server_config.server_cors_origins = config.cors_origins.clone();
+        match postrust_server::build(server_config, postrust_server::Host::SERVER).await {
+            Ok(app) => return Ok(guard::guarded(with_supabase_path(app.router), config)),
+            Err(error) => {
+                tracing::debug!(uri = %redacted(&login), %error, round, "local server could not start");
+                last_error = format!("{error:#}");
             }
         }
     }

@@ -64,9 +64,26 @@ pub(crate) struct UpArgs {
     /// (an anon JWT) for supabase-js.
     /// The same on every start on the same port. The file appears whole
     /// (written beside it as PATH.tmp, then renamed), readable by its owner
-    /// only, and is removed on stop.
+    /// only, and is removed on stop if it still holds what was written. An
+    /// existing file is replaced only when an earlier `idem up` wrote it
+    /// (it holds exactly these variables), so a project's own `.env` is
+    /// never overwritten; --force replaces any file.
     #[arg(long, value_name = "PATH")]
     env_file: Option<PathBuf>,
+    /// With --env-file: replace the file even when it is not one an
+    /// `idem up` wrote.
+    #[arg(long, requires = "env_file")]
+    force: bool,
+    /// Also answer requests whose Host is HOST (a name, or name:port) besides
+    /// 127.0.0.1, localhost and [::1]; others get 403 (no web page can reach
+    /// the server through a name of its own: DNS rebinding). Repeatable.
+    #[arg(long, value_name = "HOST")]
+    allow_host: Vec<String>,
+    /// Send CORS headers to browser pages from ORIGIN (e.g.
+    /// http://localhost:5173); without it the server sends none, so no page
+    /// may read its answers. Repeatable.
+    #[arg(long, value_name = "ORIGIN")]
+    cors_origin: Vec<String>,
 }
 
 /// Starts the stack, prints how to reach it, serves until a signal, stops.
@@ -79,11 +96,25 @@ pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
     if let Some(name) = args.database {
         config = config.with_database(name);
     }
-    let stack = crate::plane::start_local(config).await?;
+    for host in args.allow_host {
+        config = config.with_allowed_host(host);
+    }
+    for origin in args.cors_origin {
+        config = config.with_cors_origin(origin);
+    }
+    // Refused before anything starts: a project's own file is not ours to replace.
     if let Some(path) = &args.env_file {
-        if let Err(error) = write_env_file(path, &stack) {
-            stack.stop().await?;
-            return Err(format!("writing the env file {}: {error}", path.display()).into());
+        check_env_file_replaceable(path, args.force)?;
+    }
+    let stack = crate::plane::start_local(config).await?;
+    let mut written = None;
+    if let Some(path) = &args.env_file {
+        match write_env_file(path, &stack) {
+            Ok(contents) => written = Some(contents),
+            Err(error) => {
+                stack.stop().await?;
+                return Err(format!("writing the env file {}: {error}", path.display()).into());
+            }
         }
     }
     print_banner(&stack);
@@ -98,10 +129,17 @@ pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
     }
     let database = stack.database_name().to_owned();
     let kept = stack.keeps_database();
-    if let Some(path) = &args.env_file {
-        // The details name a server that is going away.
-        if let Err(error) = std::fs::remove_file(path) {
-            eprintln!("could not remove the env file {} ({error})", path.display());
+    if let (Some(path), Some(written)) = (&args.env_file, &written) {
+        // The details name a server that is going away; a file changed
+        // since (by its owner, or another idem up) is not ours to remove.
+        match std::fs::read_to_string(path) {
+            Ok(now) if now == *written => {
+                if let Err(error) = std::fs::remove_file(path) {
+                    eprintln!("could not remove the env file {} ({error})", path.display());
+                }
+            }
+            Ok(_) => eprintln!("the env file {} changed since it was written: left in place", path.display()),
+            Err(error) => eprintln!("could not read the env file {} back ({error}): left alone", path.display()),
         }
     }
     stack.stop().await?;
@@ -113,27 +151,65 @@ pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
     Ok(crate::exit::ok())
 }
 
-/// The env file's lines: what the Rust tools read, then what supabase-js
-/// code reads. Nothing in it depends on the start but the port.
+/// The variables of an env file, in order: what the Rust tools read, then
+/// what supabase-js code reads.
+const ENV_FILE_VARIABLES: [&str; 7] = [
+    "IDEM_POSTGREST_URL",
+    "IDEM_SERVICE_KEY",
+    "IDEM_MAX_ROWS",
+    "SUPABASE_URL",
+    "SUPABASE_SERVICE_ROLE_KEY",
+    "SUPABASE_SECRET_KEY",
+    "SUPABASE_ANON_KEY",
+];
+
+/// Refuses an existing `path` that an `idem up` did not write (one whose
+/// lines are not exactly [`ENV_FILE_VARIABLES`], each once, as `NAME=value`),
+/// unless `force`; and anything that is not a regular file.
+fn check_env_file_replaceable(path: &Path, force: bool) -> Result<(), BoxError> {
+    let metadata = match std::fs::symlink_metadata(path) {
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(format!("the env file {}: {error}", path.display()).into()),
+        Ok(metadata) => metadata,
+    };
+    if !metadata.is_file() {
+        return Err(
+            format!("the env file {} exists and is not a regular file: pick another path", path.display()).into()
+        );
+    }
+    if force {
+        return Ok(());
+    }
+    let ours = std::fs::read_to_string(path).is_ok_and(|contents| written_by_idem_up(&contents));
+    if ours {
+        return Ok(());
+    }
+    Err(format!(
+        "the env file {} exists and was not written by idem up (it holds other lines than {}):          it is left alone and nothing was started; pick another path, or pass --force to replace it          (idem up removes it again on stop)",
+        path.display(),
+        ENV_FILE_VARIABLES.join(", ")
+    )
+    .into())
+}
+
+/// Whether `contents` is an env file as `idem up` writes it.
+fn written_by_idem_up(contents: &str) -> bool {
+    let names: Vec<&str> = contents.lines().map(|line| line.split_once('=').map_or("", |(name, _)| name)).collect();
+    names == ENV_FILE_VARIABLES && contents.ends_with('\n')
+}
+
+/// The env file's lines, [`ENV_FILE_VARIABLES`] in order. Nothing in it
+/// depends on the start but the port.
 fn env_file_contents(stack: &LocalStack) -> String {
     let (url, service_key) = (stack.url(), stack.service_key());
-    [
-        ("IDEM_POSTGREST_URL", url),
-        ("IDEM_SERVICE_KEY", service_key),
-        ("IDEM_MAX_ROWS", &stack.max_rows().to_string()),
-        ("SUPABASE_URL", url),
-        ("SUPABASE_SERVICE_ROLE_KEY", service_key),
-        ("SUPABASE_SECRET_KEY", service_key),
-        ("SUPABASE_ANON_KEY", stack.anon_key()),
-    ]
-    .iter()
-    .map(|(name, value)| format!("{name}={value}\n"))
-    .collect()
+    let max_rows = stack.max_rows().to_string();
+    let values = [url, service_key, &max_rows, url, service_key, service_key, stack.anon_key()];
+    ENV_FILE_VARIABLES.iter().zip(values).map(|(name, value)| format!("{name}={value}\n")).collect()
 }
 
 /// Writes the stack's connection details to `path` atomically: a reader that
-/// waits for the file never sees it half written.
-fn write_env_file(path: &Path, stack: &LocalStack) -> std::io::Result<()> {
+/// waits for the file never sees it half written. Answers what it wrote.
+fn write_env_file(path: &Path, stack: &LocalStack) -> std::io::Result<String> {
     let contents = env_file_contents(stack);
     let mut tmp = OsString::from(path.as_os_str());
     tmp.push(".tmp");
@@ -158,7 +234,7 @@ fn write_env_file(path: &Path, stack: &LocalStack) -> std::io::Result<()> {
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
-    written
+    written.map(|()| contents)
 }
 
 fn print_banner(stack: &LocalStack) {
@@ -192,4 +268,25 @@ fn print_banner(stack: &LocalStack) {
     println!("    cargo run --release --features local -- demo --remote");
     println!();
     println!("serving; Ctrl-C to stop");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_file_of_exactly_the_stacks_variables_is_taken_for_one_idem_up_wrote() {
+        let ours: String = ENV_FILE_VARIABLES.iter().map(|name| format!("{name}=x\n")).collect();
+        assert!(written_by_idem_up(&ours));
+        for theirs in [
+            String::new(),
+            "DATABASE_URL=postgres://prod\n".to_owned(),
+            format!("{ours}STRIPE_SECRET=sk_live_x\n"),
+            format!("# mine\n{ours}"),
+            ours.trim_end().to_owned(),
+            ours.replacen("IDEM_MAX_ROWS", "IDEM_MAX_ROW", 1),
+        ] {
+            assert!(!written_by_idem_up(&theirs), "{theirs:?}");
+        }
+    }
 }

@@ -33,6 +33,13 @@ impl Up {
     /// Starts `idem up <args> --env-file <env_file>` and waits for the file.
     async fn start(args: &[&str], env_file: &Path) -> Result<Up, String> {
         let _ = std::fs::remove_file(env_file);
+        Up::start_over(args, env_file).await
+    }
+
+    /// As [`Up::start`], over whatever `env_file` holds now: waits until it
+    /// holds something else.
+    async fn start_over(args: &[&str], env_file: &Path) -> Result<Up, String> {
+        let before = std::fs::read_to_string(env_file).ok();
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
             .arg("up")
             .args(args)
@@ -47,7 +54,9 @@ impl Up {
         let ready = tokio::time::timeout(READY, async {
             loop {
                 if let Ok(contents) = std::fs::read_to_string(env_file) {
-                    return Ok(contents);
+                    if Some(&contents) != before.as_ref() {
+                        return Ok(contents);
+                    }
                 }
                 if let Some(status) = child.try_wait().expect("poll idem up") {
                     return Err(status);
@@ -74,8 +83,17 @@ impl Up {
     }
 
     /// Sends SIGTERM, as Ctrl-C or a service manager would, and answers
-    /// what it printed; panics unless it stopped cleanly.
+    /// what it printed; panics unless it stopped cleanly and removed its
+    /// env file.
     async fn stop(self) -> String {
+        let env_file = self.env_file.clone();
+        let stdout = self.stop_keeping_env_file().await;
+        assert!(!env_file.exists(), "the env file is removed on stop");
+        stdout
+    }
+
+    /// As [`Up::stop`], with the env file left as it is.
+    async fn stop_keeping_env_file(self) -> String {
         let pid = self.child.id().expect("idem up is running").to_string();
         let sent = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("run kill");
         assert!(sent.success(), "kill -TERM {pid}");
@@ -83,7 +101,6 @@ impl Up {
         let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(output.status.success(), "idem up failed when stopped ({:?}):\n{stdout}\n{stderr}", output.status);
-        assert!(!self.env_file.exists(), "the env file is removed on stop");
         stdout
     }
 }
@@ -327,4 +344,52 @@ async fn idem_up_database_keeps_its_rows_across_restarts_and_refuses_what_it_mus
     let (code, stderr) = refused(&["--reset"]).await;
     assert_eq!(code, Some(2), "--reset needs --database: {stderr}");
     let _ = admin.close().await;
+}
+
+/// `--env-file` never replaces a project's own file (a `.env` holding other
+/// variables) unless told to with `--force`; it replaces its own leftover
+/// from a killed run; and on stop it removes the file only if it still
+/// holds what it wrote.
+#[tokio::test]
+async fn idem_up_env_file_never_replaces_or_removes_a_file_it_did_not_write() {
+    let dir = scratch_dir();
+    let env_file = dir.0.join(".env");
+    let project = "DATABASE_URL=postgres://prod.example/app\nSTRIPE_SECRET_KEY=sk_live_keep\n";
+    std::fs::write(&env_file, project).unwrap();
+    let path = env_file.to_str().expect("a UTF-8 path");
+    let (code, stderr) = refused(&["--env-file", path]).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("was not written by idem up") && stderr.contains("--force"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&env_file).unwrap(), project, "the project's file is untouched");
+    let (code, stderr) = refused(&["--env-file", dir.0.to_str().expect("UTF-8")]).await;
+    assert!(code == Some(1) && stderr.contains("not a regular file"), "{stderr}");
+
+    // Asked by name, it replaces the file (and removes it on stop, as it warned).
+    let forced = Up::start_over(&["--force"], &env_file).await.expect("idem up --force");
+    assert!(forced.vars().contains_key("IDEM_SERVICE_KEY"));
+    forced.stop().await;
+
+    // Its own leftover (a killed run's, with a port long gone) is replaced.
+    let leftover: String = [
+        "IDEM_POSTGREST_URL",
+        "IDEM_SERVICE_KEY",
+        "IDEM_MAX_ROWS",
+        "SUPABASE_URL",
+        "SUPABASE_SERVICE_ROLE_KEY",
+        "SUPABASE_SECRET_KEY",
+        "SUPABASE_ANON_KEY",
+    ]
+    .iter()
+    .map(|name| format!("{name}=stale\n"))
+    .collect();
+    std::fs::write(&env_file, &leftover).unwrap();
+    let up = Up::start_over(&[], &env_file).await.expect("idem up over its own leftover");
+    assert_ne!(up.vars()["IDEM_POSTGREST_URL"], "stale");
+
+    // Changed by its owner meanwhile: left in place on stop.
+    let edited = format!("{}# mine now\n", up.contents);
+    std::fs::write(&env_file, &edited).unwrap();
+    let stdout = up.stop_keeping_env_file().await;
+    assert!(stdout.contains("stopped; database"), "{stdout}");
+    assert_eq!(std::fs::read_to_string(&env_file).unwrap(), edited);
 }

@@ -23,6 +23,7 @@ mod idempotency_key;
 mod indexes;
 mod layout;
 mod load;
+mod local_doors;
 mod pg_cron;
 mod saved_search;
 mod security;

@@ -82,22 +82,25 @@ impl Cluster {
     /// initdb, then starts the server with `options` (`-c name=value ...`)
     /// added to the defaults. `purpose` names the directory.
     pub fn start(purpose: &str, options: &str) -> Cluster {
-        let mut cluster = Cluster::empty(purpose, options);
+        Cluster::initdb_and_start(Cluster::empty(purpose, options), &["--auth=trust"])
+    }
+
+    /// A cluster that asks every TCP login for a password (SCRAM), as the
+    /// official postgres container image and Debian's defaults do; the
+    /// `postgres` superuser's is `password`. The Unix socket stays trust.
+    pub fn start_with_passwords(purpose: &str, password: &str) -> Cluster {
+        let cluster = Cluster::empty(purpose, "");
+        let pwfile = cluster.dir.join("pwfile");
+        std::fs::write(&pwfile, password).expect("write the password file");
+        let pwfile = format!("--pwfile={}", pwfile.display());
+        Cluster::initdb_and_start(cluster, &["--auth-local=trust", "--auth-host=scram-sha-256", &pwfile])
+    }
+
+    fn initdb_and_start(mut cluster: Cluster, auth: &[&str]) -> Cluster {
         let data = cluster.data();
-        run(
-            cluster.server_binary("initdb").args([
-                "-D",
-                &data,
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "--no-sync",
-                "-E",
-                "UTF8",
-                "--locale=C",
-            ]),
-            "initdb",
-        );
+        let mut args = vec!["-D", &data, "-U", "postgres", "--no-sync", "-E", "UTF8", "--locale=C"];
+        args.extend_from_slice(auth);
+        run(cluster.server_binary("initdb").args(args), "initdb");
         cluster.start_on_a_free_port();
         cluster
     }
