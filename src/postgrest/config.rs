@@ -31,6 +31,11 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 8 * 1024 * 1024;
 /// error rather than the gateway's 504.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(25);
 
+/// The environment variable [`ClientConfig::from_env`] reads the hosts from
+/// that may be reached over plain `http://` besides loopback: host names,
+/// comma-separated ([`ClientConfig::new_allowing_plain_http`]).
+pub const PLAIN_HTTP_HOSTS_VAR: &str = "IDEM_ALLOW_PLAIN_HTTP";
+
 /// The authentication headers of every request, before they become header
 /// values.
 #[derive(Clone, PartialEq, Eq)]
@@ -85,11 +90,39 @@ impl ClientConfig {
     /// A publishable key (`sb_publishable_…`) is refused
     /// ([`KeyError::Publishable`]): it reaches only the `anon` role, which
     /// cannot execute the plane's functions.
+    ///
+    /// Plain `http://` is refused except to a loopback host (`localhost`,
+    /// `127.0.0.0/8`, `[::1]`): the service key travels in every request, and
+    /// whoever reads it on the wire owns the plane. A server on a private
+    /// network reached without TLS must be named:
+    /// [`new_allowing_plain_http`](Self::new_allowing_plain_http).
     pub fn new(base_url: &str, service_key: impl Into<String>) -> Result<Self, ClientError> {
-        let mut base_url =
-            Url::parse(base_url).map_err(|e| ClientError::Config(format!("base URL {base_url:?}: {e}")))?;
+        Self::new_allowing_plain_http(base_url, service_key, &[])
+    }
+
+    /// As [`new`](Self::new), and plain `http://` is also allowed to the
+    /// hosts named in `plain_http_hosts` (exact host names, compared without
+    /// case): for a PostgREST on a private network whose traffic never
+    /// leaves it. [`from_env`](Self::from_env) reads them from
+    /// [`PLAIN_HTTP_HOSTS_VAR`].
+    pub fn new_allowing_plain_http(
+        base_url: &str,
+        service_key: impl Into<String>,
+        plain_http_hosts: &[&str],
+    ) -> Result<Self, ClientError> {
+        let mut base_url = Url::parse(base_url)
+            .map_err(|e| ClientError::Config(format!("base URL {:?}: {e}", redacted_text(base_url))))?;
         if !matches!(base_url.scheme(), "http" | "https") {
             return Err(ClientError::Config(format!("base URL must be http or https, got {:?}", base_url.scheme())));
+        }
+        if base_url.scheme() == "http" && !plain_http_allowed(&base_url, plain_http_hosts) {
+            let host = base_url.host_str().unwrap_or_default();
+            return Err(ClientError::Config(format!(
+                "base URL {}: plain http:// to {host} would send the service key unencrypted; use https://, \
+                 or name the host to allow it ({PLAIN_HTTP_HOSTS_VAR}={host}, or \
+                 ClientConfig::new_allowing_plain_http); loopback hosts are always allowed",
+                redacted(&base_url)
+            )));
         }
         if base_url.query().is_some() || base_url.fragment().is_some() {
             return Err(ClientError::Config("base URL must not carry a query or a fragment".into()));
@@ -215,9 +248,16 @@ impl ClientConfig {
         Ok(self)
     }
 
-    /// The root every `rpc/<name>` is resolved against, with a trailing slash.
+    /// The root every `rpc/<name>` is resolved against, with a trailing
+    /// slash. It may carry a password: print [`redacted_url`](Self::redacted_url).
     pub fn base_url(&self) -> &Url {
         &self.base_url
+    }
+
+    /// The base URL for logs and reports: any password it carries replaced
+    /// by `***`.
+    pub fn redacted_url(&self) -> String {
+        redacted(&self.base_url)
     }
 
     /// The configured row cap.
@@ -269,7 +309,7 @@ impl ClientConfig {
 impl fmt::Debug for ClientConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ClientConfig")
-            .field("base_url", &self.base_url.as_str())
+            .field("base_url", &self.redacted_url())
             .field("service_key", &"<redacted>")
             .field("key_kind", &self.key_kind)
             .field("key_variable", &self.key_variable)
@@ -287,9 +327,67 @@ impl fmt::Debug for ClientConfig {
     }
 }
 
+/// Whether plain `http://` may reach `url`'s host: loopback, or one named.
+fn plain_http_allowed(url: &Url, named: &[&str]) -> bool {
+    let loopback = match url.host() {
+        Some(url::Host::Domain(name)) => name.eq_ignore_ascii_case("localhost"),
+        Some(url::Host::Ipv4(address)) => address.is_loopback(),
+        Some(url::Host::Ipv6(address)) => address.is_loopback(),
+        None => false,
+    };
+    let host = url.host_str().unwrap_or_default();
+    loopback || named.iter().any(|name| !name.is_empty() && name.eq_ignore_ascii_case(host))
+}
+
+/// `url` with any password replaced by `***`.
+fn redacted(url: &Url) -> String {
+    let mut url = url.clone();
+    if url.password().is_some() {
+        let _ = url.set_password(Some("***"));
+    }
+    url.to_string()
+}
+
+/// `text` redacted when it parses as a URL with a password; else as given
+/// only when it has no `@` (where a password could hide), else elided.
+fn redacted_text(text: &str) -> String {
+    match Url::parse(text) {
+        Ok(url) => redacted(&url),
+        Err(_) if text.contains('@') => "<a URL with credentials>".to_owned(),
+        Err(_) => text.to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plain_http_reaches_loopback_and_named_hosts_only() {
+        for url in ["http://localhost:3000", "http://127.0.0.1:3000", "http://127.8.9.1", "http://[::1]:3000"] {
+            assert!(ClientConfig::new(url, "k").is_ok(), "{url}");
+        }
+        for url in ["http://postgrest.internal:3000", "http://10.0.0.5:3000", "http://ref.supabase.co/rest/v1"] {
+            let refused = ClientConfig::new(url, "k").expect_err(url).to_string();
+            assert!(refused.contains("unencrypted") && refused.contains(PLAIN_HTTP_HOSTS_VAR), "{refused}");
+        }
+        let named =
+            ClientConfig::new_allowing_plain_http("http://PostgREST.internal:3000", "k", &["postgrest.internal"]);
+        assert!(named.is_ok());
+        let other = ClientConfig::new_allowing_plain_http("http://other.internal:3000", "k", &["postgrest.internal"]);
+        assert!(other.is_err());
+        assert!(ClientConfig::new("https://postgrest.internal", "k").is_ok());
+    }
+
+    #[test]
+    fn a_password_in_the_url_is_never_printed() {
+        let config = ClientConfig::new("https://user:hunter2@plane.example/rest/v1", "k").unwrap();
+        for printed in [format!("{config:?}"), config.redacted_url()] {
+            assert!(!printed.contains("hunter2") && printed.contains("user:***@plane.example"), "{printed}");
+        }
+        let refused = ClientConfig::new("http://user:hunter2@plane.example", "k").unwrap_err().to_string();
+        assert!(!refused.contains("hunter2"), "{refused}");
+    }
 
     #[test]
     fn base_url_gains_a_trailing_slash_so_rpc_resolves_beneath_it() {
@@ -303,9 +401,9 @@ mod tests {
     fn bad_configuration_is_refused() {
         assert!(matches!(ClientConfig::new("not a url", "k"), Err(ClientError::Config(_))));
         assert!(matches!(ClientConfig::new("ftp://x", "k"), Err(ClientError::Config(_))));
-        assert!(matches!(ClientConfig::new("http://x?a=1", "k"), Err(ClientError::Config(_))));
-        assert!(matches!(ClientConfig::new("http://x", ""), Err(ClientError::Config(_))));
-        let config = ClientConfig::new("http://x", "k").unwrap();
+        assert!(matches!(ClientConfig::new("http://localhost?a=1", "k"), Err(ClientError::Config(_))));
+        assert!(matches!(ClientConfig::new("http://localhost", ""), Err(ClientError::Config(_))));
+        let config = ClientConfig::new("http://localhost", "k").unwrap();
         assert!(matches!(config.clone().with_max_rows(0), Err(ClientError::Config(_))));
         assert!(matches!(config.clone().with_max_rows(MAX_MAX_ROWS + 1), Err(ClientError::Config(_))));
         assert!(config.with_max_rows(MAX_MAX_ROWS).is_ok());
@@ -314,7 +412,7 @@ mod tests {
     /// A legacy `service_role`-shaped JWT (not signed by anyone).
     #[test]
     fn the_deadline_defaults_below_api_gateways_and_must_be_above_zero() {
-        let config = ClientConfig::new("http://x", "k").unwrap();
+        let config = ClientConfig::new("http://localhost", "k").unwrap();
         assert_eq!(config.deadline(), DEFAULT_DEADLINE);
         assert!(DEFAULT_DEADLINE < Duration::from_secs(29));
         assert!(matches!(config.clone().with_deadline(Duration::ZERO), Err(ClientError::Config(_))));
@@ -323,7 +421,7 @@ mod tests {
 
     #[test]
     fn debug_never_prints_secrets() {
-        let config = ClientConfig::new("http://x", "secret-service-key").unwrap().with_apikey("secret-apikey");
+        let config = ClientConfig::new("http://localhost", "secret-service-key").unwrap().with_apikey("secret-apikey");
         let printed = format!("{config:?}");
         assert!(!printed.contains("secret"), "{printed}");
         assert!(printed.contains("<redacted>"));

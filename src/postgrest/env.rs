@@ -1,7 +1,7 @@
 //! The client's configuration read from environment variables: where the
 //! server is, which variable holds the service key, and its `apikey`.
 
-use super::config::ClientConfig;
+use super::config::{ClientConfig, PLAIN_HTTP_HOSTS_VAR};
 use super::error::ClientError;
 use super::key::{Gateway, KeyError, KeyKind};
 
@@ -35,6 +35,8 @@ impl ClientConfig {
     ///   ([`KeyError`]).
     /// - `IDEM_APIKEY`: the `apikey` header, replacing the default one.
     /// - `IDEM_MAX_ROWS`: the server's row cap.
+    /// - `IDEM_ALLOW_PLAIN_HTTP`: hosts, comma-separated, that may be reached
+    ///   over plain `http://` besides loopback ([`PLAIN_HTTP_HOSTS_VAR`]).
     ///
     /// Testable without touching the process environment:
     ///
@@ -72,7 +74,9 @@ impl ClientConfig {
         if !expected.contains(&kind) {
             return Err(KeyError::WrongKind { variable, expected: expected[0], found: kind }.into());
         }
-        let mut config = ClientConfig::new(&url, key)?;
+        let plain_http = var(PLAIN_HTTP_HOSTS_VAR).unwrap_or_default();
+        let plain_http: Vec<&str> = plain_http.split(',').map(str::trim).filter(|host| !host.is_empty()).collect();
+        let mut config = ClientConfig::new_allowing_plain_http(&url, key, &plain_http)?;
         config.key_variable = Some(variable);
         if supabase.is_some() {
             config.gateway = Gateway::Supabase;
@@ -172,7 +176,7 @@ mod tests {
         assert!(from(&[url, ("SUPABASE_SERVICE_ROLE_KEY", SECRET)]).is_ok());
         // And the library's own constructor refuses a publishable key too.
         assert!(matches!(
-            ClientConfig::new("http://x", PUBLISHABLE),
+            ClientConfig::new("http://localhost", PUBLISHABLE),
             Err(ClientError::Key(KeyError::Publishable { .. }))
         ));
     }
@@ -235,7 +239,7 @@ mod tests {
         assert!(matches!(differs, ClientError::Key(KeyError::ApikeyDiffers)), "{differs:?}");
         let same = configured(&[vars[0], vars[1], ("IDEM_APIKEY", SECRET)]);
         assert_eq!(headers(&same), (format!("Bearer {SECRET}"), Some(SECRET.to_owned())));
-        let built = ClientConfig::new("http://x", SECRET).unwrap().with_apikey("other");
+        let built = ClientConfig::new("http://localhost", SECRET).unwrap().with_apikey("other");
         assert!(matches!(built.auth_headers(), Err(ClientError::Key(KeyError::ApikeyDiffers))));
     }
 

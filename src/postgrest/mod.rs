@@ -15,7 +15,9 @@ mod retry;
 mod rpc_policy;
 
 pub use client::PostgrestClient;
-pub use config::{ClientConfig, DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS};
+pub use config::{
+    ClientConfig, DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS, PLAIN_HTTP_HOSTS_VAR,
+};
 pub use env::SERVICE_KEY_VARIABLES;
 pub use error::{ClientError, PostgrestError, TransportKind};
 pub use key::{Gateway, KeyError, KeyKind};

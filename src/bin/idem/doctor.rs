@@ -72,7 +72,7 @@ impl Report {
 
 pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
     let repo = PostgrestRepository::new(remote::client(&args.target)?);
-    let url = repo.client().config().base_url().to_string();
+    let url = repo.client().config().redacted_url();
     let mut report = Report { json: args.json, checks: Vec::new() };
     report.note(&format!("idem doctor: {url}"));
 

@@ -50,7 +50,7 @@ impl Plane {
             Plane::Local(stack) => {
                 format!("embedded local stack {} (database {}, dropped at the end)", stack.url(), stack.database_name())
             }
-            Plane::Remote(config) => format!("configured server {}", config.base_url()),
+            Plane::Remote(config) => format!("configured server {}", config.redacted_url()),
         }
     }
 

@@ -394,3 +394,22 @@ async fn idem_doctor_explains_a_gateway_401_in_one_line() {
     assert!(line.contains("no apikey sent"), "{line}");
     assert!(!out.contains("a-jwt-the-gateway-never-sees"), "the key is never printed");
 }
+
+/// A plane URL may carry a password (a proxy's basic auth): `idem doctor`
+/// reports the URL without it, and a plain `http://` URL to a host that is
+/// not loopback is refused before any request carries the service key.
+#[tokio::test]
+async fn idem_doctor_never_prints_a_urls_password_and_plain_http_goes_to_loopback_only() {
+    let stack = crate::support::harness::stack().await;
+    let with_password = stack.url().replacen("http://", "http://operator:hunter2@", 1);
+    let output = idem(&with_password, stack.service_key(), None, &["doctor"]).await;
+    let printed = format!("{}{}", stdout(&output), String::from_utf8_lossy(&output.stderr));
+    assert!(printed.contains("operator:***@127.0.0.1"), "{printed}");
+    assert!(!printed.contains("hunter2"), "{printed}");
+
+    let output = idem("http://plane.example:3000", stack.service_key(), None, &["doctor"]).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "a usage error: {stderr}");
+    assert!(stderr.contains("unencrypted") && stderr.contains("IDEM_ALLOW_PLAIN_HTTP=plane.example"), "{stderr}");
+    stack.stop().await.unwrap();
+}

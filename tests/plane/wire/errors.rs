@@ -368,7 +368,7 @@ async fn a_response_body_above_the_configured_limit_is_refused_without_reading_i
         "{result:?}"
     );
     assert!(matches!(
-        ClientConfig::new("http://x", KEY).unwrap().with_max_response_bytes(10),
+        ClientConfig::new("http://localhost", KEY).unwrap().with_max_response_bytes(10),
         Err(ClientError::Config(_))
     ));
 }
