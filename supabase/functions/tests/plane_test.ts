@@ -136,6 +136,51 @@ Deno.test("release gives the key back, and a release whose answer was lost is no
   assert.equal((await claimOf(p, org, key, hash)).outcome, "claimed", "the release did happen");
 });
 
+Deno.test("the service key goes over plain http:// to loopback or a named host only, and a URL's password is never shown", () => {
+  const refusedWith = (connect: () => unknown, ...needles: string[]) =>
+    assert.throws(connect, (error: unknown) => {
+      assert.ok(error instanceof PlaneError && error.reason === "bad_configuration", String(error));
+      for (const needle of needles) assert.ok(error.message.includes(needle), error.message);
+      assert.ok(!error.message.includes("hunter2"), error.message);
+      return true;
+    });
+  for (
+    const url of [
+      "http://localhost:3000",
+      "http://127.0.0.1:54321/rest/v1",
+      "http://[::1]:3000",
+      "https://x.supabase.co/rest/v1",
+    ]
+  ) {
+    IdempotencyPlane.connect({ url, key: KEY });
+  }
+  refusedWith(
+    () => IdempotencyPlane.connect({ url: "http://kong:8000/rest/v1", key: KEY }),
+    "unencrypted",
+    "IDEM_ALLOW_PLAIN_HTTP=kong",
+  );
+  IdempotencyPlane.connect({ url: "http://kong:8000/rest/v1", key: KEY, allowPlainHttpTo: ["kong"] });
+  const env = (vars: Record<string, string>) => (name: string) => vars[name];
+  refusedWith(() => IdempotencyPlane.fromEnv(env({ SUPABASE_URL: "http://kong:8000", IDEM_SERVICE_KEY: KEY })), "kong");
+  IdempotencyPlane.fromEnv(
+    env({ SUPABASE_URL: "http://kong:8000", IDEM_SERVICE_KEY: KEY, IDEM_ALLOW_PLAIN_HTTP: " db , kong" }),
+  );
+  refusedWith(
+    () => IdempotencyPlane.connect({ url: "https://ops:hunter2@x.supabase.co/rest/v1", key: KEY }),
+    "credentials",
+  );
+  refusedWith(() => IdempotencyPlane.connect({ url: "ops:hunter2@nowhere", key: KEY }), "http(s)");
+  refusedWith(() => IdempotencyPlane.connect({ url: "//ops:hunter2@nowhere", key: KEY }), "not a URL");
+  // A supabase-js client is held to the same rule by the URL it shows.
+  const supabaseLike = (supabaseUrl: string) => ({
+    supabaseUrl,
+    schema: () => ({ rpc: () => ({ abortSignal: () => Promise.resolve({ data: null, error: null, status: 200 }) }) }),
+  });
+  refusedWith(() => IdempotencyPlane.connect(supabaseLike("http://kong:8000")), "kong");
+  IdempotencyPlane.connect(supabaseLike("http://kong:8000"), { allowPlainHttpTo: ["kong"] });
+  IdempotencyPlane.connect(supabaseLike("http://127.0.0.1:54321"));
+});
+
 Deno.test("bad input is refused before any request, with a reason", async () => {
   const lossy = new Lossy();
   const p = plane({ fetch: lossy.fetch });

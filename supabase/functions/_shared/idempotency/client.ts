@@ -78,6 +78,14 @@ export interface ConnectOptions {
   fetch?: typeof fetch;
   /** Default `agent`. */
   schema?: string;
+  /**
+   * Hosts that may be reached over plain `http://` besides loopback
+   * (`localhost`, `127.0.0.0/8`, `[::1]`), named exactly: for a PostgREST on a
+   * private network (`kong` under `supabase functions serve`, say). Any
+   * other `http://` URL is refused: the service key travels in every request.
+   * `fromEnv` reads them from `IDEM_ALLOW_PLAIN_HTTP` (comma-separated).
+   */
+  allowPlainHttpTo?: readonly string[];
 }
 
 /** Options every client takes. */
@@ -98,11 +106,10 @@ export class FetchTransport implements Transport {
     try {
       base = new URL(options.url);
     } catch {
-      throw PlaneError.invalid("bad_configuration", `the plane's URL ${JSON.stringify(options.url)} is not a URL`);
+      const shown = options.url.includes("@") ? "(a URL with credentials)" : JSON.stringify(options.url);
+      throw PlaneError.invalid("bad_configuration", `the plane's URL ${shown} is not a URL`);
     }
-    if (base.protocol !== "http:" && base.protocol !== "https:") {
-      throw PlaneError.invalid("bad_configuration", `the plane's URL must be http(s), got ${base.protocol}`);
-    }
+    checkPlaneUrl(base, options.allowPlainHttpTo ?? []);
     if (!options.key || /[\r\n]/.test(options.key)) {
       throw PlaneError.invalid("bad_configuration", "the service key is empty or cannot be a header");
     }
@@ -159,7 +166,23 @@ export class SupabaseTransport implements Transport {
   readonly #client: SupabaseLike;
   readonly #schema: string;
 
-  constructor(client: SupabaseLike, schema = PLANE_SCHEMA) {
+  /**
+   * Over `client`. Its URL, when it shows one (supabase-js keeps it as
+   * `supabaseUrl`), is held to the same rule as a `{ url, key }` plane's
+   * (`checkPlaneUrl`): plain `http://` to loopback or to a host in
+   * `allowPlainHttpTo` only.
+   */
+  constructor(client: SupabaseLike, schema = PLANE_SCHEMA, allowPlainHttpTo: readonly string[] = []) {
+    const shown = (client as { supabaseUrl?: unknown }).supabaseUrl;
+    if (typeof shown === "string" || shown instanceof URL) {
+      let url: URL;
+      try {
+        url = new URL(shown);
+      } catch {
+        throw PlaneError.invalid("bad_configuration", "the supabase-js client's URL is not a URL");
+      }
+      checkPlaneUrl(url, allowPlainHttpTo);
+    }
     this.#client = client;
     this.#schema = schema;
   }
@@ -312,6 +335,42 @@ function retryAfter(value: string | null): number | undefined {
 }
 
 /** A failed fetch, classified: refused connections never left. */
+/**
+ * Refuses a plane URL the service key must not be sent to: not http(s),
+ * carrying credentials (fetch refuses them, and its errors would print
+ * them), or plain `http://` to a host that is neither loopback nor named in
+ * `allowPlainHttpTo`. Messages never carry a password.
+ */
+export function checkPlaneUrl(url: URL, allowPlainHttpTo: readonly string[]): void {
+  if (url.protocol !== "http:" && url.protocol !== "https:") {
+    throw PlaneError.invalid("bad_configuration", `the plane's URL must be http(s), got ${url.protocol}`);
+  }
+  if (url.username !== "" || url.password !== "") {
+    const shown = new URL(url.href);
+    shown.username = "";
+    shown.password = "";
+    throw PlaneError.invalid(
+      "bad_configuration",
+      `the plane's URL ${shown.href} carries credentials (user:password@): the service key is the only one the plane takes; remove them`,
+    );
+  }
+  if (url.protocol === "http:" && !plainHttpAllowed(url.hostname, allowPlainHttpTo)) {
+    throw PlaneError.invalid(
+      "bad_configuration",
+      `the plane's URL ${url.href}: plain http:// to ${url.hostname} would send the service key unencrypted; ` +
+        `use https://, or name the host to allow it (allowPlainHttpTo: ["${url.hostname}"], or ` +
+        `IDEM_ALLOW_PLAIN_HTTP=${url.hostname}); loopback hosts are always allowed`,
+    );
+  }
+}
+
+/** Loopback (`localhost`, `127.0.0.0/8`, `[::1]`), or a host named in `allowed`. */
+function plainHttpAllowed(hostname: string, allowed: readonly string[]): boolean {
+  const host = hostname.toLowerCase();
+  const loopback = host === "localhost" || host === "[::1]" || /^127\.\d{1,3}\.\d{1,3}\.\d{1,3}$/.test(host);
+  return loopback || allowed.some((name) => name !== "" && name.toLowerCase() === host);
+}
+
 function transportError(fn: string, cause: unknown, signal: AbortSignal): PlaneError {
   const text = describe(cause);
   let transport: TransportFailure = "interrupted";

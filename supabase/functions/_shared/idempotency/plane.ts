@@ -94,6 +94,11 @@ export interface CallOptions {
 export interface PlaneOptions extends ClientOptions {
   /** The scope policies' store limit this client journals within. Default 65536 bytes. */
   responseLimitBytes?: number;
+  /**
+   * For a supabase-js client: hosts its URL may name over plain `http://`
+   * besides loopback (a `{ url, key }` source names them itself).
+   */
+  allowPlainHttpTo?: readonly string[];
 }
 
 /** What `IdempotencyPlane.connect` takes: a supabase-js client, or a URL and key. */
@@ -116,7 +121,7 @@ export class IdempotencyPlane {
    */
   static connect(source: PlaneSource, options: PlaneOptions = {}): IdempotencyPlane {
     const transport = "schema" in source && typeof source.schema === "function"
-      ? new SupabaseTransport(source as SupabaseLike)
+      ? new SupabaseTransport(source as SupabaseLike, undefined, options.allowPlainHttpTo)
       : new FetchTransport(source as ConnectOptions);
     return new IdempotencyPlane(new PlaneClient(transport, options), options);
   }
@@ -125,13 +130,18 @@ export class IdempotencyPlane {
    * A plane from the environment a deployed Edge Function has: `SUPABASE_URL`
    * (`/rest/v1` is added) and the first key set of `IDEM_SERVICE_KEY`,
    * `SUPABASE_SECRET_KEY`, `SUPABASE_SERVICE_ROLE_KEY`. `IDEM_POSTGREST_URL`,
-   * when set, is used as the PostgREST root instead.
+   * when set, is used as the PostgREST root instead. Plain `http://` reaches
+   * loopback only, and the hosts `IDEM_ALLOW_PLAIN_HTTP` names
+   * (comma-separated): under `supabase functions serve`, whose
+   * `SUPABASE_URL` is `http://kong:8000`, set `IDEM_ALLOW_PLAIN_HTTP=kong`.
    */
   static fromEnv(env: (name: string) => string | undefined, options: PlaneOptions = {}): IdempotencyPlane {
     const rest = env("IDEM_POSTGREST_URL");
     const project = env("SUPABASE_URL");
     const url = rest || (project ? `${project.replace(/\/+$/, "")}/rest/v1` : "");
     const key = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
+    const allowPlainHttpTo = (env("IDEM_ALLOW_PLAIN_HTTP") ?? "").split(",").map((host) => host.trim())
+      .filter((host) => host !== "");
     if (!url) throw PlaneError.invalid("bad_configuration", "set SUPABASE_URL (or IDEM_POSTGREST_URL)");
     if (!key) {
       throw PlaneError.invalid(
@@ -139,7 +149,7 @@ export class IdempotencyPlane {
         "set SUPABASE_SECRET_KEY or SUPABASE_SERVICE_ROLE_KEY (or IDEM_SERVICE_KEY): the plane takes the service role only",
       );
     }
-    return IdempotencyPlane.connect({ url, key }, options);
+    return IdempotencyPlane.connect({ url, key, allowPlainHttpTo }, options);
   }
 
   /**
