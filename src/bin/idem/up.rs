@@ -10,7 +10,10 @@
 //! is acceptable here only because the server listens on 127.0.0.1 alone:
 //! whoever can reach it is a local user, who could reach the PostgreSQL
 //! beneath it anyway. (The tests, `idem demo` and `idem bench` keep a random
-//! secret per start.)
+//! secret per start.) The public secret is why the server's other doors
+//! stay shut (see `idempotency_plane::local`): it logs in as `authenticator`
+//! only, refuses tokens of any role but the API roles, answers loopback
+//! `Host`s only, and sends no CORS headers unless asked.
 //!
 //! **Database.** Without `--database`, a throwaway copy of the migrations'
 //! template, dropped on stop. With `--database NAME`, that database, kept
@@ -31,7 +34,10 @@ use crate::{signal, BoxError};
 #[derive(Debug, clap::Args)]
 #[command(after_help = "The server listens on 127.0.0.1 only. It signs and accepts the Supabase CLI's \
     public local JWT secret, so its service_role and anon keys are the CLI's demo keys: the same on \
-    every start, valid until 2032. Never expose the port beyond this machine.")]
+    every start, valid until 2032. Never expose the port beyond this machine. It logs in to PostgreSQL \
+    as authenticator, never as DATABASE_URL's superuser (on a cluster that asks authenticator for a \
+    password, set IDEM_AUTHENTICATOR_PASSWORD), accepts tokens of anon, authenticated and service_role \
+    only, answers loopback Host names only, and sends CORS headers only to --cors-origin.")]
 pub(crate) struct UpArgs {
     /// The port to serve on, on 127.0.0.1; 0 picks a free one. The REST
     /// API answers at the root and at /rest/v1 (where supabase-js calls).
