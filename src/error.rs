@@ -171,6 +171,17 @@ pub enum InvalidInput {
         /// Which duration.
         what: &'static str,
     },
+    /// A lease margin below [`MIN_LEASE_MARGIN`](crate::service::MIN_LEASE_MARGIN):
+    /// the last journal attempt, sent just before its deadline, could land
+    /// after the lease, where a reclaim has fenced it off and a second
+    /// worker runs the effect again.
+    #[error("the lease margin {margin:?} is below the floor of {floor:?}: the journal's last attempt could land after the lease")]
+    MarginBelowFloor {
+        /// The margin asked for.
+        margin: std::time::Duration,
+        /// The least margin accepted.
+        floor: std::time::Duration,
+    },
     /// A Run's `max_run_duration` that is zero or above the 30-day cap
     /// ([`MAX_RUN_DURATION`](crate::callers::runs::MAX_RUN_DURATION)): a
     /// tool claim, the Run's replay journal, is kept 30 days, so no Run may

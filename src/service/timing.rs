@@ -13,6 +13,18 @@ use super::validate;
 /// journal still lands while the key is ours.
 pub const DEFAULT_JOURNAL_DEADLINE: Duration = Duration::from_secs(10);
 
+/// The least margin a [`Timing`] accepts: 1 s. The journal's last attempt
+/// may leave just before its deadline; the lease must still hold when it
+/// reaches the database, or a reclaim fences it off after the effect ran and
+/// a second worker runs it again. The margin is that flight's allowance: a
+/// request's trip to the database (through PostgREST, a TLS gateway, a
+/// region away) plus the database taking the row lock. Measured with
+/// `idem bench`, a claim's round trip through the local server is a few
+/// milliseconds at p99; to a hosted project in another region, tens to a
+/// few hundred. One second covers that with room; the callers' defaults
+/// are 5 s and more.
+pub const MIN_LEASE_MARGIN: Duration = Duration::from_secs(1);
+
 /// The three parts of an effect's lease: the effect's own timeout, the
 /// deadline of the journal (or release) that ends it, and a margin.
 ///
@@ -29,14 +41,17 @@ pub struct Timing {
 }
 
 impl Timing {
-    /// Refused unless `effect` and `journal` are above zero and the lease
-    /// they make with `margin` is one the store accepts
-    /// ([`MIN_LEASE`](super::MIN_LEASE) to [`MAX_LEASE`](super::MAX_LEASE)).
+    /// Refused unless `effect` and `journal` are above zero, `margin` is at
+    /// least [`MIN_LEASE_MARGIN`], and the lease they make is one the store
+    /// accepts ([`MIN_LEASE`](super::MIN_LEASE) to [`MAX_LEASE`](super::MAX_LEASE)).
     pub fn new(effect: Duration, journal: Duration, margin: Duration) -> Result<Self, InvalidInput> {
         for (what, value) in [("effect timeout", effect), ("journal deadline", journal)] {
             if value.is_zero() {
                 return Err(InvalidInput::ZeroDuration { what });
             }
+        }
+        if margin < MIN_LEASE_MARGIN {
+            return Err(InvalidInput::MarginBelowFloor { margin, floor: MIN_LEASE_MARGIN });
         }
         validate::lease(effect.saturating_add(journal).saturating_add(margin))?;
         Ok(Timing { effect, journal, margin })
@@ -141,7 +156,19 @@ mod tests {
             Timing::new(S(1), Duration::ZERO, S(1)),
             Err(InvalidInput::ZeroDuration { what: "journal deadline" })
         );
-        assert!(matches!(Timing::new(S(86_400), S(1), S(0)), Err(InvalidInput::LeaseTooLong { .. })));
+        assert!(matches!(Timing::new(S(86_400), S(1), S(1)), Err(InvalidInput::LeaseTooLong { .. })));
+    }
+
+    #[test]
+    fn a_margin_below_the_floor_is_refused_since_the_last_journal_attempt_could_land_after_the_lease() {
+        for margin in [Duration::ZERO, Duration::from_millis(1), MIN_LEASE_MARGIN - Duration::from_millis(1)] {
+            assert_eq!(
+                Timing::new(S(5), S(5), margin),
+                Err(InvalidInput::MarginBelowFloor { margin, floor: MIN_LEASE_MARGIN }),
+                "{margin:?}"
+            );
+        }
+        assert_eq!(Timing::new(S(5), S(5), MIN_LEASE_MARGIN).map(|t| t.lease()), Ok(S(11)));
     }
 
     #[test]

@@ -258,9 +258,14 @@ mod tests {
         // Each is validated with the others: the whole lease stays within 24 h.
         let day = crate::service::MAX_LEASE;
         assert!(matches!(layer().journal_deadline(day), Err(InvalidInput::LeaseTooLong { .. })));
-        let long_handler = layer().handler_timeout(day - Duration::from_secs(5), Duration::ZERO).unwrap_err();
+        let long_handler = layer().handler_timeout(day - Duration::from_secs(5), Duration::from_secs(1)).unwrap_err();
         assert!(matches!(long_handler, InvalidInput::LeaseTooLong { .. }), "the default journal deadline counts");
         let short = layer().journal_deadline(Duration::from_millis(100)).unwrap();
-        assert!(short.handler_timeout(day - Duration::from_secs(1), Duration::from_millis(900)).is_ok());
+        assert!(short.handler_timeout(day - Duration::from_millis(1100), Duration::from_secs(1)).is_ok());
+        // A margin below the floor: the last journal attempt could land after the lease.
+        assert!(matches!(
+            layer().handler_timeout(Duration::from_secs(2), Duration::ZERO),
+            Err(InvalidInput::MarginBelowFloor { .. })
+        ));
     }
 }

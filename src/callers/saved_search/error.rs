@@ -69,9 +69,9 @@ impl SavedSearchError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartConfigError {
-    /// The lease is outside what the plane accepts
-    /// ([`MIN_LEASE`](crate::service::MIN_LEASE) to [`MAX_LEASE`](crate::service::MAX_LEASE)).
-    #[error("saved search lease {lease:?} is outside the plane's {min:?} to {max:?}")]
+    /// The lease is outside [`MIN_PREPARATION_LEASE`](super::MIN_PREPARATION_LEASE)
+    /// to the plane's [`MAX_LEASE`](crate::service::MAX_LEASE).
+    #[error("saved search lease {lease:?} is outside {min:?} to {max:?}")]
     LeaseOutOfRange {
         /// The lease asked for.
         lease: Duration,

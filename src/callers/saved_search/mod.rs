@@ -49,4 +49,4 @@ mod start;
 pub use error::{SavedSearchError, StartConfigError};
 pub use identity::{SAVED_SEARCH_START_SCOPE, SNAPSHOT_RESOURCE_TYPE};
 pub use source::{SnapshotError, SnapshotSource};
-pub use start::{SavedSearchStart, Started, StartedRun, SAVED_SEARCH_LEASE};
+pub use start::{SavedSearchStart, Started, StartedRun, MIN_PREPARATION_LEASE, SAVED_SEARCH_LEASE};

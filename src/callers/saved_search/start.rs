@@ -14,7 +14,7 @@ use crate::callers::runs::{AdmittedRun, RunAdmission};
 use crate::repo::{IdempotencyRepository, RunRepository};
 use crate::service::{
     Begun, Effect, EffectDriver, IdempotencyService, LeaseOutlastsRetries, RequestHash, ResponseRef, RetryHorizon,
-    Timing, DEFAULT_JOURNAL_DEADLINE, MAX_LEASE, MIN_LEASE,
+    Timing, DEFAULT_JOURNAL_DEADLINE, MAX_LEASE, MIN_LEASE, MIN_LEASE_MARGIN,
 };
 
 /// The spec's lease for input preparation.
@@ -60,11 +60,16 @@ impl Started {
     }
 }
 
-/// Refuses a lease outside the plane's range, or one still held at the
-/// scheduler's last retry.
+/// The shortest preparation lease: 2 s, so that after the margin's floor
+/// ([`MIN_LEASE_MARGIN`], 1 s) the freeze and its journal still have time.
+pub const MIN_PREPARATION_LEASE: Duration = Duration::from_secs(2);
+
+/// Refuses a lease outside [`MIN_PREPARATION_LEASE`] to the plane's
+/// longest, or one still held at the scheduler's last retry.
 fn check_lease(lease: Duration, horizon: RetryHorizon) -> Result<(), StartConfigError> {
-    if !(MIN_LEASE..=MAX_LEASE).contains(&lease) {
-        return Err(StartConfigError::LeaseOutOfRange { lease, min: MIN_LEASE, max: MAX_LEASE });
+    const _: () = assert!(MIN_PREPARATION_LEASE.as_millis() >= MIN_LEASE.as_millis());
+    if !(MIN_PREPARATION_LEASE..=MAX_LEASE).contains(&lease) {
+        return Err(StartConfigError::LeaseOutOfRange { lease, min: MIN_PREPARATION_LEASE, max: MAX_LEASE });
     }
     // The claim is the start's first call: nothing is spent before it.
     if lease >= horizon.until_last() {
@@ -113,13 +118,15 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         self.lease
     }
 
-    /// The lease's parts: the freeze's timeout, the journal's deadline and
-    /// a margin (15 s, 10 s and 5 s of the spec's 30 s).
+    /// The lease's parts: a margin of a sixth of the lease (at least
+    /// [`MIN_LEASE_MARGIN`], at most 5 s), then the journal's deadline
+    /// (two fifths of the rest, at most [`DEFAULT_JOURNAL_DEADLINE`]) and
+    /// the freeze's timeout: 15 s, 10 s and 5 s of the spec's 30 s.
     fn timing(&self) -> Result<Timing, SavedSearchError> {
-        let journal = (self.lease / 3).min(DEFAULT_JOURNAL_DEADLINE);
-        let margin = (self.lease / 6).min(Duration::from_secs(5));
-        Timing::new(self.lease - journal - margin, journal, margin)
-            .map_err(|refused| SavedSearchError::Plane(refused.into()))
+        let margin = (self.lease / 6).clamp(MIN_LEASE_MARGIN, Duration::from_secs(5));
+        let rest = self.lease.saturating_sub(margin);
+        let journal = (rest * 2 / 5).min(DEFAULT_JOURNAL_DEADLINE);
+        Timing::new(rest - journal, journal, margin).map_err(|refused| SavedSearchError::Plane(refused.into()))
     }
 
     /// The scheduler's retry horizon the lease was checked against.
@@ -280,13 +287,20 @@ mod tests {
                 horizon: Duration::from_secs(120)
             }))
         );
-        for lease in [Duration::ZERO, MIN_LEASE - Duration::from_millis(1)] {
+        for lease in [Duration::ZERO, MIN_LEASE, MIN_PREPARATION_LEASE - Duration::from_millis(1)] {
             assert_eq!(
                 starter(horizon).unwrap().with_lease(lease).err(),
-                Some(StartConfigError::LeaseOutOfRange { lease, min: MIN_LEASE, max: MAX_LEASE })
+                Some(StartConfigError::LeaseOutOfRange { lease, min: MIN_PREPARATION_LEASE, max: MAX_LEASE })
             );
         }
-        assert!(starter(horizon).unwrap().with_lease(MIN_LEASE).is_ok());
+        let shortest = starter(horizon).unwrap().with_lease(MIN_PREPARATION_LEASE).expect("the shortest");
+        let timing = shortest.timing().expect("a timing the plane accepts");
+        assert_eq!((timing.margin(), timing.lease()), (MIN_LEASE_MARGIN, MIN_PREPARATION_LEASE));
+        let spec = starter(horizon).unwrap().timing().expect("the spec's lease");
+        assert_eq!(
+            (spec.effect(), spec.journal(), spec.margin()),
+            (Duration::from_secs(15), Duration::from_secs(10), Duration::from_secs(5))
+        );
         let forever = RetryHorizon::until_last_attempt(MAX_LEASE * 2);
         assert!(starter(forever).unwrap().with_lease(MAX_LEASE).is_ok());
         assert!(matches!(

@@ -15,7 +15,7 @@ use super::spec::{RepeatSafety, ToolSpec};
 use crate::repo::IdempotencyRepository;
 use crate::service::{
     Answer, Attempt, Begun, Cut, Effect, EffectDriver, Held, IdempotencyService, ReadOutcome, RequestHash,
-    RetryHorizon, Settle, Settled, Timing, DEFAULT_JOURNAL_DEADLINE,
+    RetryHorizon, Settle, Settled, Timing, DEFAULT_JOURNAL_DEADLINE, MIN_LEASE_MARGIN,
 };
 
 /// Added to a tool's timeout to make its lease, so the lease outlives the
@@ -23,7 +23,7 @@ use crate::service::{
 pub const DEFAULT_LEASE_MARGIN: Duration = Duration::from_secs(15);
 
 /// The margins [`ToolGuard::with_lease_margin`] accepts.
-pub const LEASE_MARGIN_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(300);
+pub const LEASE_MARGIN_RANGE: std::ops::RangeInclusive<Duration> = MIN_LEASE_MARGIN..=Duration::from_secs(300);
 
 /// Guards tool calls with the idempotency plane.
 #[derive(Debug, Clone)]

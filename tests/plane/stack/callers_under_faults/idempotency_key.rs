@@ -25,7 +25,7 @@ const HTTP_CHAOS: Duration = ms(4000);
 /// How many times one client sends its request at most.
 const CLIENT_TRIES: usize = 60;
 /// The handler's timeout, counted from before the claim; with the 1 s
-/// journal deadline and a 0.5 s margin, a 3 s lease. A claim answered late
+/// journal deadline and a 1 s margin (the floor), a 3.5 s lease. A claim answered late
 /// leaves the handler less of it: the handler pauses (at most 40 ms) before
 /// its effect and makes the effect and its answer in one poll, so a cut
 /// never falls between them (one before the effect is a 504, and the retry
@@ -264,7 +264,7 @@ async fn randomized_idempotency_keys_run_each_callers_request_once_and_replay_it
             IdempotencyService::new(PostgrestRepository::new(PostgrestClient::new(config).expect("a client")));
         let layer = IdempotencyKeyLayer::new(service, move |_| Some(tenant))
             .principal(|parts| parts.headers.get("x-user")?.to_str().ok().map(str::to_owned))
-            .handler_timeout(HANDLER_TIMEOUT, ms(500))
+            .handler_timeout(HANDLER_TIMEOUT, ms(1000))
             .and_then(|layer| layer.journal_deadline(ms(1000)))
             .expect("a lease the plane accepts");
         let app = axum::Router::new()

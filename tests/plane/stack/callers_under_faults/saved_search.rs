@@ -31,8 +31,8 @@ const STARTS: usize = 4;
 /// How many times one chain starts its trigger at most.
 const START_TRIES: usize = 40;
 /// The preparation's lease: the freeze is cut at 1.5 s, the journal at
-/// 2.5 s, both counted from before the claim; 0.5 s of margin.
-const SEARCH_LEASE: Duration = ms(3000);
+/// 2.5 s, both counted from before the claim; 1 s of margin (the floor).
+const SEARCH_LEASE: Duration = ms(3500);
 
 fn search_claim_fault(rng: &mut StdRng, _: &str) -> Option<Fault> {
     match rng.random_range(0..100) {
