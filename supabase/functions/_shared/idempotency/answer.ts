@@ -105,6 +105,12 @@ export function replayable(answer: Answer): Answer {
 /** Why the store cannot hold a value as given. */
 export type Unstorable =
   | { reason: "nul" }
+  /**
+   * A string or key holds a lone UTF-16 surrogate (a string cut inside an
+   * emoji with `.slice`, say): JSON can carry it only as an escape that
+   * PostgreSQL's `jsonb` refuses.
+   */
+  | { reason: "lone_surrogate" }
   | { reason: "too_deep" }
   | { reason: "too_large"; size: number; limit: number }
   | { reason: "refused" };
@@ -129,6 +135,7 @@ export function unstorable(value: unknown, enclosing: number, limit: number): Un
     const [item, depth] = pending.pop()!;
     if (typeof item === "string") {
       if (item.includes("\0")) return { reason: "nul" };
+      if (!item.isWellFormed()) return { reason: "lone_surrogate" };
     } else if (Array.isArray(item)) {
       if (depth + 1 > MAX_RESPONSE_DEPTH) return { reason: "too_deep" };
       for (const inner of item) pending.push([inner, depth + 1]);
@@ -136,6 +143,7 @@ export function unstorable(value: unknown, enclosing: number, limit: number): Un
       if (depth + 1 > MAX_RESPONSE_DEPTH) return { reason: "too_deep" };
       for (const [name, inner] of Object.entries(item)) {
         if (name.includes("\0")) return { reason: "nul" };
+        if (!name.isWellFormed()) return { reason: "lone_surrogate" };
         pending.push([inner, depth + 1]);
       }
     }
@@ -268,6 +276,7 @@ export function resourceProblem(resource: ResourceRef): string | undefined {
   ) {
     if ([...value].length > max) return `the resource ${field} is longer than ${max} characters`;
     if (value.includes("\0")) return `the resource ${field} holds a NUL character`;
+    if (!value.isWellFormed()) return `the resource ${field} holds a lone UTF-16 surrogate`;
   }
   return undefined;
 }
@@ -309,7 +318,7 @@ export async function store(answer: Answer, limit: number, refused: boolean): Pr
   // Still above a small limit: the error keeps only its first bytes, so `ok`
   // and the reference always fit.
   if (answer.error !== undefined && jsonSize(stored) > limit) {
-    stored.error = prefix(answer.error, LAST_RESORT_ERROR_BYTES).replaceAll("\0", "\uFFFD");
+    stored.error = prefix(answer.error, LAST_RESORT_ERROR_BYTES).replaceAll("\0", "\uFFFD").toWellFormed();
     delete stored.error_elided;
     standIn ??= { reason: "too_large", size: jsonSize(stored), limit };
   }
@@ -348,8 +357,8 @@ async function digest(value: unknown): Promise<{ size: number; sha256: string }>
 
 /** Keeps the first MAX_STORED_ERROR_BYTES of `error` and a summary of the whole; false when it fits whole. */
 async function shortenError(stored: Record<string, unknown>, error: string): Promise<boolean> {
-  if (utf8Length(error) <= MAX_STORED_ERROR_BYTES && !error.includes("\0")) return false;
-  stored.error = prefix(error, MAX_STORED_ERROR_BYTES).replaceAll("\0", "\uFFFD");
+  if (utf8Length(error) <= MAX_STORED_ERROR_BYTES && !error.includes("\0") && error.isWellFormed()) return false;
+  stored.error = prefix(error, MAX_STORED_ERROR_BYTES).replaceAll("\0", "\uFFFD").toWellFormed();
   stored.error_elided = { [ELIDED_KEY]: await elide(error, { reason: "too_large", size: 0, limit: 0 }) };
   return true;
 }

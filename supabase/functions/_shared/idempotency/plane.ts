@@ -257,7 +257,7 @@ export class IdempotencyPlane {
       if (problem) {
         throw PlaneError.invalid(
           "unstorable_response",
-          `the response cannot be stored (${problem.reason}): PostgreSQL cannot hold U+0000, and a replay cannot read back more than 64 levels of nesting`,
+          `the response cannot be stored (${problem.reason}): PostgreSQL cannot hold U+0000 or a lone UTF-16 surrogate, and a replay cannot read back more than 64 levels of nesting`,
         );
       }
       const size = jsonSize(response);
