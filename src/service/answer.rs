@@ -271,6 +271,21 @@ mod tests {
         }
     }
 
+    /// The TypeScript client journals a string cut inside an emoji (a lone
+    /// UTF-16 surrogate, which `jsonb` refuses) as its JSON text. A Rust
+    /// `String` cannot hold a lone surrogate, so a Rust replay gets that
+    /// text, losslessly, as it gets an output nested too deep to rebuild.
+    #[test]
+    fn a_lone_surrogate_another_client_journaled_replays_as_its_text() {
+        let text = r#""Hello \ud83d""#;
+        assert!(serde_json::from_str::<Value>(text).is_err(), "no Rust value holds it");
+        let stored = json!({"ok": false, "error": {"$json": text}, "output": {"$json": text}});
+        let back = Answer::from_stored(Some(stored), None, None);
+        assert_eq!(back.output, json!({"$json": text}));
+        assert_eq!(back.error.as_deref(), Some(json!({"$json": text}).to_string().as_str()));
+        assert!(!back.ok);
+    }
+
     #[test]
     fn an_output_deeper_than_a_reader_can_rebuild_replays_as_its_text() {
         let deep = nested(200);

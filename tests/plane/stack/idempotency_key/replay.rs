@@ -140,8 +140,9 @@ async fn a_replay_never_carries_a_credential_header_even_when_one_was_journaled(
 
 /// The first caller gets exactly what every replay says, whatever the
 /// answer's body holds: a NUL byte, bytes that are not UTF-8, JSON whose
-/// members are in no sorted order (kept as its bytes, not reordered), and a
-/// body above the journal's limit (omitted for the first caller too).
+/// members are in no sorted order (kept as its bytes, not reordered), JSON
+/// naming a lone UTF-16 surrogate, and a body above the journal's limit
+/// (omitted for the first caller too).
 #[tokio::test]
 async fn the_first_answer_is_exactly_what_every_replay_says() {
     use axum::body::Bytes;
@@ -172,8 +173,11 @@ async fn the_first_answer_is_exactly_what_every_replay_says() {
             .body(body)
             .send()
     };
-    let cases: [(&str, &str, Vec<u8>); 4] = [
+    let cases: [(&str, &str, Vec<u8>); 5] = [
         ("nul", "text/plain", b"a\0b".to_vec()),
+        // A string cut inside an emoji by the service that made it: JSON
+        // whose escape names a lone UTF-16 surrogate, which jsonb refuses.
+        ("lone-surrogate", "application/json", br#"{"preview": "Hello \ud83d"}"#.to_vec()),
         ("not-utf8", "application/octet-stream", vec![0xff, 0x00, 0xfe]),
         ("unsorted-json", "application/json", br#"{"z": 1,  "a": [2, {"y":3,"b":4}]}"#.to_vec()),
         ("oversized", "text/plain", vec![b'x'; 4096]),
