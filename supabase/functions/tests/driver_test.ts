@@ -19,7 +19,17 @@ import {
   Timing,
   vendorKey,
 } from "../_shared/idempotency/mod.ts";
-import { hashOf, Lossy, organization, plane, sleep, uniqueKey } from "./support.ts";
+import {
+  hashOf,
+  HOUR_MS,
+  Lossy,
+  organization,
+  plane,
+  restoreWallClock,
+  sleep,
+  stepWallClock,
+  uniqueKey,
+} from "./support.ts";
 
 const SCOPE = "tool.email.send";
 
@@ -236,6 +246,46 @@ Deno.test("an effect that ignores its signal but ends soon after its timeout is 
     answer: success("late but done"),
   });
   assert.equal(runs, 1);
+});
+
+Deno.test("a wall clock stepped back or forward an hour moves no deadline: the effect runs, is cut at its timeout, its journal lands", async () => {
+  for (const step of [-HOUR_MS, HOUR_MS]) {
+    const driver = new EffectDriver(plane());
+    const spec = {
+      organizationId: organization(),
+      scope: SCOPE,
+      key: uniqueKey(),
+      requestHash: await hashOf({ step }),
+      timing: new Timing(300, 1_000, 1_000),
+    };
+    const begun = await driver.begin(spec);
+    assert.equal(begun.kind, "held");
+    if (begun.kind !== "held") return;
+    let started = false;
+    let lateTimer: ReturnType<typeof setTimeout> | undefined;
+    stepWallClock(step);
+    try {
+      const before = performance.now();
+      // Ignores its signal; ends 3 s on unless cut (and then never).
+      const ran = await begun.held.run((signal) => {
+        started = true;
+        return new Promise((resolve) => {
+          lateTimer = setTimeout(() => resolve("too late"), 3_000);
+          signal.addEventListener("abort", () => clearTimeout(lateTimer));
+        });
+      });
+      const took = performance.now() - before;
+      assert.ok(started, `step ${step}: the effect ran (its deadline had not passed)`);
+      assert.deepEqual(ran, { cut: "timed_out" }, `step ${step}`);
+      assert.ok(took < 1_500, `step ${step}: cut at its 300 ms timeout, not ${Math.round(took)} ms on`);
+      assert.deepEqual(await begun.held.settle({ journal: failure("timed_out") }), { ending: "journaled" });
+    } finally {
+      clearTimeout(lateTimer);
+      restoreWallClock();
+    }
+    const again = await driver.begin(spec);
+    assert.deepEqual(again, { kind: "replayed", answer: failure("timed_out") }, `step ${step}`);
+  }
 });
 
 Deno.test("the first answer is the replay's, byte for byte, whatever it holds", async () => {

@@ -17,6 +17,7 @@ import {
 } from "../_shared/idempotency/mod.ts";
 import type { IdempotencyKeyOptions } from "../_shared/idempotency/http.ts";
 import { assert, assertEquals } from "./assert.ts";
+import { HOUR_MS, restoreWallClock, stepWallClock, within } from "./support.ts";
 
 function env(name: string): string {
   const value = Deno.env.get(name);
@@ -329,9 +330,9 @@ Deno.test("plane: a handler past its timeout that ends late keeps its late answe
     return created(req, n);
   }, { handlerTimeoutMs: 400, journalDeadlineMs: 1_000, marginMs: 0 });
   const key = crypto.randomUUID();
-  const started = Date.now();
+  const started = performance.now();
   const first = await serve(request(key));
-  assert(Date.now() - started < 2_000, "cut at its timeout, then waited on for a while");
+  assert(performance.now() - started < 2_000, "cut at its timeout, then waited on for a while");
   assert(aborted, "the handler's signal aborted");
   // It answered once aborted: that answer is the key's, and the first caller's.
   assertEquals([first.status, first.headers.get("idempotent-replayed")], [201, null]);
@@ -359,6 +360,53 @@ Deno.test("plane: a handler that ignores its signal past the timeout keeps its 5
   assertEquals(await retry.json(), problem);
   assertEquals(runs(), 1);
   finish();
+});
+
+Deno.test("plane: a wall clock stepped back an hour mid-handler stretches no wait: its 504 is kept before its lease", async () => {
+  let finish!: () => void;
+  const finished = new Promise<void>((resolve) => (finish = resolve));
+  // Lease 400 + 1 000 + 1 000 ms: the 504 must be journaled well inside it.
+  const { serve, runs } = setup(async (req, n) => {
+    if (n === 1) {
+      stepWallClock(-HOUR_MS);
+      await finished;
+    }
+    return created(req, n);
+  }, { handlerTimeoutMs: 400, journalDeadlineMs: 1_000, marginMs: 1_000 });
+  const key = crypto.randomUUID();
+  try {
+    const first = await within("the timed-out handler's answer", serve(request(key)), 2_400);
+    const problem = await problemOf(first, 504, "handler-timeout");
+    const retry = await serve(request(key));
+    assertEquals([retry.status, retry.headers.get("idempotent-replayed")], [504, "true"]);
+    assertEquals(await retry.json(), problem);
+    assertEquals(runs(), 1);
+  } finally {
+    restoreWallClock();
+    finish();
+  }
+});
+
+Deno.test("plane: a wall clock stepped forward an hour mid-handler gives up no journal: its answer replays", async () => {
+  const { serve, runs } = setup((req, n) => {
+    if (n === 1) stepWallClock(HOUR_MS);
+    return created(req, n);
+  }, { handlerTimeoutMs: 2_000, journalDeadlineMs: 2_000, marginMs: 1_000 });
+  const key = crypto.randomUUID();
+  try {
+    const first = await serve(request(key));
+    assertEquals([first.status, first.headers.get("idempotent-replayed")], [201, null]);
+    const firstBody = await first.text();
+    const retry = await serve(request(key));
+    assertEquals([retry.status, retry.headers.get("idempotent-replayed"), await retry.text()], [
+      201,
+      "true",
+      firstBody,
+    ]);
+    assertEquals(runs(), 1);
+  } finally {
+    restoreWallClock();
+  }
 });
 
 Deno.test("plane: an answer above the store limit keeps its status and headers, its body omitted", async () => {

@@ -96,10 +96,43 @@ export function sleep(ms: number): Promise<void> {
 
 /** Polls `check` until it is true or `ms` pass. */
 export async function eventually(what: string, check: () => Promise<boolean>, ms = 10_000): Promise<void> {
-  const until = Date.now() + ms;
-  while (Date.now() < until) {
+  const until = performance.now() + ms;
+  while (performance.now() < until) {
     if (await check()) return;
     await sleep(50);
   }
   throw new Error(`not within ${ms} ms: ${what}`);
+}
+
+export const HOUR_MS = 60 * 60_000;
+
+const wallClock = Date.now;
+let wallClockStep = 0;
+
+/**
+ * Steps the wall clock (`Date.now`) by `stepMs`, back when negative, as NTP,
+ * an operator or a VM's resume does; timers and `performance.now()` run on.
+ * Steps add up until `restoreWallClock` (call it in a `finally`).
+ */
+export function stepWallClock(stepMs: number): void {
+  wallClockStep += stepMs;
+  Date.now = () => wallClock() + wallClockStep;
+}
+
+export function restoreWallClock(): void {
+  wallClockStep = 0;
+  Date.now = wallClock;
+}
+
+/** `promise`, or a rejection saying `what` did not settle within `ms` (a bound, never a wait: it ends with the promise). */
+export async function within<T>(what: string, promise: Promise<T>, ms: number): Promise<T> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const bound = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`not within ${ms} ms: ${what}`)), ms);
+  });
+  try {
+    return await Promise.race([promise, bound]);
+  } finally {
+    clearTimeout(timer);
+  }
 }

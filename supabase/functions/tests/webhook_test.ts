@@ -4,7 +4,17 @@
 
 import assert from "node:assert/strict";
 import { ProcessingError, WebhookGate, webhookHandler } from "../_shared/idempotency/mod.ts";
-import { eventually, Lossy, organization, plane, sleep, uniqueKey } from "./support.ts";
+import {
+  eventually,
+  HOUR_MS,
+  Lossy,
+  organization,
+  plane,
+  restoreWallClock,
+  sleep,
+  stepWallClock,
+  uniqueKey,
+} from "./support.ts";
 
 const SCOPE = "webhook.slack";
 
@@ -54,9 +64,9 @@ Deno.test("slow processing is accepted at the deadline, carried through waitUnti
     await sleep(1_000);
     return { slow: true };
   };
-  const started = Date.now();
+  const started = performance.now();
   assert.deepEqual(await gate.handle(delivery(org, id), process), { ack: "accepted", status: 200 });
-  assert.ok(Date.now() - started < 900, "answered within the deadline");
+  assert.ok(performance.now() - started < 900, "answered within the deadline");
   assert.equal(carried.length, 1, "the work was handed to waitUntil");
   // A redelivery meanwhile meets the live claim: a duplicate, not a second run.
   assert.equal((await gate.handle(delivery(org, id), process)).ack, "dropped");
@@ -97,6 +107,36 @@ Deno.test("a retryable failure is retried in process; one that lasts to the time
     },
   );
   assert.equal(gate.drops("processing_failed"), 1);
+});
+
+Deno.test("a wall clock stepped back an hour mid-processing does not stretch its retries past the timeout", async () => {
+  const carried: Promise<unknown>[] = [];
+  const gate = new WebhookGate(plane(), {
+    processingTimeoutMs: 500,
+    journalDeadlineMs: 1_000,
+    marginMs: 1_000,
+    deadlineMs: 2_400,
+    waitUntil: (work) => carried.push(work),
+  });
+  const org = organization();
+  const id = uniqueKey("Ev");
+  let tries = 0;
+  try {
+    const ack = await gate.handle(delivery(org, id), () => {
+      tries += 1;
+      if (tries === 1) stepWallClock(-HOUR_MS);
+      return Promise.reject(ProcessingError.retryable("vendor busy"));
+    });
+    // Retried within the 500 ms timeout only, then journaled: answered
+    // before the gate's 2.4 s deadline (which would say "accepted").
+    assert.deepEqual(ack, { ack: "dropped", status: 200, reason: "processing_failed" });
+  } finally {
+    restoreWallClock();
+    await Promise.all(carried);
+  }
+  assert.ok(tries >= 2 && tries <= 5, `retried with backoff inside its timeout: ${tries} tries`);
+  const read = await journaled(org, id);
+  assert.ok(read.outcome === "completed" && read.answer.error === "vendor busy", JSON.stringify(read));
 });
 
 Deno.test("a throw or an overrun is journaled as processing_aborted, never released", async () => {

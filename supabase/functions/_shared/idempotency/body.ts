@@ -3,10 +3,12 @@
 // an answer's before its journal, each up to a limit, an answer's also up to
 // the handler's deadline.
 
+import { monotonicNow } from "./clock.ts";
+
 /** A body read whole, or why not: above the limit, broken off, or not done by the deadline. */
 export type Read = { bytes: Uint8Array } | { tooLarge: true } | { broke: unknown } | { late: true };
 
-/** Reads `body` up to `limit` bytes, and until `deadline` (epoch ms) when given. */
+/** Reads `body` up to `limit` bytes, and until `deadline` (monotonic ms, clock.ts) when given. */
 export async function readBody(
   body: ReadableStream<Uint8Array> | null,
   limit: number,
@@ -18,7 +20,7 @@ export async function readBody(
   let size = 0;
   let timer: ReturnType<typeof setTimeout> | undefined;
   const late = deadline === undefined ? undefined : new Promise<{ late: true }>((resolve) => {
-    timer = setTimeout(() => resolve({ late: true }), Math.max(0, deadline - Date.now()));
+    timer = setTimeout(() => resolve({ late: true }), Math.max(0, deadline - monotonicNow()));
   });
   try {
     for (;;) {

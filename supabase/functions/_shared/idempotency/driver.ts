@@ -11,6 +11,7 @@
 
 import type { Answer } from "./answer.ts";
 import { sleep } from "./client.ts";
+import { monotonicNow } from "./clock.ts";
 import { PlaneError } from "./errors.ts";
 import type { IdempotencyPlane } from "./plane.ts";
 import { consoleLogger, type Logger } from "./log.ts";
@@ -33,7 +34,8 @@ export interface EffectSpec {
  */
 export class Attempt {
   readonly token: string = crypto.randomUUID();
-  readonly startedAt: number = Date.now();
+  /** Monotonic ms (clock.ts), never the wall clock: every deadline of the effect counts from here. */
+  readonly startedAt: number = monotonicNow();
 }
 
 /** What beginning an effect found. */
@@ -89,7 +91,7 @@ export class EffectDriver {
   }
 
   /**
-   * `begin`, asked again as the same attempt until `untilMs` (epoch ms) while
+   * `begin`, asked again as the same attempt until `untilMs` (monotonic ms) while
    * the answer is lost (the claim may have been made): a repeat answers this
    * attempt's own claim, so a lost answer never leaves a claim nobody holds
    * until its lease passes.
@@ -97,7 +99,7 @@ export class EffectDriver {
   async beginUntil(effect: EffectSpec, attempt: Attempt, untilMs: number): Promise<Begun> {
     let backoff = FIRST_ENDING_BACKOFF_MS;
     for (;;) {
-      const remaining = untilMs - Date.now();
+      const remaining = untilMs - monotonicNow();
       if (remaining <= 0) {
         throw new PlaneError("deadline", "the claim's answer did not come before the asking window closed", {
           fn: "idempotency_claim",
@@ -107,7 +109,7 @@ export class EffectDriver {
       try {
         return await this.begin(effect, attempt, remaining);
       } catch (error) {
-        if (!(error instanceof PlaneError) || !error.mayHaveWritten || Date.now() + backoff >= untilMs) throw error;
+        if (!(error instanceof PlaneError) || !error.mayHaveWritten || monotonicNow() + backoff >= untilMs) throw error;
         this.log({
           event: "idempotency.claim_unknown",
           level: "info",

@@ -18,6 +18,7 @@
 
 import { type Answer, answerFromStored, replayable, store, storedSize } from "./answer.ts";
 import { sleep } from "./client.ts";
+import { monotonicNow } from "./clock.ts";
 import { PlaneError } from "./errors.ts";
 import type { Claim, IdempotencyPlane } from "./plane.ts";
 import type { Logger } from "./log.ts";
@@ -53,9 +54,9 @@ export type Cut =
 /** A claim this worker holds: run its effect, then settle it exactly once. */
 export class Held {
   readonly claim: Claim;
-  /** Epoch ms: the effect is cut here. */
+  /** Monotonic ms (clock.ts): the effect is cut here. */
   readonly effectDeadline: number;
-  /** Epoch ms: no ending starts after this; the lease lasts a margin longer. */
+  /** Monotonic ms: no ending starts after this; the lease lasts a margin longer. */
   readonly endingDeadline: number;
   readonly #driver: { readonly plane: IdempotencyPlane; readonly log: Logger };
   #settled = false;
@@ -75,7 +76,7 @@ export class Held {
   /**
    * Made by `EffectDriver.begin` (driver.ts) for the claim it made: `driver`
    * is the plane the claim ends on and where its events go (an EffectDriver),
-   * and the effect's clock started at `attempt.startedAt`.
+   * and the effect's clock started at `attempt.startedAt` (monotonic ms).
    */
   constructor(
     driver: { readonly plane: IdempotencyPlane; readonly log: Logger },
@@ -95,7 +96,7 @@ export class Held {
    * already past never starts the effect.
    */
   async run<T>(effect: (signal: AbortSignal) => Promise<T> | T): Promise<{ value: T } | Cut> {
-    const remaining = this.effectDeadline - Date.now();
+    const remaining = this.effectDeadline - monotonicNow();
     if (remaining <= 0) return { cut: "timed_out" };
     const controller = new AbortController();
     let timer: ReturnType<typeof setTimeout> | undefined;
@@ -122,7 +123,7 @@ export class Held {
 
   /**
    * After `run` timed out: the effect's own ending if it comes by `untilMs`
-   * (epoch ms), undefined while it still runs. JavaScript cannot stop a
+   * (monotonic ms), undefined while it still runs. JavaScript cannot stop a
    * promise (the effect's `signal` only asks it to stop), so a caller waits
    * here before it releases the claim or leaves it to its lease: a claim
    * given up while its effect still runs could let a retry run it twice.
@@ -133,7 +134,7 @@ export class Held {
     let timer: ReturnType<typeof setTimeout> | undefined;
     const wait = new Promise<undefined>((
       resolve,
-    ) => (timer = setTimeout(() => resolve(undefined), Math.max(0, untilMs - Date.now()))));
+    ) => (timer = setTimeout(() => resolve(undefined), Math.max(0, untilMs - monotonicNow()))));
     try {
       return await Promise.race([running, wait]);
     } finally {
@@ -189,7 +190,7 @@ export class Held {
     let refused = false;
     let backoff = FIRST_ENDING_BACKOFF_MS;
     for (;;) {
-      const remaining = this.endingDeadline - Date.now();
+      const remaining = this.endingDeadline - monotonicNow();
       if (remaining <= 0) return { ending: "left_to_lease", why: "the journal did not land before its deadline" };
       const stored = await store(answer, plane.responseLimitBytes, refused);
       let error: PlaneError;
@@ -204,7 +205,7 @@ export class Held {
         if (!(caught instanceof PlaneError)) throw caught;
         error = caught;
       }
-      if (error.kind === "deadline" && Date.now() >= this.endingDeadline) {
+      if (error.kind === "deadline" && monotonicNow() >= this.endingDeadline) {
         return { ending: "left_to_lease", why: "the journal did not land before its deadline", error };
       }
       if (error.isUnstorableAnswer && exact) return { refused: error };
@@ -238,7 +239,7 @@ export class Held {
     let backoff = FIRST_ENDING_BACKOFF_MS;
     let mayHaveLanded = false;
     for (;;) {
-      const remaining = this.endingDeadline - Date.now();
+      const remaining = this.endingDeadline - monotonicNow();
       if (remaining <= 0) return { ending: "left_to_lease", why: "the release did not land before its deadline" };
       let error: PlaneError;
       try {
@@ -265,7 +266,7 @@ export class Held {
   async #releasedOrMovedOn(): Promise<Settled> {
     let backoff = FIRST_ENDING_BACKOFF_MS;
     for (;;) {
-      const remaining = this.endingDeadline - Date.now();
+      const remaining = this.endingDeadline - monotonicNow();
       if (remaining <= 0) return { ending: "left_to_lease", why: "the release did not land before its deadline" };
       let error: PlaneError;
       try {
@@ -283,7 +284,7 @@ export class Held {
   }
 
   async #waitToRetry(error: PlaneError, backoff: number): Promise<boolean> {
-    if (!error.isTransient || Date.now() + backoff >= this.endingDeadline) return false;
+    if (!error.isTransient || monotonicNow() + backoff >= this.endingDeadline) return false;
     this.#driver.log({
       event: "idempotency.ending_retry",
       level: "info",

@@ -39,6 +39,7 @@
 
 import { type Answer, failure, success } from "./answer.ts";
 import { sleep } from "./client.ts";
+import { monotonicNow } from "./clock.ts";
 import { sha256HexOfBytes } from "./hash.ts";
 import { PlaneError } from "./errors.ts";
 import { DEFAULT_JOURNAL_DEADLINE_MS, Timing } from "./timing.ts";
@@ -191,7 +192,7 @@ export class WebhookGate {
    * answer (as JSON).
    */
   async handle(delivery: Delivery, process: () => Promise<unknown>): Promise<Ack> {
-    return await this.#handleBy(Date.now() + this.deadlineMs, delivery, process);
+    return await this.#handleBy(monotonicNow() + this.deadlineMs, delivery, process);
   }
 
   /**
@@ -203,10 +204,10 @@ export class WebhookGate {
     callback: ProviderCallback,
     process: (job: ProviderJob) => Promise<unknown>,
   ): Promise<Ack> {
-    const answerBy = Date.now() + this.deadlineMs;
+    const answerBy = monotonicNow() + this.deadlineMs;
     let job: ProviderJob | undefined;
     try {
-      job = await this.#lookup(callback.provider, callback.pathJobId, answerBy - Date.now());
+      job = await this.#lookup(callback.provider, callback.pathJobId, answerBy - monotonicNow());
     } catch (error) {
       return this.#unavailable(error);
     }
@@ -262,7 +263,7 @@ export class WebhookGate {
     let timer: ReturnType<typeof setTimeout> | undefined;
     const late = new Promise<undefined>((
       r,
-    ) => (timer = setTimeout(() => r(undefined), Math.max(0, answerBy - Date.now()))));
+    ) => (timer = setTimeout(() => r(undefined), Math.max(0, answerBy - monotonicNow()))));
     const ack = await Promise.race([answered, late]);
     clearTimeout(timer);
     if (ack) return ack;
@@ -326,7 +327,7 @@ export class WebhookGate {
     let begun: Begun | undefined;
     let error: unknown;
     try {
-      begun = await this.driver.begin(spec, attempt, Math.max(1, askUntil - Date.now()));
+      begun = await this.driver.begin(spec, attempt, Math.max(1, askUntil - monotonicNow()));
     } catch (caught) {
       error = caught;
     }
@@ -397,7 +398,7 @@ export class WebhookGate {
         return [{ journal: failure("processing_threw") }, "processing_aborted"];
       }
       if (!error.retryable) return [{ journal: failure(error.message) }, undefined];
-      if (Date.now() + backoff < held.effectDeadline) {
+      if (monotonicNow() + backoff < held.effectDeadline) {
         this.#log({
           event: "webhook.processing_retry",
           level: "info",
