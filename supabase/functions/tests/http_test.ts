@@ -17,7 +17,7 @@ import {
 } from "../_shared/idempotency/mod.ts";
 import type { IdempotencyKeyOptions } from "../_shared/idempotency/http.ts";
 import { assert, assertEquals } from "./assert.ts";
-import { HOUR_MS, restoreWallClock, stepWallClock, within } from "./support.ts";
+import { HOUR_MS, restoreWallClock, sleep, stepWallClock, within } from "./support.ts";
 
 function env(name: string): string {
   const value = Deno.env.get(name);
@@ -342,6 +342,35 @@ Deno.test("plane: a handler past its timeout that ends late keeps its late answe
   const retry = await serve(request(key));
   assertEquals([retry.status, retry.headers.get("idempotent-replayed"), await retry.text()], [201, "true", firstBody]);
   assertEquals(runs(), 1);
+});
+
+Deno.test("plane: a late 2xx that comes past half the journal's deadline, while its journal can still land, is kept, never released", async () => {
+  // Lease 300 + 6 000 + 1 000 ms. The journal keeps its last 2 s, so the
+  // middleware waits on a late handler until 4 s past its timeout (half the
+  // journal's deadline would stop at 3 s): this one answers 3.25 s on.
+  let cut!: () => void;
+  const aborted = new Promise<void>((resolve) => (cut = resolve));
+  const { serve, runs } = setup(async (req, n) => {
+    if (n === 1) {
+      await new Promise((resolve) => req.signal.addEventListener("abort", resolve, { once: true }));
+      cut();
+      await sleep(3_250);
+    }
+    return created(req, n);
+  }, { handlerTimeoutMs: 300, journalDeadlineMs: 6_000, marginMs: 1_000 });
+  const key = crypto.randomUUID();
+  const first = serve(request(key));
+  await aborted;
+  // Past its timeout and still running: held, not released, so a retry
+  // neither runs it beside the first nor gets an answer yet.
+  await problemOf(await serve(request(key)), 409, "in-flight");
+  const answer = await first;
+  assertEquals([answer.status, answer.headers.get("idempotent-replayed")], [201, null]);
+  const firstBody = await answer.text();
+  assertEquals(JSON.parse(firstBody).id, 1);
+  const retry = await serve(request(key));
+  assertEquals([retry.status, retry.headers.get("idempotent-replayed"), await retry.text()], [201, "true", firstBody]);
+  assertEquals(runs(), 1, "the late handler ran once; no retry ran it again");
 });
 
 Deno.test("plane: a handler that ignores its signal past the timeout keeps its 504 for the key: never run twice", async () => {

@@ -28,6 +28,15 @@ import type { Timing } from "./timing.ts";
 export const FIRST_ENDING_BACKOFF_MS = 50;
 /** The longest wait between two tries of an ending; each wait doubles up to it. */
 export const MAX_ENDING_BACKOFF_MS = 1_000;
+/**
+ * What the journal's deadline keeps for the journal itself when a caller
+ * waits on an effect that overran its timeout (`Held.lateDeadline`): a
+ * healthy plane journals in well under 100 ms, and 2 s holds the client's
+ * whole retry ladder (four retries backing off 50 to 400 ms) with the
+ * ending's own retries beside it. Half the journal's deadline when that is
+ * less, so a short deadline keeps the half it always had.
+ */
+export const LATE_JOURNAL_RESERVE_MS = 2_000;
 
 /** How to end a held claim. */
 export type Settle =
@@ -58,6 +67,14 @@ export class Held {
   readonly effectDeadline: number;
   /** Monotonic ms: no ending starts after this; the lease lasts a margin longer. */
   readonly endingDeadline: number;
+  /**
+   * Monotonic ms: the last moment to wait (`late`) for an effect that
+   * overran its timeout, so that what it ends with, or the problem kept
+   * while it still runs, is journaled before `endingDeadline`: the ending
+   * deadline less `LATE_JOURNAL_RESERVE_MS` (or less half the journal's
+   * deadline, when that is less).
+   */
+  readonly lateDeadline: number;
   readonly #driver: { readonly plane: IdempotencyPlane; readonly log: Logger };
   #settled = false;
   #running?: Promise<{ value: unknown } | { cut: "threw"; error: unknown }>;
@@ -88,6 +105,7 @@ export class Held {
     this.claim = claim;
     this.effectDeadline = attempt.startedAt + timing.effectMs;
     this.endingDeadline = this.effectDeadline + timing.journalMs;
+    this.lateDeadline = this.endingDeadline - Math.min(timing.journalMs / 2, LATE_JOURNAL_RESERVE_MS);
   }
 
   /**
@@ -123,7 +141,8 @@ export class Held {
 
   /**
    * After `run` timed out: the effect's own ending if it comes by `untilMs`
-   * (monotonic ms), undefined while it still runs. JavaScript cannot stop a
+   * (monotonic ms; `lateDeadline` leaves its journal time to land),
+   * undefined while it still runs. JavaScript cannot stop a
    * promise (the effect's `signal` only asks it to stop), so a caller waits
    * here before it releases the claim or leaves it to its lease: a claim
    * given up while its effect still runs could let a retry run it twice.

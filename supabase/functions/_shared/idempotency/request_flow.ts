@@ -323,12 +323,25 @@ async function failed(
 
 /**
  * The handler timed out: JavaScript cannot stop it (its signal only asks it
- * to), so wait for it through half the journal's deadline. One that ended by
- * then ends as it ended (its late answer kept and answered, a throw kept as
- * a `handler-timeout` problem, `NothingHappened` released). One still
- * running may yet take effect: its `handler-timeout` problem is kept for
- * the key, as the Rust layer keeps it, so no retry ever runs it a second
- * time (neither beside it nor after its lease).
+ * to), so wait for it while what it ends with can still be journaled inside
+ * the lease: until `held.lateDeadline`, which leaves the journal the last
+ * 2 s of its deadline (half of it, when the deadline is under 4 s). One that
+ * ended by then ends as it ended (its late answer, a 2xx included, kept and
+ * answered; a throw kept as a `handler-timeout` problem; `NothingHappened`
+ * released). One still running may yet take effect: its `handler-timeout`
+ * problem is kept for the key, as the Rust layer keeps it, so no retry ever
+ * runs it a second time (neither beside it nor after its lease). Nothing is
+ * released while it may act: a retry meanwhile is 409.
+ *
+ * The trade-off: the longer the wait, the more late answers are kept (with
+ * the 10 s journal deadline, those that come up to 8 s after the timeout,
+ * where waiting half the deadline kept 5 s), but the less time the journal
+ * has to ride out a plane that is slow or failing just then (2 s rather
+ * than 5 s). A journal that does not land leaves the claim to its lease,
+ * and a retry after the lease runs the handler again: a plane that fails
+ * for 2 to 5 s right then now meets that, where the shorter wait rode it
+ * out. The reserve still holds the client's whole retry ladder. The first
+ * caller waits as long for its answer.
  */
 async function cutOff(config: Config, held: Held, event: Record<string, unknown>): Promise<Response> {
   config.log({
@@ -338,7 +351,7 @@ async function cutOff(config: Config, held: Held, event: Record<string, unknown>
     timeout_ms: config.timing.effectMs,
     why: "the handler timed out",
   });
-  const waitedUntil = held.effectDeadline + config.timing.journalMs / 2;
+  const waitedUntil = held.lateDeadline;
   const late = await held.late(waitedUntil);
   if (late === undefined) {
     config.log({
