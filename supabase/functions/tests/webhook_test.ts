@@ -3,7 +3,14 @@
 // the deadline carried to its end so an ACKed redelivery loses nothing.
 
 import assert from "node:assert/strict";
-import { ProcessingError, WebhookGate, webhookHandler } from "../_shared/idempotency/mod.ts";
+import {
+  type PlaneEvent,
+  ProcessingError,
+  sha256HexOfBytes,
+  WebhookGate,
+  webhookHandler,
+} from "../_shared/idempotency/mod.ts";
+import { DEFAULT_WEBHOOK_BODY_LIMIT_BYTES, type WebhookRoute } from "../_shared/idempotency/webhook.ts";
 import {
   eventually,
   HOUR_MS,
@@ -277,4 +284,138 @@ Deno.test("processing that answers something with no JSON form is still journale
     status: 200,
   });
   assert.equal((await journaled(org, id)).outcome, "completed");
+});
+
+/** A webhook endpoint over the real plane whose application counts every call it gets. */
+function countedEndpoint(extra: Partial<WebhookRoute> = {}, log?: (event: PlaneEvent) => void) {
+  const calls = { organizationOf: 0, deliveryIdOf: 0, process: 0 };
+  const org = organization();
+  const handler = webhookHandler({
+    gate: new WebhookGate(plane(), log ? { log } : {}),
+    scope: SCOPE,
+    organizationOf: () => (calls.organizationOf += 1, org),
+    deliveryIdOf: (request) => (calls.deliveryIdOf += 1, request.headers.get("webhook-id") ?? ""),
+    process: ({ body }) => (calls.process += 1, Promise.resolve({ bytes: body.length })),
+    ...extra,
+  });
+  return { handler, calls, org };
+}
+
+/**
+ * A body stream that would give `total` bytes in `chunk`-byte pieces, pulled
+ * only when read (no read-ahead), counting what it gave and whether it was
+ * cancelled.
+ */
+function countedStream(total: number, chunk: number) {
+  const counted = { pulled: 0, cancelled: false };
+  const stream = new ReadableStream<Uint8Array>({
+    pull(controller) {
+      if (counted.pulled >= total) return controller.close();
+      counted.pulled += chunk;
+      controller.enqueue(new Uint8Array(chunk).fill(0x61));
+    },
+    cancel() {
+      counted.cancelled = true;
+    },
+  }, { highWaterMark: 0 });
+  return { stream, counted };
+}
+
+async function rejection(response: Response, status: number, reason: string): Promise<string> {
+  assert.equal(response.status, status);
+  const text = await response.text();
+  assert.equal(JSON.parse(text).ack, "rejected");
+  assert.equal(JSON.parse(text).reason, reason);
+  return text;
+}
+
+Deno.test("webhookHandler refuses a body whose Content-Length is above its limit 413, unread, before the application", async () => {
+  const limit = 64 * 1024;
+  const { handler, calls } = countedEndpoint({ bodyLimitBytes: limit });
+  const { stream, counted } = countedStream(400 * 1024 * 1024, 16 * 1024);
+  const request = new Request("http://gate/slack", {
+    method: "POST",
+    headers: { "content-length": String(400 * 1024 * 1024), "webhook-id": uniqueKey("Ev") },
+    body: stream,
+  });
+  await rejection(await handler(request), 413, "body_too_large");
+  assert.equal(counted.pulled, 0, "not a byte read");
+  assert.ok(counted.cancelled, "the body's stream was cancelled");
+  assert.deepEqual(calls, { organizationOf: 0, deliveryIdOf: 0, process: 0 });
+});
+
+Deno.test("webhookHandler refuses a streamed body 413 once it passes the limit, having read about the limit", async () => {
+  const limit = 64 * 1024;
+  const chunk = 4 * 1024;
+  const { handler, calls } = countedEndpoint({ bodyLimitBytes: limit });
+  // No Content-Length: 400 MiB on offer, refused after about 64 KiB.
+  const { stream, counted } = countedStream(400 * 1024 * 1024, chunk);
+  const request = new Request("http://gate/slack", {
+    method: "POST",
+    headers: { "webhook-id": uniqueKey("Ev") },
+    body: stream,
+  });
+  assert.equal(request.headers.get("content-length"), null);
+  await rejection(await handler(request), 413, "body_too_large");
+  assert.ok(counted.pulled > limit, `read until past the limit: ${counted.pulled}`);
+  assert.ok(counted.pulled <= limit + 2 * chunk, `stopped at once: ${counted.pulled} bytes pulled`);
+  assert.ok(counted.cancelled, "the body's stream was cancelled");
+  assert.deepEqual(calls, { organizationOf: 0, deliveryIdOf: 0, process: 0 });
+});
+
+Deno.test("webhookHandler over a real server: a body at the limit is processed, one byte more is 413; 1 MiB by default", async () => {
+  assert.equal(DEFAULT_WEBHOOK_BODY_LIMIT_BYTES, 1024 * 1024);
+  const limit = 32 * 1024;
+  const { handler, calls, org } = countedEndpoint({ bodyLimitBytes: limit });
+  const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, handler);
+  try {
+    const post = (size: number, id: string) =>
+      fetch(`http://127.0.0.1:${server.addr.port}/slack`, {
+        method: "POST",
+        headers: { "webhook-id": id },
+        body: new Uint8Array(size).fill(0x62),
+      });
+    const atLimit = uniqueKey("Ev");
+    const accepted = await post(limit, atLimit);
+    assert.equal(accepted.status, 200);
+    assert.deepEqual(await accepted.json(), { ack: "processed" });
+    const read = await plane().read({
+      organizationId: org,
+      scope: SCOPE,
+      key: atLimit,
+      requestHash: await sha256HexOfBytes(new Uint8Array(limit).fill(0x62)),
+    });
+    assert.ok(read.outcome === "completed" && read.answer.ok, JSON.stringify(read));
+    await rejection(await post(limit + 1, uniqueKey("Ev")), 413, "body_too_large");
+    assert.deepEqual(calls, { organizationOf: 1, deliveryIdOf: 1, process: 1 }, "the refused one reached nothing");
+  } finally {
+    await server.shutdown();
+  }
+});
+
+Deno.test("webhookHandler answers an application's throw 400 with a fixed message; its text goes to the log only", async () => {
+  const secret = "connection to 10.0.0.7 refused for user billing_admin";
+  const events: PlaneEvent[] = [];
+  const { handler, calls } = countedEndpoint({
+    organizationOf: () => {
+      throw new Error(secret);
+    },
+  }, (event) => void events.push(event));
+  const response = await handler(
+    new Request("http://gate/slack", { method: "POST", headers: { "webhook-id": "Ev-1" }, body: "{}" }),
+  );
+  assert.equal(response.status, 400);
+  const text = await response.text();
+  assert.ok(!text.includes("10.0.0.7") && !text.includes("billing_admin"), `no application text: ${text}`);
+  assert.deepEqual(JSON.parse(text), {
+    ack: "rejected",
+    reason: "delivery_unreadable",
+    error: "the delivery's tenant or delivery id could not be read from it",
+  });
+  assert.equal(calls.process, 0);
+  const logged = events.filter((event) => event.event === "webhook.rejected");
+  assert.equal(logged.length, 1);
+  assert.equal(logged[0].reason, "delivery_unreadable");
+  assert.equal(logged[0].scope, SCOPE);
+  assert.equal(logged[0].error, secret, "the operator gets the application's text");
 });

@@ -38,6 +38,7 @@
 // processing timeout and lease well inside the runtime's wall-clock limit.
 
 import { type Answer, failure, success } from "./answer.ts";
+import { readBody } from "./body.ts";
 import { sleep } from "./client.ts";
 import { monotonicNow } from "./clock.ts";
 import { sha256HexOfBytes } from "./hash.ts";
@@ -56,6 +57,16 @@ export const DEFAULT_GATE_DEADLINE_MS = 2_500;
 export const WEBHOOK_LEASE_MARGIN_MS = 5_000;
 /** When the vendor makes its last redelivery: Slack's schedule (now, 1 min, 5 min). */
 export const DEFAULT_VENDOR_HORIZON_MS = 6 * 60_000;
+
+/**
+ * The largest body `webhookHandler` reads, unless told otherwise: 1 MiB.
+ * Vendors' event payloads are typically a few KiB (Stripe's, Slack's, those
+ * sent through Svix), so this leaves them room many times over while a
+ * worker never buffers more than a megabyte of one request. GitHub caps its
+ * payloads at 25 MB, and a large push event can pass 1 MiB: raise
+ * `bodyLimitBytes` for such a sender.
+ */
+export const DEFAULT_WEBHOOK_BODY_LIMIT_BYTES = 1024 * 1024;
 
 const FIRST_PROCESSING_BACKOFF_MS = 100;
 const MAX_PROCESSING_BACKOFF_MS = 2_000;
@@ -445,25 +456,71 @@ export interface WebhookRoute {
   deliveryIdOf: (request: Request, body: Uint8Array) => string | Promise<string>;
   /** Processes the event once; its value is journaled. Throw ProcessingError to fail. */
   process: (event: { request: Request; body: Uint8Array }) => Promise<unknown>;
+  /**
+   * The largest body read, in bytes (default 1 MiB,
+   * DEFAULT_WEBHOOK_BODY_LIMIT_BYTES): a larger one is refused 413 before
+   * anything else sees it.
+   */
+  bodyLimitBytes?: number;
+}
+
+/** Why `webhookHandler` refused a request before the gate saw it. */
+type Rejection = "body_too_large" | "body_unreadable" | "delivery_unreadable";
+
+/** The fixed answer to a refused request: never the application's error text. */
+function rejected(reason: Rejection, limit: number): Response {
+  const [status, error] = reason === "body_too_large"
+    ? [413, `the body is larger than this endpoint reads (${limit} bytes)`]
+    : reason === "body_unreadable"
+    ? [400, "the body could not be read"]
+    : [400, "the delivery's tenant or delivery id could not be read from it"];
+  return Response.json({ ack: "rejected", reason, error }, { status });
 }
 
 /**
  * A `(Request) => Response` handler over the gate: 200 with
  * `{"ack": …, "drop_reason"?: …}` for every ending the gate holds a claim on
  * or drops, 503 with `Retry-After` when the plane could not decide.
+ *
+ * The body is read up to `bodyLimitBytes` first: one whose Content-Length
+ * is above it is refused 413 unread, and one that passes it while streaming
+ * is refused 413 as soon as it does, its stream cancelled. What the
+ * application's `organizationOf` or `deliveryIdOf` throws is refused 400
+ * with a fixed message: its text (which may say what the sender should not
+ * learn) goes to the gate's log only, as a `webhook.rejected` event.
  */
 export function webhookHandler(route: WebhookRoute): (request: Request) => Promise<Response> {
+  const limit = route.bodyLimitBytes ?? DEFAULT_WEBHOOK_BODY_LIMIT_BYTES;
+  if (!Number.isSafeInteger(limit) || limit < 0) {
+    throw PlaneError.invalid(
+      "bad_configuration",
+      `the webhook body limit must be a whole number of bytes, got ${limit}`,
+    );
+  }
+  const log = route.gate.driver.log;
+  const reject = (reason: Rejection, fields: Record<string, unknown> = {}): Response => {
+    log({ event: "webhook.rejected", level: "warn", scope: route.scope, reason, limit_bytes: limit, ...fields });
+    return rejected(reason, limit);
+  };
   return async (request: Request) => {
-    const body = new Uint8Array(await request.arrayBuffer());
+    const declared = declaredLength(request.headers);
+    if (declared !== undefined && declared > limit) {
+      request.body?.cancel().catch(() => {});
+      return reject("body_too_large", { content_length: declared });
+    }
+    const read = await readBody(request.body, limit);
+    if ("tooLarge" in read) return reject("body_too_large");
+    if ("broke" in read) return reject("body_unreadable", { error: errorText(read.broke) });
+    // Read without a deadline, a body is never late.
+    if (!("bytes" in read)) return reject("body_unreadable");
+    const body = read.bytes;
     let organizationId: string;
     let deliveryId: string;
     try {
       organizationId = await route.organizationOf(request, body);
       deliveryId = await route.deliveryIdOf(request, body);
     } catch (error) {
-      return Response.json({ ack: "rejected", error: error instanceof Error ? error.message : String(error) }, {
-        status: 400,
-      });
+      return reject("delivery_unreadable", { error: errorText(error) });
     }
     const ack = await route.gate.handle(
       { organizationId, scope: route.scope, deliveryId, body },
@@ -473,6 +530,17 @@ export function webhookHandler(route: WebhookRoute): (request: Request) => Promi
     const headers: Record<string, string> = ack.status === 503 ? { "Retry-After": "1" } : {};
     return Response.json(payload, { status: ack.status, headers });
   };
+}
+
+/** The Content-Length a request declares, when it declares a well-formed one. */
+function declaredLength(headers: Headers): number | undefined {
+  const value = headers.get("content-length")?.trim();
+  if (value === undefined || !/^[0-9]+$/.test(value)) return undefined;
+  return Number(value);
+}
+
+function errorText(error: unknown): string {
+  return error instanceof Error ? error.message : String(error);
 }
 
 /** Supabase's `EdgeRuntime.waitUntil`, when this runs there. */
