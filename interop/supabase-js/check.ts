@@ -115,6 +115,7 @@ await check("schema('agent').rpc('idempotency_get'): reads the claim back", asyn
   });
   const row = oneRow("idempotency_get", answer);
   expect(row.id === claimId && row.status === "processing", "the claim, processing", row);
+  expect(row.lease_token === null, "a read never discloses the holder's lease token", row);
 });
 
 await check("rpc('idempotency_get') without a schema goes to public and fails with PGRST202", async () => {
