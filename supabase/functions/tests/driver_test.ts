@@ -12,12 +12,15 @@ import {
   idempotent,
   type IdempotentOptions,
   makeIdempotent,
+  MIN_MARGIN_MS,
   NothingHappened,
   PlaneError,
   responseRefOf,
   success,
   Timing,
   vendorKey,
+  WebhookGate,
+  withIdempotencyKey,
 } from "../_shared/idempotency/mod.ts";
 import {
   hashOf,
@@ -95,14 +98,14 @@ Deno.test("any other throw, or a timeout, leaves the claim to its lease: a dupli
       },
     ]
   ) {
-    const opts = options({ timeoutMs: 500, journalDeadlineMs: 500, marginMs: 0 });
+    const opts = options({ timeoutMs: 500, journalDeadlineMs: 500, marginMs: 1_000 });
     const first = await idempotent(effect, opts);
     assert.equal(first.status, "failed");
     if (first.status !== "failed") return;
     assert.equal(first.settled.ending, "left_to_lease");
     assert.equal((await idempotent(() => success("again"), opts)).status, "in_flight");
-    // After the lease, the next attempt reclaims and runs.
-    await sleep(1_100);
+    // After the lease (2 s), the next attempt reclaims and runs.
+    await sleep(2_100);
     const after = await idempotent(() => success("again"), opts);
     assert.equal(after.status, "ran");
   }
@@ -189,6 +192,41 @@ Deno.test("journalExact gives a refused answer back with the claim still held", 
   await assert.rejects(begun.held.settle("release"), /already settled/);
 });
 
+Deno.test("a lease margin under the 1 s floor is refused before any request, in every caller's options", async () => {
+  for (const margin of [0, 999, -1, Number.NaN]) {
+    assert.throws(
+      () => new Timing(1_000, 1_000, margin),
+      (error: unknown) => error instanceof PlaneError && error.reason === "margin_below_floor",
+      `margin ${margin}`,
+    );
+  }
+  assert.equal(new Timing(1_000, 1_000, MIN_MARGIN_MS).leaseMs, 3_000);
+  const lossy = new Lossy();
+  let runs = 0;
+  await assert.rejects(
+    idempotent(() => {
+      runs += 1;
+      return success("never");
+    }, options({ plane: plane({ fetch: lossy.fetch }), marginMs: 500 })),
+    (error: unknown) => error instanceof PlaneError && error.reason === "margin_below_floor",
+  );
+  assert.equal(runs, 0);
+  assert.equal(lossy.count("idempotency_claim"), 0, "nothing was sent");
+  const belowFloor = (error: unknown) => error instanceof PlaneError && error.reason === "margin_below_floor";
+  assert.throws(() => new WebhookGate(plane(), { marginMs: 0 }), belowFloor, "the webhook gate");
+  assert.throws(
+    () =>
+      withIdempotencyKey(() => new Response("never"), {
+        plane: plane(),
+        organizationId: organization(),
+        route: "orders.create",
+        marginMs: 0,
+      }),
+    belowFloor,
+    "the Idempotency-Key middleware",
+  );
+});
+
 Deno.test("a lease that outlives the caller's retries is refused, and the vendor key is the Rust one", async () => {
   assert.throws(() => new Timing(60_000).check(30_000), /outlasts/);
   // The Rust tool guard's unit tests pin the same value.
@@ -233,7 +271,7 @@ Deno.test("the first answer is the journal's JSON form, so a replay equals it; o
 });
 
 Deno.test("an effect that ignores its signal but ends soon after its timeout is journaled, not run again", async () => {
-  const opts = options({ timeoutMs: 300, journalDeadlineMs: 2_000, marginMs: 500 });
+  const opts = options({ timeoutMs: 300, journalDeadlineMs: 2_000, marginMs: 1_000 });
   let runs = 0;
   const first = await idempotent(async () => {
     runs += 1;

@@ -70,6 +70,8 @@ export type InvalidReason =
   | "lease_too_short"
   | "lease_too_long"
   | "zero_duration"
+  /** A `Timing` margin under `MIN_MARGIN_MS`: a journal leaving in time could land after the lease. */
+  | "margin_below_floor"
   | "empty_completion"
   | "response_too_large"
   | "reserved_response_shape"

@@ -5,7 +5,7 @@
 // retried within its deadline on transient failures (held.ts), so a slow
 // journal lands while the key is still ours, and once the deadline passes no
 // other write starts (each is fenced by the lease token besides). The margin
-// is what the lease keeps beyond both.
+// is what the lease keeps beyond both, never under MIN_MARGIN_MS.
 
 import { PlaneError } from "./errors.ts";
 import { checkLease } from "./plane.ts";
@@ -14,6 +14,17 @@ import { checkLease } from "./plane.ts";
 export const DEFAULT_JOURNAL_DEADLINE_MS = 10_000;
 /** What the lease keeps beyond the effect's timeout and the journal's deadline. */
 export const DEFAULT_MARGIN_MS = 5_000;
+/**
+ * The least margin a `Timing` accepts. The journal's last attempt may leave
+ * just before its deadline; the margin is that request's flight to the
+ * database (PostgREST, a TLS gateway, a region away, the row lock). With
+ * less, a completion that left in time can land after the lease, be fenced
+ * off by a reclaim, and the effect runs a second time. A claim's round trip
+ * is milliseconds locally and tens to a few hundred to a hosted project in
+ * another region: one second covers it with room. The same floor as the
+ * Rust client's `MIN_LEASE_MARGIN`.
+ */
+export const MIN_MARGIN_MS = 1_000;
 
 /** The effect's timeout, the journal's deadline and the margin; the lease is their sum. */
 export class Timing {
@@ -27,8 +38,11 @@ export class Timing {
         throw PlaneError.invalid("zero_duration", `the ${what} must be above zero, got ${value}`);
       }
     }
-    if (!(marginMs >= 0) || !Number.isFinite(marginMs)) {
-      throw PlaneError.invalid("zero_duration", `the margin must not be negative, got ${marginMs}`);
+    if (!(marginMs >= MIN_MARGIN_MS) || !Number.isFinite(marginMs)) {
+      throw PlaneError.invalid(
+        "margin_below_floor",
+        `the lease margin must be at least ${MIN_MARGIN_MS} ms (the journal's last attempt must land inside the lease), got ${marginMs}`,
+      );
     }
     this.effectMs = effectMs;
     this.journalMs = journalMs;
