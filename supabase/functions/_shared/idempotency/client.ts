@@ -4,6 +4,7 @@
 // allows, with jittered backoff, within one deadline per operation.
 
 import policy from "./rpc_policy.json" with { type: "json" };
+import { monotonicNow } from "./clock.ts";
 import { PlaneError, type TransportFailure } from "./errors.ts";
 
 /** How the client retries what `PlaneError.isRetryable` allows. */
@@ -230,21 +231,22 @@ export class PlaneClient {
    * Calls `fn` with named arguments and answers its decoded JSON. Retries
    * what the shared table and `PlaneError.isRetryable` allow; stops at the
    * deadline with a `deadline` error, and never starts a retry that could
-   * not finish before it.
+   * not finish before it. The deadline is measured on a monotonic clock, so
+   * a wall-clock step neither stretches nor cuts it.
    */
   async rpc(fn: string, args: Record<string, unknown>, options: { deadlineMs?: number } = {}): Promise<unknown> {
     const safe = repeatSafe(fn);
     const deadlineMs = options.deadlineMs ?? this.deadlineMs;
-    const started = Date.now();
+    const started = monotonicNow();
     const deadline = started + deadlineMs;
     let retries = 0;
     let last: PlaneError | undefined;
     for (;;) {
-      const remaining = deadline - Date.now();
+      const remaining = deadline - monotonicNow();
       if (remaining <= 0) {
         throw cutAt(fn, deadlineMs, retries + 1, false, last);
       }
-      const attemptStarted = Date.now();
+      const attemptStarted = monotonicNow();
       const controller = new AbortController();
       const timer = setTimeout(() => controller.abort(new DeadlineReached()), remaining);
       let error: PlaneError;
@@ -262,7 +264,7 @@ export class PlaneClient {
         clearTimeout(timer);
       }
       last = error;
-      const elapsed = Date.now() - started;
+      const elapsed = monotonicNow() - started;
       if (!error.isRetryable(safe) || retries >= this.retry.maxRetries || elapsed >= this.retry.maxElapsedMs) {
         throw error;
       }
@@ -270,8 +272,8 @@ export class PlaneClient {
       // The failed attempt's duration, plus the backoff, estimates what a
       // retry needs: one that could not finish before the deadline is not
       // started (and the error says what the last attempt found).
-      const estimate = Date.now() - attemptStarted;
-      if (Date.now() + wait + estimate >= deadline) throw cutAt(fn, deadlineMs, retries + 1, false, error);
+      const estimate = monotonicNow() - attemptStarted;
+      if (monotonicNow() + wait + estimate >= deadline) throw cutAt(fn, deadlineMs, retries + 1, false, error);
       await sleep(wait);
       retries += 1;
     }

@@ -30,8 +30,8 @@
 // | the handler answered anything, a 5xx or 429 included | journaled and replayed: the handler started, so only it knows what took effect |
 // | the handler threw (or timed out, then threw) | a 500 `handler-failed` (504 `handler-timeout`) problem, journaled and replayed |
 // | the handler threw `NothingHappened` | the claim is released, the response it carries answered: a retry runs the handler again |
-// | the handler timed out and answered within half the journal's deadline | that answer, journaled and returned |
-// | the handler timed out and still runs half the journal's deadline later | a 504 `handler-timeout` problem, journaled and replayed (it may still take effect; no retry runs it again) |
+// | the handler timed out and answered while the journal's deadline has more than 2 s left | that answer, journaled and returned |
+// | the handler timed out and still runs when the journal's deadline has 2 s left | a 504 `handler-timeout` problem, journaled and replayed (it may still take effect; no retry runs it again) |
 // | repeat after completion | the journaled status, headers and body, `Idempotent-Replayed: true` |
 // | repeat while the first is in flight, its answer still being journaled included | 409, `Retry-After: 1` |
 // | same key, different fingerprint | 422 |
@@ -54,9 +54,9 @@
 // the handler ran (400, 401, 409, 413, 422) keeps nothing.
 //
 // Timing. The handler is cut at its timeout (30 s), counted from before its
-// claim: its Request's `signal` aborts then; an answer that comes within
-// half the journal's deadline after it is kept, a later one is ignored (the
-// 504 problem is the key's answer by then).
+// claim: its Request's `signal` aborts then; an answer that comes until
+// the journal's deadline has 2 s left (half of it, under 4 s) is kept, a
+// later one is ignored (the 504 problem is the key's answer by then).
 // The journal is cut a journal deadline (10 s) later and retried within it;
 // the lease is their sum plus a margin (5 s), so no other instance takes a
 // key over while the request holding it still runs or journals. The

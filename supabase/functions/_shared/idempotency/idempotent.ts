@@ -155,10 +155,11 @@ export async function idempotent(
     : undefined;
   if (!ended) {
     // Timed out: an effect that ignores its signal may still be running. Wait
-    // for it through half the journal's deadline (the other half journals):
-    // a value that comes then is the effect's answer; an effect still running
-    // is left to its lease, never released.
-    ended = await held.late(held.effectDeadline + timing.journalMs / 2);
+    // for it until the journal's deadline has LATE_JOURNAL_RESERVE_MS left
+    // (half of it, when shorter) for the journal itself: a value that comes
+    // then is the effect's answer; an effect still running is left to its
+    // lease, never released.
+    ended = await held.late(held.lateDeadline);
     if (!ended) {
       return {
         status: "failed",

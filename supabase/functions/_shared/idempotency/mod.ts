@@ -54,8 +54,9 @@ export type {
 } from "./plane.ts";
 export { TenantRouter } from "./router.ts";
 export type { RouterOptions } from "./router.ts";
-export { DEFAULT_JOURNAL_DEADLINE_MS, DEFAULT_MARGIN_MS, Timing } from "./timing.ts";
-export { Held } from "./held.ts";
+export { DEFAULT_JOURNAL_DEADLINE_MS, DEFAULT_MARGIN_MS, MIN_MARGIN_MS, Timing } from "./timing.ts";
+export { monotonicNow } from "./clock.ts";
+export { Held, LATE_JOURNAL_RESERVE_MS } from "./held.ts";
 export type { Cut, Settle, Settled } from "./held.ts";
 export { Attempt, EffectDriver } from "./driver.ts";
 export type { Begun, EffectSpec } from "./driver.ts";
@@ -67,6 +68,7 @@ export {
   DEFAULT_GATE_DEADLINE_MS,
   DEFAULT_PROCESSING_TIMEOUT_MS,
   DEFAULT_VENDOR_HORIZON_MS,
+  DEFAULT_WEBHOOK_BODY_LIMIT_BYTES,
   ProcessingError,
   WEBHOOK_LEASE_MARGIN_MS,
   WebhookGate,
