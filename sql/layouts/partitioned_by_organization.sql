@@ -1,5 +1,5 @@
 -- An optional layout: agent.idempotency_keys hash-partitioned by
--- organization_id. Apply it after every numbered migration (it needs 0014),
+-- organization_id. Apply it after every numbered migration (it needs 0017),
 -- in one transaction that stops at the first error:
 -- `psql -v ON_ERROR_STOP=1 -1 -f`, or as a Supabase migration (copy it
 -- into supabase/migrations/ with a timestamp after the last one there; the
@@ -81,13 +81,21 @@ create table agent.idempotency_keys_p15 partition of agent.idempotency_keys_part
 
 insert into agent.idempotency_keys_partitioned select * from agent.idempotency_keys;
 
--- What depends on the old table's row type moves to the new one: the view
--- the bounded reads answer (same columns, so it is replaced in place), and
--- the helper that turns a row into a claim (its argument is the row type,
--- so it is dropped here and made again below). Every other function names
--- the table only in its body, which PostgreSQL resolves when it runs.
+-- What depends on the old table's row type moves to the new one: the views
+-- the bounded reads and the re-drive answer (same columns, so each is
+-- replaced in place, as 0017 defines it), and the helper that turns a row
+-- into a claim (its argument is the row type, so it is dropped here and
+-- made again below). Every other function names the table only in its
+-- body, which PostgreSQL resolves when it runs.
 create or replace view agent.idempotency_rows with (security_invoker = true) as
-  select * from agent.idempotency_keys_partitioned;
+  select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status, k.lease_token,
+         k.resource_type, k.resource_id, k.response, k.claimed_at, k.lease_expires_at,
+         k.retain_until, k.reclaims
+    from agent.idempotency_keys_partitioned k;
+create or replace view agent.idempotency_work with (security_invoker = true) as
+  select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status, k.lease_token,
+         k.request, k.reclaims + 1 as attempt, k.claimed_at, k.lease_expires_at, k.response
+    from agent.idempotency_keys_partitioned k;
 drop function agent.idempotency_claim_of(agent.idempotency_keys);
 drop table agent.idempotency_keys;
 alter table agent.idempotency_keys_partitioned rename to idempotency_keys;
@@ -97,6 +105,8 @@ alter table agent.idempotency_keys
   add constraint idempotency_keys_pkey primary key (id, organization_id),
   add constraint idempotency_keys_org_scope_key_key unique (organization_id, scope, key);
 create index idempotency_keys_retain_until_idx on agent.idempotency_keys (retain_until, id);
+create index idempotency_keys_redrive_idx on agent.idempotency_keys (scope, redrive_at)
+  where redrive_at is not null;
 
 comment on table agent.idempotency_keys is
   'Idempotency claims and the replay journal, hash-partitioned by organization_id. '

@@ -48,6 +48,12 @@ pub const RESPONSE_TOO_DEEP: &str = "IDEM3";
 /// held by its lease token (completed, released, another
 /// organization's, or its lease passed). No Run admitted.
 pub const FENCE_LOST: &str = "IDEM4";
+/// The plane's own (400): the request a claim carries is above its
+/// scope's `max_request_bytes` (as compact JSON). Nothing written.
+pub const REQUEST_TOO_LARGE: &str = "IDEM5";
+/// The plane's own (400): the request a claim carries nests arrays and
+/// objects deeper than 64 levels. Nothing written.
+pub const REQUEST_TOO_DEEP: &str = "IDEM6";
 /// SQLSTATE lock_not_available (500): the call waited longer than the
 /// plane's `lock_timeout` for a row another transaction holds; rolled
 /// back, nothing written.

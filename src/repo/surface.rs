@@ -27,7 +27,7 @@ const fn function(name: &'static str, arguments: &'static str) -> SqlFunction {
 }
 
 const CLAIM_ARGUMENTS: &str = "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, \
-                               p_lease_token uuid, p_lease_ms bigint";
+                               p_lease_token uuid, p_lease_ms bigint, p_request jsonb";
 const V1_CLAIM_ARGUMENTS: &str = "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, \
                                   p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint";
 
@@ -42,6 +42,14 @@ pub(crate) const COMPLETE: SqlFunction = function(
 );
 pub(crate) const RELEASE: SqlFunction =
     function("idempotency_release", "p_claim_id uuid, p_lease_token uuid, p_organization_id uuid");
+pub(crate) const EXTEND: SqlFunction = function(
+    "idempotency_extend",
+    "p_claim_id uuid, p_lease_token uuid, p_lease_ms bigint, p_organization_id uuid",
+);
+pub(crate) const REDRIVE: SqlFunction = function(
+    "idempotency_redrive",
+    "p_scope text, p_limit integer, p_lease_ms bigint, p_organization_id uuid, p_row_cap integer",
+);
 pub(crate) const EXPIRED: SqlFunction = function("idempotency_expired", "p_limit integer");
 pub(crate) const DELETE_EXPIRED: SqlFunction = function("idempotency_delete_expired", "p_ids uuid[]");
 pub(crate) const SWEEP: SqlFunction = function("idempotency_sweep", "p_bound integer, p_row_cap integer");
@@ -66,6 +74,8 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     GET,
     COMPLETE,
     RELEASE,
+    EXTEND,
+    REDRIVE,
     EXPIRED,
     DELETE_EXPIRED,
     SWEEP,

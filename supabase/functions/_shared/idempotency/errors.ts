@@ -14,6 +14,10 @@ export const codes = {
   RESPONSE_TOO_DEEP: "IDEM3",
   /** A fenced write found the claim's lease token moved on. */
   FENCE_LOST: "IDEM4",
+  /** The work a claim carries is above the scope's max_request_bytes; nothing was written. */
+  REQUEST_TOO_LARGE: "IDEM5",
+  /** The work a claim carries nests deeper than 64 levels; nothing was written. */
+  REQUEST_TOO_DEEP: "IDEM6",
   /** An argument the plane refuses (NULL, malformed key, scope or hash). */
   INVALID_PARAMETER_VALUE: "22023",
   /** The role may not call the function. */
