@@ -94,11 +94,16 @@ create or replace view agent.idempotency_rows with (security_invoker = true) as
 -- A claim's work as agent.idempotency_redrive answers it: status is
 -- processing for work handed out (with the new holder's lease token, its
 -- request and its attempt number) and completed for a dead letter (with
--- its journaled failure, and neither token nor request). Like
+-- its journaled failure, and neither token nor request). taken is set by
+-- the re-drive alone: how many rows that call answered, in every row, so
+-- a client sees an answer a server's row cap cut short without asking the
+-- server to count (a count makes some PostgREST-compatible servers run the
+-- function a second time, and a re-drive must run once). Like
 -- agent.idempotency_rows, no API role can read the table through it.
 create view agent.idempotency_work with (security_invoker = true) as
   select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status, k.lease_token,
-         k.request, k.reclaims + 1 as attempt, k.claimed_at, k.lease_expires_at, k.response
+         k.request, k.reclaims + 1 as attempt, k.claimed_at, k.lease_expires_at, k.response,
+         null::integer as taken
     from agent.idempotency_keys k;
 alter view agent.idempotency_work owner to idempotency_owner;
 revoke all on agent.idempotency_work from public, anon, authenticated, service_role;
@@ -649,7 +654,8 @@ begin
            case when t.status = 'processing' then t.lease_token end,
            case when t.status = 'processing' then t.request end,
            t.reclaims + 1, t.claimed_at, t.lease_expires_at,
-           case when t.status = 'completed' then t.response end
+           case when t.status = 'completed' then t.response end,
+           (count(*) over ())::integer
       from taken t
      order by t.lease_expires_at, t.id;
 end

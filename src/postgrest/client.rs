@@ -191,6 +191,59 @@ impl PostgrestClient {
         .await
     }
 
+    /// A bounded call of a function that writes and answers the rows it
+    /// wrote (a re-drive), which takes the bound as an argument itself and
+    /// puts in every row how many rows it answered (`taken` reads it).
+    ///
+    /// Refused with [`ClientError::BoundAboveCap`] before any request when
+    /// `bound` exceeds the configured `max_rows`. It does not ask the server
+    /// to count (a count makes some PostgREST-compatible servers run the
+    /// function a second time, and a write must run once): an answer with
+    /// fewer rows than its rows say were taken is [`ClientError::Truncated`],
+    /// and a `Content-Range` that disagrees with the body is refused.
+    pub async fn rpc_bounded_write<T: DeserializeOwned>(
+        &self,
+        function: &'static str,
+        args: &impl Serialize,
+        bound: u64,
+        taken: impl Fn(&T) -> u64,
+        repeat: Repeat,
+    ) -> Result<Vec<T>, ClientError> {
+        let cap = u64::from(self.inner.config.max_rows);
+        if bound > cap {
+            return Err(ClientError::BoundAboveCap { bound, cap });
+        }
+        observed(function, async {
+            let answer = self.call(function, args, &[], false, repeat).await?;
+            let rows: Vec<T> = decode(function, &answer.body)?;
+            let received = rows.len() as u64;
+            match &answer.content_range {
+                Some(Ok(range)) if range.rows() != received => {
+                    return Err(ClientError::Decode {
+                        function,
+                        reason: format!(
+                            "Content-Range {range} announces {} rows, the body holds {received}",
+                            range.rows()
+                        ),
+                    });
+                }
+                Some(Err(source)) => return Err(ClientError::ContentRange { function, source: source.clone() }),
+                _ => {}
+            }
+            if received > bound {
+                return Err(ClientError::Decode {
+                    function,
+                    reason: format!("answered {received} rows for a bound of {bound}"),
+                });
+            }
+            if let Some(total) = rows.iter().map(&taken).find(|&total| total != received) {
+                return Err(ClientError::Truncated { function, received, total });
+            }
+            Ok(rows)
+        })
+        .await
+    }
+
     /// Sends the call, retrying what [`ClientError::is_retryable`] allows
     /// within the configured deadline ([`retry::with_retries`]).
     async fn call(

@@ -29,7 +29,9 @@ use crate::error::Error;
 
 pub use self::postgrest::PostgrestRepository;
 pub use memory::MemoryRepository;
-pub use record::{AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, IdempotencyRecord, ProviderJob};
+pub use record::{
+    AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, IdempotencyRecord, ProviderJob, WorkRow,
+};
 pub use routed::{RouterConfigError, TenantRouter, TenantRouterBuilder};
 pub use surface::{SqlFunction, SQL_SURFACE};
 
@@ -74,6 +76,12 @@ pub struct ClaimCall<'a> {
     pub lease_token: Uuid,
     /// How long the worker holds the key.
     pub lease: Duration,
+    /// The work the claim carries, stored with it so that another worker
+    /// can [re-drive](OrphanedWork::redrive) it if this one dies: at most
+    /// the scope's `max_request_bytes` as compact JSON. Never answered to
+    /// another caller's claim, replay or read. `None`: the claim carries
+    /// no work, and is never re-driven.
+    pub request: Option<&'a serde_json::Value>,
 }
 
 /// What a completion stores. The database refuses one that carries neither a
@@ -142,6 +150,49 @@ pub trait IdempotencyRepository: Send + Sync {
         claim_id: Uuid,
         lease_token: Uuid,
     ) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    /// The heartbeat: moves the lease of the claim `claim_id` of
+    /// `organization_id` to `lease` from now (store clock) if `lease_token`
+    /// still holds it, and answers the lease's new end. `None` when the
+    /// fence moved on (completed, released, taken over): the holder must
+    /// stop its effect. A holder whose lease passed but whom nobody took
+    /// over may still extend; a shorter `lease` shortens it.
+    fn extend(
+        &self,
+        organization_id: Uuid,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Option<chrono::DateTime<chrono::Utc>>, Error>> + Send;
+}
+
+/// What a re-drive takes over.
+#[derive(Debug, Clone, Copy)]
+pub struct RedriveCall<'a> {
+    /// A scope (`webhook.stripe`) or a family (`webhook.*`).
+    pub scope: &'a str,
+    /// The most orphans to take over; at most [`OrphanedWork::max_bound`].
+    pub bound: u64,
+    /// The lease each orphan is handed out with.
+    pub lease: Duration,
+    /// Only this organization's orphans, when given.
+    pub organization_id: Option<Uuid>,
+}
+
+/// Work whose holder is gone: claims still processing, lease passed,
+/// carrying the request they were claimed with.
+pub trait OrphanedWork: Send + Sync {
+    /// The largest bound a re-drive may ask for: the server's row cap.
+    fn max_bound(&self) -> u64;
+
+    /// Takes over up to `call.bound` orphans in one statement, each with a
+    /// fresh lease token (the old holder is fenced off) and its attempt
+    /// number; one whose work was handed out `max_attempts` times already
+    /// comes back journaled as a dead letter instead. Concurrent callers
+    /// split the orphans: none is handed to two. A bound above
+    /// [`max_bound`](Self::max_bound) is refused before any request, and an
+    /// answer the server cut short is an error, never a short page.
+    fn redrive(&self, call: &RedriveCall<'_>) -> impl Future<Output = Result<Vec<WorkRow>, Error>> + Send;
 }
 
 /// The plane's own refusal (HTTP 400) of a fenced Run admission whose claim

@@ -4,12 +4,13 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use super::surface::{
-    CLAIM, COMPLETE, DELETE_EXPIRED, EXPIRED, GET, PROVIDER_JOB_LOOKUP, PROVIDER_JOB_REGISTER, RECLAIM, RELEASE,
-    RUN_ADMIT, RUN_GET, TRY_CLAIM,
+    CLAIM, COMPLETE, DELETE_EXPIRED, EXPIRED, EXTEND, GET, PROVIDER_JOB_LOOKUP, PROVIDER_JOB_REGISTER, RECLAIM,
+    REDRIVE, RELEASE, RUN_ADMIT, RUN_GET, TRY_CLAIM,
 };
 use super::{
     AdmittedRun, ClaimCall, ClaimFence, ClaimRequest, ClaimRow, CompletionArgs, ExpiredClaim, ExpiredClaims,
-    IdempotencyRecord, IdempotencyRepository, ProviderJob, ProviderJobRepository, RunRepository, FENCE_LOST,
+    IdempotencyRecord, IdempotencyRepository, OrphanedWork, ProviderJob, ProviderJobRepository, RedriveCall,
+    RunRepository, WorkRow, FENCE_LOST,
 };
 use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
@@ -104,6 +105,8 @@ fn millis(d: std::time::Duration) -> u64 {
     u64::try_from(ms).unwrap_or(u64::MAX)
 }
 
+/// The work is omitted, never sent as `null`, when there is none (see
+/// [`CompleteArgs`]).
 #[derive(Serialize)]
 struct OneCallArgs<'a> {
     p_organization_id: Uuid,
@@ -112,6 +115,8 @@ struct OneCallArgs<'a> {
     p_request_hash: &'a str,
     p_lease_token: Uuid,
     p_lease_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_request: Option<&'a serde_json::Value>,
 }
 
 #[derive(Serialize)]
@@ -153,6 +158,7 @@ impl IdempotencyRepository for PostgrestRepository {
             p_request_hash: call.request_hash,
             p_lease_token: call.lease_token,
             p_lease_ms: millis(call.lease),
+            p_request: call.request.filter(|request| !request.is_null()),
         };
         let rows: Result<Vec<ClaimRow>, _> = self.rpc(CLAIM.name, &args).await;
         let mut rows = rows.map_err(|error| unknown_scope(error.into(), call.scope))?;
@@ -199,6 +205,81 @@ impl IdempotencyRepository for PostgrestRepository {
         let args = FenceArgs { p_claim_id: claim_id, p_lease_token: lease_token, p_organization_id: organization_id };
         Ok(self.rpc(RELEASE.name, &args).await?)
     }
+
+    async fn extend(
+        &self,
+        organization_id: Uuid,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        lease: std::time::Duration,
+    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, Error> {
+        let args = ExtendArgs {
+            p_claim_id: claim_id,
+            p_lease_token: lease_token,
+            p_lease_ms: millis(lease),
+            p_organization_id: organization_id,
+        };
+        Ok(self.rpc(EXTEND.name, &args).await?)
+    }
+}
+
+#[derive(Serialize)]
+struct ExtendArgs {
+    p_claim_id: Uuid,
+    p_lease_token: Uuid,
+    p_lease_ms: u64,
+    p_organization_id: Uuid,
+}
+
+/// The organization is omitted, never sent as `null`, when there is none
+/// (see [`CompleteArgs`]). `p_row_cap` is the client's configured cap, so
+/// the database refuses a bound above it too.
+#[derive(Serialize)]
+struct RedriveArgs<'a> {
+    p_scope: &'a str,
+    p_limit: u64,
+    p_lease_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_organization_id: Option<Uuid>,
+    p_row_cap: u64,
+}
+
+/// A re-drive is not repeated after a lost answer (the shared retry table
+/// marks it unsafe): a repeat would take over other orphans while those the
+/// first attempt took went unseen. Those are not lost: nobody runs them,
+/// and they are orphans again once the lease given to them passes, one
+/// attempt later.
+impl OrphanedWork for PostgrestRepository {
+    fn max_bound(&self) -> u64 {
+        u64::from(self.client.config().max_rows())
+    }
+
+    async fn redrive(&self, call: &RedriveCall<'_>) -> Result<Vec<WorkRow>, Error> {
+        let args = RedriveArgs {
+            p_scope: call.scope,
+            p_limit: call.bound,
+            p_lease_ms: millis(call.lease),
+            p_organization_id: call.organization_id,
+            p_row_cap: OrphanedWork::max_bound(self),
+        };
+        if call.bound == 0 {
+            return Ok(Vec::new());
+        }
+        let taken = |row: &TakenWork| u64::try_from(row.taken).unwrap_or(0);
+        let rows =
+            self.client.rpc_bounded_write(REDRIVE.name, &args, call.bound, taken, Repeat::of(REDRIVE.name)).await;
+        let rows = rows.map_err(|error| unknown_scope(error.into(), call.scope))?;
+        Ok(rows.into_iter().map(|row| row.work).collect())
+    }
+}
+
+/// A row of a re-drive's answer: the work, and how many rows the call
+/// answered, which the client checks against the rows that arrived.
+#[derive(serde::Deserialize)]
+struct TakenWork {
+    #[serde(flatten)]
+    work: WorkRow,
+    taken: i64,
 }
 
 /// The fence is omitted, never sent as `null`, when there is none (see

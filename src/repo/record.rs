@@ -148,3 +148,47 @@ pub struct ExpiredClaim {
     /// When its retention ended.
     pub retain_until: DateTime<Utc>,
 }
+
+/// A claim's work as a re-drive answers it (`agent.idempotency_work`).
+///
+/// [`ClaimStatus::Processing`]: the work is the caller's now, under
+/// `lease_token` until `lease_expires_at`, and `request` is what to run.
+/// [`ClaimStatus::Completed`]: the work had been handed out as often as its
+/// scope's `max_attempts` allows; it is journaled as a dead letter
+/// (`response`), with neither token nor request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkRow {
+    /// The claim id, for completing, releasing or extending it.
+    pub id: Uuid,
+    /// The tenant.
+    pub organization_id: Uuid,
+    /// The scope.
+    pub scope: String,
+    /// The key within the scope.
+    pub key: String,
+    /// Lowercase hex SHA-256 of the request that claimed the key.
+    pub request_hash: String,
+    /// Processing (handed out) or completed (dead-lettered).
+    pub status: ClaimStatus,
+    /// The new holder's fence; `None` for a dead letter.
+    pub lease_token: Option<Uuid>,
+    /// The work the claim carries; `None` for a dead letter.
+    pub request: Option<serde_json::Value>,
+    /// Which attempt this is: 1 for the first claim, one more for every
+    /// takeover.
+    pub attempt: u32,
+    /// When this holder took it (database clock).
+    pub claimed_at: DateTime<Utc>,
+    /// When this holder's lease passes (database clock).
+    pub lease_expires_at: DateTime<Utc>,
+    /// The journaled dead letter, `{"ok": false, "error": "dead_lettered",
+    /// "output": {"attempts": n}}`; `None` for work handed out.
+    pub response: Option<serde_json::Value>,
+}
+
+impl WorkRow {
+    /// Whether this row is a dead letter rather than work handed out.
+    pub fn is_dead_letter(&self) -> bool {
+        self.status == ClaimStatus::Completed
+    }
+}

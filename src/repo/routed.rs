@@ -217,6 +217,16 @@ impl<R: IdempotencyRepository> IdempotencyRepository for TenantRouter<R> {
     async fn release(&self, organization_id: Uuid, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
         self.route(organization_id)?.release(organization_id, claim_id, lease_token).await
     }
+
+    async fn extend(
+        &self,
+        organization_id: Uuid,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        lease: std::time::Duration,
+    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, Error> {
+        self.route(organization_id)?.extend(organization_id, claim_id, lease_token, lease).await
+    }
 }
 
 /// Each call goes to the plane of its organization, and only there: a
@@ -313,6 +323,7 @@ mod tests {
             request_hash: HASH,
             lease_token: Uuid::new_v4(),
             lease: Duration::from_secs(30),
+            request: None,
         }
     }
 

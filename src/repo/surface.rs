@@ -42,10 +42,8 @@ pub(crate) const COMPLETE: SqlFunction = function(
 );
 pub(crate) const RELEASE: SqlFunction =
     function("idempotency_release", "p_claim_id uuid, p_lease_token uuid, p_organization_id uuid");
-pub(crate) const EXTEND: SqlFunction = function(
-    "idempotency_extend",
-    "p_claim_id uuid, p_lease_token uuid, p_lease_ms bigint, p_organization_id uuid",
-);
+pub(crate) const EXTEND: SqlFunction =
+    function("idempotency_extend", "p_claim_id uuid, p_lease_token uuid, p_lease_ms bigint, p_organization_id uuid");
 pub(crate) const REDRIVE: SqlFunction = function(
     "idempotency_redrive",
     "p_scope text, p_limit integer, p_lease_ms bigint, p_organization_id uuid, p_row_cap integer",

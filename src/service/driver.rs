@@ -48,6 +48,11 @@ pub struct Effect<'a> {
     pub request_hash: &'a RequestHash,
     /// The effect's timeout, its journal's deadline, and the lease they make.
     pub timing: Timing,
+    /// The work the claim carries, stored with it so that another worker
+    /// can re-drive it if this one dies (see
+    /// [`OrphanedWork`](crate::repo::OrphanedWork)); `None` for an effect
+    /// that nobody else could finish.
+    pub request: Option<&'a serde_json::Value>,
 }
 
 /// What [`EffectDriver::begin`] found.
@@ -107,6 +112,7 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
                 effect.request_hash,
                 timing.lease(),
                 attempt.token,
+                effect.request,
             )
             .await?;
         Ok(match claimed {

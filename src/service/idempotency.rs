@@ -183,7 +183,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         request_hash: &RequestHash,
         lease: Duration,
     ) -> Result<ClaimOutcome, Error> {
-        self.claim_as(organization_id, scope, key, request_hash, lease, Uuid::new_v4()).await
+        self.claim_as(organization_id, scope, key, request_hash, lease, Uuid::new_v4(), None).await
     }
 
     /// [`claim`](Self::claim) with a lease token the caller minted: a
@@ -198,6 +198,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         request_hash: &RequestHash,
         lease: Duration,
         lease_token: Uuid,
+        request: Option<&serde_json::Value>,
     ) -> Result<ClaimOutcome, Error> {
         let span = tracing::info_span!(
             "idempotency.claim",
@@ -218,8 +219,8 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 record_outcome("claim", scope, outcome.kind());
                 return Ok(outcome);
             }
-            let call =
-                ClaimCall { organization_id, scope, key, request_hash: request_hash.as_str(), lease_token, lease };
+            let request_hash = request_hash.as_str();
+            let call = ClaimCall { organization_id, scope, key, request_hash, lease_token, lease, request };
             let row = self.repo.claim(&call).await?;
             let outcome = decided(row, &call)?;
             match &outcome {
@@ -234,7 +235,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                         resource: resource.clone(),
                         response_ref: response_ref.clone(),
                     };
-                    self.remember(organization_id, scope, key, request_hash.as_str(), &stored);
+                    self.remember(organization_id, scope, key, request_hash, &stored);
                 }
                 ClaimOutcome::Processing { .. } | ClaimOutcome::Conflict => {}
             }

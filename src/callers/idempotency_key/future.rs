@@ -233,6 +233,7 @@ async fn claim<R: IdempotencyRepository + 'static>(config: &Config<R>, keyed: &K
         key: &keyed.plane_key,
         request_hash: &keyed.hash,
         timing,
+        request: None,
     };
     Ok(decide(config, driver.begin(&effect).await?))
 }

@@ -177,6 +177,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
             key,
             request_hash: &hash,
             timing: self.timing()?,
+            request: None,
         };
         match self.driver.begin(&effect).await? {
             Begun::Held(held) => self.prepare(&start, saved_search_id, held).await,

@@ -194,6 +194,7 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
             key: call.key.as_str(),
             request_hash: &call.hash,
             timing: self.timing(call.spec)?,
+            request: None,
         };
         let attempt = Attempt::new();
         let ask_until = attempt.started() + call.spec.timeout / 2;

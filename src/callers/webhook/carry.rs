@@ -61,6 +61,7 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
             key: &self.key,
             request_hash: &self.hash,
             timing: self.timing,
+            request: None,
         };
         let held = match self.claim(&effect, &mut say).await {
             Some(held) => held,

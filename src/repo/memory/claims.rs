@@ -6,12 +6,12 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use uuid::Uuid;
 
-use super::{refused, MemoryRepository, Row, State, MAX_BOUND};
+use super::{refused, MemoryRepository, Row, State, DEFAULT_MAX_ATTEMPTS, MAX_BOUND};
 use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
 use crate::repo::{
     ClaimCall, ClaimDecision, ClaimRequest, ClaimRow, ClaimStatus, CompletionArgs, ExpiredClaim, ExpiredClaims,
-    IdempotencyRecord, IdempotencyRepository,
+    IdempotencyRecord, IdempotencyRepository, OrphanedWork, RedriveCall, WorkRow,
 };
 use crate::storable::{self, Unstorable};
 
@@ -46,7 +46,18 @@ impl State {
         if !well_formed {
             return Err(refused(function, codes::INVALID_PARAMETER_VALUE));
         }
+        let request = call.request.filter(|request| !request.is_null());
+        // The work is measured before anything else is looked at, as the
+        // SQL measures it before locking the row.
+        match request.and_then(|r| storable::unstorable(r, 0, u64::MAX)) {
+            Some(Unstorable::TooDeep) => return Err(refused(function, codes::REQUEST_TOO_DEEP)),
+            Some(_) => return Err(refused(function, "22P05")),
+            None => {}
+        }
         let policy = self.policy(call.scope).ok_or_else(|| Error::UnknownScope { scope: call.scope.to_owned() })?;
+        if request.is_some_and(|r| storable::json_size(r) > policy.max_request_bytes) {
+            return Err(refused(function, codes::REQUEST_TOO_LARGE));
+        }
         let lease = TimeDelta::from_std(call.lease).unwrap_or(TimeDelta::MAX);
         let asked = retain.and_then(|r| TimeDelta::from_std(r).ok()).unwrap_or(TimeDelta::zero());
         let retain = policy.retain.max(asked).max(lease);
@@ -71,7 +82,7 @@ impl State {
                     retain_until: now + lease + retain,
                     lease_live: true,
                 };
-                let row = Row { record, reclaims: 0 };
+                let row = Row { record, reclaims: 0, request: request.cloned() };
                 self.claims.insert(slot, row.clone());
                 (ClaimDecision::Claimed, row)
             }
@@ -93,6 +104,9 @@ impl State {
                 row.record.lease_expires_at = now + lease;
                 row.record.retain_until = row.record.retain_until.max(now + lease + retain);
                 row.reclaims += 1;
+                if row.request.is_none() {
+                    row.request = request.cloned();
+                }
                 (ClaimDecision::Reclaimed, row.clone())
             }
         };
@@ -263,6 +277,132 @@ impl IdempotencyRepository for MemoryRepository {
         });
         Ok(state.claims.len() < before)
     }
+
+    async fn extend(
+        &self,
+        organization_id: Uuid,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        lease: Duration,
+    ) -> Result<Option<DateTime<Utc>>, Error> {
+        if !(1000..=86_400_000).contains(&lease.as_millis()) {
+            return Err(refused("idempotency_extend", codes::INVALID_PARAMETER_VALUE));
+        }
+        let lease = TimeDelta::from_std(lease).unwrap_or(TimeDelta::MAX);
+        let mut state = self.lock();
+        let now = state.now();
+        let held = state.claims.iter_mut().find(|(slot, row)| {
+            slot.0 == organization_id
+                && row.record.id == claim_id
+                && row.record.lease_token == Some(lease_token)
+                && row.record.status == ClaimStatus::Processing
+        });
+        let Some((_, row)) = held else { return Ok(None) };
+        let record = &mut row.record;
+        let window = record.retain_until - record.lease_expires_at;
+        record.lease_expires_at = now + lease;
+        record.retain_until = record.retain_until.max(now + lease + window);
+        Ok(Some(record.lease_expires_at))
+    }
+}
+
+/// Whether `scope` is `pattern`, or a member of it when `pattern` is a
+/// family (`webhook.*`).
+fn in_scope(pattern: &str, scope: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => scope.starts_with(prefix),
+        None => scope == pattern,
+    }
+}
+
+/// A scope or a family, as `agent.idempotency_redrive` accepts it.
+fn scope_pattern_well_formed(pattern: &str) -> bool {
+    let names = pattern.strip_suffix(".*").unwrap_or(pattern);
+    pattern.len() <= 128
+        && !names.is_empty()
+        && names
+            .split('.')
+            .all(|name| !name.is_empty() && name.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-')))
+}
+
+impl OrphanedWork for MemoryRepository {
+    fn max_bound(&self) -> u64 {
+        MAX_BOUND
+    }
+
+    async fn redrive(&self, call: &RedriveCall<'_>) -> Result<Vec<WorkRow>, Error> {
+        const FUNCTION: &str = "idempotency_redrive";
+        if call.bound > MAX_BOUND {
+            return Err(ClientError::BoundAboveCap { bound: call.bound, cap: MAX_BOUND }.into());
+        }
+        if call.bound == 0 {
+            return Ok(Vec::new());
+        }
+        if !scope_pattern_well_formed(call.scope) || !(1000..=86_400_000).contains(&call.lease.as_millis()) {
+            return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
+        }
+        let mut state = self.lock();
+        let known = state.policy(call.scope).is_some()
+            || call
+                .scope
+                .strip_suffix('*')
+                .is_some_and(|prefix| state.policies.iter().any(|p| p.scope.starts_with(prefix)));
+        if !known {
+            return Err(Error::UnknownScope { scope: call.scope.to_owned() });
+        }
+        let now = state.now();
+        let lease = TimeDelta::from_std(call.lease).unwrap_or(TimeDelta::MAX);
+        let mut orphans: Vec<_> = state
+            .claims
+            .iter()
+            .filter(|(slot, row)| {
+                in_scope(call.scope, &slot.1)
+                    && call.organization_id.is_none_or(|org| org == slot.0)
+                    && row.request.is_some()
+                    && row.record.status == ClaimStatus::Processing
+                    && row.record.lease_expires_at <= now
+            })
+            .map(|(slot, row)| (row.record.lease_expires_at, row.record.id, slot.clone()))
+            .collect();
+        orphans.sort();
+        orphans.truncate(usize::try_from(call.bound).unwrap_or(usize::MAX));
+        let mut taken = Vec::with_capacity(orphans.len());
+        for (_, _, slot) in orphans {
+            let max_attempts = state.policy(&slot.1).map_or(DEFAULT_MAX_ATTEMPTS, |p| p.max_attempts);
+            let Some(row) = state.claims.get_mut(&slot) else { continue };
+            let window = row.record.retain_until - row.record.lease_expires_at;
+            let dead = row.reclaims + 1 >= max_attempts;
+            if dead {
+                row.record.status = ClaimStatus::Completed;
+                row.record.response = Some(serde_json::json!({
+                    "ok": false, "error": "dead_lettered", "output": {"attempts": row.reclaims + 1}
+                }));
+                row.record.retain_until = row.record.retain_until.max(now + window);
+            } else {
+                row.record.lease_token = Some(Uuid::new_v4());
+                row.record.claimed_at = now;
+                row.record.lease_expires_at = now + lease;
+                row.record.retain_until = row.record.retain_until.max(now + lease + window);
+                row.reclaims += 1;
+            }
+            taken.push(WorkRow {
+                id: row.record.id,
+                organization_id: row.record.organization_id,
+                scope: row.record.scope.clone(),
+                key: row.record.key.clone(),
+                request_hash: row.record.request_hash.clone(),
+                status: row.record.status,
+                lease_token: row.record.lease_token.filter(|_| !dead),
+                request: row.request.clone().filter(|_| !dead),
+                attempt: row.reclaims + 1,
+                claimed_at: row.record.claimed_at,
+                lease_expires_at: row.record.lease_expires_at,
+                response: row.record.response.clone().filter(|_| dead),
+            });
+        }
+        taken.sort_by_key(|work| (work.lease_expires_at, work.id));
+        Ok(taken)
+    }
 }
 
 fn v1_call<'a>(request: &ClaimRequest<'a>) -> ClaimCall<'a> {
@@ -273,6 +413,7 @@ fn v1_call<'a>(request: &ClaimRequest<'a>) -> ClaimCall<'a> {
         request_hash: request.request_hash,
         lease_token: request.lease_token,
         lease: request.lease,
+        request: None,
     }
 }
 

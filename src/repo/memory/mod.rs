@@ -51,12 +51,21 @@ struct Policy {
     scope: String,
     retain: TimeDelta,
     max_response_bytes: u64,
+    max_request_bytes: u64,
+    max_attempts: u32,
 }
+
+/// The seeded `max_request_bytes` and `max_attempts` of every policy, as the
+/// table's column defaults.
+const DEFAULT_MAX_REQUEST_BYTES: u64 = 65_536;
+const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 
 #[derive(Debug, Clone)]
 struct Row {
     record: IdempotencyRecord,
     reclaims: u32,
+    /// The work the claim carries.
+    request: Option<serde_json::Value>,
 }
 
 impl Default for MemoryRepository {
@@ -74,6 +83,8 @@ impl MemoryRepository {
             scope: scope.to_owned(),
             retain: TimeDelta::days(days),
             max_response_bytes: 65_536,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
         };
         let policies = vec![
             policy("tool.*", 30),
@@ -97,7 +108,28 @@ impl MemoryRepository {
         {
             let mut state = self.lock();
             state.policies.retain(|p| p.scope != scope);
-            state.policies.push(Policy { scope: scope.to_owned(), retain, max_response_bytes });
+            state.policies.push(Policy {
+                scope: scope.to_owned(),
+                retain,
+                max_response_bytes,
+                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+                max_attempts: DEFAULT_MAX_ATTEMPTS,
+            });
+        }
+        Ok(self)
+    }
+
+    /// Sets how often a scope's stored work may be handed out before a
+    /// re-drive journals it as a dead letter (the policy's `max_attempts`,
+    /// 1 to 100, default 5). The scope must have a policy row of its own.
+    pub fn with_max_attempts(self, scope: &str, max_attempts: u32) -> Result<Self, Error> {
+        {
+            let mut state = self.lock();
+            let policy = state.policies.iter_mut().find(|p| p.scope == scope);
+            match policy {
+                Some(policy) if (1..=100).contains(&max_attempts) => policy.max_attempts = max_attempts,
+                _ => return Err(refused("idempotency_scopes", codes::CHECK_VIOLATION)),
+            }
         }
         Ok(self)
     }

@@ -70,6 +70,7 @@ impl Key {
             key: &self.key,
             request_hash: &self.hash,
             timing: self.timing,
+            request: None,
         }
     }
 }

@@ -6,7 +6,10 @@
 
 use std::time::Duration;
 
-use idempotency_plane::repo::{ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs};
+use idempotency_plane::repo::{
+    ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs, ExpiredClaims, OrphanedWork,
+    RedriveCall,
+};
 use idempotency_plane::{ClientError, Error};
 use serde_json::json;
 use uuid::Uuid;
@@ -20,7 +23,12 @@ fn hash_text(content: &str) -> String {
 }
 
 fn call<'a>(org: Uuid, scope: &'a str, key: &'a str, hash: &'a str, token: Uuid) -> ClaimCall<'a> {
-    ClaimCall { organization_id: org, scope, key, request_hash: hash, lease_token: token, lease: LEASE }
+    ClaimCall { organization_id: org, scope, key, request_hash: hash, lease_token: token, lease: LEASE, request: None }
+}
+
+/// A re-drive of `scope`'s orphans of `org` alone, handed out for [`LEASE`].
+fn redrive(org: Uuid, scope: &str, bound: u64) -> RedriveCall<'_> {
+    RedriveCall { scope, bound, lease: LEASE, organization_id: Some(org) }
 }
 
 fn code(result: Result<impl std::fmt::Debug, Error>) -> String {
@@ -207,16 +215,19 @@ async fn expired_claims_are_read_oldest_first_within_the_bound_and_deleted(
         repo.claim(&call(org, "webhook.nylas", &format!("k{k}"), &hash_text("sweep"), Uuid::new_v4())).await.unwrap();
         time.age(Duration::from_secs(60)).await;
     }
-    assert!(repo.expired(repo.max_bound()).await.unwrap().is_empty(), "nothing past retention yet");
+    assert!(repo.expired(ExpiredClaims::max_bound(repo)).await.unwrap().is_empty(), "nothing past retention yet");
     time.age(Duration::from_secs(2 * 86_400)).await;
     let two = repo.expired(2).await.unwrap();
     assert_eq!(two.len(), 2);
     assert!(two[0].retain_until <= two[1].retain_until, "oldest first");
-    assert!(matches!(repo.expired(repo.max_bound() + 1).await, Err(Error::Store(ClientError::BoundAboveCap { .. }))));
+    assert!(matches!(
+        repo.expired(ExpiredClaims::max_bound(repo) + 1).await,
+        Err(Error::Store(ClientError::BoundAboveCap { .. }))
+    ));
     let ids: Vec<Uuid> = two.iter().map(|c| c.id).collect();
     assert_eq!(repo.delete_expired(&ids).await.unwrap(), 2);
     assert_eq!(repo.delete_expired(&ids).await.unwrap(), 0, "gone already");
-    assert_eq!(repo.expired(repo.max_bound()).await.unwrap().len(), 1);
+    assert_eq!(repo.expired(ExpiredClaims::max_bound(repo)).await.unwrap().len(), 1);
 }
 
 /// Run admission and provider jobs.
@@ -301,6 +312,147 @@ async fn a_fenced_admission_admits_only_while_its_claim_is_held(repo: &impl Back
     assert_eq!(code(repo.admit_fenced(org, "", &input, admitter, fence2).await), "22023");
 }
 
+/// A claim carries its work: no claim, replay, conflict or read answers it;
+/// a re-drive hands it out once its holder's lease passed, with a fresh
+/// fence and the next attempt, and the old holder is fenced off.
+async fn a_claim_carries_its_work_and_only_a_redrive_hands_it_out(repo: &impl Backend, time: &impl TimeTravel) {
+    let (org, h, token) = (Uuid::new_v4(), hash_text("work"), Uuid::new_v4());
+    let work = json!({"event": "evt_carried_work", "amount": 100});
+    let carrying = ClaimCall { request: Some(&work), ..call(org, "webhook.stripe", "evt-1", &h, token) };
+    let claimed = repo.claim(&carrying).await.unwrap();
+    assert_eq!(claimed.outcome, ClaimDecision::Claimed);
+    let plain = repo.claim(&call(org, "webhook.stripe", "evt-2", &h, Uuid::new_v4())).await.unwrap();
+    let shows_work = |answer: &dyn std::fmt::Debug| format!("{answer:?}").contains("evt_carried_work");
+    assert!(!shows_work(&claimed), "not even the claimant's own answer repeats the work");
+    let again = ClaimCall { request: Some(&work), ..call(org, "webhook.stripe", "evt-1", &h, Uuid::new_v4()) };
+    let other = repo.claim(&again).await.unwrap();
+    assert_eq!(other.outcome, ClaimDecision::Processing);
+    assert!(!shows_work(&other) && !shows_work(&repo.get(org, "webhook.stripe", "evt-1").await.unwrap()));
+    assert_eq!(repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap(), vec![], "a live lease is no orphan");
+
+    time.pass_lease(claimed.id).await;
+    time.pass_lease(plain.id).await;
+    let taken = repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap();
+    assert_eq!(taken.len(), 1, "only the claim that carries its work is re-driven: {taken:?}");
+    let orphan = &taken[0];
+    assert_eq!((orphan.id, orphan.status, orphan.attempt), (claimed.id, ClaimStatus::Processing, 2));
+    assert_eq!((orphan.request.as_ref(), orphan.response.as_ref()), (Some(&work), None));
+    let fresh = orphan.lease_token.expect("the new holder's token");
+    assert_ne!(fresh, token);
+    assert_eq!(repo.redrive(&redrive(org, "webhook.stripe", 10)).await.unwrap(), vec![], "handed out once");
+
+    // The old holder wakes up: every fenced call answers that the fence moved on.
+    assert_eq!(repo.extend(org, claimed.id, token, LEASE).await.unwrap(), None);
+    let answer = json!({"ok": true});
+    let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
+    assert!(repo.complete(org, claimed.id, token, args).await.unwrap().is_none());
+    assert!(!repo.release(org, claimed.id, token).await.unwrap());
+    assert!(repo.complete(org, claimed.id, fresh, args).await.unwrap().is_some(), "the new holder completes");
+
+    let replay = repo.claim(&call(org, "webhook.stripe", "evt-1", &h, Uuid::new_v4())).await.unwrap();
+    assert_eq!((replay.outcome, replay.response.as_ref()), (ClaimDecision::Completed, Some(&answer)));
+    let conflict = repo.claim(&call(org, "webhook.stripe", "evt-1", &hash_text("x"), Uuid::new_v4())).await.unwrap();
+    assert_eq!(conflict.outcome, ClaimDecision::Conflict);
+    assert!(!shows_work(&replay) && !shows_work(&conflict));
+    time.pass_lease(claimed.id).await;
+    assert_eq!(repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap(), vec![], "completed work is done");
+}
+
+/// The heartbeat moves the lease of its holder only, and answers `None`
+/// once the fence moved on.
+async fn a_heartbeat_moves_the_lease_of_its_holder_alone(repo: &impl Backend, time: &impl TimeTravel) {
+    let (org, h, token) = (Uuid::new_v4(), hash_text("heartbeat"), Uuid::new_v4());
+    let claimed = repo.claim(&call(org, "tool.render", "k", &h, token)).await.unwrap();
+    let end = repo.extend(org, claimed.id, token, 2 * LEASE).await.unwrap().expect("held");
+    assert!(end > claimed.lease_expires_at, "{end} after {}", claimed.lease_expires_at);
+    assert_eq!(repo.extend(org, claimed.id, Uuid::new_v4(), LEASE).await.unwrap(), None, "another token");
+    assert_eq!(repo.extend(Uuid::new_v4(), claimed.id, token, LEASE).await.unwrap(), None, "another organization");
+    assert_eq!(code(repo.extend(org, claimed.id, token, Duration::from_millis(999)).await), "22023");
+
+    // A holder whose lease passed but whom nobody replaced keeps it.
+    time.pass_lease(claimed.id).await;
+    assert!(repo.extend(org, claimed.id, token, LEASE).await.unwrap().is_some());
+    let rival = repo.claim(&call(org, "tool.render", "k", &h, Uuid::new_v4())).await.unwrap();
+    assert_eq!(rival.outcome, ClaimDecision::Processing, "the extended lease is live again");
+
+    // Taken over: the heartbeat says stop.
+    time.pass_lease(claimed.id).await;
+    let taker = Uuid::new_v4();
+    let taken = repo.claim(&call(org, "tool.render", "k", &h, taker)).await.unwrap();
+    assert_eq!(taken.outcome, ClaimDecision::Reclaimed);
+    assert_eq!(repo.extend(org, claimed.id, token, LEASE).await.unwrap(), None);
+    let answer = json!({"rendered": true});
+    let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
+    repo.complete(org, claimed.id, taker, args).await.unwrap().expect("completed");
+    assert_eq!(repo.extend(org, claimed.id, taker, LEASE).await.unwrap(), None, "a completed claim holds no lease");
+}
+
+/// Work handed out `max_attempts` times (5 by default) is journaled as a
+/// dead letter by the next re-drive, and every later claim replays it.
+async fn a_redrive_dead_letters_work_handed_out_max_attempts_times(repo: &impl Backend, time: &impl TimeTravel) {
+    let (org, h) = (Uuid::new_v4(), hash_text("dead"));
+    let work = json!({"event": "poison"});
+    let carrying = ClaimCall { request: Some(&work), ..call(org, "webhook.svix", "evt-poison", &h, Uuid::new_v4()) };
+    let claimed = repo.claim(&carrying).await.unwrap();
+    for attempt in 2..=5 {
+        time.pass_lease(claimed.id).await;
+        let taken = repo.redrive(&redrive(org, "webhook.svix", 10)).await.unwrap();
+        assert_eq!(taken.iter().map(|w| (w.attempt, w.is_dead_letter())).collect::<Vec<_>>(), [(attempt, false)]);
+    }
+    time.pass_lease(claimed.id).await;
+    let dead = repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap();
+    let letter = json!({"ok": false, "error": "dead_lettered", "output": {"attempts": 5}});
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0].is_dead_letter());
+    assert_eq!((dead[0].attempt, dead[0].lease_token, dead[0].request.as_ref()), (5, None, None));
+    assert_eq!(dead[0].response.as_ref(), Some(&letter));
+    let replay = repo.claim(&call(org, "webhook.svix", "evt-poison", &h, Uuid::new_v4())).await.unwrap();
+    assert_eq!((replay.outcome, replay.response.as_ref()), (ClaimDecision::Completed, Some(&letter)));
+    let read = repo.get(org, "webhook.svix", "evt-poison").await.unwrap().expect("journaled");
+    assert_eq!((read.status, read.response.as_ref()), (ClaimStatus::Completed, Some(&letter)));
+    time.pass_lease(claimed.id).await;
+    assert_eq!(repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap(), vec![]);
+}
+
+/// A re-drive is bounded like every read, and a claim's work by its scope:
+/// what is refused changes nothing.
+async fn work_and_redrives_are_bounded_and_bad_input_is_refused(repo: &impl Backend, time: &impl TimeTravel) {
+    let (org, h) = (Uuid::new_v4(), hash_text("bounds"));
+    let above = redrive(org, "webhook.*", OrphanedWork::max_bound(repo) + 1);
+    assert!(matches!(repo.redrive(&above).await, Err(Error::Store(ClientError::BoundAboveCap { .. }))));
+    for unknown in ["nope.*", "nope.x"] {
+        let refused = repo.redrive(&redrive(org, unknown, 10)).await;
+        assert!(matches!(refused, Err(Error::UnknownScope { .. })), "{unknown}: {refused:?}");
+    }
+    for malformed in ["Webhook.*", "webhook.", "*", "webhook..x"] {
+        assert_eq!(code(repo.redrive(&redrive(org, malformed, 10)).await), "22023", "{malformed}");
+    }
+    let short = RedriveCall { lease: Duration::from_millis(10), ..redrive(org, "webhook.*", 10) };
+    assert_eq!(code(repo.redrive(&short).await), "22023");
+
+    // The scope's max_request_bytes (64 KiB by default), as compact JSON.
+    let large = json!({"body": "x".repeat(70_000)});
+    let deep = (0..70).fold(json!(1), |inner, _| json!([inner]));
+    for (work, refusal) in [(&large, "IDEM5"), (&deep, "IDEM6")] {
+        let carrying = ClaimCall { request: Some(work), ..call(org, "webhook.stripe", "too-much", &h, Uuid::new_v4()) };
+        assert_eq!(code(repo.claim(&carrying).await), refusal);
+        assert!(repo.get(org, "webhook.stripe", "too-much").await.unwrap().is_none(), "nothing written");
+    }
+
+    let work = json!({"n": 1});
+    let mut ids = Vec::new();
+    for key in ["a", "b", "c"] {
+        let carrying = ClaimCall { request: Some(&work), ..call(org, "webhook.stripe", key, &h, Uuid::new_v4()) };
+        ids.push(repo.claim(&carrying).await.unwrap().id);
+    }
+    for id in &ids {
+        time.pass_lease(*id).await;
+    }
+    assert_eq!(repo.redrive(&redrive(org, "webhook.stripe", 2)).await.unwrap().len(), 2);
+    assert_eq!(repo.redrive(&redrive(org, "webhook.stripe", 2)).await.unwrap().len(), 1);
+    assert_eq!(ExpiredClaims::max_bound(repo), OrphanedWork::max_bound(repo));
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod in_memory {
@@ -337,4 +489,8 @@ conformance!(
     expired_claims_are_read_oldest_first_within_the_bound_and_deleted,
     runs_are_admitted_once_and_provider_jobs_belong_to_one_organization,
     a_fenced_admission_admits_only_while_its_claim_is_held,
+    a_claim_carries_its_work_and_only_a_redrive_hands_it_out,
+    a_heartbeat_moves_the_lease_of_its_holder_alone,
+    a_redrive_dead_letters_work_handed_out_max_attempts_times,
+    work_and_redrives_are_bounded_and_bad_input_is_refused,
 );

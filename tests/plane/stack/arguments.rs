@@ -46,8 +46,12 @@ fn surface() -> Vec<Call> {
     };
     vec![
         Call {
-            sql: "select * from agent.idempotency_claim($1::uuid, $2, $3, $4, $5::uuid, $6::bigint)",
-            arguments: claim(None),
+            sql: "select * from agent.idempotency_claim($1::uuid, $2, $3, $4, $5::uuid, $6::bigint, $7::jsonb)",
+            arguments: {
+                let mut arguments = claim(None);
+                arguments.push(("p_request", r#"{"event": "e-1"}"#.to_owned(), false));
+                arguments
+            },
         },
         Call {
             sql: "select * from agent.idempotency_try_claim($1::uuid, $2, $3, $4, $5::uuid, $6::bigint, $7::bigint)",
@@ -78,6 +82,25 @@ fn surface() -> Vec<Call> {
         Call {
             sql: "select agent.idempotency_release($1::uuid, $2::uuid)",
             arguments: vec![("p_claim_id", CLAIM_ID.to_owned(), true), ("p_lease_token", TOKEN.to_owned(), true)],
+        },
+        Call {
+            sql: "select agent.idempotency_extend($1::uuid, $2::uuid, $3::bigint, $4::uuid)",
+            arguments: vec![
+                ("p_claim_id", CLAIM_ID.to_owned(), true),
+                ("p_lease_token", TOKEN.to_owned(), true),
+                ("p_lease_ms", "60000".to_owned(), true),
+                ("p_organization_id", ORG.to_owned(), false),
+            ],
+        },
+        Call {
+            sql: "select * from agent.idempotency_redrive($1, $2::integer, $3::bigint, $4::uuid, $5::integer)",
+            arguments: vec![
+                ("p_scope", "webhook.*".to_owned(), true),
+                ("p_limit", "10".to_owned(), true),
+                ("p_lease_ms", "60000".to_owned(), true),
+                ("p_organization_id", ORG.to_owned(), false),
+                ("p_row_cap", "1000".to_owned(), true),
+            ],
         },
         Call {
             sql: "select * from agent.idempotency_expired($1::integer)",
@@ -215,7 +238,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 50, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 57, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 

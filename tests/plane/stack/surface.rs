@@ -14,12 +14,14 @@ use crate::support::harness::*;
 
 /// Every function of the README's SQL surface table, with its argument names in order.
 const SURFACE: &[(&str, &str)] = &[
-    ("idempotency_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms"),
+    ("idempotency_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_request"),
     ("idempotency_try_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
     ("idempotency_reclaim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
     ("idempotency_get", "p_organization_id,p_scope,p_key"),
     ("idempotency_complete", "p_claim_id,p_lease_token,p_resource_type,p_resource_id,p_response,p_organization_id"),
     ("idempotency_release", "p_claim_id,p_lease_token,p_organization_id"),
+    ("idempotency_extend", "p_claim_id,p_lease_token,p_lease_ms,p_organization_id"),
+    ("idempotency_redrive", "p_scope,p_limit,p_lease_ms,p_organization_id,p_row_cap"),
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
     ("idempotency_sweep", "p_bound,p_row_cap"),
@@ -65,6 +67,8 @@ async fn every_function_runs_as_the_planes_owner_with_an_empty_search_path_for_s
                 | "idempotency_reclaim"
                 | "idempotency_complete"
                 | "idempotency_release"
+                | "idempotency_extend"
+                | "idempotency_redrive"
                 | "idempotency_delete_expired"
                 | "idempotency_sweep"
                 | "run_admit"
@@ -76,7 +80,7 @@ async fn every_function_runs_as_the_planes_owner_with_an_empty_search_path_for_s
         }
         assert_eq!(config, Some(expected), "agent.{name} pins search_path (and lock_timeout when it locks rows)");
         assert!(service && !anon && !authenticated, "agent.{name}: execute for service_role only");
-        let scalar = matches!(*name, "idempotency_release" | "idempotency_delete_expired");
+        let scalar = matches!(*name, "idempotency_release" | "idempotency_extend" | "idempotency_delete_expired");
         assert_eq!(returns_set, !scalar, "agent.{name} returns a set unless it is a scalar");
     }
     stack.stop().await.unwrap();
@@ -525,7 +529,14 @@ async fn a_response_above_the_scopes_limit_is_refused_by_the_database_and_journa
     let driver = EffectDriver::new(service);
     let timing = Timing::new(Duration::from_secs(5), Duration::from_secs(5), Duration::from_secs(1)).unwrap();
     let (org, request) = (org(), hash("big effect"));
-    let effect = Effect { organization_id: org, scope: "webhook.small", key: "d-2", request_hash: &request, timing };
+    let effect = Effect {
+        organization_id: org,
+        scope: "webhook.small",
+        key: "d-2",
+        request_hash: &request,
+        timing,
+        request: None,
+    };
     let Ok(Begun::Held(held)) = driver.begin(&effect).await else { panic!("claimed") };
     let resource = idempotency_plane::ResourceRef { resource_type: "blob".into(), resource_id: "b-1".into() };
     let answer = Answer::failure("partial", big.clone()).with_resource(Some(resource.clone()));

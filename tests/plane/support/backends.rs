@@ -12,7 +12,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_plane::repo::{ExpiredClaim, ExpiredClaims, ProviderJob, ProviderJobRepository, RunRepository};
+use idempotency_plane::repo::{
+    ExpiredClaim, ExpiredClaims, OrphanedWork, ProviderJob, ProviderJobRepository, RunRepository,
+};
 use idempotency_plane::{Error, IdempotencyRepository, MemoryRepository};
 use uuid::Uuid;
 
@@ -47,7 +49,8 @@ impl TimeTravel for idempotency_plane::local::LocalStack {
             "update agent.idempotency_keys
                 set claimed_at = claimed_at - $1::interval,
                     lease_expires_at = lease_expires_at - $1::interval,
-                    retain_until = retain_until - $1::interval",
+                    retain_until = retain_until - $1::interval,
+                    redrive_at = redrive_at - $1::interval",
         )
         .bind(format!("{} milliseconds", by.as_millis()))
         .execute(self.db())
@@ -57,8 +60,11 @@ impl TimeTravel for idempotency_plane::local::LocalStack {
 }
 
 /// Every repository trait, as the conformance cases need them.
-pub(crate) trait Backend: IdempotencyRepository + ExpiredClaims + RunRepository + ProviderJobRepository {}
-impl<T: IdempotencyRepository + ExpiredClaims + RunRepository + ProviderJobRepository> Backend for T {}
+pub(crate) trait Backend:
+    IdempotencyRepository + ExpiredClaims + OrphanedWork + RunRepository + ProviderJobRepository
+{
+}
+impl<T: IdempotencyRepository + ExpiredClaims + OrphanedWork + RunRepository + ProviderJobRepository> Backend for T {}
 
 /// One store the callers' decision tests run on: handles to it for the
 /// services, gates and job directories a case builds, its clock, and a

@@ -55,11 +55,13 @@ pub enum Op {
     Complete,
     /// Deleting an unfinished claim.
     Release,
+    /// The heartbeat: extending a held lease.
+    Extend,
 }
 
 impl Op {
     /// Every operation.
-    pub const ALL: [Op; 6] = [Op::Claim, Op::TryClaim, Op::Reclaim, Op::Get, Op::Complete, Op::Release];
+    pub const ALL: [Op; 7] = [Op::Claim, Op::TryClaim, Op::Reclaim, Op::Get, Op::Complete, Op::Release, Op::Extend];
 
     /// The SQL function the operation calls, as errors name it.
     pub fn function(self) -> &'static str {
@@ -70,6 +72,7 @@ impl Op {
             Op::Get => "idempotency_get",
             Op::Complete => "idempotency_complete",
             Op::Release => "idempotency_release",
+            Op::Extend => "idempotency_extend",
         }
     }
 }
@@ -405,6 +408,17 @@ impl<R: IdempotencyRepository> IdempotencyRepository for Faulty<R> {
         let release = || self.inner.release(organization_id, claim_id, lease_token);
         self.faulted(Op::Release, None, Some(claim_id), release, |_| {}).await
     }
+
+    async fn extend(
+        &self,
+        organization_id: Uuid,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        lease: Duration,
+    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, Error> {
+        let extend = || self.inner.extend(organization_id, claim_id, lease_token, lease);
+        self.faulted(Op::Extend, None, Some(claim_id), extend, |_| {}).await
+    }
 }
 
 impl<R> Faulty<R> {
@@ -432,6 +446,7 @@ mod tests {
             request_hash: hash.as_str(),
             lease_token: token,
             lease: LEASE,
+            request: None,
         }
     }
 

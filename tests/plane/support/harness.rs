@@ -41,7 +41,8 @@ pub async fn pass_lease(stack: &LocalStack, claim_id: Uuid) {
     sqlx::query(
         "update agent.idempotency_keys
             set lease_expires_at = now() - interval '1 second',
-                claimed_at = claimed_at - (lease_expires_at - now()) - interval '1 second'
+                claimed_at = claimed_at - (lease_expires_at - now()) - interval '1 second',
+                redrive_at = case when redrive_at is not null then now() - interval '1 second' end
           where id = $1",
     )
     .bind(claim_id)
@@ -56,7 +57,8 @@ pub async fn travel_back(stack: &LocalStack, claim_id: Uuid, by: Duration) {
         "update agent.idempotency_keys
             set claimed_at = claimed_at - $2::interval,
                 lease_expires_at = lease_expires_at - $2::interval,
-                retain_until = retain_until - $2::interval
+                retain_until = retain_until - $2::interval,
+                redrive_at = redrive_at - $2::interval
           where id = $1",
     )
     .bind(claim_id)

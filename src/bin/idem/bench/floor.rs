@@ -6,7 +6,8 @@
 //! migrations.
 
 /// The floor's claim: one statement that reads the scope's policy, stamps
-/// the lease and the retention from the clock, inserts a free key, and
+/// the lease and the retention from the clock, inserts a free key carrying
+/// no work (so it is in no re-drive index), and
 /// answers the row as `agent.idempotency_claim` does (`outcome`, every claim
 /// column, `lease_live`). Binds `$1` the tenant, `$2` the key, `$3` the
 /// request hash, `$4` the lease token; the scope is `tool.bench`, the lease
@@ -20,9 +21,9 @@ pub(super) const FLOOR_CLAIM: &str = "with p as (select s.retain from agent.idem
       c as (select clock_timestamp() as at)
  insert into agent.idempotency_keys as k
    (organization_id, scope, key, request_hash, status, lease_token,
-    claimed_at, lease_expires_at, retain_until)
+    claimed_at, lease_expires_at, retain_until, request, redrive_at)
  select $1, 'tool.bench', $2, $3, 'processing', $4,
-        c.at, c.at + interval '60 seconds', c.at + interval '60 seconds' + p.retain
+        c.at, c.at + interval '60 seconds', c.at + interval '60 seconds' + p.retain, null, null
    from p, c
  on conflict (organization_id, scope, key) do nothing
  returning 'claimed' as outcome, k.id, k.organization_id, k.scope, k.key, k.request_hash,
@@ -37,7 +38,8 @@ pub(super) const FLOOR_CLAIM: &str = "with p as (select s.retain from agent.idem
 /// tests below hold it against the migrations' completion.
 pub(super) const FLOOR_COMPLETE: &str = "update agent.idempotency_keys as k
     set status = 'completed', response = $4,
-        retain_until = greatest(k.retain_until, clock_timestamp() + (k.retain_until - k.lease_expires_at))
+        retain_until = greatest(k.retain_until, clock_timestamp() + (k.retain_until - k.lease_expires_at)),
+        redrive_at = null
   where k.organization_id = $3 and k.id = $1 and k.lease_token = $2 and k.status = 'processing'
     and octet_length($4::text) <= (
           select s.max_response_bytes from agent.idempotency_scopes s

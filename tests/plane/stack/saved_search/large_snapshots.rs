@@ -187,6 +187,15 @@ impl IdempotencyRepository for DiesBeforeCompleting {
     async fn release(&self, organization_id: Uuid, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
         self.0.release(organization_id, claim_id, lease_token).await
     }
+    async fn extend(
+        &self,
+        organization_id: Uuid,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        lease: std::time::Duration,
+    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, Error> {
+        self.0.extend(organization_id, claim_id, lease_token, lease).await
+    }
 }
 
 #[tokio::test]
