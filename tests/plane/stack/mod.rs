@@ -25,6 +25,7 @@ mod layout;
 mod load;
 mod local_doors;
 mod pg_cron;
+mod redrive;
 mod saved_search;
 mod security;
 mod sql_sweep;

@@ -1,0 +1,209 @@
+//! Work that outlives its worker, raced through the real server: concurrent
+//! re-drivers split the orphans, a heartbeat keeps a claim from every rival,
+//! and a slow holder that wakes up is fenced off.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_plane::repo::{ClaimCall, ClaimDecision, CompletionArgs, OrphanedWork, RedriveCall};
+use idempotency_plane::{IdempotencyRepository, PostgrestRepository};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::support::harness::*;
+use crate::support::{hash, org};
+
+const SCOPE: &str = "webhook.stripe";
+
+fn repository(stack: &idempotency_plane::local::LocalStack) -> Arc<PostgrestRepository> {
+    Arc::new(PostgrestRepository::new(client(stack)))
+}
+
+/// `n` claims of `org` carrying work whose worker is gone: processing, lease
+/// and re-drive time passed, as many claims would be after a crash.
+async fn orphans(stack: &idempotency_plane::local::LocalStack, org: Uuid, n: i64) {
+    sqlx::query(
+        "insert into agent.idempotency_keys
+           (organization_id, scope, key, request_hash, status, lease_token, claimed_at, lease_expires_at,
+            retain_until, request, redrive_at)
+         select $1, $2, 'evt-' || i, repeat('a', 64), 'processing', gen_random_uuid(),
+                now() - interval '1 minute', now() - interval '1 second', now() + interval '1 day',
+                jsonb_build_object('event', i), now() - interval '1 second'
+           from generate_series(1, $3) as i",
+    )
+    .bind(org)
+    .bind(SCOPE)
+    .bind(n)
+    .execute(stack.db())
+    .await
+    .expect("orphans");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_concurrent_redrivers_hand_each_of_a_thousand_orphans_to_exactly_one_of_them() {
+    let stack = stack().await;
+    let org = org();
+    orphans(&stack, org, 1000).await;
+    // Four re-drivers as four workers would be: each with a client of its
+    // own, starting together.
+    let start = Arc::new(tokio::sync::Barrier::new(4));
+    let drivers: Vec<_> = (0..4)
+        .map(|_| {
+            let (repo, start) = (repository(&stack), start.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                let mut mine = Vec::new();
+                loop {
+                    let call = RedriveCall {
+                        scope: "webhook.*",
+                        bound: 10,
+                        lease: Duration::from_secs(300),
+                        organization_id: Some(org),
+                    };
+                    let taken = repo.redrive(&call).await.expect("a re-drive");
+                    if taken.is_empty() {
+                        return mine;
+                    }
+                    mine.extend(taken);
+                }
+            })
+        })
+        .collect();
+    let mut handed = Vec::new();
+    let mut per_driver = Vec::new();
+    for driver in drivers {
+        let mine = driver.await.expect("a re-driver");
+        per_driver.push(mine.len());
+        handed.extend(mine);
+    }
+
+    let ids: HashSet<Uuid> = handed.iter().map(|work| work.id).collect();
+    println!("re-drivers took {per_driver:?} of 1000 orphans");
+    assert_eq!((handed.len(), ids.len()), (1000, 1000), "each orphan handed out once: {per_driver:?}");
+    assert!(handed.iter().all(|work| work.attempt == 2 && work.lease_token.is_some() && work.request.is_some()));
+    let (taken_once,): (i64,) = sqlx::query_as(
+        "select count(*) from agent.idempotency_keys where organization_id = $1 and reclaims = 1 and redrive_at > now()",
+    )
+    .bind(org)
+    .fetch_one(stack.db())
+    .await
+    .unwrap();
+    assert_eq!(taken_once, 1000, "every orphan was taken over exactly once");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_claim_kept_alive_by_heartbeats_for_three_leases_is_never_taken_and_is_re_driven_once_they_stop() {
+    let stack = stack().await;
+    let (org, repo) = (org(), repository(&stack));
+    let (h, token, lease) = (hash("heartbeats"), Uuid::new_v4(), Duration::from_secs(1));
+    let work = json!({"render": "video-1"});
+    let call = ClaimCall {
+        organization_id: org,
+        scope: SCOPE,
+        key: "evt-long",
+        request_hash: h.as_str(),
+        lease_token: token,
+        lease,
+        request: Some(&work),
+    };
+    let claimed = repo.claim(&call).await.unwrap();
+    assert_eq!(claimed.outcome, ClaimDecision::Claimed);
+
+    // Three leases long: a heartbeat every 300 ms, while a rival claims the
+    // key and a re-driver asks for orphans, every 50 ms each.
+    let started = tokio::time::Instant::now();
+    let rivals = {
+        let (repo, h) = (repo.clone(), h.clone());
+        tokio::spawn(async move {
+            let (mut claims, mut redriven) = (Vec::new(), 0);
+            while started.elapsed() < 3 * lease {
+                let rival = ClaimCall {
+                    organization_id: org,
+                    scope: SCOPE,
+                    key: "evt-long",
+                    request_hash: h.as_str(),
+                    lease_token: Uuid::new_v4(),
+                    lease,
+                    request: None,
+                };
+                claims.push(repo.claim(&rival).await.expect("a rival's claim").outcome);
+                let call = RedriveCall { scope: SCOPE, bound: 10, lease, organization_id: Some(org) };
+                redriven += repo.redrive(&call).await.expect("a re-drive").len();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (claims, redriven)
+        })
+    };
+    let mut beats = 0;
+    while started.elapsed() < 3 * lease {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        repo.extend(org, claimed.id, token, lease).await.unwrap().expect("still ours");
+        beats += 1;
+    }
+    let (claims, redriven) = rivals.await.expect("the rivals");
+    println!("{beats} heartbeats; the rivals claimed {} times and re-drove {redriven}", claims.len());
+    assert!(claims.len() >= 10, "the rivals kept trying: {}", claims.len());
+    assert!(claims.iter().all(|outcome| *outcome == ClaimDecision::Processing), "{claims:?}");
+    assert_eq!(redriven, 0, "a claim kept alive is no orphan");
+
+    // The heartbeats stop, as when the worker is killed: once the lease
+    // passes the work is re-driven, and the old holder is fenced off.
+    let call = RedriveCall { scope: SCOPE, bound: 10, lease: Duration::from_secs(60), organization_id: Some(org) };
+    let taken = loop {
+        let taken = repo.redrive(&call).await.unwrap();
+        if !taken.is_empty() || started.elapsed() > 10 * lease {
+            break taken;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        taken.iter().map(|w| (w.id, w.attempt, w.request.clone())).collect::<Vec<_>>(),
+        [(claimed.id, 2, Some(work))]
+    );
+    assert_eq!(repo.extend(org, claimed.id, token, lease).await.unwrap(), None, "the old holder must stop");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_slow_holder_racing_a_redrive_at_its_lease_end_either_completes_or_is_fenced_never_both() {
+    let stack = stack().await;
+    let (org, repo) = (org(), repository(&stack));
+    let answer = json!({"ok": true});
+    let (mut completed, mut redriven) = (0, 0);
+    for round in 0..40 {
+        let key = format!("evt-race-{round}");
+        let (h, token) = (hash(&key), Uuid::new_v4());
+        let work = json!({"round": round});
+        let call = ClaimCall {
+            organization_id: org,
+            scope: SCOPE,
+            key: &key,
+            request_hash: h.as_str(),
+            lease_token: token,
+            lease: Duration::from_secs(60),
+            request: Some(&work),
+        };
+        let claimed = repo.claim(&call).await.unwrap();
+        pass_lease(&stack, claimed.id).await;
+
+        let redrive =
+            RedriveCall { scope: SCOPE, bound: 10, lease: Duration::from_secs(60), organization_id: Some(org) };
+        let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
+        let (done, taken) = tokio::join!(repo.complete(org, claimed.id, token, args), repo.redrive(&redrive));
+        let (done, taken) = (done.unwrap().is_some(), taken.unwrap());
+        match (done, taken.as_slice()) {
+            (true, []) => completed += 1,
+            (false, [work]) if work.id == claimed.id => {
+                redriven += 1;
+                let fresh = work.lease_token.expect("the new holder's token");
+                repo.complete(org, claimed.id, fresh, args).await.unwrap().expect("the new holder completes");
+            }
+            other => panic!("round {round}: the completion and the re-drive both won, or neither: {other:?}"),
+        }
+    }
+    println!("the slow holder completed {completed} times; the re-drive took over {redriven} times");
+    assert_eq!(completed + redriven, 40);
+    stack.stop().await.unwrap();
+}
