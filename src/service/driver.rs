@@ -21,7 +21,7 @@ use super::idempotency::IdempotencyService;
 use super::outcome::ClaimOutcome;
 use super::timing::Timing;
 use crate::error::Error;
-use crate::repo::IdempotencyRepository;
+use crate::repo::{ClaimCall, IdempotencyRepository};
 
 /// Drives effects through claim → run → journal. Cheap to clone.
 #[derive(Debug)]
@@ -105,15 +105,15 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
         let timing = effect.timing;
         let claimed = self
             .service
-            .claim_as(
-                effect.organization_id,
-                effect.scope,
-                effect.key,
-                effect.request_hash,
-                timing.lease(),
-                attempt.token,
-                effect.request,
-            )
+            .claim_as(&ClaimCall {
+                organization_id: effect.organization_id,
+                scope: effect.scope,
+                key: effect.key,
+                request_hash: effect.request_hash.as_str(),
+                lease_token: attempt.token,
+                lease: timing.lease(),
+                request: effect.request,
+            })
             .await?;
         Ok(match claimed {
             ClaimOutcome::Claimed(claim) => Begun::Held(Held {

@@ -63,9 +63,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
 
     /// What the replay cache knows of a completed claim: its answer for
     /// this request, or a conflict.
-    fn cached(&self, organization_id: Uuid, scope: &str, key: &str, hash: &RequestHash) -> Option<Cached> {
+    fn cached(&self, organization_id: Uuid, scope: &str, key: &str, hash: &str) -> Option<Cached> {
         let answer = self.cache.as_ref()?.get(organization_id, scope, key)?;
-        if answer.request_hash != hash.as_str() {
+        if answer.request_hash != hash {
             return Some(Cached::Conflict);
         }
         Some(Cached::Answer(Stored {
@@ -140,7 +140,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         async {
             scope::validate_scope(scope)?;
             validate::key(key)?;
-            if let Some(cached) = self.cached(organization_id, scope, key, request_hash) {
+            if let Some(cached) = self.cached(organization_id, scope, key, request_hash.as_str()) {
                 let outcome = match cached {
                     Cached::Answer(stored) => stored.into(),
                     Cached::Conflict => ReadOutcome::Conflict,
@@ -183,23 +183,18 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         request_hash: &RequestHash,
         lease: Duration,
     ) -> Result<ClaimOutcome, Error> {
-        self.claim_as(organization_id, scope, key, request_hash, lease, Uuid::new_v4(), None).await
+        let request_hash = request_hash.as_str();
+        let lease_token = Uuid::new_v4();
+        self.claim_as(&ClaimCall { organization_id, scope, key, request_hash, lease_token, lease, request: None }).await
     }
 
     /// [`claim`](Self::claim) with a lease token the caller minted: a
     /// repeat carrying the same token after an answer was lost (beyond the
     /// client's own retries) is recognized as this call, and answers its
-    /// claim again while the lease holds.
-    pub(crate) async fn claim_as(
-        &self,
-        organization_id: Uuid,
-        scope: &str,
-        key: &str,
-        request_hash: &RequestHash,
-        lease: Duration,
-        lease_token: Uuid,
-        request: Option<&serde_json::Value>,
-    ) -> Result<ClaimOutcome, Error> {
+    /// claim again while the lease holds. The request hash is the caller's
+    /// [`RequestHash`], so it is well formed.
+    pub(crate) async fn claim_as(&self, call: &ClaimCall<'_>) -> Result<ClaimOutcome, Error> {
+        let ClaimCall { organization_id, scope, key, request_hash, lease, .. } = *call;
         let span = tracing::info_span!(
             "idempotency.claim",
             %organization_id, scope, key,
@@ -219,10 +214,8 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 record_outcome("claim", scope, outcome.kind());
                 return Ok(outcome);
             }
-            let request_hash = request_hash.as_str();
-            let call = ClaimCall { organization_id, scope, key, request_hash, lease_token, lease, request };
-            let row = self.repo.claim(&call).await?;
-            let outcome = decided(row, &call)?;
+            let row = self.repo.claim(call).await?;
+            let outcome = decided(row, call)?;
             match &outcome {
                 ClaimOutcome::Claimed(claim) => {
                     let span = tracing::Span::current();

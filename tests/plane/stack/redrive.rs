@@ -97,7 +97,9 @@ async fn four_concurrent_redrivers_hand_each_of_a_thousand_orphans_to_exactly_on
 async fn a_claim_kept_alive_by_heartbeats_for_three_leases_is_never_taken_and_is_re_driven_once_they_stop() {
     let stack = stack().await;
     let (org, repo) = (org(), repository(&stack));
-    let (h, token, lease) = (hash("heartbeats"), Uuid::new_v4(), Duration::from_secs(1));
+    // A 2 s lease and a heartbeat every 400 ms: a beat may be late by 1.6 s
+    // on a loaded machine before a rival could take the claim.
+    let (h, token, lease) = (hash("heartbeats"), Uuid::new_v4(), Duration::from_secs(2));
     let work = json!({"render": "video-1"});
     let call = ClaimCall {
         organization_id: org,
@@ -111,7 +113,7 @@ async fn a_claim_kept_alive_by_heartbeats_for_three_leases_is_never_taken_and_is
     let claimed = repo.claim(&call).await.unwrap();
     assert_eq!(claimed.outcome, ClaimDecision::Claimed);
 
-    // Three leases long: a heartbeat every 300 ms, while a rival claims the
+    // Three leases long: a heartbeat every 400 ms, while a rival claims the
     // key and a re-driver asks for orphans, every 50 ms each.
     let started = tokio::time::Instant::now();
     let rivals = {
@@ -138,7 +140,7 @@ async fn a_claim_kept_alive_by_heartbeats_for_three_leases_is_never_taken_and_is
     };
     let mut beats = 0;
     while started.elapsed() < 3 * lease {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
         repo.extend(org, claimed.id, token, lease).await.unwrap().expect("still ours");
         beats += 1;
     }

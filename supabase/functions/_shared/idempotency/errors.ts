@@ -57,7 +57,9 @@ export type PlaneErrorKind =
   /** The answer contradicts the question (another row, another token). */
   | "inconsistent"
   /** A claim was answered with a lease that had already passed. */
-  | "lease_lapsed";
+  | "lease_lapsed"
+  /** A bounded answer arrived with fewer rows than the server produced (its row cap is lower than `maxRows`). */
+  | "truncated";
 
 /** Why a call got no answer. `connect`: it never left (retried for every call). */
 export type TransportFailure = "connect" | "timeout" | "interrupted";
@@ -88,6 +90,8 @@ export type InvalidReason =
   | "unrouted_organization"
   | "unhashable_request"
   | "lease_outlasts_retries"
+  /** A bounded call asked for more rows than the server's row cap (`maxRows`). */
+  | "bound_above_cap"
   | "bad_configuration";
 
 interface PlaneErrorFields {

@@ -35,6 +35,7 @@ export {
 } from "./answer.ts";
 export type { Answer, Elided, ResourceRef, ResponseRef, StoredAnswer } from "./answer.ts";
 export {
+  DEFAULT_MAX_ROWS,
   DEFAULT_RESPONSE_LIMIT_BYTES,
   IdempotencyPlane,
   MAX_KEY_CHARS,
@@ -51,6 +52,7 @@ export type {
   PlaneOptions,
   PlaneSource,
   ReadOutcome,
+  Redriven,
 } from "./plane.ts";
 export { TenantRouter } from "./router.ts";
 export type { RouterOptions } from "./router.ts";

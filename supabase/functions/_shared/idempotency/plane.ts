@@ -36,6 +36,12 @@ export const MAX_LEASE_MS = 24 * 60 * 60 * 1_000;
 /** The store limit a scope's policy sets unless told otherwise (65536 bytes). */
 export const DEFAULT_RESPONSE_LIMIT_BYTES = 64 * 1024;
 
+/**
+ * The row cap bounded calls are held to unless told otherwise: PostgREST's
+ * `db-max-rows` as Supabase sets it by default (`api.max_rows`, 1000).
+ */
+export const DEFAULT_MAX_ROWS = 1000;
+
 /** A claim this caller holds: the fence every ending is checked against. */
 export interface Claim {
   readonly id: string;
@@ -62,6 +68,21 @@ export type ClaimOutcome =
   | { outcome: "processing"; leaseExpiresAt: string }
   /** The key was used with another request: refuse. */
   | { outcome: "conflict" };
+
+/** What a re-drive took over: work handed to this caller, or a dead letter it journaled. */
+export type Redriven =
+  /** The work is this caller's now: run `request`, then complete or release `claim`. */
+  | { outcome: "redriven"; claim: Claim; request: unknown; attempt: number }
+  /** The work had been handed out `max_attempts` times: journaled as a failure, replayed to every later claim. */
+  | {
+    outcome: "dead_lettered";
+    id: string;
+    organizationId: string;
+    scope: string;
+    key: string;
+    attempts: number;
+    answer: Answer;
+  };
 
 /** What the journal holds for a key, read without writing. */
 export type ReadOutcome =
@@ -94,6 +115,8 @@ export interface CallOptions {
 export interface PlaneOptions extends ClientOptions {
   /** The scope policies' store limit this client journals within. Default 65536 bytes. */
   responseLimitBytes?: number;
+  /** The server's row cap (`db-max-rows`, Supabase `api.max_rows`); a larger bound is refused. Default 1000. */
+  maxRows?: number;
   /**
    * For a supabase-js client: hosts its URL may name over plain `http://`
    * besides loopback (a `{ url, key }` source names them itself).
@@ -108,10 +131,16 @@ export type PlaneSource = SupabaseLike | ConnectOptions;
 export class IdempotencyPlane {
   readonly client: PlaneClient;
   readonly responseLimitBytes: number;
+  readonly maxRows: number;
 
-  constructor(client: PlaneClient, options: { responseLimitBytes?: number } = {}) {
+  constructor(client: PlaneClient, options: { responseLimitBytes?: number; maxRows?: number } = {}) {
     this.client = client;
     this.responseLimitBytes = options.responseLimitBytes ?? DEFAULT_RESPONSE_LIMIT_BYTES;
+    const maxRows = options.maxRows ?? DEFAULT_MAX_ROWS;
+    if (!Number.isInteger(maxRows) || maxRows < 1 || maxRows > 100_000) {
+      throw PlaneError.invalid("bad_configuration", `maxRows must be an integer from 1 to 100000, got ${maxRows}`);
+    }
+    this.maxRows = maxRows;
   }
 
   /**
@@ -134,6 +163,7 @@ export class IdempotencyPlane {
    * loopback only, and the hosts `IDEM_ALLOW_PLAIN_HTTP` names
    * (comma-separated): under `supabase functions serve`, whose
    * `SUPABASE_URL` is `http://kong:8000`, set `IDEM_ALLOW_PLAIN_HTTP=kong`.
+   * `IDEM_MAX_ROWS` is the server's row cap (default 1000).
    */
   static fromEnv(env: (name: string) => string | undefined, options: PlaneOptions = {}): IdempotencyPlane {
     const rest = env("IDEM_POSTGREST_URL");
@@ -149,7 +179,9 @@ export class IdempotencyPlane {
         "set SUPABASE_SECRET_KEY or SUPABASE_SERVICE_ROLE_KEY (or IDEM_SERVICE_KEY): the plane takes the service role only",
       );
     }
-    return IdempotencyPlane.connect({ url, key, allowPlainHttpTo }, options);
+    const rows = env("IDEM_MAX_ROWS");
+    const maxRows = options.maxRows ?? (rows ? Number(rows) : undefined);
+    return IdempotencyPlane.connect({ url, key, allowPlainHttpTo }, { ...options, maxRows });
   }
 
   /**
@@ -159,6 +191,12 @@ export class IdempotencyPlane {
    * answers this caller's own row (`claimed`, or `completed` once it
    * completed) rather than `processing`. The client already does so for the
    * retries it makes itself.
+   *
+   * `work`, when given, is the work the claim carries (any JSON value): stored
+   * by the same statement, so that if this worker dies another can `redrive`
+   * it. At most the scope's `max_request_bytes` as compact JSON (refused with
+   * code `IDEM5` above it, `IDEM6` deeper than 64 levels; nothing written).
+   * No claim, replay or read ever answers it.
    */
   async claim(request: {
     organizationId: string;
@@ -167,6 +205,7 @@ export class IdempotencyPlane {
     requestHash: string;
     leaseMs: number;
     leaseToken?: string;
+    work?: unknown;
   }, call: CallOptions = {}): Promise<ClaimOutcome> {
     request = { ...request, organizationId: checkOrganization(request.organizationId) };
     checkScope(request.scope);
@@ -184,6 +223,8 @@ export class IdempotencyPlane {
       p_request_hash: request.requestHash,
       p_lease_token: leaseToken,
       p_lease_ms: Math.ceil(request.leaseMs),
+      // Omitted when absent, never sent as null (see `complete`).
+      ...(request.work === undefined || request.work === null ? {} : { p_request: request.work }),
     }, call);
     const row = oneRow("idempotency_claim", data);
     if (row.organization_id !== request.organizationId || row.scope !== request.scope || row.key !== request.key) {
@@ -313,6 +354,80 @@ export class IdempotencyPlane {
   }
 
   /**
+   * The heartbeat: moves `claim`'s lease to `leaseMs` from now (database
+   * clock) while this caller still holds it, answering the lease's new end;
+   * `null` when the fence moved on (completed, released, taken over): stop
+   * the effect, someone else owns it. Safe to repeat after a lost answer.
+   */
+  async extend(claim: Claim, leaseMs: number, call: CallOptions = {}): Promise<string | null> {
+    checkLease(leaseMs);
+    const data = await this.client.rpc("idempotency_extend", {
+      p_claim_id: claim.id,
+      p_lease_token: claim.leaseToken,
+      p_lease_ms: Math.ceil(leaseMs),
+      p_organization_id: claim.organizationId,
+    }, call);
+    if (data !== null && typeof data !== "string") {
+      throw new PlaneError("decode", "idempotency_extend answered neither a time nor null");
+    }
+    return data;
+  }
+
+  /**
+   * Takes over, in one call, up to `limit` orphans of `scope` (or a family,
+   * `webhook.*`): claims still processing whose lease passed and that carry
+   * their work; of one organization when `organizationId` is given.
+   * Concurrent callers split them. Each is this caller's now, under a fresh
+   * lease token of `leaseMs`, with its work and attempt number; one whose
+   * work was handed out the scope's `max_attempts` times comes back
+   * journaled as a dead letter instead. `limit` above `maxRows` is refused
+   * before any request, and an answer the server cut short is an error.
+   * Not repeated after a lost answer: what that call took over is re-driven
+   * again once the lease it was given passes.
+   */
+  async redrive(
+    request: { scope: string; limit: number; leaseMs: number; organizationId?: string },
+    call: CallOptions = {},
+  ): Promise<Redriven[]> {
+    const family = request.scope.endsWith(".*");
+    checkScope(family ? request.scope.slice(0, -2) : request.scope);
+    checkLease(request.leaseMs);
+    if (!Number.isInteger(request.limit) || request.limit < 1 || request.limit > this.maxRows) {
+      throw PlaneError.invalid(
+        "bound_above_cap",
+        `a re-drive takes 1 to ${this.maxRows} claims (the server's row cap), not ${request.limit}`,
+      );
+    }
+    const organizationId = request.organizationId === undefined ? undefined : checkOrganization(request.organizationId);
+    const data = await this.client.rpc("idempotency_redrive", {
+      p_scope: request.scope,
+      p_limit: request.limit,
+      p_lease_ms: Math.ceil(request.leaseMs),
+      p_row_cap: this.maxRows,
+      ...(organizationId === undefined ? {} : { p_organization_id: organizationId }),
+    }, call);
+    if (!Array.isArray(data) || data.some((row) => row === null || typeof row !== "object")) {
+      throw new PlaneError("decode", "idempotency_redrive answered something other than a set of rows");
+    }
+    const rows = data as Row[];
+    if (rows.length > request.limit) {
+      throw inconsistent(`idempotency_redrive answered ${rows.length} rows for a limit of ${request.limit}`);
+    }
+    // Every row says how many the call took over: fewer arrived when a row
+    // cap cut the answer.
+    const cut = rows.find((row) => row.taken !== rows.length);
+    if (cut !== undefined) {
+      throw new PlaneError(
+        "truncated",
+        `idempotency_redrive took over ${cut.taken} claims but ${rows.length} arrived: the server's row cap ` +
+          `is lower than maxRows (${this.maxRows}); those claims are re-driven again when their lease passes`,
+        { fn: "idempotency_redrive" },
+      );
+    }
+    return rows.map((row) => redriven(row, organizationId));
+  }
+
+  /**
    * Whether any row holds `claim`'s key (its own, or another worker's),
    * without writing anything: how a release whose answer was lost learns
    * whether it landed.
@@ -381,6 +496,40 @@ function storedAnswer(row: Row): Answer {
     ? { resourceType: row.resource_type, resourceId: row.resource_id }
     : undefined;
   return answerFromStored(row.response, resource);
+}
+
+function redriven(row: Row, organizationId: string | undefined): Redriven {
+  const id = text(row.id, "id");
+  const organization = text(row.organization_id, "organization_id");
+  if (organizationId !== undefined && organization !== organizationId) {
+    throw inconsistent("idempotency_redrive answered another organization's claim");
+  }
+  const [scope, key] = [text(row.scope, "scope"), text(row.key, "key")];
+  if (typeof row.attempt !== "number") throw new PlaneError("decode", "the row's attempt is not a number");
+  if (row.status === "completed") {
+    return {
+      outcome: "dead_lettered",
+      id,
+      organizationId: organization,
+      scope,
+      key,
+      attempts: row.attempt,
+      answer: answerFromStored(row.response, undefined),
+    };
+  }
+  if (row.status !== "processing" || row.request === null || row.request === undefined) {
+    throw inconsistent("idempotency_redrive handed out a claim without its work");
+  }
+  const claim: Claim = Object.freeze({
+    id,
+    organizationId: organization,
+    scope,
+    key,
+    leaseToken: text(row.lease_token, "lease_token"),
+    leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at"),
+    reclaimed: true,
+  });
+  return { outcome: "redriven", claim, request: row.request, attempt: row.attempt };
 }
 
 function inconsistent(message: string): PlaneError {

@@ -1,0 +1,121 @@
+// Work that outlives its worker, through the TypeScript client against a
+// real plane: a claim carries its work, a heartbeat keeps the lease, a
+// re-drive hands orphans out once with a fresh fence, and dead-letters what
+// was handed out too often.
+
+import assert from "node:assert/strict";
+import { codes, IdempotencyPlane, PlaneError } from "../_shared/idempotency/mod.ts";
+import { hashOf, organization, plane, sleep, uniqueKey } from "./support.ts";
+
+const SCOPE = "webhook.svix";
+
+async function claimWithWork(p: IdempotencyPlane, org: string, key: string, work: unknown, leaseMs = 2_000) {
+  const hash = await hashOf({ key });
+  const outcome = await p.claim({ organizationId: org, scope: SCOPE, key, requestHash: hash, leaseMs, work });
+  if (outcome.outcome !== "claimed") throw new Error(`expected a claim, got ${outcome.outcome}`);
+  return { claim: outcome.claim, hash };
+}
+
+Deno.test("a claim carries its work, which only a re-drive hands out, once, with a fresh fence", async () => {
+  const p = plane();
+  const org = organization();
+  const key = uniqueKey();
+  const work = { event: "evt_ts_carried", body: "ünïcode" };
+  const { claim, hash } = await claimWithWork(p, org, key, work);
+  const rival = await p.claim({ organizationId: org, scope: SCOPE, key, requestHash: hash, leaseMs: 1_000 });
+  assert.equal(rival.outcome, "processing");
+  assert.ok(!JSON.stringify(rival).includes("evt_ts_carried"), "another caller never sees the work");
+  assert.deepEqual(await p.redrive({ scope: "webhook.*", limit: 10, leaseMs: 30_000, organizationId: org }), []);
+
+  await sleep(2_300);
+  const taken = await p.redrive({ scope: "webhook.*", limit: 10, leaseMs: 30_000, organizationId: org });
+  assert.equal(taken.length, 1);
+  const [orphan] = taken;
+  assert.equal(orphan.outcome, "redriven");
+  if (orphan.outcome !== "redriven") return;
+  assert.deepEqual(orphan.request, work);
+  assert.equal(orphan.attempt, 2);
+  assert.equal(orphan.claim.id, claim.id);
+  assert.notEqual(orphan.claim.leaseToken, claim.leaseToken);
+  assert.deepEqual(await p.redrive({ scope: SCOPE, limit: 10, leaseMs: 30_000, organizationId: org }), []);
+
+  // The old holder wakes up: fenced off everywhere.
+  assert.equal(await p.extend(claim, 30_000), null);
+  assert.equal(await p.complete(claim, { response: { ok: true, output: 1 } }), "lease_moved_on");
+  assert.equal(await p.complete(orphan.claim, { response: { ok: true, output: 2 } }), "recorded");
+  const replay = await p.claim({ organizationId: org, scope: SCOPE, key, requestHash: hash, leaseMs: 1_000 });
+  assert.equal(replay.outcome, "completed");
+  assert.ok(!JSON.stringify(replay).includes("evt_ts_carried"));
+});
+
+Deno.test("a heartbeat keeps the lease of its holder alone, and answers null once the fence moved on", async () => {
+  const p = plane();
+  const org = organization();
+  const key = uniqueKey();
+  // A 2 s lease and a heartbeat every 400 ms for three leases: a beat may be
+  // 1.6 s late on a loaded machine before a rival could take the claim.
+  const { claim, hash } = await claimWithWork(p, org, key, { n: 1 }, 2_000);
+  for (let beat = 0; beat < 15; beat++) {
+    await sleep(400);
+    const end = await p.extend(claim, 2_000);
+    assert.ok(end !== null && Date.parse(end) > Date.parse(claim.leaseExpiresAt), `beat ${beat}: ${end}`);
+    const rival = await p.claim({ organizationId: org, scope: SCOPE, key, requestHash: hash, leaseMs: 1_000 });
+    assert.equal(rival.outcome, "processing", `beat ${beat}`);
+  }
+  assert.equal(await p.extend({ ...claim, leaseToken: crypto.randomUUID() }, 1_000), null, "another token");
+  await assert.rejects(p.extend(claim, 10), (e: unknown) => e instanceof PlaneError && e.reason === "lease_too_short");
+  await sleep(2_300);
+  const taken = await p.redrive({ scope: SCOPE, limit: 10, leaseMs: 30_000, organizationId: org });
+  assert.deepEqual(taken.map((t) => t.outcome), ["redriven"]);
+  assert.equal(await p.extend(claim, 1_000), null, "taken over: the holder must stop");
+});
+
+Deno.test("work handed out max_attempts times is journaled as a dead letter that every later claim replays", async () => {
+  const p = plane();
+  const org = organization();
+  const key = uniqueKey();
+  const { hash } = await claimWithWork(p, org, key, { poison: true }, 1_000);
+  const attempts: number[] = [];
+  let dead;
+  for (let round = 0; round < 6 && dead === undefined; round++) {
+    await sleep(1_200);
+    const [taken] = await p.redrive({ scope: SCOPE, limit: 10, leaseMs: 1_000, organizationId: org });
+    assert.ok(taken !== undefined, `round ${round}: the orphan is re-driven`);
+    if (taken.outcome === "redriven") attempts.push(taken.attempt);
+    else dead = taken;
+  }
+  assert.deepEqual(attempts, [2, 3, 4, 5]);
+  assert.ok(dead !== undefined && dead.outcome === "dead_lettered");
+  assert.equal(dead.attempts, 5);
+  assert.deepEqual([dead.answer.ok, dead.answer.error], [false, "dead_lettered"]);
+  const replay = await p.claim({ organizationId: org, scope: SCOPE, key, requestHash: hash, leaseMs: 1_000 });
+  assert.equal(replay.outcome, "completed");
+  if (replay.outcome === "completed") assert.equal(replay.answer.error, "dead_lettered");
+});
+
+Deno.test("bad input to a re-drive or a claim's work is refused with a clear reason or code, and changes nothing", async () => {
+  const p = plane();
+  const org = organization();
+  const refused = (reason: string) => (e: unknown) => e instanceof PlaneError && e.reason === reason;
+  await assert.rejects(p.redrive({ scope: SCOPE, limit: 1001, leaseMs: 30_000 }), refused("bound_above_cap"));
+  await assert.rejects(p.redrive({ scope: SCOPE, limit: 0, leaseMs: 30_000 }), refused("bound_above_cap"));
+  await assert.rejects(p.redrive({ scope: "Webhook.*", limit: 1, leaseMs: 30_000 }), refused("malformed_scope"));
+  await assert.rejects(p.redrive({ scope: SCOPE, limit: 1, leaseMs: 999 }), refused("lease_too_short"));
+  await assert.rejects(
+    p.redrive({ scope: "nope.*", limit: 1, leaseMs: 30_000 }),
+    (e: unknown) => e instanceof PlaneError && e.kind === "unknown_scope",
+  );
+  const key = uniqueKey();
+  const hash = await hashOf({ key });
+  const large = { body: "x".repeat(70_000) };
+  let deep: unknown = 1;
+  for (let i = 0; i < 70; i++) deep = [deep];
+  for (const [work, code] of [[large, codes.REQUEST_TOO_LARGE], [deep, codes.REQUEST_TOO_DEEP]] as const) {
+    await assert.rejects(
+      p.claim({ organizationId: org, scope: SCOPE, key, requestHash: hash, leaseMs: 1_000, work }),
+      (e: unknown) => e instanceof PlaneError && e.code === code && e.status === 400,
+    );
+    const read = await p.read({ organizationId: org, scope: SCOPE, key, requestHash: hash });
+    assert.equal(read.outcome, "absent", "nothing written");
+  }
+});
