@@ -26,6 +26,12 @@ pub const SWEEP_DELETED_TOTAL: &str = "idempotency_sweep_deleted_total";
 pub const SWEEP_FILLED_TOTAL: &str = "idempotency_sweep_filled_total";
 /// Counter: scheduled sweeper passes that failed (`idem sweep --every`).
 pub const SWEEP_ERRORS_TOTAL: &str = "idempotency_sweep_errors_total";
+/// Counter: heartbeats that found the fence moved on (the claim was taken
+/// over), so the effect under them was stopped.
+pub const HEARTBEATS_FENCED_TOTAL: &str = "idempotency_heartbeats_fenced_total";
+/// Counter `{scope, outcome}`: claims a re-drive took over (`redriven`) or
+/// journaled as dead letters (`dead_lettered`).
+pub const REDRIVES_TOTAL: &str = "idempotency_redrives_total";
 /// Histogram `{function}`: seconds per SQL function call over PostgREST,
 /// retries included.
 pub const RPC_DURATION_SECONDS: &str = "idempotency_rpc_duration_seconds";
@@ -60,6 +66,16 @@ pub fn describe_metrics() {
         "Sweeper passes whose read filled the bound: expired claims are waiting."
     );
     metrics::describe_counter!(SWEEP_ERRORS_TOTAL, Unit::Count, "Scheduled sweeper passes that failed.");
+    metrics::describe_counter!(
+        HEARTBEATS_FENCED_TOTAL,
+        Unit::Count,
+        "Heartbeats that found the claim taken over; the effect under them was stopped."
+    );
+    metrics::describe_counter!(
+        REDRIVES_TOTAL,
+        Unit::Count,
+        "Orphaned claims a re-drive took over (redriven) or journaled as dead letters (dead_lettered), by scope."
+    );
     metrics::describe_histogram!(
         RPC_DURATION_SECONDS,
         Unit::Seconds,

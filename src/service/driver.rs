@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::answer::Answer;
 use super::hash::RequestHash;
-use super::held::{Held, FIRST_ENDING_BACKOFF, MAX_ENDING_BACKOFF};
+use super::held::{Held, KeepAlive, FIRST_ENDING_BACKOFF, MAX_ENDING_BACKOFF};
 use super::idempotency::IdempotencyService;
 use super::outcome::ClaimOutcome;
 use super::timing::Timing;
@@ -116,12 +116,19 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
             })
             .await?;
         Ok(match claimed {
-            ClaimOutcome::Claimed(claim) => Begun::Held(Held {
-                service: self.service.clone(),
-                claim,
-                effect_deadline: attempt.started + timing.effect(),
-                ending_deadline: attempt.started + timing.effect() + timing.journal(),
-            }),
+            ClaimOutcome::Claimed(claim) => {
+                let ending_deadline = attempt.started + timing.effect() + timing.journal();
+                let keep_alive = timing.heartbeat().map(|lease| {
+                    KeepAlive::new(lease, attempt.started, ending_deadline, ending_deadline + timing.margin())
+                });
+                Begun::Held(Held {
+                    service: self.service.clone(),
+                    claim,
+                    effect_deadline: attempt.started + timing.effect(),
+                    ending_deadline,
+                    keep_alive,
+                })
+            }
             ClaimOutcome::Completed { response, resource, response_ref } => {
                 Begun::Replayed(Answer::from_stored(response, resource, response_ref))
             }

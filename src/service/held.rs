@@ -56,6 +56,9 @@ pub struct Held<R> {
     pub(super) claim: Claim,
     pub(super) effect_deadline: Instant,
     pub(super) ending_deadline: Instant,
+    /// The heartbeat, when the claim is kept alive by one; stopped when the
+    /// claim is settled or dropped.
+    pub(super) keep_alive: Option<KeepAlive>,
 }
 
 /// Why an effect did not return.
@@ -67,6 +70,53 @@ pub enum Cut {
     /// It panicked.
     #[error("the effect panicked")]
     Panicked,
+    /// A heartbeat found that the fence moved on: another worker holds the
+    /// claim now (this one's lease had passed, and it was taken over), so
+    /// the effect was stopped where it stood. What it did is unknown; the
+    /// new holder's ending is the one that counts.
+    #[error("the claim was taken over by another worker; the effect was stopped")]
+    FenceLost,
+}
+
+/// A claim's heartbeat: while the effect runs ([`Held::run`]) and while
+/// its ending is written ([`Held::settle`]), the lease is extended every
+/// third of `lease`, never to end after `lease_end` (the end the whole
+/// lease would have had) and not from `last_beat` (the ending's deadline)
+/// on. The beats run inside those calls, so nothing outlives the claim.
+#[derive(Debug)]
+pub(super) struct KeepAlive {
+    lease: Duration,
+    last_beat: Instant,
+    lease_end: Instant,
+    /// When the lease was last extended (or claimed).
+    beaten: std::sync::Mutex<Instant>,
+    /// Set once an extension answered that the fence moved on.
+    lost: std::sync::atomic::AtomicBool,
+}
+
+impl KeepAlive {
+    /// The heartbeat of a claim made at `claimed` for `lease`.
+    pub(super) fn new(lease: Duration, claimed: Instant, last_beat: Instant, lease_end: Instant) -> Self {
+        KeepAlive {
+            lease,
+            last_beat,
+            lease_end,
+            beaten: std::sync::Mutex::new(claimed),
+            lost: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    fn lost(&self) -> bool {
+        self.lost.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn beaten(&self) -> Instant {
+        *self.beaten.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn beat_at(&self, at: Instant) {
+        *self.beaten.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = at;
+    }
 }
 
 impl<R: IdempotencyRepository> Held<R> {
@@ -94,10 +144,76 @@ impl<R: IdempotencyRepository> Held<R> {
         if Instant::now() >= self.effect_deadline {
             return Err(Cut::TimedOut);
         }
-        match tokio::time::timeout_at(self.effect_deadline, AssertUnwindSafe(effect).catch_unwind()).await {
+        let running = tokio::time::timeout_at(self.effect_deadline, AssertUnwindSafe(effect).catch_unwind());
+        let ran = match &self.keep_alive {
+            None => running.await,
+            Some(keep_alive) if keep_alive.lost() => return Err(Cut::FenceLost),
+            Some(keep_alive) => tokio::select! {
+                ran = running => ran,
+                () = self.beat_until_lost(keep_alive) => return Err(Cut::FenceLost),
+            },
+        };
+        match ran {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(_panic)) => Err(Cut::Panicked),
             Err(_elapsed) => Err(Cut::TimedOut),
+        }
+    }
+
+    /// Whether a heartbeat found that the fence moved on: another worker
+    /// holds the claim, and this one must start nothing more.
+    pub fn fence_lost(&self) -> bool {
+        self.keep_alive.as_ref().is_some_and(KeepAlive::lost)
+    }
+
+    /// Extends the lease every third of the heartbeat lease (at once when a
+    /// beat is overdue), until an extension answers that the fence moved
+    /// on: then returns. From the last beat on it never returns.
+    async fn beat_until_lost(&self, keep_alive: &KeepAlive) {
+        let claim = &self.claim;
+        loop {
+            tokio::time::sleep_until(keep_alive.beaten() + keep_alive.lease / 3).await;
+            let now = Instant::now();
+            if now >= keep_alive.last_beat {
+                return std::future::pending().await;
+            }
+            // Never past the whole lease's end; never below what the store
+            // accepts (the whole lease ends at least the 1 s margin floor
+            // after the last beat).
+            let ask = keep_alive.lease.min(keep_alive.lease_end.saturating_duration_since(now)).max(super::MIN_LEASE);
+            let repo = self.service.repository();
+            match repo.extend(claim.organization_id, claim.id, claim.lease_token, ask).await {
+                Ok(Some(_)) => {
+                    keep_alive.beat_at(now);
+                    tracing::debug!(claim_id = %claim.id, ask_ms = ask.as_millis() as u64, "lease extended");
+                }
+                Ok(None) => {
+                    keep_alive.lost.store(true, std::sync::atomic::Ordering::SeqCst);
+                    tracing::warn!(claim_id = %claim.id, scope = %claim.scope, "the heartbeat found the claim taken over; stopping the effect");
+                    metrics::counter!(crate::telemetry::HEARTBEATS_FENCED_TOTAL).increment(1);
+                    return;
+                }
+                Err(error) => {
+                    // Tried again a second later, as long as the lease may
+                    // still be ours.
+                    tracing::warn!(claim_id = %claim.id, %error, "a heartbeat failed; trying again");
+                    keep_alive.beat_at(now.checked_sub(keep_alive.lease / 3).unwrap_or(now) + Duration::from_secs(1));
+                }
+            }
+        }
+    }
+
+    /// Runs `ending` while the heartbeat keeps the lease alive, when there
+    /// is one: a journal retried within its deadline lands under a lease
+    /// still ours. A fence found moved on is the journal's to discover.
+    async fn beating<T>(&self, ending: impl Future<Output = T>) -> T {
+        let Some(keep_alive) = &self.keep_alive else { return ending.await };
+        tokio::select! {
+            ended = ending => ended,
+            never = async {
+                self.beat_until_lost(keep_alive).await;
+                std::future::pending::<T>().await
+            } => never,
         }
     }
 }
@@ -209,12 +325,12 @@ impl<R: IdempotencyRepository> Held<R> {
         );
         async move {
             let settled = match settle {
-                Settle::Journal(answer) => match self.journal(&answer, false).await {
+                Settle::Journal(answer) => match self.beating(self.journal(&answer, false)).await {
                     Ok(settled) => settled,
                     // Unreachable: only an exact journal gives a refusal back.
                     Err(error) => Settled::LeftToLease(LeftToLease::Failed { ending: "journal", error }),
                 },
-                Settle::Release => self.release().await,
+                Settle::Release => self.beating(self.release()).await,
                 Settle::Unknown(reason) => Settled::LeftToLease(LeftToLease::OutcomeUnknown(reason)),
             };
             record(&self.claim.scope, &settled);
@@ -242,7 +358,7 @@ impl<R: IdempotencyRepository> Held<R> {
             organization_id = %self.claim.organization_id, scope = %self.claim.scope, key = %self.claim.key,
             claim_id = %self.claim.id, ending = tracing::field::Empty, stand_in = tracing::field::Empty
         );
-        let journaled = self.journal(&answer, true).instrument(span.clone()).await;
+        let journaled = self.beating(self.journal(&answer, true)).instrument(span.clone()).await;
         match journaled {
             Ok(settled) => {
                 span.in_scope(|| record(&self.claim.scope, &settled));

@@ -39,7 +39,9 @@ pub use outcome::{
     MAX_RESOURCE_TYPE_CHARS,
 };
 pub use scope::{DAY, MAX_SCOPE_CHARS, TOOL_RETENTION};
-pub use timing::{LeaseOutlastsRetries, RetryHorizon, Timing, DEFAULT_JOURNAL_DEADLINE, MIN_LEASE_MARGIN};
+pub use timing::{
+    LeaseOutlastsRetries, RetryHorizon, Timing, DEFAULT_JOURNAL_DEADLINE, MIN_HEARTBEAT_LEASE, MIN_LEASE_MARGIN,
+};
 pub(crate) use validate::key as validate_key;
 pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};
 

@@ -33,12 +33,23 @@ pub const MIN_LEASE_MARGIN: Duration = Duration::from_secs(1);
 /// later. So the lease (their sum plus the margin) passes only after this
 /// worker stopped writing: no other worker can reclaim a key while its
 /// holder still runs the effect or journals its answer.
+///
+/// With [heartbeats](Timing::with_heartbeats) the claim is made for a short
+/// lease instead, which the holder extends while its effect and its ending
+/// run, never past the end the three parts set: a worker that dies is then
+/// recovered after the short lease, while a live one keeps its claim for
+/// as long as its own deadlines allow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timing {
     effect: Duration,
     journal: Duration,
     margin: Duration,
+    heartbeat: Option<Duration>,
 }
+
+/// The shortest lease [`Timing::with_heartbeats`] accepts: 3 s, so a beat
+/// every third of it (one second) has room for a round trip that is slow.
+pub const MIN_HEARTBEAT_LEASE: Duration = Duration::from_secs(3);
 
 impl Timing {
     /// Refused unless `effect` and `journal` are above zero, `margin` is at
@@ -54,13 +65,28 @@ impl Timing {
             return Err(InvalidInput::MarginBelowFloor { margin, floor: MIN_LEASE_MARGIN });
         }
         validate::lease(effect.saturating_add(journal).saturating_add(margin))?;
-        Ok(Timing { effect, journal, margin })
+        Ok(Timing { effect, journal, margin, heartbeat: None })
+    }
+
+    /// Claims for `lease` instead of the whole of effect + journal + margin,
+    /// and keeps it alive with a heartbeat every third of it while the
+    /// claim is held (see [`Held`](super::Held)), never past the end the
+    /// whole lease would have had. Refused below [`MIN_HEARTBEAT_LEASE`] or
+    /// above the store's longest lease; a `lease` at or above the whole
+    /// lease needs no heartbeat and is the whole lease.
+    pub fn with_heartbeats(self, lease: Duration) -> Result<Self, InvalidInput> {
+        if lease < MIN_HEARTBEAT_LEASE {
+            return Err(InvalidInput::LeaseTooShort { lease, min: MIN_HEARTBEAT_LEASE });
+        }
+        validate::lease(lease)?;
+        let whole = self.effect + self.journal + self.margin;
+        Ok(Timing { heartbeat: (lease < whole).then_some(lease), ..self })
     }
 
     /// A timing from constants a test checks against [`Timing::new`]: for
     /// defaults, which cannot fail.
     pub(crate) const fn from_checked_constants(effect: Duration, journal: Duration, margin: Duration) -> Self {
-        Timing { effect, journal, margin }
+        Timing { effect, journal, margin, heartbeat: None }
     }
 
     /// How long the effect may run.
@@ -78,9 +104,16 @@ impl Timing {
         self.margin
     }
 
-    /// The lease: effect + journal + margin.
+    /// The lease a claim is made for: effect + journal + margin, or the
+    /// heartbeat lease when the claim is kept alive by heartbeats. It is
+    /// how long a worker that died holds the key.
     pub fn lease(&self) -> Duration {
-        self.effect + self.journal + self.margin
+        self.heartbeat.unwrap_or(self.effect + self.journal + self.margin)
+    }
+
+    /// The heartbeat lease, when the claim is kept alive by heartbeats.
+    pub fn heartbeat(&self) -> Option<Duration> {
+        self.heartbeat
     }
 
     /// Checks that a claim made `spent` after the caller's first attempt
@@ -169,6 +202,25 @@ mod tests {
             );
         }
         assert_eq!(Timing::new(S(5), S(5), MIN_LEASE_MARGIN).map(|t| t.lease()), Ok(S(11)));
+    }
+
+    #[test]
+    fn with_heartbeats_the_claim_is_made_for_the_short_lease_and_the_horizon_counts_it() {
+        let whole = Timing::new(S(300), S(10), S(5)).unwrap();
+        let beating = whole.with_heartbeats(S(6)).unwrap();
+        assert_eq!((beating.lease(), beating.heartbeat()), (S(6), Some(S(6))));
+        assert_eq!((beating.effect(), beating.journal(), beating.margin()), (S(300), S(10), S(5)));
+        // A dead worker frees the key after 6 s, so a vendor retrying after a
+        // minute is served, where the whole lease (315 s) would block it.
+        let horizon = RetryHorizon::until_last_attempt(S(60));
+        assert!(beating.check(horizon, Duration::ZERO).is_ok());
+        assert!(whole.check(horizon, Duration::ZERO).is_err());
+        assert_eq!(
+            whole.with_heartbeats(S(2)),
+            Err(InvalidInput::LeaseTooShort { lease: S(2), min: MIN_HEARTBEAT_LEASE })
+        );
+        assert!(matches!(whole.with_heartbeats(S(86_401)), Err(InvalidInput::LeaseTooLong { .. })));
+        assert_eq!(whole.with_heartbeats(S(400)).map(|t| (t.lease(), t.heartbeat())), Ok((S(315), None)));
     }
 
     #[test]

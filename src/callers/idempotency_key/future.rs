@@ -92,6 +92,10 @@ enum Ran<R, E> {
     /// The service failed with an error of its own after it started: the
     /// caller gets the error, and the claim is left to its lease.
     Errored(E),
+    /// A heartbeat found the claim taken over, and the handler was stopped:
+    /// the key is another worker's now, whose answer every repeat gets.
+    /// This caller is answered as a repeat in flight would be.
+    TakenOver(Problem),
 }
 
 /// Serves one request: a request the layer does not protect goes straight
@@ -213,6 +217,7 @@ where
         Ran::Answered(held, response) => Ok(keep_answer(config, held, response).await),
         Ran::Failed(held, problem) => Ok(keep_problem(held, problem).await),
         Ran::Errored(error) => Err(error),
+        Ran::TakenOver(problem) => Ok(problem.into_response()),
     }
 }
 
@@ -308,6 +313,14 @@ where
                 "the handler timed out after it started; its problem is kept for the key"
             );
             Ran::Failed(held, Problem::started_and_failed(ProblemType::HandlerTimeout))
+        }
+        Err(Cut::FenceLost) => {
+            let settled = held.settle(Settle::Unknown("the claim was taken over by another worker")).await;
+            tracing::Span::current().record("ending", settled.as_str());
+            Ran::TakenOver(
+                Problem::new(ProblemType::InFlight, "another worker holds this Idempotency-Key now; retry later")
+                    .retry_after(config.in_flight_retry_after),
+            )
         }
     }
 }

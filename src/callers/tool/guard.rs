@@ -305,11 +305,19 @@ where
 /// A tool (or reconciler) cut off at the tool's timeout, or panicked: its
 /// effect is unknown. Marked on the `tool.call` span.
 fn cut(call: &Call<'_>, cut: Cut) -> ToolError {
-    tracing::Span::current().record("outcome", if cut == Cut::TimedOut { "timed_out" } else { "panicked" });
+    let outcome = match cut {
+        Cut::TimedOut => "timed_out",
+        Cut::Panicked => "panicked",
+        Cut::FenceLost => "taken_over",
+    };
+    tracing::Span::current().record("outcome", outcome);
     let (scope, key) = call.scope_and_key();
     match cut {
         Cut::TimedOut => ToolError::TimedOut { scope, key, timeout: call.spec.timeout },
         Cut::Panicked => ToolError::Panicked { scope, key },
+        // Another worker holds the call now: in flight elsewhere, as a
+        // claim that met its live lease would be told.
+        Cut::FenceLost => ToolError::ClaimInFlight { scope, key, lease_expires_at: chrono::Utc::now() },
     }
 }
 

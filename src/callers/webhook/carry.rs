@@ -212,11 +212,17 @@ where
                 let answer = Answer::failure(failure.message, Value::Null);
                 return (Settle::Journal(answer), Some(DropReason::ProcessingFailed));
             }
+            Err(Cut::FenceLost) => {
+                // Another worker (a re-driver, or a redelivery after our lease
+                // passed) carries the event now: its ending is the one that counts.
+                tracing::warn!("processing was stopped: the claim was taken over; its new holder ends it");
+                return (Settle::Unknown("the claim was taken over by another worker"), None);
+            }
             Err(cut) => {
                 tracing::error!(%cut, "processing was cut; what it did is unknown, and that is journaled");
                 let error = match cut {
                     Cut::TimedOut => "processing_timed_out",
-                    Cut::Panicked => "processing_panicked",
+                    Cut::Panicked | Cut::FenceLost => "processing_panicked",
                 };
                 return (Settle::Journal(Answer::failure(error, Value::Null)), Some(DropReason::ProcessingAborted));
             }

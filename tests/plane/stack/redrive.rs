@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_plane::repo::{ClaimCall, ClaimDecision, CompletionArgs, OrphanedWork, RedriveCall};
+use idempotency_plane::service::{Answer, Begun, Cut, Effect, EffectDriver, IdempotencyService, Settle, Timing};
 use idempotency_plane::{IdempotencyRepository, PostgrestRepository};
 use serde_json::json;
 use uuid::Uuid;
@@ -207,5 +208,102 @@ async fn a_slow_holder_racing_a_redrive_at_its_lease_end_either_completes_or_is_
     }
     println!("the slow holder completed {completed} times; the re-drive took over {redriven} times");
     assert_eq!(completed + redriven, 40);
+    stack.stop().await.unwrap();
+}
+
+/// The effect driver with heartbeats: a claim for a 3 s lease whose effect
+/// runs 9 s (three leases) and whose deadlines allow 20.
+fn beating() -> (Timing, Timing) {
+    let whole = Timing::new(Duration::from_secs(15), Duration::from_secs(4), Duration::from_secs(1)).unwrap();
+    (whole.with_heartbeats(Duration::from_secs(3)).unwrap(), whole)
+}
+
+#[tokio::test]
+async fn an_effect_running_three_leases_under_heartbeats_is_never_taken_and_journals_its_answer() {
+    let stack = stack().await;
+    let (org, (timing, _)) = (org(), beating());
+    assert_eq!(timing.lease(), Duration::from_secs(3), "a dead worker's claim is free after 3 s");
+    let driver = EffectDriver::new(IdempotencyService::new(PostgrestRepository::new(client(&stack))));
+    let h = hash("long effect");
+    let effect =
+        Effect { organization_id: org, scope: SCOPE, key: "evt-long", request_hash: &h, timing, request: None };
+    let Begun::Held(held) = driver.begin(&effect).await.unwrap() else { panic!("claimed") };
+
+    let rival = async {
+        let rival = EffectDriver::new(IdempotencyService::new(PostgrestRepository::new(client(&stack))));
+        let mut answers = Vec::new();
+        let started = tokio::time::Instant::now();
+        while started.elapsed() < Duration::from_secs(9) {
+            answers.push(matches!(rival.begin(&effect).await.unwrap(), Begun::InFlight { .. }));
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        answers
+    };
+    let (ran, rivals) = tokio::join!(held.run(tokio::time::sleep(Duration::from_secs(9))), rival);
+    assert_eq!(ran, Ok(()), "the effect ran to its end");
+    assert!(rivals.len() >= 20 && rivals.iter().all(|in_flight| *in_flight), "{rivals:?}");
+    let settled = held.settle(Settle::Journal(Answer::success(json!({"rendered": true})))).await;
+    assert!(settled.is_journaled(), "{settled:?}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn without_heartbeats_a_short_lease_is_taken_mid_effect_and_the_late_completion_is_fenced() {
+    let stack = stack().await;
+    let (org, repo) = (org(), repository(&stack));
+    let (h, token) = (hash("no heartbeat"), Uuid::new_v4());
+    let call = ClaimCall {
+        organization_id: org,
+        scope: SCOPE,
+        key: "evt-no-beat",
+        request_hash: h.as_str(),
+        lease_token: token,
+        lease: Duration::from_secs(3),
+        request: None,
+    };
+    let first = repo.claim(&call).await.unwrap();
+    // The same effect, three leases long, with no heartbeat: a rival takes
+    // the claim once the lease passes, and runs the effect a second time.
+    tokio::time::sleep(Duration::from_millis(3_300)).await;
+    let second = repo.claim(&ClaimCall { lease_token: Uuid::new_v4(), ..call }).await.unwrap();
+    assert_eq!(second.outcome, ClaimDecision::Reclaimed);
+    let answer = json!({"rendered": true});
+    let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
+    assert!(repo.complete(org, first.id, token, args).await.unwrap().is_none(), "the late completion is fenced");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_heartbeat_that_finds_the_claim_taken_over_stops_the_effect() {
+    let stack = stack().await;
+    let (org, (timing, _)) = (org(), beating());
+    let driver = EffectDriver::new(IdempotencyService::new(PostgrestRepository::new(client(&stack))));
+    let h = hash("taken over");
+    let effect =
+        Effect { organization_id: org, scope: SCOPE, key: "evt-taken", request_hash: &h, timing, request: None };
+    let Begun::Held(held) = driver.begin(&effect).await.unwrap() else { panic!("claimed") };
+    let claim_id = held.claim().id();
+
+    // While the effect runs, its lease is made to pass and another worker
+    // takes the claim over (as after a stall longer than the lease).
+    let finished = std::sync::atomic::AtomicBool::new(false);
+    let effect_body = async {
+        tokio::time::sleep(Duration::from_secs(12)).await;
+        finished.store(true, std::sync::atomic::Ordering::SeqCst);
+    };
+    let take_over = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        pass_lease(&stack, claim_id).await;
+        let taker = EffectDriver::new(IdempotencyService::new(PostgrestRepository::new(client(&stack))));
+        matches!(taker.begin(&effect).await.unwrap(), Begun::Held(_))
+    };
+    let started = tokio::time::Instant::now();
+    let (ran, taken) = tokio::join!(held.run(effect_body), take_over);
+    assert!(taken, "the other worker took the claim");
+    assert_eq!(ran, Err(Cut::FenceLost));
+    assert!(started.elapsed() < Duration::from_secs(3), "stopped at the next beat: {:?}", started.elapsed());
+    assert!(!finished.load(std::sync::atomic::Ordering::SeqCst), "the effect was stopped where it stood");
+    assert!(held.fence_lost());
+    assert_eq!(held.settle(Settle::Journal(Answer::success(json!(1)))).await.as_str(), "lease_moved_on");
     stack.stop().await.unwrap();
 }
