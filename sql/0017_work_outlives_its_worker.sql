@@ -102,8 +102,8 @@ create or replace view agent.idempotency_rows with (security_invoker = true) as
 -- agent.idempotency_rows, no API role can read the table through it.
 create view agent.idempotency_work with (security_invoker = true) as
   select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status, k.lease_token,
-         k.request, k.reclaims + 1 as attempt, k.claimed_at, k.lease_expires_at, k.response,
-         null::integer as taken
+         k.request, k.reclaims + 1 as attempt, k.claimed_at, k.lease_expires_at, k.retain_until,
+         k.response, null::integer as taken
     from agent.idempotency_keys k;
 alter view agent.idempotency_work owner to idempotency_owner;
 revoke all on agent.idempotency_work from public, anon, authenticated, service_role;
@@ -653,7 +653,7 @@ begin
     select t.id, t.organization_id, t.scope, t.key, t.request_hash, t.status,
            case when t.status = 'processing' then t.lease_token end,
            case when t.status = 'processing' then t.request end,
-           t.reclaims + 1, t.claimed_at, t.lease_expires_at,
+           t.reclaims + 1, t.claimed_at, t.lease_expires_at, t.retain_until,
            case when t.status = 'completed' then t.response end,
            (count(*) over ())::integer
       from taken t

@@ -20,7 +20,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use super::webhook::{Ack, ProcessingError, ProviderCallback, ProviderJob, WebhookGate};
+use super::webhook::{Ack, ProcessingError, ProviderCallback, ProviderJob, RetryReason, WebhookGate};
 use crate::repo::{IdempotencyRepository, ProviderJobRepository};
 
 /// The headers a delivery id is read from, in order.
@@ -107,6 +107,7 @@ pub fn ack_response(ack: &Ack) -> Response {
         Ack::Processed => json!({"ack": "processed"}),
         Ack::Accepted => json!({"ack": "accepted"}),
         Ack::Dropped(reason) => json!({"ack": "dropped", "drop_reason": reason.as_str()}),
+        Ack::Retry(RetryReason::DeliveryTooLarge) => json!({"ack": "retry", "reason": "delivery_too_large"}),
         Ack::Retry(_) => json!({"ack": "retry"}),
     };
     (status, Json(body)).into_response()

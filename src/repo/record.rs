@@ -181,6 +181,8 @@ pub struct WorkRow {
     pub claimed_at: DateTime<Utc>,
     /// When this holder's lease passes (database clock).
     pub lease_expires_at: DateTime<Utc>,
+    /// How long the claim is remembered (database clock).
+    pub retain_until: DateTime<Utc>,
     /// The journaled dead letter, `{"ok": false, "error": "dead_lettered",
     /// "output": {"attempts": n}}`; `None` for work handed out.
     pub response: Option<serde_json::Value>,

@@ -18,10 +18,11 @@ use super::answer::Answer;
 use super::hash::RequestHash;
 use super::held::{Held, KeepAlive, FIRST_ENDING_BACKOFF, MAX_ENDING_BACKOFF};
 use super::idempotency::IdempotencyService;
+use super::outcome::Claim;
 use super::outcome::ClaimOutcome;
 use super::timing::Timing;
 use crate::error::Error;
-use crate::repo::{ClaimCall, IdempotencyRepository};
+use crate::repo::{ClaimCall, IdempotencyRepository, OrphanedWork, RedriveCall, WorkRow};
 
 /// Drives effects through claim → run → journal. Cheap to clone.
 #[derive(Debug)]
@@ -116,25 +117,107 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
             })
             .await?;
         Ok(match claimed {
-            ClaimOutcome::Claimed(claim) => {
-                let ending_deadline = attempt.started + timing.effect() + timing.journal();
-                let keep_alive = timing.heartbeat().map(|lease| {
-                    KeepAlive::new(lease, attempt.started, ending_deadline, ending_deadline + timing.margin())
-                });
-                Begun::Held(Held {
-                    service: self.service.clone(),
-                    claim,
-                    effect_deadline: attempt.started + timing.effect(),
-                    ending_deadline,
-                    keep_alive,
-                })
-            }
+            ClaimOutcome::Claimed(claim) => Begun::Held(self.hold(claim, timing, attempt.started)),
             ClaimOutcome::Completed { response, resource, response_ref } => {
                 Begun::Replayed(Answer::from_stored(response, resource, response_ref))
             }
             ClaimOutcome::Processing { lease_expires_at } => Begun::InFlight { lease_expires_at },
             ClaimOutcome::Conflict => Begun::Conflict,
         })
+    }
+}
+
+impl<R: IdempotencyRepository> EffectDriver<R> {
+    /// The claim held, with its deadlines counted from `started` (just
+    /// before the claim was asked for) and its heartbeat, if `timing` has one.
+    fn hold(&self, claim: Claim, timing: Timing, started: Instant) -> Held<R> {
+        let ending_deadline = started + timing.effect() + timing.journal();
+        let keep_alive = timing
+            .heartbeat()
+            .map(|lease| KeepAlive::new(lease, started, ending_deadline, ending_deadline + timing.margin()));
+        Held {
+            service: self.service.clone(),
+            claim,
+            effect_deadline: started + timing.effect(),
+            ending_deadline,
+            keep_alive,
+        }
+    }
+}
+
+/// What a re-drive took over: work now held by this worker, or a dead letter.
+#[derive(Debug)]
+#[must_use = "work a re-drive hands out must be run and settled, or it waits for its lease again"]
+pub enum Redriven<R> {
+    /// The work is ours: run `request`, then settle `held` as any effect.
+    Held {
+        /// The claim, held under a fresh lease token.
+        held: Held<R>,
+        /// The work the claim carries, as its first claimant stored it.
+        request: serde_json::Value,
+        /// Which attempt this is: 2 for the first re-drive.
+        attempt: u32,
+    },
+    /// The work had been handed out as often as its scope allows: journaled
+    /// as a failure (`dead_lettered`), which every later claim replays.
+    DeadLettered {
+        /// The dead letter.
+        work: WorkRow,
+    },
+}
+
+impl<R: IdempotencyRepository + OrphanedWork> EffectDriver<R> {
+    /// Takes over up to `bound` orphans of `scope` (or a family,
+    /// `webhook.*`), of `organization_id` alone when given: claims whose
+    /// worker is gone, with the work they carry. Each is held with
+    /// `timing`'s lease (and heartbeat), its deadlines counted from now.
+    /// Concurrent re-drivers split the orphans. See
+    /// [`OrphanedWork::redrive`].
+    pub async fn redrive(
+        &self,
+        scope: &str,
+        bound: u64,
+        organization_id: Option<Uuid>,
+        timing: Timing,
+    ) -> Result<Vec<Redriven<R>>, Error> {
+        let started = Instant::now();
+        let call = RedriveCall { scope, bound, lease: timing.lease(), organization_id };
+        let taken = self.service.repository().redrive(&call).await?;
+        let mut redriven = Vec::with_capacity(taken.len());
+        for work in taken {
+            let outcome = if work.is_dead_letter() { "dead_lettered" } else { "redriven" };
+            metrics::counter!(crate::telemetry::REDRIVES_TOTAL, "scope" => work.scope.clone(), "outcome" => outcome)
+                .increment(1);
+            if work.is_dead_letter() {
+                tracing::warn!(claim_id = %work.id, scope = %work.scope, key = %work.key, attempts = work.attempt, drop_reason = "dead_lettered", "handed out as often as its scope allows: journaled as a dead letter");
+                redriven.push(Redriven::DeadLettered { work });
+                continue;
+            }
+            redriven.push(match (work.lease_token, work.request.clone()) {
+                (Some(lease_token), Some(request)) => {
+                    tracing::info!(claim_id = %work.id, scope = %work.scope, key = %work.key, attempt = work.attempt, "re-driven: the work is ours");
+                    let attempt = work.attempt;
+                    let claim = Claim {
+                        id: work.id,
+                        organization_id: work.organization_id,
+                        scope: work.scope,
+                        key: work.key,
+                        lease_token,
+                        lease_expires_at: work.lease_expires_at,
+                        retain_until: work.retain_until,
+                        reclaimed: true,
+                    };
+                    Redriven::Held { held: self.hold(claim, timing, started), request, attempt }
+                }
+                _ => {
+                    return Err(Error::Inconsistent(format!(
+                        "idempotency_redrive handed out claim {} without its lease token or its work",
+                        work.id
+                    )))
+                }
+            });
+        }
+        Ok(redriven)
     }
 }
 

@@ -29,7 +29,7 @@ pub(crate) mod validate;
 pub(crate) use answer::stored_size;
 pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
 pub(crate) use driver::asking_cut;
-pub use driver::{may_have_written, Attempt, Begun, Effect, EffectDriver};
+pub use driver::{may_have_written, Attempt, Begun, Effect, EffectDriver, Redriven};
 pub use hash::{canonical_json, RequestHash};
 pub use held::{Cut, Held, LeftToLease, Refused, Settle, Settled};
 pub use idempotency::{IdempotencyService, DEFAULT_RESPONSE_LIMIT, MAX_REPLAY_CACHE_TTL};

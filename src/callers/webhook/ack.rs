@@ -25,12 +25,15 @@ pub enum DropReason {
     /// Processing panicked or overran its timeout; what it did is unknown,
     /// and that is journaled as the event's answer.
     ProcessingAborted,
+    /// The event's work had been handed out as often as its scope's
+    /// `max_attempts` allows; a re-drive journaled it as a failure.
+    DeadLettered,
 }
 
 impl DropReason {
     /// The reason as logged and counted: `duplicate`, `hash_mismatch`,
     /// `unknown_job`, `job_mismatch`, `invalid_delivery`,
-    /// `processing_failed`, `processing_aborted`.
+    /// `processing_failed`, `processing_aborted`, `dead_lettered`.
     pub fn as_str(self) -> &'static str {
         match self {
             DropReason::Duplicate => "duplicate",
@@ -40,6 +43,7 @@ impl DropReason {
             DropReason::InvalidDelivery => "invalid_delivery",
             DropReason::ProcessingFailed => "processing_failed",
             DropReason::ProcessingAborted => "processing_aborted",
+            DropReason::DeadLettered => "dead_lettered",
         }
     }
 }
@@ -53,6 +57,12 @@ pub enum RetryReason {
     /// asking in the background, and processes the event if the claim was
     /// made).
     PlaneUnavailable,
+    /// The delivery is larger (or nests deeper) than its scope's
+    /// `max_request_bytes` lets a claim carry. It is never acknowledged
+    /// without its body stored (no worker could finish it after this one
+    /// died): answered 413, so the vendor records the failure and keeps the
+    /// event for a resend once the scope's limit is raised.
+    DeliveryTooLarge,
 }
 
 /// The gate's answer to one delivery.
@@ -71,10 +81,12 @@ pub enum Ack {
 }
 
 impl Ack {
-    /// The HTTP status to answer: 200 for every ACK, 503 for a retry.
+    /// The HTTP status to answer: 200 for every ACK, 503 for a retry, 413
+    /// for a delivery too large to store with its claim.
     pub fn status(&self) -> u16 {
         match self {
             Ack::Processed | Ack::Accepted | Ack::Dropped(_) => 200,
+            Ack::Retry(RetryReason::DeliveryTooLarge) => 413,
             Ack::Retry(_) => 503,
         }
     }
@@ -90,6 +102,7 @@ pub struct DropCounters {
     invalid_delivery: AtomicU64,
     processing_failed: AtomicU64,
     processing_aborted: AtomicU64,
+    dead_lettered: AtomicU64,
 }
 
 impl DropCounters {
@@ -111,6 +124,7 @@ impl DropCounters {
             DropReason::InvalidDelivery => &self.invalid_delivery,
             DropReason::ProcessingFailed => &self.processing_failed,
             DropReason::ProcessingAborted => &self.processing_aborted,
+            DropReason::DeadLettered => &self.dead_lettered,
         }
     }
 }
@@ -124,6 +138,13 @@ pub(super) fn drop_delivery(counters: &DropCounters, reason: DropReason) -> Ack 
     tracing::Span::current().record("drop_reason", reason.as_str());
     tracing::info!(drop_reason = reason.as_str(), "delivery dropped and acknowledged");
     Ack::Dropped(reason)
+}
+
+/// The delivery is too large (or too deep) for its scope to store with its
+/// claim: not acknowledged (413), so the vendor keeps the event.
+pub(super) fn too_large(error: &Error) -> Ack {
+    tracing::error!(%error, "the delivery is above its scope's max_request_bytes; not acknowledged (413) so the vendor keeps it");
+    Ack::Retry(RetryReason::DeliveryTooLarge)
 }
 
 /// The plane could not decide: not acknowledged, so the vendor redelivers.

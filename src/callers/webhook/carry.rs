@@ -11,9 +11,10 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::ack::{drop_delivery, unavailable, Ack, DropCounters, DropReason};
+use super::ack::{drop_delivery, too_large, unavailable, Ack, DropCounters, DropReason};
 use super::delivery::ProcessingError;
 use crate::error::{Error, InvalidInput};
+use crate::postgrest::codes;
 use crate::repo::IdempotencyRepository;
 use crate::service::{
     may_have_written, Answer, Attempt, Begun, Cut, Effect, EffectDriver, Held, RequestHash, Settle, Timing,
@@ -35,6 +36,8 @@ pub(super) struct Carried<R> {
     pub(super) scope: String,
     pub(super) key: String,
     pub(super) hash: RequestHash,
+    /// The delivery's body as its claim stores it, for a re-drive.
+    pub(super) request: Value,
     /// Set once the gate holds the claim: an answer cut by the deadline is
     /// then [`Ack::Accepted`], else [`Ack::Retry`].
     pub(super) held: Arc<AtomicBool>,
@@ -61,7 +64,7 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
             key: &self.key,
             request_hash: &self.hash,
             timing: self.timing,
-            request: None,
+            request: Some(&self.request),
         };
         let held = match self.claim(&effect, &mut say).await {
             Some(held) => held,
@@ -158,11 +161,21 @@ fn decide<R>(begun: Result<Begun<R>, Error>, answered: bool, say: &mut impl FnMu
             say_drop(say, DropReason::InvalidDelivery);
             None
         }
+        Err(error) if stores_no_such_delivery(&error) => {
+            say(too_large(&error));
+            None
+        }
         Err(error) => {
             say(unavailable(&error));
             None
         }
     }
+}
+
+/// Whether the plane refused the claim for the delivery it carries: above
+/// the scope's `max_request_bytes`, or nested too deep.
+fn stores_no_such_delivery(error: &Error) -> bool {
+    matches!(error, Error::Store(store) if matches!(store.code(), Some(codes::REQUEST_TOO_LARGE | codes::REQUEST_TOO_DEEP)))
 }
 
 /// Answers a drop for `reason`; the gate counts it when the answer is
@@ -187,7 +200,7 @@ fn late_outcome<R>(begun: &Begun<R>) -> &'static str {
 /// Runs `process` under `held` until it answers, trying again after a
 /// retryable failure while its timeout allows: the ending to journal, and
 /// the drop reason when that ending is a failure the gate records.
-async fn process_to_an_answer<R, F, Fut>(held: &Held<R>, process: &F) -> (Settle, Option<DropReason>)
+pub(super) async fn process_to_an_answer<R, F, Fut>(held: &Held<R>, process: &F) -> (Settle, Option<DropReason>)
 where
     R: IdempotencyRepository,
     F: Fn() -> Fut,

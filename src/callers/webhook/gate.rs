@@ -16,6 +16,7 @@ use super::ack::{drop_delivery, unavailable, Ack, DropCounters, DropReason, Retr
 use super::carry::Carried;
 use super::delivery::{Delivery, ProcessingError, ProviderCallback};
 use super::jobs::{ProviderJob, ProviderJobs};
+use super::stored::stored_body;
 use crate::error::InvalidInput;
 use crate::repo::{IdempotencyRepository, ProviderJobRepository};
 use crate::service::{
@@ -161,6 +162,24 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
         &self.drops
     }
 
+    /// Claims each delivery for a short `lease` (at least 3 s) and keeps it
+    /// alive with heartbeats while processing and its journal run, instead
+    /// of claiming for the whole processing timeout: a worker that dies is
+    /// re-driven (or its event redelivered) after `lease`, while a live one
+    /// keeps its claim as long as its own deadlines allow.
+    pub fn with_heartbeats(self, lease: Duration) -> Result<Self, GateConfigError> {
+        let (timing, horizon) = (self.timing.with_heartbeats(lease)?, self.horizon);
+        self.with_timing(timing, horizon)
+    }
+
+    pub(super) fn driver(&self) -> &EffectDriver<R> {
+        &self.driver
+    }
+
+    pub(super) fn timing(&self) -> Timing {
+        self.timing
+    }
+
     /// Claims the delivery, runs `process` if we own it, and journals its
     /// answer; every duplicate ending is an ACK with its reason. Answers
     /// within the deadline; the work goes on after it when it must (see the
@@ -215,6 +234,7 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
             scope: delivery.scope.to_owned(),
             key: delivery.delivery_id.to_owned(),
             hash: RequestHash::of_bytes(delivery.body),
+            request: stored_body(delivery.body),
             held: held.clone(),
         };
         (carried, held)

@@ -59,6 +59,8 @@ mod carry;
 mod delivery;
 mod gate;
 mod jobs;
+mod redrive;
+mod stored;
 
 pub use ack::{Ack, DropCounters, DropReason, RetryReason};
 pub use delivery::{Delivery, ProcessingError, ProviderCallback};
@@ -67,3 +69,4 @@ pub use gate::{
     LEASE_MARGIN,
 };
 pub use jobs::{ProviderJob, ProviderJobs};
+pub use redrive::{Redelivery, RedriveReport};

@@ -397,6 +397,7 @@ impl OrphanedWork for MemoryRepository {
                 attempt: row.reclaims + 1,
                 claimed_at: row.record.claimed_at,
                 lease_expires_at: row.record.lease_expires_at,
+                retain_until: row.record.retain_until,
                 response: row.record.response.clone().filter(|_| dead),
             });
         }

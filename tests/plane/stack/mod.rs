@@ -34,3 +34,4 @@ mod surface;
 mod sweeper;
 mod tool;
 mod webhook;
+mod webhook_redrive;
