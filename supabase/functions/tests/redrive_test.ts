@@ -4,8 +4,8 @@
 // was handed out too often.
 
 import assert from "node:assert/strict";
-import { codes, IdempotencyPlane, PlaneError } from "../_shared/idempotency/mod.ts";
-import { hashOf, organization, plane, sleep, uniqueKey } from "./support.ts";
+import { codes, EffectDriver, IdempotencyPlane, PlaneError, success, Timing } from "../_shared/idempotency/mod.ts";
+import { hashOf, Lossy, organization, plane, sleep, uniqueKey } from "./support.ts";
 
 const SCOPE = "webhook.svix";
 
@@ -118,4 +118,62 @@ Deno.test("bad input to a re-drive or a claim's work is refused with a clear rea
     const read = await p.read({ organizationId: org, scope: SCOPE, key, requestHash: hash });
     assert.equal(read.outcome, "absent", "nothing written");
   }
+});
+
+Deno.test("under heartbeats an effect running past three of its leases keeps its claim, and journals", async () => {
+  const p = plane();
+  const driver = new EffectDriver(p);
+  const timing = new Timing(15_000, 4_000, 1_000).withHeartbeats(3_000);
+  assert.equal(timing.leaseMs, 3_000, "a stopped worker's claim is free after 3 s");
+  const spec = { organizationId: organization(), scope: SCOPE, key: uniqueKey(), requestHash: await hashOf(1), timing };
+  const begun = await driver.begin(spec);
+  assert.equal(begun.kind, "held");
+  if (begun.kind !== "held") return;
+  const rivals: string[] = [];
+  const ran = await begun.held.run(async () => {
+    const until = performance.now() + 9_500;
+    while (performance.now() < until) {
+      const rival = await p.claim({ ...spec, leaseMs: 3_000 });
+      rivals.push(rival.outcome);
+      await sleep(250);
+    }
+    return "rendered";
+  });
+  assert.deepEqual(ran, { value: "rendered" });
+  assert.ok(rivals.length >= 20 && rivals.every((outcome) => outcome === "processing"), rivals.join());
+  assert.deepEqual(await begun.held.settle({ journal: success("rendered") }), { ending: "journaled" });
+});
+
+Deno.test("a heartbeat that finds the claim taken over aborts the effect's signal", async () => {
+  const lossy = new Lossy();
+  const p = plane({ fetch: lossy.fetch });
+  const timing = new Timing(15_000, 4_000, 1_000).withHeartbeats(3_000);
+  const spec = { organizationId: organization(), scope: SCOPE, key: uniqueKey(), requestHash: await hashOf(2), timing };
+  const begun = await new EffectDriver(p).begin(spec);
+  assert.equal(begun.kind, "held");
+  if (begun.kind !== "held") return;
+  // The worker stalls: no heartbeat gets out, its lease passes, and another
+  // worker takes the claim over. Then its heartbeats get out again.
+  lossy.refuseAll();
+  const taken = (async () => {
+    await sleep(3_300);
+    const rival = await plane().claim({ ...spec, leaseMs: 30_000 });
+    lossy.refuseAll(false);
+    return rival.outcome;
+  })();
+  let aborted: unknown;
+  const ran = await begun.held.run((signal) =>
+    new Promise((resolve) => {
+      signal.addEventListener("abort", () => {
+        aborted = signal.reason;
+        resolve("stopped");
+      });
+    })
+  );
+  assert.equal(await taken, "reclaimed");
+  assert.deepEqual(ran, { cut: "fence_lost" });
+  assert.ok(aborted instanceof PlaneError, String(aborted));
+  assert.ok(begun.held.fenceLost);
+  assert.deepEqual(await begun.held.settle({ journal: success(1) }), { ending: "lease_moved_on" });
+  assert.ok(lossy.count("idempotency_extend") >= 2);
 });

@@ -20,7 +20,7 @@ import { type Answer, answerFromStored, replayable, store, storedSize } from "./
 import { sleep } from "./client.ts";
 import { monotonicNow } from "./clock.ts";
 import { PlaneError } from "./errors.ts";
-import type { Claim, IdempotencyPlane } from "./plane.ts";
+import { type Claim, type IdempotencyPlane, MIN_LEASE_MS } from "./plane.ts";
 import type { Logger } from "./log.ts";
 import type { Timing } from "./timing.ts";
 
@@ -58,7 +58,13 @@ export type Settled =
 /** Why `Held.run` did not return the effect's value. */
 export type Cut =
   | { cut: "timed_out" }
-  | { cut: "threw"; error: unknown };
+  | { cut: "threw"; error: unknown }
+  /**
+   * A heartbeat found the claim taken over (its lease had passed and another
+   * worker holds it now): the effect's signal was aborted. The new holder's
+   * ending is the one that counts.
+   */
+  | { cut: "fence_lost" };
 
 /** A claim this worker holds: run its effect, then settle it exactly once. */
 export class Held {
@@ -76,6 +82,10 @@ export class Held {
    */
   readonly lateDeadline: number;
   readonly #driver: { readonly plane: IdempotencyPlane; readonly log: Logger };
+  readonly #heartbeat?: { readonly leaseMs: number; readonly leaseEnd: number };
+  #beat?: ReturnType<typeof setTimeout>;
+  #lost = false;
+  #onLost?: () => void;
   #settled = false;
   #running?: Promise<{ value: unknown } | { cut: "threw"; error: unknown }>;
   #journaled?: Answer;
@@ -106,6 +116,68 @@ export class Held {
     this.effectDeadline = attempt.startedAt + timing.effectMs;
     this.endingDeadline = this.effectDeadline + timing.journalMs;
     this.lateDeadline = this.endingDeadline - Math.min(timing.journalMs / 2, LATE_JOURNAL_RESERVE_MS);
+    if (timing.heartbeatMs !== undefined) {
+      this.#heartbeat = { leaseMs: timing.heartbeatMs, leaseEnd: this.endingDeadline + timing.marginMs };
+      this.#scheduleBeat(attempt.startedAt);
+    }
+  }
+
+  /** Whether a heartbeat found the claim taken over: start nothing more under it. */
+  get fenceLost(): boolean {
+    return this.#lost;
+  }
+
+  /**
+   * The next heartbeat, a third of the lease after `from` (monotonic ms):
+   * none from the ending's deadline on, or once the claim is settled or lost.
+   */
+  #scheduleBeat(from: number): void {
+    const heartbeat = this.#heartbeat;
+    if (!heartbeat || this.#lost) return;
+    const at = from + heartbeat.leaseMs / 3;
+    if (at >= this.endingDeadline) return;
+    this.#beat = setTimeout(() => void this.#beatOnce(), Math.max(0, at - monotonicNow()));
+  }
+
+  async #beatOnce(): Promise<void> {
+    const heartbeat = this.#heartbeat;
+    if (!heartbeat) return;
+    const now = monotonicNow();
+    // Never past the whole lease's end; never below what the store accepts.
+    const ask = Math.max(MIN_LEASE_MS, Math.min(heartbeat.leaseMs, heartbeat.leaseEnd - now));
+    try {
+      const end = await this.#driver.plane.extend(this.claim, ask, { deadlineMs: heartbeat.leaseMs / 3 });
+      if (this.#beat === undefined) return; // settled meanwhile
+      if (end === null) {
+        this.#lost = true;
+        this.#driver.log({
+          event: "idempotency.fence_lost",
+          level: "warn",
+          scope: this.claim.scope,
+          key: this.claim.key,
+          claim_id: this.claim.id,
+        });
+        this.#onLost?.();
+        return;
+      }
+      this.#scheduleBeat(now);
+    } catch (error) {
+      if (this.#beat === undefined) return;
+      this.#driver.log({
+        event: "idempotency.heartbeat_failed",
+        level: "warn",
+        scope: this.claim.scope,
+        key: this.claim.key,
+        error: error instanceof Error ? error.message : String(error),
+      });
+      // Tried again a second from now.
+      this.#scheduleBeat(monotonicNow() + 1_000 - heartbeat.leaseMs / 3);
+    }
+  }
+
+  #stopHeartbeat(): void {
+    clearTimeout(this.#beat);
+    this.#beat = undefined;
   }
 
   /**
@@ -116,6 +188,7 @@ export class Held {
   async run<T>(effect: (signal: AbortSignal) => Promise<T> | T): Promise<{ value: T } | Cut> {
     const remaining = this.effectDeadline - monotonicNow();
     if (remaining <= 0) return { cut: "timed_out" };
+    if (this.#lost) return { cut: "fence_lost" };
     const controller = new AbortController();
     let timer: ReturnType<typeof setTimeout> | undefined;
     const cut = new Promise<Cut>((resolve) => {
@@ -123,6 +196,10 @@ export class Held {
         controller.abort(new PlaneError("deadline", "the effect did not return within its timeout"));
         resolve({ cut: "timed_out" });
       }, remaining);
+      this.#onLost = () => {
+        controller.abort(new PlaneError("inconsistent", "the claim was taken over by another worker"));
+        resolve({ cut: "fence_lost" });
+      };
     });
     const ran = (async (): Promise<{ value: T } | { cut: "threw"; error: unknown }> => {
       try {
@@ -136,6 +213,7 @@ export class Held {
       return await Promise.race([ran, cut]);
     } finally {
       clearTimeout(timer);
+      this.#onLost = undefined;
     }
   }
 
@@ -165,9 +243,13 @@ export class Held {
   async settle(settle: Settle): Promise<Settled> {
     this.#claimSettlement();
     let settled: Settled;
-    if (settle === "release") settled = await this.#release();
-    else if ("journal" in settle) settled = await this.#journal(settle.journal, false) as Settled;
-    else settled = { ending: "left_to_lease", why: `the effect's outcome is unknown: ${settle.unknown}` };
+    try {
+      if (settle === "release") settled = await this.#release();
+      else if ("journal" in settle) settled = await this.#journal(settle.journal, false) as Settled;
+      else settled = { ending: "left_to_lease", why: `the effect's outcome is unknown: ${settle.unknown}` };
+    } finally {
+      this.#stopHeartbeat();
+    }
     this.#record(settled);
     return settled;
   }
@@ -194,6 +276,7 @@ export class Held {
       this.#settled = false;
       return journaled;
     }
+    this.#stopHeartbeat();
     this.#record(journaled);
     return journaled;
   }

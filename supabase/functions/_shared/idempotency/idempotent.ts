@@ -150,6 +150,14 @@ export async function idempotent(
   const held = begun.held;
   const vendor = await vendorKey(held.claim.organizationId, held.claim.scope, held.claim.key);
   const ran = await held.run((signal) => effect({ claim: held.claim, signal, vendorKey: vendor }));
+  if ("cut" in ran && ran.cut === "fence_lost") {
+    // A heartbeat found the claim taken over: the new holder's ending counts.
+    return {
+      status: "failed",
+      error: new PlaneError("lease_lapsed", "the claim was taken over by another worker; the effect was stopped"),
+      settled: await held.settle({ unknown: "the claim was taken over by another worker" }),
+    };
+  }
   let ended: { value: unknown } | { cut: "threw"; error: unknown } | undefined = "value" in ran || ran.cut === "threw"
     ? ran
     : undefined;

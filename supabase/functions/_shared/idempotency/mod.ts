@@ -56,7 +56,13 @@ export type {
 } from "./plane.ts";
 export { TenantRouter } from "./router.ts";
 export type { RouterOptions } from "./router.ts";
-export { DEFAULT_JOURNAL_DEADLINE_MS, DEFAULT_MARGIN_MS, MIN_MARGIN_MS, Timing } from "./timing.ts";
+export {
+  DEFAULT_JOURNAL_DEADLINE_MS,
+  DEFAULT_MARGIN_MS,
+  MIN_HEARTBEAT_LEASE_MS,
+  MIN_MARGIN_MS,
+  Timing,
+} from "./timing.ts";
 export { monotonicNow } from "./clock.ts";
 export { Held, LATE_JOURNAL_RESERVE_MS } from "./held.ts";
 export type { Cut, Settle, Settled } from "./held.ts";

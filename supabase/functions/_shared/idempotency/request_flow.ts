@@ -265,6 +265,16 @@ async function runHandler(config: Config, held: Held, handler: Handler, keyed: K
   const ran = await held.run(async (signal) => await handler(rebuilt(keyed.req, keyed.bytes, signal)));
   if ("value" in ran) return await answered(config, held, ran.value, keyed.event, "handler-failed");
   if (ran.cut === "timed_out") return { ended: await cutOff(config, held, keyed.event) };
+  if (ran.cut === "fence_lost") {
+    // Another worker holds the key now; its answer is the one every repeat gets.
+    await held.settle({ unknown: "the claim was taken over by another worker" });
+    config.log({ event: "idempotency.http", ...keyed.event, outcome: "taken_over" });
+    return {
+      ended: problemResponse(
+        problem("in-flight", "another worker holds this Idempotency-Key now; retry later", IN_FLIGHT_RETRY_AFTER_S),
+      ),
+    };
+  }
   return { ended: await failed(config, held, ran.error, keyed.event, "handler-failed") };
 }
 

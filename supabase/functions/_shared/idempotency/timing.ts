@@ -26,11 +26,26 @@ export const DEFAULT_MARGIN_MS = 5_000;
  */
 export const MIN_MARGIN_MS = 1_000;
 
-/** The effect's timeout, the journal's deadline and the margin; the lease is their sum. */
+/**
+ * The shortest lease `Timing.withHeartbeats` accepts: a beat every third of
+ * it (one second) leaves room for a slow round trip. The Rust client's
+ * `MIN_HEARTBEAT_LEASE`.
+ */
+export const MIN_HEARTBEAT_LEASE_MS = 3_000;
+
+/**
+ * The effect's timeout, the journal's deadline and the margin; the lease is
+ * their sum. With heartbeats (`withHeartbeats`) the claim is made for a short
+ * lease instead, which the holder extends while the claim is held, never past
+ * the end the sum would have had: a worker that is stopped is recovered after
+ * the short lease, a live one keeps its claim as long as its deadlines allow.
+ */
 export class Timing {
   readonly effectMs: number;
   readonly journalMs: number;
   readonly marginMs: number;
+  /** The heartbeat lease, when the claim is kept alive by heartbeats. */
+  readonly heartbeatMs?: number;
 
   constructor(effectMs: number, journalMs = DEFAULT_JOURNAL_DEADLINE_MS, marginMs = DEFAULT_MARGIN_MS) {
     for (const [what, value] of [["effect timeout", effectMs], ["journal deadline", journalMs]] as const) {
@@ -50,8 +65,31 @@ export class Timing {
     checkLease(this.leaseMs);
   }
 
-  /** effect + journal + margin. */
+  /**
+   * This timing, claiming for `leaseMs` (at least `MIN_HEARTBEAT_LEASE_MS`)
+   * kept alive by a heartbeat every third of it (see `Held`). A lease at or
+   * above the whole one needs no heartbeat and is the whole one.
+   */
+  withHeartbeats(leaseMs: number): Timing {
+    if (!(leaseMs >= MIN_HEARTBEAT_LEASE_MS)) {
+      throw PlaneError.invalid(
+        "lease_too_short",
+        `a heartbeat lease must be at least ${MIN_HEARTBEAT_LEASE_MS} ms, got ${leaseMs}`,
+      );
+    }
+    checkLease(leaseMs);
+    const beating = new Timing(this.effectMs, this.journalMs, this.marginMs);
+    if (leaseMs < this.wholeLeaseMs) (beating as { heartbeatMs?: number }).heartbeatMs = leaseMs;
+    return beating;
+  }
+
+  /** The lease a claim is made for: the heartbeat lease, else effect + journal + margin. */
   get leaseMs(): number {
+    return this.heartbeatMs ?? this.wholeLeaseMs;
+  }
+
+  /** effect + journal + margin: the latest a held claim's lease ever ends. */
+  get wholeLeaseMs(): number {
     return this.effectMs + this.journalMs + this.marginMs;
   }
 

@@ -387,6 +387,18 @@ export class WebhookGate {
     for (;;) {
       const ran = await held.run(() => process());
       if ("value" in ran) return [{ journal: success(ran.value === undefined ? null : ran.value) }, undefined];
+      if (ran.cut === "fence_lost") {
+        // Another worker (a re-driver, or a redelivery after our lease passed)
+        // carries the event now: its ending is the one that counts.
+        this.#log({
+          event: "webhook.processing_cut",
+          level: "warn",
+          scope: held.claim.scope,
+          delivery_id: held.claim.key,
+          why: "taken over by another worker",
+        });
+        return [{ unknown: "the claim was taken over by another worker" }, undefined];
+      }
       if (ran.cut === "timed_out") {
         this.#log({
           event: "webhook.processing_cut",
