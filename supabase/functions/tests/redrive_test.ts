@@ -4,7 +4,21 @@
 // was handed out too often.
 
 import assert from "node:assert/strict";
-import { codes, EffectDriver, IdempotencyPlane, PlaneError, success, Timing } from "../_shared/idempotency/mod.ts";
+import {
+  bodyOf,
+  codes,
+  EffectDriver,
+  IdempotencyPlane,
+  PlaneError,
+  type Redelivery,
+  type RedriveReport,
+  sha256HexOfBytes,
+  silent,
+  storedBody,
+  success,
+  Timing,
+  WebhookGate,
+} from "../_shared/idempotency/mod.ts";
 import { hashOf, Lossy, organization, plane, sleep, uniqueKey } from "./support.ts";
 
 const SCOPE = "webhook.svix";
@@ -176,4 +190,100 @@ Deno.test("a heartbeat that finds the claim taken over aborts the effect's signa
   assert.ok(begun.held.fenceLost);
   assert.deepEqual(await begun.held.settle({ journal: success(1) }), { ending: "lease_moved_on" });
   assert.ok(lossy.count("idempotency_extend") >= 2);
+});
+
+Deno.test("an event a worker ACKed and then lost its plane on is re-driven by another worker, once, with its bytes", async () => {
+  const org = organization();
+  const deliveryId = uniqueKey("evt");
+  // Not UTF-8: stored losslessly, handed back byte for byte.
+  const body = new Uint8Array([123, 34, 105, 100, 34, 58, 0xff, 0x00, 0xfe, 125]);
+  const lossy = new Lossy();
+  const first = new WebhookGate(plane({ fetch: lossy.fetch }), {
+    deadlineMs: 1_000,
+    processingTimeoutMs: 4_000,
+    journalDeadlineMs: 2_000,
+    marginMs: 1_000,
+    heartbeatLeaseMs: 3_000,
+    closeOnBeforeUnload: false,
+    log: silent,
+  });
+  let started = 0;
+  const ack = await first.handle(
+    { organizationId: org, scope: "webhook.stripe", deliveryId, body },
+    () => {
+      started += 1;
+      return new Promise(() => {}); // never returns, as a worker stopped mid-processing
+    },
+  );
+  assert.deepEqual(ack, { ack: "accepted", status: 200 });
+  // The first worker is cut off from the plane: no heartbeat, no journal.
+  lossy.refuseAll();
+
+  const second = new WebhookGate(plane(), { heartbeatLeaseMs: 3_000, closeOnBeforeUnload: false, log: silent });
+  const seen: Redelivery[] = [];
+  const process = (redelivery: Redelivery) => {
+    seen.push(redelivery);
+    return Promise.resolve({ processed: true });
+  };
+  let report: RedriveReport | undefined;
+  for (let poll = 0; poll < 40 && !report?.redriven; poll++) {
+    await sleep(250);
+    report = await second.redrive({ scope: "webhook.*", limit: 10, organizationId: org }, process);
+  }
+  assert.deepEqual(report, { redriven: 1, journaled: 1, deadLettered: 0, left: 0 });
+  assert.equal(started, 1);
+  assert.equal(seen.length, 1);
+  assert.deepEqual([seen[0].deliveryId, seen[0].attempt, seen[0].organizationId], [deliveryId, 2, org]);
+  assert.deepEqual(seen[0].body, body);
+  const again = await second.handle({ organizationId: org, scope: "webhook.stripe", deliveryId, body }, () => {
+    throw new Error("never run again");
+  });
+  assert.deepEqual(again, { ack: "dropped", status: 200, reason: "duplicate" });
+  // The first worker's own ending, which cannot land, runs out before the test ends.
+  await sleep(3_500);
+});
+
+Deno.test("a delivery too large to store with its claim is answered 413 unclaimed; a closing gate claims nothing", async () => {
+  const p = plane();
+  const org = organization();
+  const gate = new WebhookGate(p, { closeOnBeforeUnload: false, log: silent });
+  const key = uniqueKey("evt");
+  const big = new Uint8Array(100_000).fill(120);
+  let runs = 0;
+  const ack = await gate.handle({ organizationId: org, scope: "webhook.stripe", deliveryId: key, body: big }, () => {
+    runs += 1;
+    return Promise.resolve(1);
+  });
+  assert.deepEqual(ack, { ack: "retry", status: 413, reason: "delivery_too_large" });
+  const hash = await sha256HexOfBytes(big);
+  assert.deepEqual(await p.read({ organizationId: org, scope: "webhook.stripe", key, requestHash: hash }), {
+    outcome: "absent",
+  });
+  gate.close();
+  const closing = await gate.handle(
+    { organizationId: org, scope: "webhook.stripe", deliveryId: key, body: "{}" },
+    () => {
+      runs += 1;
+      return Promise.resolve(1);
+    },
+  );
+  assert.deepEqual(closing, { ack: "retry", status: 503, reason: "closing" });
+  assert.equal(runs, 0);
+});
+
+Deno.test("a stored body comes back byte for byte, text or not", () => {
+  for (
+    const bytes of [
+      new TextEncoder().encode('{"id": "evt_1"}'),
+      new Uint8Array(),
+      new TextEncoder().encode("ünï😀"),
+      new Uint8Array([97, 0, 98]),
+      new Uint8Array([0xff, 0xfe, 0]),
+    ]
+  ) {
+    assert.deepEqual(bodyOf(storedBody(bytes)), bytes);
+  }
+  assert.deepEqual(storedBody(new TextEncoder().encode('{"a":1}')), { body_text: '{"a":1}' });
+  assert.equal(bodyOf({ id: 1 }), undefined);
+  assert.equal(bodyOf({ body_text: "a", body_base64: "" }), undefined);
 });

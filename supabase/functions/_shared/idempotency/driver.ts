@@ -25,6 +25,11 @@ export interface EffectSpec {
   key: string;
   requestHash: string;
   timing: Timing;
+  /**
+   * The work the claim carries (JSON), stored with it so that another worker
+   * can re-drive it if this one is stopped; see `IdempotencyPlane.claim`.
+   */
+  work?: unknown;
 }
 
 /**
@@ -69,6 +74,7 @@ export class EffectDriver {
       requestHash: effect.requestHash,
       leaseMs: effect.timing.leaseMs,
       leaseToken: attempt.token,
+      work: effect.work,
     }, deadlineMs === undefined ? {} : { deadlineMs });
     this.log({
       event: "idempotency.claim",

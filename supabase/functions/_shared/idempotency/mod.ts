@@ -73,16 +73,28 @@ export type { EffectContext, IdempotentOptions, IdempotentResult } from "./idemp
 export { consoleLogger, silent } from "./log.ts";
 export type { Logger, PlaneEvent } from "./log.ts";
 export {
+  bodyOf,
   DEFAULT_GATE_DEADLINE_MS,
   DEFAULT_PROCESSING_TIMEOUT_MS,
   DEFAULT_VENDOR_HORIZON_MS,
   DEFAULT_WEBHOOK_BODY_LIMIT_BYTES,
   ProcessingError,
+  storedBody,
   WEBHOOK_LEASE_MARGIN_MS,
   WebhookGate,
   webhookHandler,
 } from "./webhook.ts";
-export type { Ack, Delivery, DropReason, GateOptions, ProviderCallback, ProviderJob, WebhookRoute } from "./webhook.ts";
+export type {
+  Ack,
+  Delivery,
+  DropReason,
+  GateOptions,
+  ProviderCallback,
+  ProviderJob,
+  Redelivery,
+  RedriveReport,
+  WebhookRoute,
+} from "./webhook.ts";
 export { CREDENTIAL_HEADERS } from "./stored_response.ts";
 export { IDEMPOTENCY_KEY, idempotencyKey, MAX_IDEMPOTENCY_KEY_CHARS, planeKey, targetOf } from "./key.ts";
 export type { Handler } from "./config.ts";

@@ -42,9 +42,9 @@ import { readBody } from "./body.ts";
 import { sleep } from "./client.ts";
 import { monotonicNow } from "./clock.ts";
 import { sha256HexOfBytes } from "./hash.ts";
-import { PlaneError } from "./errors.ts";
+import { codes, PlaneError } from "./errors.ts";
 import { DEFAULT_JOURNAL_DEADLINE_MS, Timing } from "./timing.ts";
-import type { Held, Settle } from "./held.ts";
+import { Held, type Settle } from "./held.ts";
 import { Attempt, type Begun, EffectDriver, type EffectSpec } from "./driver.ts";
 import type { IdempotencyPlane } from "./plane.ts";
 import { consoleLogger, type Logger } from "./log.ts";
@@ -86,7 +86,9 @@ export type DropReason =
   /** Processing kept failing retryably until its timeout; the failure is journaled. */
   | "processing_failed"
   /** Processing threw something other than a ProcessingError, or overran its timeout; journaled. */
-  | "processing_aborted";
+  | "processing_aborted"
+  /** A re-drive found the event handed out as often as its scope's `max_attempts` allows: journaled as a failure. */
+  | "dead_lettered";
 
 /** What the gate answers the vendor. */
 export type Ack =
@@ -97,7 +99,39 @@ export type Ack =
   /** Not processed now, with a counted reason: 200. */
   | { ack: "dropped"; status: 200; reason: DropReason }
   /** The gate holds no claim (the plane could not decide): 503, redeliver. */
-  | { ack: "retry"; status: 503; reason: "plane_unavailable" };
+  | { ack: "retry"; status: 503; reason: "plane_unavailable" }
+  /**
+   * The delivery is larger (or nests deeper) than its scope's
+   * `max_request_bytes` lets a claim carry: never acknowledged unstored (no
+   * other worker could finish it), so 413, and the vendor keeps the event
+   * for a resend once the limit is raised.
+   */
+  | { ack: "retry"; status: 413; reason: "delivery_too_large" }
+  /** The worker is shutting down (`beforeunload`, `close()`): nothing claimed, 503, redeliver. */
+  | { ack: "retry"; status: 503; reason: "closing" };
+
+/** An event a re-drive handed to this worker: what its first delivery carried. */
+export interface Redelivery {
+  organizationId: string;
+  scope: string;
+  deliveryId: string;
+  /** The body exactly as first delivered (and verified). */
+  body: Uint8Array;
+  /** Which attempt this is: 2 for the first re-drive. */
+  attempt: number;
+}
+
+/** What one re-drive did. */
+export interface RedriveReport {
+  /** Orphans taken over and run through `process`. */
+  redriven: number;
+  /** Of those, journaled (processed, or failed for good). */
+  journaled: number;
+  /** Orphans journaled as dead letters (their scope's `max_attempts` reached). */
+  deadLettered: number;
+  /** Taken over but not journaled: re-driven again once the lease given to them passes. */
+  left: number;
+}
 
 /** A failure of processing. `retryable` ones are tried again in process, within the timeout. */
 export class ProcessingError extends Error {
@@ -156,6 +190,20 @@ export interface GateOptions {
   /** When the vendor redelivers for the last time; the lease must pass before. Default 6 min. */
   vendorHorizonMs?: number;
   /**
+   * Claims for this short lease (at least 3 s) kept alive by heartbeats while
+   * processing and its journal run, instead of the whole processing timeout:
+   * a worker that is stopped is re-driven after it, while a live one keeps
+   * its claim as long as its own deadlines allow.
+   */
+  heartbeatLeaseMs?: number;
+  /**
+   * Stops starting new work when the runtime announces shutdown
+   * (`beforeunload`, which Supabase's Edge Runtime dispatches): deliveries
+   * are answered 503 unclaimed, and held claims are left to re-drive.
+   * Default true where the runtime has `addEventListener`.
+   */
+  closeOnBeforeUnload?: boolean;
+  /**
    * Keeps work running after the response: `EdgeRuntime.waitUntil` on
    * Supabase (found by itself when present), `ctx.waitUntil` on Workers.
    * Without one (Deno, Node) the work simply goes on in the process.
@@ -172,6 +220,7 @@ export class WebhookGate {
   readonly #waitUntil?: (work: Promise<unknown>) => void;
   readonly #log: Logger;
   readonly #drops = new Map<DropReason, number>();
+  #closing = false;
 
   constructor(plane: IdempotencyPlane, options: GateOptions = {}) {
     this.#log = options.log ?? consoleLogger("warn");
@@ -181,13 +230,28 @@ export class WebhookGate {
       options.journalDeadlineMs ?? DEFAULT_JOURNAL_DEADLINE_MS,
       options.marginMs ?? WEBHOOK_LEASE_MARGIN_MS,
     );
+    if (options.heartbeatLeaseMs !== undefined) this.timing = this.timing.withHeartbeats(options.heartbeatLeaseMs);
     this.timing.check(options.vendorHorizonMs ?? DEFAULT_VENDOR_HORIZON_MS);
+    const target = globalThis as { addEventListener?: (type: string, listener: () => void) => void };
+    if ((options.closeOnBeforeUnload ?? true) && typeof target.addEventListener === "function") {
+      target.addEventListener("beforeunload", () => this.close());
+    }
     this.deadlineMs = options.deadlineMs ?? DEFAULT_GATE_DEADLINE_MS;
     if (!(this.deadlineMs > 0)) throw PlaneError.invalid("zero_duration", "the gate's deadline must be above zero");
     this.#waitUntil = options.waitUntil ?? edgeRuntimeWaitUntil();
   }
 
-  /** The lease every claim takes: processing timeout + journal deadline + margin. */
+  /**
+   * Stops starting new work: every later delivery is answered 503 without a
+   * claim (the vendor redelivers to a live worker), and claims held now are
+   * finished if the worker lives long enough, or re-driven if it does not.
+   */
+  close(): void {
+    if (!this.#closing) this.#log({ event: "webhook.closing", level: "warn" });
+    this.#closing = true;
+  }
+
+  /** The lease every claim takes: processing timeout + journal deadline + margin (or the heartbeat lease). */
   get leaseMs(): number {
     return this.timing.leaseMs;
   }
@@ -235,6 +299,72 @@ export class WebhookGate {
     }, () => process(found));
   }
 
+  /**
+   * Takes over up to `limit` orphaned events of `scope` (or a family,
+   * `webhook.*`; default this gate's deliveries' family) and runs each
+   * through `process`, concurrently, with a delivery's endings: retried in
+   * process while retryable within the processing timeout, journaled, kept
+   * alive by heartbeats when the gate has them. An event past its scope's
+   * `max_attempts` comes back journaled as a dead letter (counted as
+   * `dead_lettered`). A limit above the plane's `maxRows` is refused.
+   */
+  async redrive(
+    request: { scope: string; limit: number; organizationId?: string },
+    process: (redelivery: Redelivery) => Promise<unknown>,
+  ): Promise<RedriveReport> {
+    const startedAt = monotonicNow();
+    const taken = await this.driver.plane.redrive({ ...request, leaseMs: this.timing.leaseMs });
+    const report: RedriveReport = { redriven: 0, journaled: 0, deadLettered: 0, left: 0 };
+    const running: Promise<boolean>[] = [];
+    for (const work of taken) {
+      if (work.outcome === "dead_lettered") {
+        report.deadLettered += 1;
+        this.#drop("dead_lettered");
+        continue;
+      }
+      report.redriven += 1;
+      const held = new Held(this.driver, work.claim, { startedAt }, this.timing);
+      running.push(this.#carryAgain(held, work.request, work.attempt, process));
+    }
+    for (const journaled of await Promise.all(running)) {
+      if (journaled) report.journaled += 1;
+      else report.left += 1;
+    }
+    this.#log({ event: "webhook.redrive", scope: request.scope, ...report });
+    return report;
+  }
+
+  async #carryAgain(
+    held: Held,
+    stored: unknown,
+    attempt: number,
+    process: (redelivery: Redelivery) => Promise<unknown>,
+  ): Promise<boolean> {
+    const body = bodyOf(stored);
+    if (body === undefined) {
+      this.#log({
+        event: "webhook.unknown_work",
+        level: "error",
+        scope: held.claim.scope,
+        delivery_id: held.claim.key,
+      });
+      await held.settle({ unknown: "the claim carries work this gate did not store" });
+      return false;
+    }
+    const redelivery: Redelivery = {
+      organizationId: held.claim.organizationId,
+      scope: held.claim.scope,
+      deliveryId: held.claim.key,
+      body,
+      attempt,
+    };
+    const [settle, dropped] = await this.#processToAnAnswer(held, () => process(redelivery));
+    const settled = await held.settle(settle);
+    if (settled.ending !== "journaled") return false;
+    if (dropped) this.#drop(dropped);
+    return true;
+  }
+
   async #lookup(provider: string, jobId: string, deadlineMs: number): Promise<ProviderJob | undefined> {
     const data = await this.driver.plane.client.rpc("provider_job_lookup", { p_provider: provider, p_job_id: jobId }, {
       deadlineMs: Math.max(1, deadlineMs),
@@ -249,6 +379,10 @@ export class WebhookGate {
   }
 
   async #handleBy(answerBy: number, delivery: Delivery, process: () => Promise<unknown>): Promise<Ack> {
+    if (this.#closing) {
+      this.#log({ event: "webhook.closing", level: "warn", scope: delivery.scope, delivery_id: delivery.deliveryId });
+      return { ack: "retry", status: 503, reason: "closing" };
+    }
     let closed = false;
     let resolve!: (ack: Ack) => void;
     const answered = new Promise<Ack>((r) => (resolve = r));
@@ -311,6 +445,7 @@ export class WebhookGate {
       key: delivery.deliveryId,
       requestHash: await sha256HexOfBytes(bytes),
       timing: this.timing,
+      work: storedBody(bytes),
     };
     const held = await this.#claim(spec, say);
     if (!held) return;
@@ -363,6 +498,19 @@ export class WebhookGate {
       if (begun.kind === "replayed" || begun.kind === "in_flight") {
         this.#sayDrop(say, "duplicate", begun.kind === "replayed");
       } else this.#sayDrop(say, "hash_mismatch", false);
+      return undefined;
+    }
+    if (
+      error instanceof PlaneError && (error.code === codes.REQUEST_TOO_LARGE || error.code === codes.REQUEST_TOO_DEEP)
+    ) {
+      this.#log({
+        event: "webhook.too_large",
+        level: "error",
+        scope: spec.scope,
+        delivery_id: spec.key,
+        error: error.message,
+      });
+      if (!answered) say({ ack: "retry", status: 413, reason: "delivery_too_large" });
       return undefined;
     }
     if (
@@ -538,7 +686,11 @@ export function webhookHandler(route: WebhookRoute): (request: Request) => Promi
       { organizationId, scope: route.scope, deliveryId, body },
       () => route.process({ request, body }),
     );
-    const payload = ack.ack === "dropped" ? { ack: ack.ack, drop_reason: ack.reason } : { ack: ack.ack };
+    const payload = ack.ack === "dropped"
+      ? { ack: ack.ack, drop_reason: ack.reason }
+      : ack.ack === "retry" && ack.reason !== "plane_unavailable"
+      ? { ack: ack.ack, reason: ack.reason }
+      : { ack: ack.ack };
     const headers: Record<string, string> = ack.status === 503 ? { "Retry-After": "1" } : {};
     return Response.json(payload, { status: ack.status, headers });
   };
@@ -559,4 +711,38 @@ function errorText(error: unknown): string {
 function edgeRuntimeWaitUntil(): ((work: Promise<unknown>) => void) | undefined {
   const runtime = (globalThis as { EdgeRuntime?: { waitUntil?: (work: Promise<unknown>) => void } }).EdgeRuntime;
   return typeof runtime?.waitUntil === "function" ? (work) => runtime.waitUntil!(work) : undefined;
+}
+
+/**
+ * A delivery's body as its claim stores it, losslessly: `{"body_text": …}`
+ * for UTF-8 without U+0000 (which `jsonb` cannot hold), `{"body_base64": …}`
+ * for anything else. The Rust gate's keys, so either re-drives the other's.
+ */
+export function storedBody(bytes: Uint8Array): { body_text: string } | { body_base64: string } {
+  let text: string | undefined;
+  try {
+    text = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true }).decode(bytes);
+  } catch {
+    text = undefined;
+  }
+  if (text !== undefined && !text.includes("\0")) return { body_text: text };
+  let binary = "";
+  for (const byte of bytes) binary += String.fromCharCode(byte);
+  return { body_base64: btoa(binary) };
+}
+
+/** The bytes a stored body holds; undefined for anything a gate did not store. */
+export function bodyOf(stored: unknown): Uint8Array | undefined {
+  if (stored === null || typeof stored !== "object" || Array.isArray(stored)) return undefined;
+  const members = Object.entries(stored);
+  if (members.length !== 1) return undefined;
+  const [[key, value]] = members;
+  if (typeof value !== "string") return undefined;
+  if (key === "body_text") return new TextEncoder().encode(value);
+  if (key !== "body_base64") return undefined;
+  try {
+    return Uint8Array.from(atob(value), (char) => char.charCodeAt(0));
+  } catch {
+    return undefined;
+  }
 }
