@@ -539,15 +539,28 @@ begin
   end if;
   v_lease := p_lease_ms * interval '1 millisecond';
   v_at := pg_catalog.clock_timestamp();
-  update agent.idempotency_keys as k
-     set lease_expires_at = v_at + v_lease,
-         retain_until = greatest(k.retain_until, v_at + v_lease + (k.retain_until - k.lease_expires_at)),
-         redrive_at = case when k.redrive_at is not null then v_at + v_lease end
-   where (p_organization_id is null or k.organization_id = p_organization_id)
-     and k.id = p_claim_id
-     and k.lease_token = p_lease_token
-     and k.status = 'processing'
-  returning k.lease_expires_at into v_end;
+  if p_organization_id is null then
+    -- A caller that does not name the organization: found by id alone,
+    -- which a partitioned table answers from every partition.
+    update agent.idempotency_keys as k
+       set lease_expires_at = v_at + v_lease,
+           retain_until = greatest(k.retain_until, v_at + v_lease + (k.retain_until - k.lease_expires_at)),
+           redrive_at = case when k.redrive_at is not null then v_at + v_lease end
+     where k.id = p_claim_id
+       and k.lease_token = p_lease_token
+       and k.status = 'processing'
+    returning k.lease_expires_at into v_end;
+  else
+    update agent.idempotency_keys as k
+       set lease_expires_at = v_at + v_lease,
+           retain_until = greatest(k.retain_until, v_at + v_lease + (k.retain_until - k.lease_expires_at)),
+           redrive_at = case when k.redrive_at is not null then v_at + v_lease end
+     where k.organization_id = p_organization_id
+       and k.id = p_claim_id
+       and k.lease_token = p_lease_token
+       and k.status = 'processing'
+    returning k.lease_expires_at into v_end;
+  end if;
   return v_end;
 end
 $$;

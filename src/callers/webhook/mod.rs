@@ -32,13 +32,28 @@
 //!   redelivery, which meets that claim and is ACKed as a duplicate, is not
 //!   a loss. A plane silent for that whole time leaves it to its lease.
 //!
-//! The only non-2xx answer is [`Ack::Retry`]: the gate holds no claim (the
-//! plane could not be reached, or did not answer in time). Background work
-//! lives as long as the process: a worker that dies holding a claim leaves
-//! it `processing` past its lease, visible to an operator (`idem get`), and
-//! the redeliveries meeting it meanwhile were ACKed as duplicates. A vendor
-//! that does not redeliver after an ACK cannot be made to; that is the price
-//! of answering a live claim with an ACK.
+//! The only non-2xx answers are [`Ack::Retry`]: the gate holds no claim (the
+//! plane could not be reached, or did not answer in time: 503), or the
+//! delivery is too large to store with its claim (413, see below).
+//!
+//! **The work outlives the worker.** Every delivery is claimed together
+//! with its body, in the same statement, losslessly (`body_text`, or
+//! `body_base64` for bytes that are not UTF-8 text), bounded by the scope's
+//! `max_request_bytes`. A delivery above that limit is never acknowledged
+//! unstored: it is answered 413 and not claimed, so the vendor records the
+//! failure and keeps the event for a resend once the limit is raised. A
+//! worker that dies holding a claim (killed, out of memory, at a platform's
+//! wall-clock limit) leaves the event and its body in the plane:
+//! [`WebhookGate::redrive`], run from anything on a schedule, takes such
+//! orphans over once their lease passes, with a fresh fence (the old holder,
+//! if it was only slow, is fenced off), and runs them through the same
+//! `process` with the same endings; an event handed out as often as its
+//! scope's `max_attempts` allows is journaled as a dead letter
+//! ([`DropReason::DeadLettered`]). With [`WebhookGate::with_heartbeats`] the
+//! claim is made for a short lease that heartbeats keep alive while
+//! processing runs, so a dead worker's event is re-driven within seconds.
+//! The invariant then holds whatever happens to the worker, as long as
+//! something re-drives.
 //!
 //! The lease is the processing timeout plus the journal's deadline plus
 //! [`LEASE_MARGIN`]: 15 + 10 + 5 = the spec's 30 s for `webhook.nylas`.
@@ -51,8 +66,9 @@
 //!
 //! The module by job: the gate and its answer by the deadline (`gate`), the
 //! road a delivery takes in its own task (`carry`), what reaches the gate
-//! (`delivery`), what it answers (`ack`), and the provider jobs a callback
-//! resolves its tenant by (`jobs`).
+//! (`delivery`), what it answers (`ack`), the provider jobs a callback
+//! resolves its tenant by (`jobs`), the body a claim stores (`stored`), and
+//! the re-drive of orphaned events (`redrive`).
 
 mod ack;
 mod carry;

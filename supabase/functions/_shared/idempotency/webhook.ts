@@ -31,11 +31,25 @@
 //   so the vendor's redelivery, which meets that claim and is ACKed as a
 //   duplicate, is not a loss.
 //
-// The only non-2xx answer is `retry` (503): the gate holds no claim.
-// Background work lives as long as the worker: one that is stopped while
-// holding a claim leaves it `processing` past its lease (visible with
-// `idem get`), and the redeliveries meeting it meanwhile were ACKed. Keep the
-// processing timeout and lease well inside the runtime's wall-clock limit.
+// The only non-2xx answers are `retry`: 503 when the gate holds no claim
+// (the plane could not decide, or the gate is closing), 413 when the delivery
+// is too large to store with its claim (below).
+//
+// The work outlives the worker. Every delivery is claimed together with its
+// body, in the same statement, losslessly (`body_text`, or `body_base64` for
+// bytes that are not UTF-8 text), bounded by the scope's `max_request_bytes`.
+// A delivery above it is never acknowledged unstored: 413, unclaimed, so the
+// vendor keeps the event for a resend once the limit is raised. A worker
+// stopped while holding a claim (wall-clock, CPU or memory limit, early drop)
+// leaves the event in the plane: `redrive()`, called from anything on a
+// schedule (a pg_cron job calling the function's re-drive route), takes such
+// orphans over once their lease passes, with a fresh fence, and runs them
+// through the same `process` with the same endings; an event handed out as
+// often as its scope's `max_attempts` allows is journaled as `dead_lettered`.
+// With `heartbeatLeaseMs` the claim is made for a short lease kept alive by
+// heartbeats while processing runs, so a stopped worker's event is re-driven
+// within seconds. On `beforeunload` the gate stops claiming new deliveries
+// (503) and leaves what it holds to re-drive.
 
 import { type Answer, failure, success } from "./answer.ts";
 import { readBody } from "./body.ts";
