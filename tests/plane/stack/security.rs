@@ -283,9 +283,11 @@ async fn a_function_created_later_in_schema_agent_by_the_migrating_role_or_anoth
     stack.stop().await.unwrap();
 }
 
-/// The plane's tables, and the view of the claim table that the bounded
-/// reads answer rows of (which the service role may name, not read through).
-const TABLES: [&str; 5] = ["idempotency_keys", "idempotency_scopes", "runs", "provider_jobs", "idempotency_rows"];
+/// The plane's tables, and the views of the claim table that the bounded
+/// reads and the re-drive answer rows of (which the service role may name,
+/// not read through).
+const TABLES: [&str; 6] =
+    ["idempotency_keys", "idempotency_scopes", "runs", "provider_jobs", "idempotency_rows", "idempotency_work"];
 
 /// The roles PostgREST switches to.
 const API_ROLES: [&str; 3] = ["anon", "authenticated", "service_role"];
@@ -367,7 +369,7 @@ async fn every_api_role_is_refused_every_statement_on_the_tables_in_sql() {
         for table in TABLES {
             let column = match table {
                 "idempotency_scopes" => "retain",
-                "idempotency_rows" => "key",
+                "idempotency_rows" | "idempotency_work" => "key",
                 _ => "organization_id",
             };
             for statement in [
