@@ -419,3 +419,41 @@ Deno.test("webhookHandler answers an application's throw 400 with a fixed messag
   assert.equal(logged[0].scope, SCOPE);
   assert.equal(logged[0].error, secret, "the operator gets the application's text");
 });
+
+Deno.test("webhookHandler verifies first: a bad signature is 401 and never claimed; a delivery without an event id is 400", async () => {
+  const events: PlaneEvent[] = [];
+  const secret = "expected v1,abc but got v1,xyz for whsec_SECRET";
+  const signed = (request: Request) => {
+    const signature = request.headers.get("webhook-signature");
+    if (signature === "throw") throw new Error(secret);
+    return signature === "good";
+  };
+  const { handler, calls } = countedEndpoint({ verify: signed }, (event) => void events.push(event));
+  const send = (headers: Record<string, string>) =>
+    handler(new Request("http://gate/slack", { method: "POST", headers, body: '{"type":"ping"}' }));
+
+  for (const signature of ["bad", "throw"]) {
+    const refused = await send({ "webhook-id": uniqueKey("evt"), "webhook-signature": signature });
+    assert.equal(refused.status, 401, signature);
+    const text = await refused.text();
+    assert.ok(!text.includes("whsec") && !text.includes("xyz"), `no verifier text: ${text}`);
+    assert.deepEqual(JSON.parse(text), {
+      ack: "rejected",
+      reason: "signature_invalid",
+      error: "the delivery's signature could not be verified",
+    });
+  }
+  assert.deepEqual([calls.organizationOf, calls.deliveryIdOf, calls.process], [0, 0, 0], "nothing claimed");
+  const logged = events.filter((event) => event.event === "webhook.rejected" && event.reason === "signature_invalid");
+  assert.equal(logged.length, 2);
+  assert.equal(logged[1].error, secret, "the operator gets the verifier's text");
+
+  const anonymous = await send({ "webhook-signature": "good" });
+  assert.equal(anonymous.status, 400, "not acknowledged: the vendor sees the failure");
+  assert.equal((await anonymous.json()).reason, "no_event_id");
+  assert.equal(calls.process, 0);
+
+  const good = await send({ "webhook-id": uniqueKey("evt"), "webhook-signature": "good" });
+  assert.deepEqual([good.status, await good.json()], [200, { ack: "processed" }]);
+  assert.equal(calls.process, 1);
+});

@@ -624,6 +624,13 @@ export interface WebhookRoute {
   gate: WebhookGate;
   /** The vendor's scope, e.g. `webhook.slack` (needs a policy row: `webhook.*` is seeded). */
   scope: string;
+  /**
+   * Checks the delivery's signature (e.g. with the `standardwebhooks`
+   * package) before anything else looks at it: false or a throw answers 401
+   * with a fixed message (the throw's text goes to the gate's log only, as a
+   * `webhook.rejected` event), and the delivery is never claimed.
+   */
+  verify?: (request: Request, body: Uint8Array) => boolean | Promise<boolean>;
   /** The tenant the delivery belongs to (after you verified the vendor's signature). */
   organizationOf: (request: Request, body: Uint8Array) => string | Promise<string>;
   /** The vendor's delivery id (Slack's `event_id`, a header such as `webhook-id`). */
@@ -639,7 +646,7 @@ export interface WebhookRoute {
 }
 
 /** Why `webhookHandler` refused a request before the gate saw it. */
-type Rejection = "body_too_large" | "body_unreadable" | "delivery_unreadable";
+type Rejection = "body_too_large" | "body_unreadable" | "signature_invalid" | "delivery_unreadable" | "no_event_id";
 
 /** The fixed answer to a refused request: never the application's error text. */
 function rejected(reason: Rejection, limit: number): Response {
@@ -647,6 +654,10 @@ function rejected(reason: Rejection, limit: number): Response {
     ? [413, `the body is larger than this endpoint reads (${limit} bytes)`]
     : reason === "body_unreadable"
     ? [400, "the body could not be read"]
+    : reason === "signature_invalid"
+    ? [401, "the delivery's signature could not be verified"]
+    : reason === "no_event_id"
+    ? [400, "the delivery names no event id, so it cannot be processed exactly once"]
     : [400, "the delivery's tenant or delivery id could not be read from it"];
   return Response.json({ ack: "rejected", reason, error }, { status });
 }
@@ -688,6 +699,15 @@ export function webhookHandler(route: WebhookRoute): (request: Request) => Promi
     // Read without a deadline, a body is never late.
     if (!("bytes" in read)) return reject("body_unreadable");
     const body = read.bytes;
+    if (route.verify) {
+      let verified = false;
+      try {
+        verified = await route.verify(request, body);
+      } catch (error) {
+        return reject("signature_invalid", { error: errorText(error) });
+      }
+      if (verified !== true) return reject("signature_invalid");
+    }
     let organizationId: string;
     let deliveryId: string;
     try {
@@ -696,6 +716,9 @@ export function webhookHandler(route: WebhookRoute): (request: Request) => Promi
     } catch (error) {
       return reject("delivery_unreadable", { error: errorText(error) });
     }
+    // Without its id an event cannot be told from its redeliveries: refused,
+    // so the vendor sees the failure, rather than acknowledged and dropped.
+    if (typeof deliveryId !== "string" || deliveryId === "") return reject("no_event_id");
     const ack = await route.gate.handle(
       { organizationId, scope: route.scope, deliveryId, body },
       () => route.process({ request, body }),
