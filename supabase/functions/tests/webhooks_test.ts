@@ -1,0 +1,190 @@
+// The example webhook function (webhooks/index.ts) as a process of its own,
+// against the local plane: Standard Webhooks signatures checked before any
+// claim, the re-drive route behind the service key, and an event whose worker
+// is killed with SIGKILL after it was acknowledged, finished by the next
+// worker's re-drive, once at the downstream service.
+
+import assert from "node:assert/strict";
+import { Webhook } from "standardwebhooks";
+import { KEY, sleep, uniqueKey, URL_ } from "./support.ts";
+
+const SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const signer = new Webhook(SECRET);
+
+/** The downstream service PROCESS_URL names: counts requests per Idempotency-Key; `hold` keeps them unanswered. */
+function downstream() {
+  const seen = new Map<string, number>();
+  const done = new Set<string>();
+  let hold = false;
+  const waiting: (() => void)[] = [];
+  const server = Deno.serve({ port: 0, hostname: "127.0.0.1", onListen() {} }, async (request) => {
+    const key = request.headers.get("idempotency-key") ?? "";
+    await request.arrayBuffer();
+    seen.set(key, (seen.get(key) ?? 0) + 1);
+    if (hold) await new Promise<void>((resolve) => waiting.push(resolve));
+    done.add(key);
+    return new Response("{}", { status: 200 });
+  });
+  return {
+    url: `http://127.0.0.1:${server.addr.port}/`,
+    seen,
+    done,
+    hold(on: boolean) {
+      hold = on;
+      if (!on) waiting.splice(0).forEach((resolve) => resolve());
+    },
+    async close() {
+      this.hold(false);
+      await server.shutdown();
+    },
+  };
+}
+
+/** The function as a process: its URL once it printed `listening on …`. */
+async function start(processUrl: string) {
+  const child = new Deno.Command(Deno.execPath(), {
+    args: ["run", "--frozen", "--allow-net", "--allow-env", "webhooks/index.ts"],
+    env: {
+      IDEM_POSTGREST_URL: URL_,
+      IDEM_SERVICE_KEY: KEY,
+      PORT: "0",
+      WEBHOOK_SECRET: SECRET,
+      PROCESS_URL: processUrl,
+      HEARTBEAT_LEASE_MS: "3000",
+    },
+    stdout: "piped",
+    stderr: "null",
+  }).spawn();
+  const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  let text = "";
+  while (!text.includes("\n")) {
+    const { value, done } = await reader.read();
+    if (done) throw new Error(`the function stopped before it served: ${text}`);
+    text += value;
+  }
+  const url = /listening on (\S+)/.exec(text)?.[1];
+  if (!url) throw new Error(`no listening line: ${text}`);
+  // Keep draining stdout so the child never blocks on a full pipe.
+  (async () => {
+    while (!(await reader.read().catch(() => ({ done: true }))).done);
+  })();
+  return { url, child };
+}
+
+/** Kills the function's process (SIGKILL, as a platform stops a worker), if it still runs. */
+async function kill(child: Deno.ChildProcess): Promise<void> {
+  try {
+    child.kill("SIGKILL");
+  } catch {
+    // Already gone.
+  }
+  await child.status;
+}
+
+function signed(id: string, body: string, headers: Record<string, string> = {}): RequestInit {
+  const timestamp = new Date();
+  const signature = signer.sign(id, timestamp, body);
+  return {
+    method: "POST",
+    headers: {
+      "webhook-id": id,
+      "webhook-timestamp": String(Math.floor(timestamp.getTime() / 1000)),
+      "webhook-signature": signature,
+      ...headers,
+    },
+    body,
+  };
+}
+
+Deno.test("the example function verifies signatures before any claim and keeps its re-drive route behind the service key", async () => {
+  const service = downstream();
+  const fn = await start(service.url);
+  try {
+    const id = uniqueKey("msg");
+    const body = JSON.stringify({ type: "user.created", id });
+    const first = await fetch(fn.url, signed(id, body));
+    assert.deepEqual([first.status, await first.json()], [200, { ack: "processed" }]);
+    const again = await fetch(fn.url, signed(id, body));
+    assert.deepEqual([again.status, await again.json()], [200, { ack: "dropped", drop_reason: "duplicate" }]);
+    assert.deepEqual([...service.seen.values()], [1], "processed once");
+
+    const forged = await fetch(fn.url, signed(uniqueKey("msg"), body, { "webhook-signature": "v1,Zm9yZ2Vk" }));
+    assert.equal(forged.status, 401);
+    await forged.body?.cancel();
+    const unsigned = await fetch(fn.url, { method: "POST", headers: { "webhook-id": uniqueKey("msg") }, body });
+    assert.equal(unsigned.status, 401);
+    await unsigned.body?.cancel();
+    const stale = signer.sign(id, new Date(Date.now() - 3_600_000), body);
+    const old = await fetch(fn.url, {
+      method: "POST",
+      headers: {
+        "webhook-id": uniqueKey("msg"),
+        "webhook-timestamp": String(Math.floor(Date.now() / 1000) - 3600),
+        "webhook-signature": stale,
+      },
+      body,
+    });
+    assert.equal(old.status, 401, "a stale delivery is refused");
+    await old.body?.cancel();
+    assert.equal(service.seen.size, 1, "nothing refused reached processing");
+
+    for (const authorization of [undefined, "Bearer nope", `Bearer ${KEY}x`]) {
+      const refused = await fetch(`${fn.url}/redrive`, {
+        method: "POST",
+        headers: authorization ? { authorization } : {},
+      });
+      assert.equal(refused.status, 401, String(authorization));
+      await refused.body?.cancel();
+    }
+    const redrive = await fetch(`${fn.url}/redrive`, { method: "POST", headers: { authorization: `Bearer ${KEY}` } });
+    assert.deepEqual([redrive.status, await redrive.json()], [200, {
+      redriven: 0,
+      journaled: 0,
+      dead_lettered: 0,
+      left: 0,
+    }]);
+  } finally {
+    await kill(fn.child);
+    await service.close();
+  }
+});
+
+Deno.test("an event acknowledged by a worker killed with SIGKILL mid-processing is finished by the next worker's re-drive", async () => {
+  const service = downstream();
+  const first = await start(service.url);
+  const id = uniqueKey("msg");
+  const body = JSON.stringify({ type: "invoice.paid", id });
+  let second: Awaited<ReturnType<typeof start>> | undefined;
+  try {
+    service.hold(true);
+    const ack = await fetch(first.url, signed(id, body));
+    assert.deepEqual([ack.status, await ack.json()], [200, { ack: "accepted" }], "ACKed while processing runs");
+    assert.equal([...service.seen.values()].reduce((a, b) => a + b, 0), 1, "processing reached downstream");
+    await kill(first.child);
+    service.hold(false);
+
+    // The vendor never redelivers an ACKed event: only the re-drive can
+    // finish it, once the dead worker's lease (3 s) has passed.
+    second = await start(service.url);
+    let counts: Record<string, number> = {};
+    for (let poll = 0; poll < 40; poll++) {
+      await sleep(250);
+      const redrive = await fetch(`${second.url}/redrive`, {
+        method: "POST",
+        headers: { authorization: `Bearer ${KEY}` },
+      });
+      counts = await redrive.json();
+      if (counts.redriven > 0) break;
+    }
+    assert.deepEqual(counts, { redriven: 1, journaled: 1, dead_lettered: 0, left: 0 });
+    const keys = [...service.seen.keys()];
+    assert.equal(keys.length, 1, "both tries carried the same vendor key, so downstream applies it once");
+    assert.deepEqual([...service.done], keys);
+    const redelivered = await fetch(second.url, signed(id, body));
+    assert.deepEqual(await redelivered.json(), { ack: "dropped", drop_reason: "duplicate" });
+  } finally {
+    await kill(first.child);
+    if (second) await kill(second.child);
+    await service.close();
+  }
+});

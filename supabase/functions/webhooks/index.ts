@@ -1,0 +1,145 @@
+// A webhook receiver whose events outlive its worker, as a Supabase Edge
+// Function. Deliveries are signed as Standard Webhooks signs them (the
+// `webhook-id`, `webhook-timestamp` and `webhook-signature` headers, as
+// Supabase's Auth hooks and Svix send them):
+//
+//   POST /           a signed delivery: verified (401 when unsigned, wrongly
+//                    signed or stale, and never claimed), claimed with its
+//                    body under its `webhook-id`, answered within 2.5 s, and
+//                    processed once: its body is forwarded to PROCESS_URL
+//                    (POST, with the tenant's vendor key as `Idempotency-Key`)
+//                    and done when that answers 2xx
+//   POST /redrive    `Authorization: Bearer <service key>`: re-drives the
+//                    events of this function's scope whose worker was stopped
+//                    (lease passed, still processing) and answers the counts
+//                    `{"redriven", "journaled", "dead_lettered", "left"}`;
+//                    anything else is 401
+//
+// The plane comes from the environment as in `orders` (SUPABASE_URL and the
+// service key on Supabase; `idem up --env-file` writes IDEM_POSTGREST_URL and
+// IDEM_SERVICE_KEY). Also: WEBHOOK_SECRET (`whsec_…`), PROCESS_URL, and
+// optionally ORGANIZATION_ID (the tenant these deliveries belong to) and
+// HEARTBEAT_LEASE_MS (default 10 000). Locally:
+//
+//   idem up --env-file plane.env &
+//   set -a; . ./plane.env; set +a
+//   export WEBHOOK_SECRET=whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw PROCESS_URL=http://127.0.0.1:9000/
+//   cd supabase/functions && PORT=8081 deno run --allow-net --allow-env webhooks/index.ts
+//
+// Deploy it with `supabase functions deploy webhooks --no-verify-jwt`: the
+// vendor calls it without a Supabase key, so the signature is its
+// authentication. Schedule the re-drive with sql/recipes/ (pg_cron calling
+// POST /redrive), or `idem redrive`.
+
+import { Webhook } from "standardwebhooks";
+import {
+  IdempotencyPlane,
+  ProcessingError,
+  type Redelivery,
+  vendorKey,
+  WebhookGate,
+  webhookHandler,
+} from "../_shared/idempotency/mod.ts";
+
+/** The scope of these deliveries: under `webhook.*` (24 h retention, 64 KiB, 5 attempts). */
+export const SCOPE = "webhook.standard";
+
+/** The tenant of deliveries when ORGANIZATION_ID is not set. */
+const DEMO_ORGANIZATION = "00000000-0000-4000-8000-000000000001";
+
+/** The most orphans one call of POST /redrive takes over. */
+const REDRIVE_BATCH = 50;
+
+function required(name: string): string {
+  const value = Deno.env.get(name);
+  if (!value) throw new Error(`set ${name}`);
+  return value;
+}
+
+/** The handler for this function's routes, over `plane`. */
+export function receiver(plane: IdempotencyPlane, env: (name: string) => string | undefined = Deno.env.get) {
+  const webhook = new Webhook(env("WEBHOOK_SECRET") ?? required("WEBHOOK_SECRET"));
+  const processUrl = env("PROCESS_URL") ?? required("PROCESS_URL");
+  const organizationId = env("ORGANIZATION_ID") ?? DEMO_ORGANIZATION;
+  const serviceKey = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
+  const gate = new WebhookGate(plane, { heartbeatLeaseMs: Number(env("HEARTBEAT_LEASE_MS") ?? 10_000) });
+
+  /** Forwards one event downstream; done on 2xx. */
+  const forward = async (deliveryId: string, body: Uint8Array): Promise<unknown> => {
+    const key = await vendorKey(organizationId, SCOPE, deliveryId);
+    let answer: Response;
+    try {
+      answer = await fetch(processUrl, {
+        method: "POST",
+        headers: { "content-type": "application/json", "idempotency-key": key },
+        body: body as BodyInit,
+      });
+    } catch (error) {
+      throw ProcessingError.retryable(`PROCESS_URL unreachable: ${error instanceof Error ? error.message : error}`);
+    }
+    await answer.body?.cancel();
+    if (answer.ok) return { forwarded: answer.status };
+    const failure = `PROCESS_URL answered ${answer.status}`;
+    throw answer.status >= 500 || answer.status === 429
+      ? ProcessingError.retryable(failure)
+      : ProcessingError.permanent(failure);
+  };
+
+  const deliveries = webhookHandler({
+    gate,
+    scope: SCOPE,
+    verify: (request, body) => {
+      // Throws on a missing, wrong or stale signature (the timestamp must be
+      // within five minutes).
+      webhook.verify(new TextDecoder().decode(body), Object.fromEntries(request.headers));
+      return true;
+    },
+    organizationOf: () => organizationId,
+    deliveryIdOf: (request) => request.headers.get("webhook-id") ?? "",
+    process: ({ request, body }) => forward(request.headers.get("webhook-id") ?? "", body),
+  });
+
+  const redrive = async (request: Request): Promise<Response> => {
+    if (!serviceKey || !sameText(request.headers.get("authorization") ?? "", `Bearer ${serviceKey}`)) {
+      return Response.json({ error: "POST /redrive takes the service key as a bearer token" }, { status: 401 });
+    }
+    const report = await gate.redrive(
+      { scope: SCOPE, limit: REDRIVE_BATCH, organizationId },
+      (event: Redelivery) => forward(event.deliveryId, event.body),
+    );
+    return Response.json({
+      redriven: report.redriven,
+      journaled: report.journaled,
+      dead_lettered: report.deadLettered,
+      left: report.left,
+    });
+  };
+
+  return (request: Request): Promise<Response> | Response => {
+    const path = new URL(request.url).pathname.replace(/^\/functions\/v1\/webhooks/, "").replace(/^\/webhooks/, "");
+    if (request.method !== "POST") return new Response(null, { status: 405, headers: { allow: "POST" } });
+    if (path === "/redrive") return redrive(request);
+    if (path === "/" || path === "") return deliveries(request);
+    return new Response(null, { status: 404 });
+  };
+}
+
+/** Compares two strings in time that does not depend on where they differ. */
+function sameText(a: string, b: string): boolean {
+  const [x, y] = [new TextEncoder().encode(a), new TextEncoder().encode(b)];
+  let differ = x.length ^ y.length;
+  for (let i = 0; i < Math.max(x.length, y.length); i++) differ |= (x[i] ?? 0) ^ (y[i] ?? 0);
+  return differ === 0;
+}
+
+if (import.meta.main) {
+  const handler = receiver(IdempotencyPlane.fromEnv((name) => Deno.env.get(name)));
+  Deno.serve({
+    port: Number(Deno.env.get("PORT") ?? 8000),
+    hostname: Deno.env.get("HOST") ?? "127.0.0.1",
+    onListen({ hostname, port }) {
+      // The first line on stdout, with the port bound (PORT=0 picks a free one).
+      console.log(`listening on http://${hostname.includes(":") ? `[${hostname}]` : hostname}:${port}`);
+    },
+  }, handler);
+}
