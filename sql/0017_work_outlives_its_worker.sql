@@ -42,6 +42,9 @@
 --    to every bounded read); p_limit is checked against p_row_cap (default
 --    1000), as agent.idempotency_sweep checks its bound.
 --
+-- agent.idempotency_orphans(p_limit DEFAULT 100) counts the orphans of each
+-- scope, for `idem doctor`.
+--
 -- How orphans are found without slowing the hot path: a claim that carries
 -- work has redrive_at, the end of its lease, in a partial index; a claim
 -- without work has it NULL and is in no new index. A completion sets it
@@ -674,6 +677,39 @@ begin
 end
 $$;
 
+-- How much work nobody is doing: per scope, the orphans (claims still
+-- processing whose lease passed and that carry work), since when the oldest
+-- waits and how long that is by the database clock, most orphans first, at
+-- most p_limit scopes. For `idem doctor`: orphans that wait long mean
+-- nothing re-drives the scope. Read-only; it reads the re-drive index alone.
+create type agent.idempotency_orphaned_scope as (
+  scope     text,
+  orphans   bigint,
+  oldest    timestamptz,
+  waited_ms bigint
+);
+alter type agent.idempotency_orphaned_scope owner to idempotency_owner;
+
+create function agent.idempotency_orphans(p_limit integer default 100)
+returns setof agent.idempotency_orphaned_scope
+language plpgsql stable security definer set search_path = ''
+as $$
+begin
+  if p_limit is null or p_limit not between 1 and 1000 then
+    raise exception 'p_limit must be between 1 and 1000 scopes, got %', p_limit using errcode = '22023';
+  end if;
+  return query
+    select k.scope, count(*), min(k.redrive_at),
+           (extract(epoch from pg_catalog.clock_timestamp() - min(k.redrive_at)) * 1000)::bigint
+      from agent.idempotency_keys k
+     where k.redrive_at <= pg_catalog.clock_timestamp()
+       and k.status = 'processing'
+     group by k.scope
+     order by count(*) desc, k.scope
+     limit p_limit;
+end
+$$;
+
 -- 7. Owners and execution ---------------------------------------------------------------
 
 alter function agent.idempotency_policy(text) owner to idempotency_owner;
@@ -682,6 +718,7 @@ alter function agent.idempotency_decide(uuid, text, text, text, uuid, bigint, bi
 alter function agent.idempotency_claim(uuid, text, text, text, uuid, bigint, jsonb) owner to idempotency_owner;
 alter function agent.idempotency_extend(uuid, uuid, bigint, uuid) owner to idempotency_owner;
 alter function agent.idempotency_redrive(text, integer, bigint, uuid, integer) owner to idempotency_owner;
+alter function agent.idempotency_orphans(integer) owner to idempotency_owner;
 
 revoke all on function
   agent.idempotency_policy(text),
@@ -690,10 +727,12 @@ from public, anon, authenticated, service_role;
 revoke all on function
   agent.idempotency_claim(uuid, text, text, text, uuid, bigint, jsonb),
   agent.idempotency_extend(uuid, uuid, bigint, uuid),
-  agent.idempotency_redrive(text, integer, bigint, uuid, integer)
+  agent.idempotency_redrive(text, integer, bigint, uuid, integer),
+  agent.idempotency_orphans(integer)
 from public, anon, authenticated;
 grant execute on function
   agent.idempotency_claim(uuid, text, text, text, uuid, bigint, jsonb),
   agent.idempotency_extend(uuid, uuid, bigint, uuid),
-  agent.idempotency_redrive(text, integer, bigint, uuid, integer)
+  agent.idempotency_redrive(text, integer, bigint, uuid, integer),
+  agent.idempotency_orphans(integer)
 to service_role;

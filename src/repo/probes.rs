@@ -1,14 +1,14 @@
 //! Operator probes: what `idem doctor` asks a deployment before trusting it
-//! with the plane. None of them reads or writes the plane's data: a read of a
-//! key no tenant holds, the catalog's view of the SQL surface, and synthetic
-//! rows for the row cap. They answer the client's error as it is
+//! with the plane. None of them writes, or reads a claim's data: a read of a
+//! key no tenant holds, the catalog's view of the SQL surface, synthetic
+//! rows for the row cap, and counts of orphaned work per scope. They answer the client's error as it is
 //! ([`ClientError`]), which says what an operator must fix (the key, the
 //! exposed schema, a missing function) better than the crate's [`Error`](crate::Error).
 
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::surface::{CAP_PROBE, GET, SURFACE};
+use super::surface::{CAP_PROBE, GET, ORPHANS, SURFACE};
 use super::PostgrestRepository;
 use crate::postgrest::{ClientError, ContentRange, Repeat};
 
@@ -48,7 +48,29 @@ pub struct RowCapProbe {
     pub received: u64,
 }
 
+/// A scope's orphaned work ([`PostgrestRepository::orphans`]): claims still
+/// processing whose lease passed and that carry work nobody is doing.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[non_exhaustive]
+pub struct OrphanedScope {
+    /// The scope.
+    pub scope: String,
+    /// How many of its claims are orphaned.
+    pub orphans: u64,
+    /// Since when the oldest has waited for a re-drive (database clock).
+    pub oldest: chrono::DateTime<chrono::Utc>,
+    /// How long the oldest has waited, in milliseconds, by the database
+    /// clock.
+    pub waited_ms: u64,
+}
+
 impl PostgrestRepository {
+    /// The scopes holding orphaned work, most orphans first, at most
+    /// `limit` of them (1 to 1000), from `idempotency_orphans`. Read-only.
+    pub async fn orphans(&self, limit: u32) -> Result<Vec<OrphanedScope>, ClientError> {
+        self.client().rpc(ORPHANS.name, &json!({"p_limit": limit}), Repeat::of(ORPHANS.name)).await
+    }
+
     /// One harmless read, `idempotency_get` of a key in scope `tool.doctor`
     /// of the nil tenant, which no caller holds: `Ok` when the server
     /// answered it, whatever it found. Its error tells an unreachable

@@ -48,6 +48,7 @@ pub(crate) const REDRIVE: SqlFunction = function(
     "idempotency_redrive",
     "p_scope text, p_limit integer, p_lease_ms bigint, p_organization_id uuid, p_row_cap integer",
 );
+pub(crate) const ORPHANS: SqlFunction = function("idempotency_orphans", "p_limit integer");
 pub(crate) const EXPIRED: SqlFunction = function("idempotency_expired", "p_limit integer");
 pub(crate) const DELETE_EXPIRED: SqlFunction = function("idempotency_delete_expired", "p_ids uuid[]");
 pub(crate) const SWEEP: SqlFunction = function("idempotency_sweep", "p_bound integer, p_row_cap integer");
@@ -74,6 +75,7 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     RELEASE,
     EXTEND,
     REDRIVE,
+    ORPHANS,
     EXPIRED,
     DELETE_EXPIRED,
     SWEEP,

@@ -89,7 +89,40 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
 
     check_surface(&repo, &mut report).await;
     check_row_cap(&repo, &mut report).await;
+    check_orphans(&repo, &mut report).await;
     report.finish(&url)
+}
+
+/// How long orphaned work may wait before the check says nothing re-drives
+/// it: a re-drive scheduled every minute or so takes it well within this.
+const ORPHAN_GRACE: std::time::Duration = std::time::Duration::from_secs(10 * 60);
+
+/// Orphaned work per scope: claims whose worker is gone, still carrying
+/// their work. Fails when some has waited longer than [`ORPHAN_GRACE`]:
+/// nothing re-drives that scope.
+async fn check_orphans(repo: &PostgrestRepository, report: &mut Report) {
+    let scopes = match repo.orphans(100).await {
+        Ok(scopes) => scopes,
+        Err(error) => return report.line(false, "orphans", diagnose(&error)),
+    };
+    if scopes.is_empty() {
+        return report.line(true, "orphans", "no claim waits for a re-drive");
+    }
+    // How long work waited is the database's to say: no client clock decides it.
+    let listed: Vec<String> =
+        scopes.iter().map(|s| format!("{} {} (oldest waiting {} s)", s.scope, s.orphans, s.waited_ms / 1000)).collect();
+    let stale = scopes.iter().any(|s| u128::from(s.waited_ms) > ORPHAN_GRACE.as_millis());
+    let detail = if stale {
+        format!(
+            "{}: work waits longer than {} min, so nothing re-drives it; schedule a re-drive \
+             (the function's re-drive route from pg_cron, or a worker's redrive loop)",
+            listed.join(", "),
+            ORPHAN_GRACE.as_secs() / 60
+        )
+    } else {
+        format!("{}: waiting for the next re-drive", listed.join(", "))
+    };
+    report.line(!stale, "orphans", detail);
 }
 
 /// Compares the functions the database holds with the contract, read-only:

@@ -153,6 +153,49 @@ async fn idem_doctor_passes_on_a_healthy_plane_and_names_what_is_wrong_otherwise
 }
 
 #[tokio::test]
+async fn idem_doctor_reports_orphaned_work_per_scope_and_fails_when_nothing_re_drives_it() {
+    let stack = crate::support::harness::stack().await;
+    let (url, key) = (stack.url(), stack.service_key());
+    let healthy = idem(url, key, None, &["doctor"]).await;
+    assert!(stdout(&healthy).contains("ok    orphans: no claim waits for a re-drive"), "{}", stdout(&healthy));
+
+    // Work whose worker is gone: two orphans of webhook.stripe, one waiting
+    // a minute, one an hour; and one of tool.x waiting a minute.
+    let orphan = |scope: &'static str, key: &'static str, waited: &'static str| {
+        sqlx::query(
+            "insert into agent.idempotency_keys
+               (organization_id, scope, key, request_hash, status, lease_token, claimed_at, lease_expires_at,
+                retain_until, request, redrive_at)
+             values (gen_random_uuid(), $1, $2, repeat('a', 64), 'processing', gen_random_uuid(),
+                     now() - $3::interval - interval '1 minute', now() - $3::interval, now() + interval '31 days',
+                     '{\"n\": 1}', now() - $3::interval)",
+        )
+        .bind(scope)
+        .bind(key)
+        .bind(waited)
+        .execute(stack.db())
+    };
+    orphan("webhook.stripe", "evt-1", "1 minute").await.unwrap();
+    orphan("tool.x", "k-1", "1 minute").await.unwrap();
+    let waiting = idem(url, key, None, &["doctor"]).await;
+    let out = stdout(&waiting);
+    assert!(waiting.status.success(), "waiting a minute is waiting for the next re-drive: {out}");
+    assert!(
+        out.contains("ok    orphans: tool.x 1 (oldest waiting 6") || out.contains("ok    orphans: webhook.stripe 1"),
+        "{out}"
+    );
+    assert!(out.contains("waiting for the next re-drive"), "{out}");
+
+    orphan("webhook.stripe", "evt-2", "1 hour").await.unwrap();
+    let stale = idem(url, key, None, &["doctor"]).await;
+    let out = stdout(&stale);
+    assert!(!stale.status.success(), "{out}");
+    assert!(out.contains("FAIL  orphans: webhook.stripe 2 (oldest waiting 36"), "most orphans first: {out}");
+    assert!(out.contains("tool.x 1") && out.contains("nothing re-drives it"), "{out}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
 async fn idem_sweep_reports_backlog_until_drained_and_refuses_a_bound_above_the_cap() {
     let stack =
         crate::support::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(10))

@@ -103,6 +103,10 @@ fn surface() -> Vec<Call> {
             ],
         },
         Call {
+            sql: "select * from agent.idempotency_orphans($1::integer)",
+            arguments: vec![("p_limit", "10".to_owned(), true)],
+        },
+        Call {
             sql: "select * from agent.idempotency_expired($1::integer)",
             arguments: vec![("p_limit", "10".to_owned(), true)],
         },
@@ -238,7 +242,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 57, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 58, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 

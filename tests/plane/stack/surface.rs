@@ -22,6 +22,7 @@ const SURFACE: &[(&str, &str)] = &[
     ("idempotency_release", "p_claim_id,p_lease_token,p_organization_id"),
     ("idempotency_extend", "p_claim_id,p_lease_token,p_lease_ms,p_organization_id"),
     ("idempotency_redrive", "p_scope,p_limit,p_lease_ms,p_organization_id,p_row_cap"),
+    ("idempotency_orphans", "p_limit"),
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
     ("idempotency_sweep", "p_bound,p_row_cap"),
