@@ -50,7 +50,7 @@ pub(super) async fn definer_against_invoker(
 ) -> Result<(Figure, Figure), BoxError> {
     async fn security(db: &PgPool, mode: &str) -> Result<(), sqlx::Error> {
         let statement = format!(
-            "alter function agent.idempotency_claim(uuid, text, text, text, uuid, bigint) security {mode};
+            "alter function agent.idempotency_claim(uuid, text, text, text, uuid, bigint, jsonb) security {mode};
              alter function agent.idempotency_complete(uuid, uuid, text, text, jsonb, uuid) security {mode};"
         );
         sqlx::raw_sql(sqlx::AssertSqlSafe(statement)).execute(db).await.map(|_| ())
