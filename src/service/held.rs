@@ -61,6 +61,17 @@ pub struct Held<R> {
     pub(super) keep_alive: Option<KeepAlive>,
 }
 
+/// What one heartbeat found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Beat {
+    /// The lease was extended: the claim is still ours.
+    Extended,
+    /// The fence moved on: another worker holds the claim.
+    Lost,
+    /// The extension failed; whether the claim is ours is not known.
+    Failed,
+}
+
 /// Why an effect did not return.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Cut {
@@ -137,17 +148,23 @@ impl<R: IdempotencyRepository> Held<R> {
 
     /// Runs `effect`, cut at its timeout; a panic is caught and reported.
     /// Either cut leaves the outcome unknown, unless the caller knows
-    /// better (settle with [`Settle::Unknown`] by default).
+    /// better (settle with [`Settle::Unknown`] by default). With a
+    /// heartbeat, the effect starts only under a lease the database
+    /// confirmed within the last third of it (a beat is made first when one
+    /// is due, as after a wait between two runs): a claim taken over
+    /// meanwhile answers [`Cut::FenceLost`] and the effect never starts.
     pub async fn run<T>(&self, effect: impl Future<Output = T>) -> Result<T, Cut> {
         // A deadline already past (a claim that answered late) never starts
         // the effect: a first poll could begin it.
         if Instant::now() >= self.effect_deadline {
             return Err(Cut::TimedOut);
         }
+        if let Some(keep_alive) = &self.keep_alive {
+            self.confirm(keep_alive).await?;
+        }
         let running = tokio::time::timeout_at(self.effect_deadline, AssertUnwindSafe(effect).catch_unwind());
         let ran = match &self.keep_alive {
             None => running.await,
-            Some(keep_alive) if keep_alive.lost() => return Err(Cut::FenceLost),
             Some(keep_alive) => tokio::select! {
                 ran = running => ran,
                 () = self.beat_until_lost(keep_alive) => return Err(Cut::FenceLost),
@@ -166,39 +183,77 @@ impl<R: IdempotencyRepository> Held<R> {
         self.keep_alive.as_ref().is_some_and(KeepAlive::lost)
     }
 
+    /// Before an effect starts: the lease must have been confirmed by the
+    /// database within the last third of the heartbeat lease. Between two
+    /// runs nothing beats (a caller may wait seconds before it runs the
+    /// effect again), and by then the lease may have passed and another
+    /// worker taken the claim over; so an overdue beat is made first, and
+    /// the effect starts only once it answered that the claim is still ours.
+    /// A failed beat is tried again a second later, until the effect's
+    /// deadline.
+    async fn confirm(&self, keep_alive: &KeepAlive) -> Result<(), Cut> {
+        loop {
+            if keep_alive.lost() {
+                return Err(Cut::FenceLost);
+            }
+            let now = Instant::now();
+            if now < keep_alive.beaten() + keep_alive.lease / 3 {
+                return Ok(());
+            }
+            if now >= self.effect_deadline {
+                return Err(Cut::TimedOut);
+            }
+            if self.beat(keep_alive, now).await == Beat::Failed {
+                let retry = (now + Duration::from_secs(1)).min(self.effect_deadline);
+                tokio::time::sleep_until(retry).await;
+            }
+        }
+    }
+
     /// Extends the lease every third of the heartbeat lease (at once when a
     /// beat is overdue), until an extension answers that the fence moved
     /// on: then returns. From the last beat on it never returns.
     async fn beat_until_lost(&self, keep_alive: &KeepAlive) {
-        let claim = &self.claim;
         loop {
             tokio::time::sleep_until(keep_alive.beaten() + keep_alive.lease / 3).await;
             let now = Instant::now();
             if now >= keep_alive.last_beat {
                 return std::future::pending().await;
             }
-            // Never past the whole lease's end; never below what the store
-            // accepts (the whole lease ends at least the 1 s margin floor
-            // after the last beat).
-            let ask = keep_alive.lease.min(keep_alive.lease_end.saturating_duration_since(now)).max(super::MIN_LEASE);
-            let repo = self.service.repository();
-            match repo.extend(claim.organization_id, claim.id, claim.lease_token, ask).await {
-                Ok(Some(_)) => {
-                    keep_alive.beat_at(now);
-                    tracing::debug!(claim_id = %claim.id, ask_ms = ask.as_millis() as u64, "lease extended");
+            match self.beat(keep_alive, now).await {
+                Beat::Extended => {}
+                Beat::Lost => return,
+                // Tried again a second later, as long as the lease may
+                // still be ours.
+                Beat::Failed => {
+                    keep_alive.beat_at(now.checked_sub(keep_alive.lease / 3).unwrap_or(now) + Duration::from_secs(1))
                 }
-                Ok(None) => {
-                    keep_alive.lost.store(true, std::sync::atomic::Ordering::SeqCst);
-                    tracing::warn!(claim_id = %claim.id, scope = %claim.scope, "the heartbeat found the claim taken over; stopping the effect");
-                    metrics::counter!(crate::telemetry::HEARTBEATS_FENCED_TOTAL).increment(1);
-                    return;
-                }
-                Err(error) => {
-                    // Tried again a second later, as long as the lease may
-                    // still be ours.
-                    tracing::warn!(claim_id = %claim.id, %error, "a heartbeat failed; trying again");
-                    keep_alive.beat_at(now.checked_sub(keep_alive.lease / 3).unwrap_or(now) + Duration::from_secs(1));
-                }
+            }
+        }
+    }
+
+    /// One extension of the lease, asked at `now`: never past the whole
+    /// lease's end, never below what the store accepts (the whole lease
+    /// ends at least the 1 s margin floor after the last beat).
+    async fn beat(&self, keep_alive: &KeepAlive, now: Instant) -> Beat {
+        let claim = &self.claim;
+        let ask = keep_alive.lease.min(keep_alive.lease_end.saturating_duration_since(now)).max(super::MIN_LEASE);
+        let repo = self.service.repository();
+        match repo.extend(claim.organization_id, claim.id, claim.lease_token, ask).await {
+            Ok(Some(_)) => {
+                keep_alive.beat_at(now);
+                tracing::debug!(claim_id = %claim.id, ask_ms = ask.as_millis() as u64, "lease extended");
+                Beat::Extended
+            }
+            Ok(None) => {
+                keep_alive.lost.store(true, std::sync::atomic::Ordering::SeqCst);
+                tracing::warn!(claim_id = %claim.id, scope = %claim.scope, "the heartbeat found the claim taken over; stopping the effect");
+                metrics::counter!(crate::telemetry::HEARTBEATS_FENCED_TOTAL).increment(1);
+                Beat::Lost
+            }
+            Err(error) => {
+                tracing::warn!(claim_id = %claim.id, %error, "a heartbeat failed; trying again");
+                Beat::Failed
             }
         }
     }

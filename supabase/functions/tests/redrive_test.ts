@@ -192,6 +192,31 @@ Deno.test("a heartbeat that finds the claim taken over aborts the effect's signa
   assert.ok(lossy.count("idempotency_extend") >= 2);
 });
 
+Deno.test("a run after heartbeats kept failing confirms the lease first: taken over meanwhile, the effect never starts", async () => {
+  const lossy = new Lossy();
+  const p = plane({ fetch: lossy.fetch });
+  const timing = new Timing(15_000, 4_000, 1_000).withHeartbeats(3_000);
+  const spec = { organizationId: organization(), scope: SCOPE, key: uniqueKey(), requestHash: await hashOf(3), timing };
+  const begun = await new EffectDriver(p).begin(spec);
+  assert.equal(begun.kind, "held");
+  if (begun.kind !== "held") return;
+  // Between two runs every heartbeat fails; the lease passes and another
+  // worker takes the claim over. Then the plane answers again.
+  lossy.refuseAll();
+  await sleep(3_300);
+  assert.equal((await plane().claim({ ...spec, leaseMs: 30_000 })).outcome, "reclaimed");
+  lossy.refuseAll(false);
+  let started = false;
+  const ran = await begun.held.run(() => {
+    started = true;
+    return "ran twice";
+  });
+  assert.deepEqual(ran, { cut: "fence_lost" });
+  assert.equal(started, false, "the effect never started under a lease that had moved on");
+  assert.ok(begun.held.fenceLost);
+  assert.deepEqual(await begun.held.settle({ journal: success(1) }), { ending: "lease_moved_on" });
+});
+
 Deno.test("an event a worker ACKed and then lost its plane on is re-driven by another worker, once, with its bytes", async () => {
   const org = organization();
   const deliveryId = uniqueKey("evt");

@@ -307,3 +307,49 @@ async fn a_heartbeat_that_finds_the_claim_taken_over_stops_the_effect() {
     assert_eq!(held.settle(Settle::Journal(Answer::success(json!(1)))).await.as_str(), "lease_moved_on");
     stack.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_claim_taken_over_while_its_holder_waited_between_runs_never_starts_the_next_run() {
+    let stack = stack().await;
+    let (org, (timing, _)) = (org(), beating());
+    let driver = EffectDriver::new(IdempotencyService::new(PostgrestRepository::new(client(&stack))));
+    let h = hash("idle between runs");
+    let effect =
+        Effect { organization_id: org, scope: SCOPE, key: "evt-idle", request_hash: &h, timing, request: None };
+    let Begun::Held(held) = driver.begin(&effect).await.unwrap() else { panic!("claimed") };
+
+    // A first run fails fast, as a retryable failure would; the holder then
+    // waits before trying again, and nothing beats meanwhile. The lease
+    // passes and another worker takes the claim over.
+    assert_eq!(held.run(async {}).await, Ok(()));
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    pass_lease(&stack, held.claim().id()).await;
+    let taker = EffectDriver::new(IdempotencyService::new(PostgrestRepository::new(client(&stack))));
+    assert!(matches!(taker.begin(&effect).await.unwrap(), Begun::Held(_)), "the other worker took the claim");
+
+    let started = std::sync::atomic::AtomicBool::new(false);
+    let ran = held.run(async { started.store(true, std::sync::atomic::Ordering::SeqCst) }).await;
+    assert_eq!(ran, Err(Cut::FenceLost));
+    assert!(!started.load(std::sync::atomic::Ordering::SeqCst), "the second run never started its effect");
+    assert!(held.fence_lost());
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_holder_that_waited_between_runs_confirms_its_lease_and_runs_again() {
+    let stack = stack().await;
+    let (org, (timing, _)) = (org(), beating());
+    let driver = EffectDriver::new(IdempotencyService::new(PostgrestRepository::new(client(&stack))));
+    let h = hash("idle, still ours");
+    let effect =
+        Effect { organization_id: org, scope: SCOPE, key: "evt-idle-ours", request_hash: &h, timing, request: None };
+    let Begun::Held(held) = driver.begin(&effect).await.unwrap() else { panic!("claimed") };
+    assert_eq!(held.run(async {}).await, Ok(()));
+    // Two leases of idling: the claim lapses, but nobody took it over, so
+    // the confirming beat finds it still ours (the fence has not moved).
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(held.run(async { 7 }).await, Ok(7));
+    assert!(!held.fence_lost());
+    assert!(held.settle(Settle::Journal(Answer::success(json!(7)))).await.is_journaled());
+    stack.stop().await.unwrap();
+}

@@ -84,6 +84,8 @@ export class Held {
   readonly #driver: { readonly plane: IdempotencyPlane; readonly log: Logger };
   readonly #heartbeat?: { readonly leaseMs: number; readonly leaseEnd: number };
   #beat?: ReturnType<typeof setTimeout>;
+  /** When the database last confirmed the lease (monotonic ms): the claim, or a beat. */
+  #confirmedAt = 0;
   #lost = false;
   #onLost?: () => void;
   #settled = false;
@@ -118,6 +120,7 @@ export class Held {
     this.lateDeadline = this.endingDeadline - Math.min(timing.journalMs / 2, LATE_JOURNAL_RESERVE_MS);
     if (timing.heartbeatMs !== undefined) {
       this.#heartbeat = { leaseMs: timing.heartbeatMs, leaseEnd: this.endingDeadline + timing.marginMs };
+      this.#confirmedAt = attempt.startedAt;
       this.#scheduleBeat(attempt.startedAt);
     }
   }
@@ -149,17 +152,11 @@ export class Held {
       const end = await this.#driver.plane.extend(this.claim, ask, { deadlineMs: heartbeat.leaseMs / 3 });
       if (this.#beat === undefined) return; // settled meanwhile
       if (end === null) {
-        this.#lost = true;
-        this.#driver.log({
-          event: "idempotency.fence_lost",
-          level: "warn",
-          scope: this.claim.scope,
-          key: this.claim.key,
-          claim_id: this.claim.id,
-        });
+        this.#markLost();
         this.#onLost?.();
         return;
       }
+      this.#confirmedAt = Math.max(this.#confirmedAt, now);
       this.#scheduleBeat(now);
     } catch (error) {
       if (this.#beat === undefined) return;
@@ -175,6 +172,56 @@ export class Held {
     }
   }
 
+  /**
+   * Before an effect starts: with a heartbeat, the lease must have been
+   * confirmed by the database within the last third of it. When beats kept
+   * failing (or the event loop was held), the lease may have passed and
+   * another worker taken the claim over; so a beat is made first, tried
+   * again a second later while it fails, until the effect's deadline. The
+   * cut that stops the effect from starting, or undefined to start it.
+   */
+  async #confirm(): Promise<Cut | undefined> {
+    const heartbeat = this.#heartbeat;
+    if (!heartbeat) return undefined;
+    for (;;) {
+      if (this.#lost) return { cut: "fence_lost" };
+      const now = monotonicNow();
+      if (now < this.#confirmedAt + heartbeat.leaseMs / 3) return undefined;
+      if (now >= this.effectDeadline) return { cut: "timed_out" };
+      const ask = Math.max(MIN_LEASE_MS, Math.min(heartbeat.leaseMs, heartbeat.leaseEnd - now));
+      try {
+        const end = await this.#driver.plane.extend(this.claim, ask, { deadlineMs: heartbeat.leaseMs / 3 });
+        if (end === null) {
+          this.#markLost();
+          return { cut: "fence_lost" };
+        }
+        this.#confirmedAt = Math.max(this.#confirmedAt, now);
+      } catch (error) {
+        this.#driver.log({
+          event: "idempotency.heartbeat_failed",
+          level: "warn",
+          scope: this.claim.scope,
+          key: this.claim.key,
+          error: error instanceof Error ? error.message : String(error),
+        });
+        const wait = Math.min(1_000, Math.max(0, this.effectDeadline - monotonicNow()));
+        await new Promise((resolve) => setTimeout(resolve, wait));
+      }
+    }
+  }
+
+  /** An extension answered that the fence moved on: start nothing more. */
+  #markLost(): void {
+    this.#lost = true;
+    this.#driver.log({
+      event: "idempotency.fence_lost",
+      level: "warn",
+      scope: this.claim.scope,
+      key: this.claim.key,
+      claim_id: this.claim.id,
+    });
+  }
+
   #stopHeartbeat(): void {
     clearTimeout(this.#beat);
     this.#beat = undefined;
@@ -183,9 +230,13 @@ export class Held {
   /**
    * Runs the effect, cut at its deadline: `signal` aborts then, and a value
    * that comes later is ignored. A throw is caught and reported. A deadline
-   * already past never starts the effect.
+   * already past never starts the effect; with a heartbeat, neither does a
+   * lease the database has not confirmed within the last third of it (a
+   * beat is made first): a claim taken over meanwhile answers `fence_lost`.
    */
   async run<T>(effect: (signal: AbortSignal) => Promise<T> | T): Promise<{ value: T } | Cut> {
+    const confirmed = await this.#confirm();
+    if (confirmed) return confirmed;
     const remaining = this.effectDeadline - monotonicNow();
     if (remaining <= 0) return { cut: "timed_out" };
     if (this.#lost) return { cut: "fence_lost" };
