@@ -146,27 +146,14 @@ export class Held {
     const heartbeat = this.#heartbeat;
     if (!heartbeat) return;
     const now = monotonicNow();
-    // Never past the whole lease's end; never below what the store accepts.
-    const ask = Math.max(MIN_LEASE_MS, Math.min(heartbeat.leaseMs, heartbeat.leaseEnd - now));
-    try {
-      const end = await this.#driver.plane.extend(this.claim, ask, { deadlineMs: heartbeat.leaseMs / 3 });
-      if (this.#beat === undefined) return; // settled meanwhile
-      if (end === null) {
-        this.#markLost();
-        this.#onLost?.();
-        return;
-      }
-      this.#confirmedAt = Math.max(this.#confirmedAt, now);
+    const beat = await this.#extend(heartbeat, now);
+    if (this.#beat === undefined) return; // settled meanwhile
+    if (beat === "lost") {
+      this.#markLost();
+      this.#onLost?.();
+    } else if (beat === "extended") {
       this.#scheduleBeat(now);
-    } catch (error) {
-      if (this.#beat === undefined) return;
-      this.#driver.log({
-        event: "idempotency.heartbeat_failed",
-        level: "warn",
-        scope: this.claim.scope,
-        key: this.claim.key,
-        error: error instanceof Error ? error.message : String(error),
-      });
+    } else {
       // Tried again a second from now.
       this.#scheduleBeat(monotonicNow() + 1_000 - heartbeat.leaseMs / 3);
     }
@@ -188,25 +175,41 @@ export class Held {
       const now = monotonicNow();
       if (now < this.#confirmedAt + heartbeat.leaseMs / 3) return undefined;
       if (now >= this.effectDeadline) return { cut: "timed_out" };
-      const ask = Math.max(MIN_LEASE_MS, Math.min(heartbeat.leaseMs, heartbeat.leaseEnd - now));
-      try {
-        const end = await this.#driver.plane.extend(this.claim, ask, { deadlineMs: heartbeat.leaseMs / 3 });
-        if (end === null) {
-          this.#markLost();
-          return { cut: "fence_lost" };
-        }
-        this.#confirmedAt = Math.max(this.#confirmedAt, now);
-      } catch (error) {
-        this.#driver.log({
-          event: "idempotency.heartbeat_failed",
-          level: "warn",
-          scope: this.claim.scope,
-          key: this.claim.key,
-          error: error instanceof Error ? error.message : String(error),
-        });
+      const beat = await this.#extend(heartbeat, now);
+      if (beat === "lost") {
+        this.#markLost();
+        return { cut: "fence_lost" };
+      }
+      if (beat === "failed") {
         const wait = Math.min(1_000, Math.max(0, this.effectDeadline - monotonicNow()));
         await new Promise((resolve) => setTimeout(resolve, wait));
       }
+    }
+  }
+
+  /**
+   * One extension of the lease, asked at `now` (monotonic ms): never past
+   * the whole lease's end, never below what the store accepts.
+   */
+  async #extend(
+    heartbeat: { readonly leaseMs: number; readonly leaseEnd: number },
+    now: number,
+  ): Promise<"extended" | "lost" | "failed"> {
+    const ask = Math.max(MIN_LEASE_MS, Math.min(heartbeat.leaseMs, heartbeat.leaseEnd - now));
+    try {
+      const end = await this.#driver.plane.extend(this.claim, ask, { deadlineMs: heartbeat.leaseMs / 3 });
+      if (end === null) return "lost";
+      this.#confirmedAt = Math.max(this.#confirmedAt, now);
+      return "extended";
+    } catch (error) {
+      this.#driver.log({
+        event: "idempotency.heartbeat_failed",
+        level: "warn",
+        scope: this.claim.scope,
+        key: this.claim.key,
+        error: error instanceof Error ? error.message : String(error),
+      });
+      return "failed";
     }
   }
 
