@@ -19,9 +19,6 @@ pub enum DropReason {
     /// The delivery cannot be claimed at all (an empty, over-long or NUL
     /// delivery id): redelivering it would never help.
     InvalidDelivery,
-    /// Processing kept failing with retryable failures until its timeout;
-    /// the last failure is journaled as the event's answer.
-    ProcessingFailed,
     /// Processing panicked or overran its timeout; what it did is unknown,
     /// and that is journaled as the event's answer.
     ProcessingAborted,
@@ -33,7 +30,7 @@ pub enum DropReason {
 impl DropReason {
     /// The reason as logged and counted: `duplicate`, `hash_mismatch`,
     /// `unknown_job`, `job_mismatch`, `invalid_delivery`,
-    /// `processing_failed`, `processing_aborted`, `dead_lettered`.
+    /// `processing_aborted`, `dead_lettered`.
     pub fn as_str(self) -> &'static str {
         match self {
             DropReason::Duplicate => "duplicate",
@@ -41,7 +38,6 @@ impl DropReason {
             DropReason::UnknownJob => "unknown_job",
             DropReason::JobMismatch => "job_mismatch",
             DropReason::InvalidDelivery => "invalid_delivery",
-            DropReason::ProcessingFailed => "processing_failed",
             DropReason::ProcessingAborted => "processing_aborted",
             DropReason::DeadLettered => "dead_lettered",
         }
@@ -71,8 +67,11 @@ pub enum Ack {
     /// Processed and journaled (successfully, or with a failure that would
     /// repeat).
     Processed,
-    /// Claimed and processing when the deadline came: it goes on after the
-    /// answer and is journaled (processed, or failed with a drop reason).
+    /// Claimed and held by the plane with its body, not yet journaled:
+    /// processing was still running when the deadline came (it goes on
+    /// after the answer and is journaled, processed or failed with a drop
+    /// reason), or it kept failing with retryable failures and is left for
+    /// a re-drive.
     Accepted,
     /// Acknowledged without processing, for this reason.
     Dropped(DropReason),
@@ -100,7 +99,6 @@ pub struct DropCounters {
     unknown_job: AtomicU64,
     job_mismatch: AtomicU64,
     invalid_delivery: AtomicU64,
-    processing_failed: AtomicU64,
     processing_aborted: AtomicU64,
     dead_lettered: AtomicU64,
 }
@@ -122,7 +120,6 @@ impl DropCounters {
             DropReason::UnknownJob => &self.unknown_job,
             DropReason::JobMismatch => &self.job_mismatch,
             DropReason::InvalidDelivery => &self.invalid_delivery,
-            DropReason::ProcessingFailed => &self.processing_failed,
             DropReason::ProcessingAborted => &self.processing_aborted,
             DropReason::DeadLettered => &self.dead_lettered,
         }

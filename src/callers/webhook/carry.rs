@@ -72,16 +72,19 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
         };
         self.held.store(true, Ordering::SeqCst);
         let (settle, dropped) = process_to_an_answer(&held, &process).await;
+        let left = matches!(settle, Settle::Unknown(_));
         let settled = held.settle(settle).await;
-        if !settled.is_journaled() {
+        if !settled.is_journaled() && !left {
             tracing::error!(
                 ending = settled.as_str(),
                 "processed, but the answer is not journaled; the vendor is not asked to redeliver"
             );
         }
         // A failure journaled with its reason is counted whether or not the
-        // vendor still hears the answer: it is the event's record.
+        // vendor still hears the answer: it is the event's record. An event
+        // left for a re-drive is held by the plane with its body: accepted.
         say(match dropped {
+            None if left => Ack::Accepted,
             None => Ack::Processed,
             Some(reason) => drop_delivery(&self.drops, reason),
         });
@@ -197,9 +200,17 @@ fn late_outcome<R>(begun: &Begun<R>) -> &'static str {
     }
 }
 
+/// Why a claim whose processing kept failing with retryable failures is
+/// left to its lease: a re-drive carries it on.
+const LEFT_FOR_REDRIVE: &str = "processing kept failing; left for a re-drive";
+
 /// Runs `process` under `held` until it answers, trying again after a
-/// retryable failure while its timeout allows: the ending to journal, and
-/// the drop reason when that ending is a failure the gate records.
+/// retryable failure while its timeout allows: the ending, and the drop
+/// reason when that ending is a failure the gate journals. An ending of
+/// [`Settle::Unknown`] leaves the event (and the body its claim carries) to
+/// its lease, for a re-drive or a redelivery after it to carry on: when
+/// processing kept failing with retryable failures, or when another worker
+/// took the claim over.
 pub(super) async fn process_to_an_answer<R, F, Fut>(held: &Held<R>, process: &F) -> (Settle, Option<DropReason>)
 where
     R: IdempotencyRepository,
@@ -221,9 +232,18 @@ where
                     backoff = (backoff * 2).min(MAX_PROCESSING_BACKOFF);
                     continue;
                 }
-                tracing::error!(error = %failure.message, "processing kept failing until its timeout; journaling the failure");
-                let answer = Answer::failure(failure.message, Value::Null);
-                return (Settle::Journal(answer), Some(DropReason::ProcessingFailed));
+                // Journaling this failure would answer every later delivery
+                // with it, even once the downstream is back. The event and
+                // its body stay in the plane instead: a re-drive takes it
+                // over once the lease passes (that wait is its backoff), and
+                // its scope's max_attempts makes it a dead letter at last.
+                tracing::warn!(
+                    error = %failure.message,
+                    claim_id = %held.claim().id(),
+                    outcome = "left_for_redrive",
+                    "processing kept failing until its timeout; the event is left to its lease for a re-drive"
+                );
+                return (Settle::Unknown(LEFT_FOR_REDRIVE), None);
             }
             Err(Cut::FenceLost) => {
                 // Another worker (a re-driver, or a redelivery after our lease

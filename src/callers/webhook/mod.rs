@@ -8,8 +8,8 @@
 //! **The invariant.** Once any delivery of an event has been answered 2xx
 //! (processed, or dropped as a duplicate of a claim that is in flight or
 //! done), the event is processed to completion exactly once, or its failure
-//! is journaled and counted as a drop reason ([`DropReason::ProcessingFailed`],
-//! [`DropReason::ProcessingAborted`]); it is never silently lost. A
+//! is journaled and counted as a drop reason ([`DropReason::ProcessingAborted`],
+//! [`DropReason::DeadLettered`]); it is never silently lost. A
 //! redelivery that meets a live claim is ACKed as a duplicate, as the spec
 //! says, so the gate never gives up a claim it holds: it never releases one.
 //! It carries the event to a journaled ending itself:
@@ -17,7 +17,11 @@
 //! - processing runs to its own timeout (default
 //!   [`DEFAULT_PROCESSING_TIMEOUT`]), never cut by the answer's deadline; a
 //!   retryable failure is retried in process, with backoff, within that
-//!   timeout; what still fails at the end is journaled as a failure;
+//!   timeout; what still fails at the end is not journaled (a stored
+//!   failure would answer every later delivery, even once the downstream
+//!   is back) but left to its lease with its body, for a re-drive: the
+//!   lease is its backoff, and the scope's `max_attempts` makes it a dead
+//!   letter at last. A permanent failure is journaled as the event's answer;
 //! - the answer leaves within the gate's deadline (default
 //!   [`DEFAULT_GATE_DEADLINE`], 2.5 s, inside Slack's 3 s window): processing
 //!   still running then is answered [`Ack::Accepted`] (200) and finished in

@@ -49,9 +49,10 @@ pub struct RedriveReport {
     /// Orphans journaled as dead letters instead (their scope's
     /// `max_attempts` reached).
     pub dead_lettered: u64,
-    /// Taken over but not journaled (processing cut, the journal did not
-    /// land, or a claim this gate did not store): re-driven again once the
-    /// lease this re-drive gave it passes.
+    /// Taken over but not journaled (processing kept failing with retryable
+    /// failures, the claim was taken over again, the journal did not land,
+    /// or a claim this gate did not store): re-driven again, as its next
+    /// attempt, once the lease this re-drive gave it passes.
     pub left: u64,
 }
 

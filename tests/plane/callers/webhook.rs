@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use idempotency_plane::callers::webhook::{
-    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, WebhookGate,
+    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, Redelivery, RedriveReport, WebhookGate,
 };
 use idempotency_plane::repo::ClaimStatus;
 use serde_json::{json, Value};
@@ -118,19 +118,66 @@ async fn a_retryable_processing_failure_is_tried_again_in_process_and_never_rele
     assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate));
 }
 
-async fn processing_that_keeps_failing_until_its_timeout_is_journaled_as_a_failure_with_a_drop_reason<P: Plane>(
-    plane: &P,
-) {
-    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(700)).unwrap();
+async fn processing_that_keeps_failing_until_its_timeout_is_left_for_a_redrive_which_finishes_it<P: Plane>(plane: &P) {
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(400)).unwrap();
     let org = org();
     let failing = || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) };
-    let ack = gate.handle(delivery(org, "d-4b", b"{}"), failing).await;
-    assert_eq!(ack, Ack::Dropped(DropReason::ProcessingFailed));
-    assert_eq!(ack.status(), 200, "recorded, never silently lost, and not a 5xx");
-    assert_eq!(gate.drops().get(DropReason::ProcessingFailed), 1);
-    let stored = row(plane, org, "webhook.nylas", "d-4b").await;
-    let expected = json!({"ok": false, "error": "downstream 503", "output": null});
-    assert_eq!((stored.status, stored.response), (ClaimStatus::Completed, Some(expected)));
+    let ack = gate.handle(delivery(org, "d-4b", b"{\"n\":4}"), failing).await;
+    assert_eq!(ack, Ack::Accepted, "held by the plane with its body, not journaled");
+    assert_eq!(ack.status(), 200, "never silently lost, and not a 5xx");
+    let left = row(plane, org, "webhook.nylas", "d-4b").await;
+    assert_eq!((left.status, left.response), (ClaimStatus::Processing, None), "no stored failure to replay");
+    let redelivered = gate.handle(delivery(org, "d-4b", b"{\"n\":4}"), failing).await;
+    assert_eq!(redelivered, Ack::Dropped(DropReason::Duplicate), "the claim is held until its lease passes");
+
+    // Once its lease passed (its backoff), a re-drive carries it on with
+    // the body its first delivery stored, and the downstream is back.
+    plane.pass_lease(left.id).await;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let process = {
+        let seen = seen.clone();
+        move |redelivery: Redelivery| {
+            seen.lock().unwrap().push((redelivery.body.clone(), redelivery.attempt));
+            async { Ok::<_, ProcessingError>(json!("stored")) }
+        }
+    };
+    let report = gate.redrive("webhook.nylas", 10, process).await.unwrap();
+    assert_eq!(report, RedriveReport { redriven: 1, journaled: 1, dead_lettered: 0, left: 0 });
+    assert_eq!(*seen.lock().unwrap(), vec![(b"{\"n\":4}".to_vec(), 2)]);
+    let done = row(plane, org, "webhook.nylas", "d-4b").await;
+    assert_eq!((done.status, done.response), (ClaimStatus::Completed, Some(json!({"ok": true, "output": "stored"}))));
+}
+
+async fn an_event_whose_processing_keeps_failing_on_every_redrive_becomes_a_dead_letter<P: Plane>(plane: &P) {
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(150)).unwrap();
+    let org = org();
+    let failing = || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) };
+    assert_eq!(gate.handle(delivery(org, "d-4c", b"{}"), failing).await, Ack::Accepted);
+    let id = row(plane, org, "webhook.nylas", "d-4c").await.id;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let failing_again = {
+        let runs = runs.clone();
+        move |_: Redelivery| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) }
+        }
+    };
+    // Attempts 2 to 5 are handed out and left again; the scope allows 5
+    // (its max_attempts by default), so the next re-drive journals the
+    // event as a dead letter instead of handing it out a sixth time.
+    let mut reports = Vec::new();
+    for _ in 0..5 {
+        plane.pass_lease(id).await;
+        reports.push(gate.redrive("webhook.nylas", 10, &failing_again).await.unwrap());
+    }
+    let left = RedriveReport { redriven: 1, journaled: 0, dead_lettered: 0, left: 1 };
+    let dead = RedriveReport { dead_lettered: 1, ..RedriveReport::default() };
+    assert_eq!(reports, vec![left, left, left, left, dead]);
+    assert!(runs.load(Ordering::SeqCst) >= 4, "each attempt ran processing");
+    assert_eq!(gate.drops().get(DropReason::DeadLettered), 1);
+    let dead_letter = row(plane, org, "webhook.nylas", "d-4c").await;
+    let expected = json!({"ok": false, "error": "dead_lettered", "output": {"attempts": 5}});
+    assert_eq!((dead_letter.status, dead_letter.response), (ClaimStatus::Completed, Some(expected)));
 }
 
 async fn a_permanent_processing_failure_is_stored_and_acked<P: Plane>(plane: &P) {
@@ -328,7 +375,8 @@ on_every_plane!(
     a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate,
     the_same_delivery_id_with_a_different_body_is_acked_as_a_hash_mismatch,
     a_retryable_processing_failure_is_tried_again_in_process_and_never_released,
-    processing_that_keeps_failing_until_its_timeout_is_journaled_as_a_failure_with_a_drop_reason,
+    processing_that_keeps_failing_until_its_timeout_is_left_for_a_redrive_which_finishes_it,
+    an_event_whose_processing_keeps_failing_on_every_redrive_becomes_a_dead_letter,
     a_permanent_processing_failure_is_stored_and_acked,
     a_provider_callback_resolves_its_tenant_before_it_claims,
     a_callback_for_a_job_we_do_not_hold_is_acked_as_unknown_job,

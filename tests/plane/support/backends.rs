@@ -71,7 +71,7 @@ impl<T: IdempotencyRepository + ExpiredClaims + OrphanedWork + RunRepository + P
 /// count of its claims.
 pub(crate) trait Plane: TimeTravel + Sync {
     /// The claim store; its clones share it.
-    type Repo: IdempotencyRepository + Clone + Debug + 'static;
+    type Repo: IdempotencyRepository + OrphanedWork + Clone + Debug + 'static;
     /// The provider-job directory; its clones share it.
     type Jobs: ProviderJobRepository + Clone + Debug + 'static;
     /// A handle to the claim store.

@@ -35,7 +35,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use idempotency_plane::postgrest::{codes, ClientError, PostgrestError};
-use idempotency_plane::repo::{ClaimCall, ClaimRequest, ClaimRow, CompletionArgs, IdempotencyRecord};
+use idempotency_plane::repo::{
+    ClaimCall, ClaimRequest, ClaimRow, CompletionArgs, IdempotencyRecord, OrphanedWork, RedriveCall, WorkRow,
+};
 use idempotency_plane::{Error, IdempotencyRepository};
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -418,6 +420,19 @@ impl<R: IdempotencyRepository> IdempotencyRepository for Faulty<R> {
     ) -> Result<Option<chrono::DateTime<chrono::Utc>>, Error> {
         let extend = || self.inner.extend(organization_id, claim_id, lease_token, lease);
         self.faulted(Op::Extend, None, Some(claim_id), extend, |_| {}).await
+    }
+}
+
+/// Re-drives pass through unfaulted: the fault cases aim at the claims and
+/// endings of deliveries, and a re-driver over a faulted store is a
+/// separate worker.
+impl<R: OrphanedWork> OrphanedWork for Faulty<R> {
+    fn max_bound(&self) -> u64 {
+        self.inner.max_bound()
+    }
+
+    async fn redrive(&self, call: &RedriveCall<'_>) -> Result<Vec<WorkRow>, Error> {
+        self.inner.redrive(call).await
     }
 }
 

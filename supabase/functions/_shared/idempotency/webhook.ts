@@ -9,7 +9,7 @@
 // The invariant. Once any delivery of an event has been answered 2xx
 // (processed, or dropped as a duplicate of a claim in flight or done), the
 // event is processed to completion exactly once, or its failure is journaled
-// and counted as a drop reason (`processing_failed`, `processing_aborted`);
+// and counted as a drop reason (`processing_aborted`, `dead_lettered`);
 // it is never silently lost. A redelivery that meets a live claim is ACKed as
 // a duplicate, so the gate never gives up a claim it holds: it never releases
 // one. It carries the event to a journaled ending itself:
@@ -17,7 +17,11 @@
 // - processing runs to its own timeout (15 s by default), never cut by the
 //   answer's deadline; a retryable failure (`ProcessingError.retryable`) is
 //   retried in process, with backoff, within that timeout; what still fails
-//   at the end is journaled as a failure;
+//   at the end is not journaled (a stored failure would answer every later
+//   delivery, even once the downstream is back) but left to its lease with
+//   its body, for a re-drive: the lease is its backoff, and the scope's
+//   `max_attempts` makes it a dead letter at last. A permanent failure is
+//   journaled as the event's answer;
 // - the answer leaves within the gate's deadline (2.5 s by default, inside
 //   Slack's 3 s window): processing still running then is answered
 //   `accepted` (200) and finished after the answer — through the runtime's
@@ -51,7 +55,7 @@
 // within seconds. On `beforeunload` the gate stops claiming new deliveries
 // (503) and leaves what it holds to re-drive.
 
-import { type Answer, failure, success } from "./answer.ts";
+import { failure, success } from "./answer.ts";
 import { readBody } from "./body.ts";
 import { sleep } from "./client.ts";
 import { monotonicNow } from "./clock.ts";
@@ -97,18 +101,23 @@ export type DropReason =
   | "job_mismatch"
   /** The delivery id cannot be claimed at all (empty, too long, NUL). */
   | "invalid_delivery"
-  /** Processing kept failing retryably until its timeout; the failure is journaled. */
-  | "processing_failed"
   /** Processing threw something other than a ProcessingError, or overran its timeout; journaled. */
   | "processing_aborted"
   /** A re-drive found the event handed out as often as its scope's `max_attempts` allows: journaled as a failure. */
   | "dead_lettered";
 
 /** What the gate answers the vendor. */
+/** Why a claim whose processing kept failing retryably is left to its lease. */
+const LEFT_FOR_REDRIVE = "processing kept failing; left for a re-drive";
+
 export type Ack =
   /** Processed and journaled: 200. */
   | { ack: "processed"; status: 200 }
-  /** Still processing at the deadline; it goes on after the answer: 200. */
+  /**
+   * Claimed and held by the plane with its body, not yet journaled: still
+   * processing at the deadline (it goes on after the answer), or processing
+   * kept failing retryably and the event is left for a re-drive: 200.
+   */
   | { ack: "accepted"; status: 200 }
   /** Not processed now, with a counted reason: 200. */
   | { ack: "dropped"; status: 200; reason: DropReason }
@@ -465,8 +474,9 @@ export class WebhookGate {
     if (!held) return;
     state.held = true;
     const [settle, dropped] = await this.#processToAnAnswer(held, process);
+    const left = typeof settle === "object" && "unknown" in settle;
     const settled = await held.settle(settle);
-    if (settled.ending !== "journaled") {
+    if (settled.ending !== "journaled" && !left) {
       this.#log({
         event: "webhook.not_journaled",
         level: "error",
@@ -476,8 +486,10 @@ export class WebhookGate {
       });
     }
     // A failure journaled with its reason is counted whether or not the
-    // vendor still hears the answer: it is the event's record.
-    say(dropped ? this.#drop(dropped) : { ack: "processed", status: 200 });
+    // vendor still hears the answer: it is the event's record. An event left
+    // for a re-drive is held by the plane with its body: accepted.
+    if (dropped) say(this.#drop(dropped));
+    else say(left ? { ack: "accepted", status: 200 } : { ack: "processed", status: 200 });
   }
 
   async #claim(spec: EffectSpec, say: (ack: Ack) => boolean): Promise<Held | undefined> {
@@ -596,8 +608,20 @@ export class WebhookGate {
         backoff = Math.min(backoff * 2, MAX_PROCESSING_BACKOFF_MS);
         continue;
       }
-      const answer: Answer = failure(error.message);
-      return [{ journal: answer }, "processing_failed"];
+      // Journaling this failure would answer every later delivery with it,
+      // even once the downstream is back. The event and its body stay in the
+      // plane instead: a re-drive takes it over once the lease passes (that
+      // wait is its backoff), and the scope's max_attempts makes it a dead
+      // letter at last.
+      this.#log({
+        event: "webhook.left_for_redrive",
+        level: "warn",
+        scope: held.claim.scope,
+        delivery_id: held.claim.key,
+        error: error.message,
+        outcome: "left_for_redrive",
+      });
+      return [{ unknown: LEFT_FOR_REDRIVE }, undefined];
     }
   }
 
