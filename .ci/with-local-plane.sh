@@ -3,7 +3,8 @@
 # fresh database on the PostgreSQL at DATABASE_URL, default 127.0.0.1:5432),
 # waits for it, runs COMMAND with the env file's variables exported
 # (IDEM_POSTGREST_URL, IDEM_SERVICE_KEY, IDEM_MAX_ROWS, SUPABASE_URL,
-# SUPABASE_SERVICE_ROLE_KEY, SUPABASE_SECRET_KEY, SUPABASE_ANON_KEY), and
+# SUPABASE_SERVICE_ROLE_KEY, SUPABASE_SECRET_KEY, SUPABASE_ANON_KEY) and
+# IDEM_BIN (the idem binary itself), and
 # always stops the server (SIGTERM: it stops serving and drops its database).
 #
 #   bash .ci/with-local-plane.sh PATH/TO/idem LABEL -- COMMAND [ARG...]
@@ -94,6 +95,8 @@ set -a
 # shellcheck disable=SC1090
 . "$env_file"
 set +a
+# The binary serving this plane, for a command that calls the CLI too.
+export IDEM_BIN="$idem"
 echo "$label: idem up serving at $IDEM_POSTGREST_URL (also beneath /rest/v1; max rows $IDEM_MAX_ROWS)"
 
 status=0

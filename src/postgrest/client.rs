@@ -244,6 +244,68 @@ impl PostgrestClient {
         .await
     }
 
+    /// Whether [`post_route`](Self::post_route) would send the service key
+    /// to `route`: `https://`, or plain `http://` to a loopback host or the
+    /// base URL's own host. A configuration error otherwise, before any
+    /// request.
+    pub fn check_route(&self, route: &url::Url) -> Result<(), ClientError> {
+        let base = &self.inner.config.base_url;
+        let plain_allowed = route.scheme() == "http"
+            && (super::config::plain_http_allowed(route, &[]) || route.host_str() == base.host_str());
+        if route.scheme() == "https" || plain_allowed {
+            return Ok(());
+        }
+        Err(ClientError::Config(format!(
+            "route {}: the service key goes only over https://, or plain http:// to loopback or the plane's own host",
+            super::config::redacted(route)
+        )))
+    }
+
+    /// POSTs `body` as JSON to `route`, a URL of this deployment outside
+    /// PostgREST that takes the service key (an Edge Function's re-drive
+    /// route, `https://<ref>.supabase.co/functions/v1/webhooks/redrive`),
+    /// with this client's authentication, and decodes its 2xx answer as `T`.
+    /// Sent once, never retried: such a route does work, and the caller's
+    /// schedule is its retry. Cut at the client's request timeout; its
+    /// answer bounded like every answer. `route` must be `https://`, or
+    /// plain `http://` to a loopback host or to the base URL's own host
+    /// (which the configuration already allowed): the service key never
+    /// crosses a network unencrypted.
+    pub async fn post_route<T: DeserializeOwned>(
+        &self,
+        route: &url::Url,
+        body: &impl Serialize,
+    ) -> Result<T, ClientError> {
+        const ROUTE: &str = "route";
+        self.check_route(route)?;
+        let body = serde_json::to_vec(body).map_err(|e| ClientError::Decode {
+            function: ROUTE,
+            reason: format!("the body does not serialize: {e}"),
+        })?;
+        let answer = observed(ROUTE, async {
+            self.inner.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let transport = |source: reqwest::Error| ClientError::Transport {
+                function: ROUTE,
+                kind: transport_kind(&source),
+                source,
+            };
+            let response = self.inner.http.post(route.clone()).body(body).send().await.map_err(transport)?;
+            let status = response.status();
+            let body = read_body(ROUTE, response, self.inner.config.max_response_bytes).await?;
+            if status.is_success() {
+                return Ok(body);
+            }
+            Err(ClientError::Http {
+                function: ROUTE,
+                status: status.as_u16(),
+                body_excerpt: String::from_utf8_lossy(&body[..body.len().min(256)]).into_owned(),
+                retry_after: None,
+            })
+        })
+        .await?;
+        decode(ROUTE, &answer)
+    }
+
     /// Sends the call, retrying what [`ClientError::is_retryable`] allows
     /// within the configured deadline ([`retry::with_retries`]).
     async fn call(

@@ -328,7 +328,7 @@ impl fmt::Debug for ClientConfig {
 }
 
 /// Whether plain `http://` may reach `url`'s host: loopback, or one named.
-fn plain_http_allowed(url: &Url, named: &[&str]) -> bool {
+pub(super) fn plain_http_allowed(url: &Url, named: &[&str]) -> bool {
     let loopback = match url.host() {
         Some(url::Host::Domain(name)) => name.eq_ignore_ascii_case("localhost"),
         Some(url::Host::Ipv4(address)) => address.is_loopback(),
@@ -340,7 +340,7 @@ fn plain_http_allowed(url: &Url, named: &[&str]) -> bool {
 }
 
 /// `url` with any password replaced by `***`.
-fn redacted(url: &Url) -> String {
+pub(super) fn redacted(url: &Url) -> String {
     let mut url = url.clone();
     if url.password().is_some() {
         let _ = url.set_password(Some("***"));

@@ -18,7 +18,8 @@ pub(crate) fn usage() -> ExitCode {
     ExitCode::from(2)
 }
 
-/// `sweep`'s last read filled its bound: expired claims are waiting.
+/// `sweep`'s last read filled its bound (expired claims are waiting), or
+/// `redrive`'s last pass did (orphans may be waiting).
 pub(crate) fn backlog() -> ExitCode {
     ExitCode::from(3)
 }

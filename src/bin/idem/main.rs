@@ -6,7 +6,9 @@
 //!   schedule with a Prometheus endpoint;
 //! - `idem get` shows one claim as the database sees it;
 //! - `idem claim` claims a key the way a worker does;
-//! - `idem doctor` checks that a deployment can serve the plane.
+//! - `idem doctor` checks that a deployment can serve the plane;
+//! - `idem redrive` asks a function's re-drive route to take over orphaned
+//!   work, once or on a schedule.
 //!
 //! With `--features local`, on the embedded local stack:
 //! - `idem demo` runs a concurrent scenario and prints what the plane prevented;
@@ -17,14 +19,17 @@
 //! failed `doctor` check, a failed `demo` check); 2 a usage or configuration
 //! error, found before any request (a bad flag, no plane configured, an
 //! unusable URL or key, a bound above the row cap, stdin that is not JSON);
-//! 3 `sweep` left a backlog (its read filled the bound).
+//! 3 `sweep` left a backlog (its read filled the bound) or `redrive`
+//! filled its bound.
 
 mod claim;
 mod doctor;
 mod exit;
 mod get;
 mod metrics_endpoint;
+mod redrive;
 mod remote;
+mod schedule;
 mod signal;
 mod sweep;
 
@@ -60,8 +65,8 @@ pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
     name = "idem",
     version,
     about,
-    after_help = "Exit codes: 0 success, 1 failure, 2 usage or configuration error (nothing attempted), 3 sweep backlog.\n\
-                  sweep, get, claim and doctor act on the plane --url/--service-key or the environment name: \
+    after_help = "Exit codes: 0 success, 1 failure, 2 usage or configuration error (nothing attempted), 3 sweep or redrive backlog.\n\
+                  sweep, redrive, get, claim and doctor act on the plane --url/--service-key or the environment name: \
                   IDEM_POSTGREST_URL (or SUPABASE_URL), IDEM_SERVICE_KEY / SUPABASE_SECRET_KEY / \
                   SUPABASE_SERVICE_ROLE_KEY, IDEM_APIKEY, IDEM_MAX_ROWS.\n\
                   demo, up and bench need the embedded local stack: cargo install --path . --features local; \
@@ -123,6 +128,11 @@ enum Command {
     /// 1 error. Acts on the server IDEM_POSTGREST_URL / SUPABASE_URL names.
     #[command(after_help = REMOTE_ENV_HELP)]
     Sweep(sweep::SweepArgs),
+    /// Ask a function's re-drive route to take over the orphans of its scope
+    /// (work whose worker stopped): once, or on a schedule (--every). Exit 0
+    /// ok, 3 the pass filled its bound, 1 error.
+    #[command(after_help = REMOTE_ENV_HELP)]
+    Redrive(redrive::RedriveArgs),
     /// Show one claim as the database sees it: why did this call not run?
     #[command(after_help = REMOTE_ENV_HELP)]
     Get(get::GetArgs),
@@ -163,6 +173,7 @@ async fn main() -> ExitCode {
         #[cfg(feature = "local")]
         Command::Up(args) => up::run(args).await,
         Command::Sweep(args) => sweep::run(args).await,
+        Command::Redrive(args) => redrive::run(args).await,
         Command::Get(args) => get::run(args).await,
         Command::Claim(args) => claim::run(args).await,
         Command::Doctor(args) => doctor::run(args).await,

@@ -4,13 +4,11 @@
 //! (expired claims are waiting), 1 an error (nothing was deleted by the
 //! failing pass), 2 a usage error.
 
-use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotency_plane::sweeper::{SweepReport, Sweeper};
 
-use crate::{exit, metrics_endpoint, remote, signal, BoxError};
+use crate::{exit, remote, schedule, BoxError};
 
 /// Options of `idem sweep`.
 #[derive(Debug, clap::Args)]
@@ -20,21 +18,8 @@ pub(crate) struct SweepArgs {
     /// is refused, never clamped.
     #[arg(long)]
     bound: Option<u64>,
-    /// Run a pass every interval (e.g. 1h, 15m, 30s) until interrupted, for
-    /// a standalone worker. Without it, one pass.
-    #[arg(long, value_parser = parse_interval)]
-    every: Option<Duration>,
-    /// With --every: start each pass on a multiple of the interval since
-    /// midnight UTC (--every 1h: on the hour), the first one included, then
-    /// wait up to 10 % of the interval (at most 5 min) of random jitter, so
-    /// many sweepers do not hit the database at the same instant. Without
-    /// it, passes run back to back with ±10 % jitter, the first at once.
-    #[arg(long, requires = "every")]
-    align: bool,
-    /// With --every: serve Prometheus metrics at http://HOST:PORT/metrics
-    /// (the sweep counters, per-function RPC latency, errors by kind).
-    #[arg(long, value_name = "HOST:PORT", requires = "every")]
-    metrics_addr: Option<SocketAddr>,
+    #[command(flatten)]
+    schedule: schedule::ScheduleArgs,
     /// Print each report as one JSON line.
     #[arg(long)]
     json: bool,
@@ -43,15 +28,12 @@ pub(crate) struct SweepArgs {
 }
 
 pub(crate) async fn run(args: SweepArgs) -> Result<ExitCode, BoxError> {
-    if let Some(addr) = args.metrics_addr {
-        metrics_endpoint::serve(addr)?;
-        eprintln!("metrics on http://{addr}/metrics");
-    }
+    args.schedule.serve_metrics()?;
     let client = remote::client(&args.target)?;
     let bound = args.bound.unwrap_or_else(|| u64::from(client.config().max_rows()));
     // A bound of zero or above the row cap is refused before any request.
     let sweeper = Sweeper::new(client, bound).map_err(exit::usage_error)?;
-    let Some(every) = args.every else {
+    let Some(schedule) = args.schedule.schedule() else {
         let report = sweeper.pass().await?;
         print(&report, args.json)?;
         return Ok(exit_code(&report));
@@ -59,64 +41,23 @@ pub(crate) async fn run(args: SweepArgs) -> Result<ExitCode, BoxError> {
     // A standalone worker outlives a failed pass (a network blip, a 503):
     // it logs it, counts it, and tries again at the next tick. Its exit code
     // on a signal is the last pass's.
-    let mut shutdown = Box::pin(signal::shutdown());
-    let mut last = exit::ok();
-    let mut first = true;
-    loop {
-        let wait = if args.align {
-            until_next_boundary(SystemTime::now(), every) + aligned_jitter(every).mul_f64(rand::random::<f64>())
-        } else if first {
-            Duration::ZERO
-        } else {
-            every.mul_f64(0.9 + 0.2 * rand::random::<f64>())
-        };
-        first = false;
-        tokio::select! {
-            () = tokio::time::sleep(wait) => {}
-            signal = &mut shutdown => {
-                eprintln!("{}: stopping", signal.unwrap_or("signal error"));
-                return Ok(last);
+    schedule
+        .run(|| async {
+            match sweeper.pass().await {
+                Ok(report) => match print(&report, args.json) {
+                    Ok(()) => exit_code(&report),
+                    Err(_) => exit::failure(),
+                },
+                Err(error) => {
+                    tracing::error!(%error, "sweep pass failed; trying again at the next tick");
+                    eprintln!("sweep pass failed: {error}");
+                    metrics::counter!(idempotency_plane::telemetry::SWEEP_ERRORS_TOTAL).increment(1);
+                    exit::failure()
+                }
             }
-        }
-        last = match sweeper.pass().await {
-            Ok(report) => {
-                print(&report, args.json)?;
-                exit_code(&report)
-            }
-            Err(error) => {
-                tracing::error!(%error, "sweep pass failed; trying again at the next tick");
-                eprintln!("sweep pass failed: {error}");
-                metrics::counter!(idempotency_plane::telemetry::SWEEP_ERRORS_TOTAL).increment(1);
-                exit::failure()
-            }
-        };
-    }
+        })
+        .await
 }
-
-/// From `now` to the next multiple of `every` counted from midnight UTC
-/// (every day starts on a boundary, so `1h` is the top of each hour and
-/// `15m` the quarter hours). Never zero: a pass that ends exactly on a
-/// boundary waits for the next one.
-fn until_next_boundary(now: SystemTime, every: Duration) -> Duration {
-    let since_epoch = now.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let day = Duration::from_secs(86_400);
-    // Periods that divide a day line up with the day; longer ones with the epoch.
-    let period = every.as_millis().max(1);
-    let base = if day.as_millis().is_multiple_of(period) { day.as_millis() } else { period };
-    let into_base = since_epoch.as_millis() % base;
-    let into_period = into_base % period;
-    let left = period - into_period;
-    Duration::from_millis(u64::try_from(left).unwrap_or(u64::MAX))
-}
-
-/// The most random delay after an aligned boundary: 10 % of the interval,
-/// at most five minutes.
-fn aligned_jitter(every: Duration) -> Duration {
-    every.mul_f64(0.1).min(Duration::from_secs(300))
-}
-
-/// The longest `--every`: a sweep that runs less than weekly is no sweep.
-const MAX_INTERVAL: Duration = Duration::from_secs(7 * 86_400);
 
 fn exit_code(report: &SweepReport) -> ExitCode {
     if report.filled {
@@ -134,60 +75,4 @@ fn print(report: &SweepReport, json: bool) -> Result<(), BoxError> {
         println!("read {} / bound {}, deleted {} — {state}", report.read, report.bound, report.deleted);
     }
     Ok(())
-}
-
-/// `90s`, `15m`, `1h`, `2d`, or plain seconds.
-fn parse_interval(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
-    let (digits, unit) = text.split_at(split);
-    let number: u64 = digits.parse().map_err(|_| format!("{text:?} is not an interval like 30s, 15m or 1h"))?;
-    let seconds = match unit {
-        "" | "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        other => return Err(format!("unknown unit {other:?}: use s, m, h or d")),
-    };
-    let interval = Duration::from_secs(number.saturating_mul(seconds));
-    if interval.is_zero() || interval > MAX_INTERVAL {
-        return Err("the interval must be above zero and at most 7d".into());
-    }
-    Ok(interval)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn aligned_passes_start_on_the_hour_and_on_quarter_hours() {
-        let at = |secs: u64| UNIX_EPOCH + Duration::from_secs(secs);
-        let hour = Duration::from_secs(3600);
-        // 2026-11-30 13:59:30 UTC is 30 s before the top of the hour.
-        let day_start = 1_795_996_800; // 2026-11-30 00:00:00 UTC
-        assert_eq!(until_next_boundary(at(day_start + 13 * 3600 + 3570), hour), Duration::from_secs(30));
-        // On the boundary itself: the next one, a whole interval away.
-        assert_eq!(until_next_boundary(at(day_start + 14 * 3600), hour), hour);
-        let quarter = Duration::from_secs(900);
-        assert_eq!(until_next_boundary(at(day_start + 14 * 3600 + 1), quarter), Duration::from_secs(899));
-        // 7 h does not divide a day: it lines up with the epoch instead, and
-        // still never waits longer than one interval.
-        let seven = Duration::from_secs(7 * 3600);
-        let wait = until_next_boundary(at(day_start + 5), seven);
-        assert!(wait > Duration::ZERO && wait <= seven, "{wait:?}");
-        assert_eq!(aligned_jitter(hour), Duration::from_secs(300));
-        assert_eq!(aligned_jitter(Duration::from_secs(60)), Duration::from_secs(6));
-    }
-
-    #[test]
-    fn intervals_parse_with_units_and_refuse_garbage() {
-        assert_eq!(parse_interval("1h"), Ok(Duration::from_secs(3600)));
-        assert_eq!(parse_interval("15m"), Ok(Duration::from_secs(900)));
-        assert_eq!(parse_interval("45"), Ok(Duration::from_secs(45)));
-        assert_eq!(parse_interval("2d"), Ok(Duration::from_secs(172_800)));
-        for bad in ["", "h", "0s", "1w", "-1h", "1.5h", "8d", "99999999999999d"] {
-            assert!(parse_interval(bad).is_err(), "{bad}");
-        }
-    }
 }

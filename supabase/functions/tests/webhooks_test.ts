@@ -71,6 +71,20 @@ async function start(processUrl: string) {
   return { url, child };
 }
 
+/** `idem redrive --to <route> --json ...` against the local plane: its exit code and output. */
+async function idemRedrive(route: string, ...args: string[]) {
+  const bin = Deno.env.get("IDEM_BIN");
+  if (!bin) throw new Error("IDEM_BIN is not set: run this through .ci/with-local-plane.sh");
+  const output = await new Deno.Command(bin, {
+    args: ["redrive", "--to", route, "--json", ...args],
+    env: { IDEM_POSTGREST_URL: URL_, IDEM_SERVICE_KEY: KEY },
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  const decode = (bytes: Uint8Array) => new TextDecoder().decode(bytes);
+  return { code: output.code, stdout: decode(output.stdout), stderr: decode(output.stderr) };
+}
+
 /** Kills the function's process (SIGKILL, as a platform stops a worker), if it still runs. */
 async function kill(child: Deno.ChildProcess): Promise<void> {
   try {
@@ -143,6 +157,48 @@ Deno.test("the example function verifies signatures before any claim and keeps i
       dead_lettered: 0,
       left: 0,
     }]);
+    for (const body of ["nope", '{"limit":0}', '{"limit":1001}', '{"limit":1.5}', '{"scope":"webhook.stripe"}']) {
+      const bad = await fetch(`${fn.url}/redrive`, {
+        method: "POST",
+        headers: { authorization: `Bearer ${KEY}` },
+        body,
+      });
+      assert.equal(bad.status, 400, body);
+      await bad.body?.cancel();
+    }
+    // The Supabase Cron recipe's request, as pg_net would send it: its path
+    // and body, read from the recipe, are what the route serves; the key
+    // comes from Vault, never from the job's text.
+    const recipe = await Deno.readTextFile("../../sql/recipes/pg_cron_redrive.sql");
+    const job = recipe.slice(recipe.indexOf("select cron.schedule("));
+    assert.ok(!/sb_secret_\w|eyJ\w/.test(job), "no key in the job's text");
+    assert.match(job, /'Bearer ' \|\| \(select decrypted_secret from vault\.decrypted_secrets/);
+    const path = /'(\/functions\/v1\/webhooks\/redrive)'/.exec(job)?.[1];
+    const recipeBody = /body := '([^']+)'::jsonb/.exec(job)?.[1];
+    assert.ok(path && recipeBody, job);
+    const scheduled = await fetch(new URL(path, fn.url), {
+      method: "POST",
+      headers: { "content-type": "application/json", authorization: `Bearer ${KEY}` },
+      body: recipeBody,
+    });
+    assert.deepEqual([scheduled.status, await scheduled.json()], [200, {
+      redriven: 0,
+      journaled: 0,
+      dead_lettered: 0,
+      left: 0,
+    }]);
+    // `idem redrive`: a pass that took nothing exits 0; a route that refuses
+    // the key exits 1 and says so; a bound above the row cap is a usage
+    // error (2), refused before any request.
+    const quiet = await idemRedrive(`${fn.url}/redrive`);
+    assert.equal(quiet.code, 0, quiet.stderr);
+    assert.deepEqual(JSON.parse(quiet.stdout), { redriven: 0, journaled: 0, dead_lettered: 0, left: 0 });
+    const wrongRoute = await idemRedrive(fn.url);
+    assert.equal(wrongRoute.code, 1, wrongRoute.stdout);
+    assert.match(wrongRoute.stderr, /re-drive failed/);
+    const tooMany = await idemRedrive(`${fn.url}/redrive`, "--bound", "1001");
+    assert.equal(tooMany.code, 2, tooMany.stderr);
+    assert.match(tooMany.stderr, /row cap/);
   } finally {
     await kill(fn.child);
     await service.close();
@@ -165,15 +221,15 @@ Deno.test("an event acknowledged by a worker killed with SIGKILL mid-processing 
 
     // The vendor never redelivers an ACKed event: only the re-drive can
     // finish it, once the dead worker's lease (3 s) has passed.
+    // The re-drive is asked for the way an operator without pg_cron
+    // schedules it: `idem redrive --to <route>`.
     second = await start(service.url);
     let counts: Record<string, number> = {};
     for (let poll = 0; poll < 40; poll++) {
       await sleep(250);
-      const redrive = await fetch(`${second.url}/redrive`, {
-        method: "POST",
-        headers: { authorization: `Bearer ${KEY}` },
-      });
-      counts = await redrive.json();
+      const pass = await idemRedrive(`${second.url}/redrive`, "--bound", "10");
+      assert.equal(pass.code, 0, pass.stderr);
+      counts = JSON.parse(pass.stdout);
       if (counts.redriven > 0) break;
     }
     assert.deepEqual(counts, { redriven: 1, journaled: 1, dead_lettered: 0, left: 0 });

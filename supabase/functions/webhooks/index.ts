@@ -11,9 +11,10 @@
 //                    and done when that answers 2xx
 //   POST /redrive    `Authorization: Bearer <service key>`: re-drives the
 //                    events of this function's scope whose worker was stopped
-//                    (lease passed, still processing) and answers the counts
+//                    (lease passed, still processing), up to the body's
+//                    `{"limit": N}` (default 50), and answers the counts
 //                    `{"redriven", "journaled", "dead_lettered", "left"}`;
-//                    anything else is 401
+//                    without the key, 401; a bad body, 400
 //
 // The plane comes from the environment as in `orders` (SUPABASE_URL and the
 // service key on Supabase; `idem up --env-file` writes IDEM_POSTGREST_URL and
@@ -103,8 +104,25 @@ export function receiver(plane: IdempotencyPlane, env: (name: string) => string 
     if (!serviceKey || !sameText(request.headers.get("authorization") ?? "", `Bearer ${serviceKey}`)) {
       return Response.json({ error: "POST /redrive takes the service key as a bearer token" }, { status: 401 });
     }
+    // An optional JSON body, as `idem redrive` and a pg_cron job send it:
+    // `{"limit": N}` (1 to the plane's row cap; default REDRIVE_BATCH) and
+    // `"scope"`, which must be this function's own.
+    const text = await request.text();
+    let ask: { limit?: unknown; scope?: unknown } = {};
+    try {
+      ask = text.trim() ? JSON.parse(text) : {};
+    } catch {
+      return Response.json({ error: 'the body must be JSON: {"limit": N}' }, { status: 400 });
+    }
+    const limit = ask?.limit ?? REDRIVE_BATCH;
+    if (typeof limit !== "number" || !Number.isInteger(limit) || limit < 1 || limit > plane.maxRows) {
+      return Response.json({ error: `limit must be an integer from 1 to ${plane.maxRows}` }, { status: 400 });
+    }
+    if (ask?.scope !== undefined && ask.scope !== SCOPE) {
+      return Response.json({ error: `this route re-drives ${SCOPE} only` }, { status: 400 });
+    }
     const report = await gate.redrive(
-      { scope: SCOPE, limit: REDRIVE_BATCH, organizationId },
+      { scope: SCOPE, limit, organizationId },
       (event: Redelivery) => forward(event.deliveryId, event.body),
     );
     return Response.json({

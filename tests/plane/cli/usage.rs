@@ -66,9 +66,11 @@ fn assert_usage_error(args: &[&str], env: &[(&str, &str)], stdin: &str, plane: &
 type Env<'a> = Vec<(&'a str, &'a str)>;
 
 /// The commands that act on a deployment, with the arguments each needs.
-fn remote_commands() -> [(&'static str, Vec<&'static str>); 4] {
+fn remote_commands() -> [(&'static str, Vec<&'static str>); 5] {
     [
         ("sweep", vec!["--bound", "100"]),
+        // Nothing listens on port 1: a request would fail with exit 1, not 2.
+        ("redrive", vec!["--to", "http://127.0.0.1:1/redrive"]),
         ("get", vec!["--org", ORG, "--scope", "tool.email.send", "--key", "k"]),
         ("claim", vec!["--org", ORG, "--scope", "tool.email.send", "--key", "k"]),
         ("doctor", vec![]),
@@ -132,6 +134,24 @@ fn input_the_library_refuses_exits_2_before_any_request() {
     for (mut args, stdin) in cases {
         args.extend(target);
         assert_usage_error(&args, &[], stdin, &plane);
+    }
+    // `idem redrive` sends the service key to the route it is given: a
+    // route it would send it to in clear, or a bound above the row cap, is
+    // refused before any request.
+    let route = format!("{url}/redrive");
+    let redrive: Vec<Vec<&str>> = vec![
+        vec!["redrive"],
+        vec!["redrive", "--to", "not a url"],
+        vec!["redrive", "--to", "http://example.com/functions/v1/webhooks/redrive"],
+        vec!["redrive", "--to", "ftp://127.0.0.1/redrive"],
+        vec!["redrive", "--to", &route, "--bound", "5000"],
+        vec!["redrive", "--to", &route, "--bound", "0"],
+        vec!["redrive", "--to", &route, "--every", "soon"],
+        vec!["redrive", "--to", &route, "--align"],
+    ];
+    for mut args in redrive {
+        args.extend(target);
+        assert_usage_error(&args, &[], "", &plane);
     }
 }
 

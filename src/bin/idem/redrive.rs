@@ -1,0 +1,123 @@
+//! `idem redrive`: calls a function's re-drive route, once or on a
+//! schedule, for a platform without pg_cron.
+//!
+//! Re-driving runs the function's own processing, so it happens where that
+//! code lives: this command only asks. It POSTs `{"limit": N}` (and
+//! `"scope"` when given) to the route with the service key as a bearer
+//! token, and prints the counts the route answers (`redriven`,
+//! `journaled`, `dead_lettered`, `left`), the way the example webhook
+//! function's `POST /redrive` and the crate's `WebhookGate::redrive` count.
+//!
+//! Exit codes: 0 the pass took fewer orphans than its bound, 3 it filled the
+//! bound (more may be waiting), 1 an error (the route refused, failed or
+//! answered something that is not a report), 2 a usage error.
+
+use std::process::ExitCode;
+
+use serde::{Deserialize, Serialize};
+use tracing::Instrument;
+
+use crate::{exit, remote, schedule, BoxError};
+
+/// How many orphans one pass asks for by default: the example function's
+/// batch.
+const DEFAULT_BOUND: u64 = 50;
+
+/// Options of `idem redrive`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct RedriveArgs {
+    /// The function's re-drive route, e.g.
+    /// https://<ref>.supabase.co/functions/v1/webhooks/redrive. It gets the
+    /// service key: https://, or plain http:// to loopback or the plane's
+    /// own host only.
+    #[arg(long, value_name = "URL")]
+    to: String,
+    /// The scope (or family, webhook.*) to re-drive, when the route serves
+    /// more than one; without it, the route's own.
+    #[arg(long)]
+    scope: Option<String>,
+    /// Orphans one pass takes over: at most the server's row cap
+    /// (IDEM_MAX_ROWS, default 1000). A larger bound is refused, never
+    /// clamped.
+    #[arg(long, default_value_t = DEFAULT_BOUND)]
+    bound: u64,
+    #[command(flatten)]
+    schedule: schedule::ScheduleArgs,
+    /// Print each report as one JSON line.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    target: remote::Target,
+}
+
+/// What the command sends the route.
+#[derive(Debug, Serialize)]
+struct Ask<'a> {
+    limit: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scope: Option<&'a str>,
+}
+
+/// What a re-drive route answers: every count is required, so a route
+/// that answers something else is an error, not a pass that did nothing.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct Report {
+    redriven: u64,
+    journaled: u64,
+    dead_lettered: u64,
+    left: u64,
+}
+
+pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
+    let client = remote::client(&args.target)?;
+    let route = url::Url::parse(&args.to).map_err(|e| exit::usage_error(format!("--to {:?}: {e}", args.to)))?;
+    client.check_route(&route).map_err(exit::usage_error)?;
+    let cap = u64::from(client.config().max_rows());
+    if args.bound == 0 || args.bound > cap {
+        return Err(exit::usage_error(format!(
+            "--bound {} must be between 1 and the server's row cap, {cap} (IDEM_MAX_ROWS)",
+            args.bound
+        )));
+    }
+    args.schedule.serve_metrics()?;
+    let ask = Ask { limit: args.bound, scope: args.scope.as_deref() };
+    let pass = || async {
+        let span = tracing::info_span!("idem.redrive", route = %route.path(), bound = args.bound);
+        match client.post_route::<Report>(&route, &ask).instrument(span).await {
+            Ok(report) => {
+                print(&report, args.bound, args.json);
+                if report.redriven + report.dead_lettered >= args.bound {
+                    exit::backlog()
+                } else {
+                    exit::ok()
+                }
+            }
+            Err(error) => {
+                tracing::error!(%error, "the re-drive route failed");
+                eprintln!("re-drive failed: {error}");
+                exit::failure()
+            }
+        }
+    };
+    match args.schedule.schedule() {
+        None => Ok(pass().await),
+        Some(schedule) => schedule.run(pass).await,
+    }
+}
+
+fn print(report: &Report, bound: u64, json: bool) {
+    if json {
+        match serde_json::to_string(report) {
+            Ok(line) => println!("{line}"),
+            Err(error) => eprintln!("the report does not serialize: {error}"),
+        }
+        return;
+    }
+    let filled = report.redriven + report.dead_lettered >= bound;
+    let state = if filled { "backlog: the pass filled its bound" } else { "ok" };
+    println!(
+        "re-driven {} / bound {bound}: journaled {}, dead-lettered {}, left {} — {state}",
+        report.redriven, report.journaled, report.dead_lettered, report.left
+    );
+}
