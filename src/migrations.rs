@@ -17,6 +17,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0015_max_run_duration.sql", include_str!("../sql/0015_max_run_duration.sql")),
     ("0016_lease_token_stays_with_its_holder.sql", include_str!("../sql/0016_lease_token_stays_with_its_holder.sql")),
     ("0017_work_outlives_its_worker.sql", include_str!("../sql/0017_work_outlives_its_worker.sql")),
+    ("0018_failures_recovered_after_a_fix.sql", include_str!("../sql/0018_failures_recovered_after_a_fix.sql")),
 ];
 
 /// The optional layout that hash-partitions the claim table by

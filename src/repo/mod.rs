@@ -30,7 +30,8 @@ use crate::error::Error;
 pub use self::postgrest::PostgrestRepository;
 pub use memory::MemoryRepository;
 pub use record::{
-    AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, IdempotencyRecord, ProviderJob, WorkRow,
+    AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, FailureRow, IdempotencyRecord, ProviderJob,
+    WorkRow,
 };
 pub use routed::{RouterConfigError, TenantRouter, TenantRouterBuilder};
 pub use surface::{SqlFunction, SQL_SURFACE};
@@ -193,6 +194,48 @@ pub trait OrphanedWork: Send + Sync {
     /// [`max_bound`](Self::max_bound) is refused before any request, and an
     /// answer the server cut short is an error, never a short page.
     fn redrive(&self, call: &RedriveCall<'_>) -> impl Future<Output = Result<Vec<WorkRow>, Error>> + Send;
+}
+
+/// Which journaled failures to list, or to send back to re-drive.
+#[derive(Debug, Clone, Copy)]
+pub struct FailuresCall<'a> {
+    /// A scope (`webhook.stripe`) or a family (`webhook.*`).
+    pub scope: &'a str,
+    /// The most failures to answer; at most [`JournaledFailures::max_bound`].
+    pub bound: u64,
+    /// Only this organization's, when given.
+    pub organization_id: Option<Uuid>,
+    /// Only failures claimed at or after this instant (database clock),
+    /// when given.
+    pub since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only these claims, when given (never empty): the chosen failures.
+    pub claim_ids: Option<&'a [Uuid]>,
+}
+
+/// Failures the plane journaled (completed claims whose answer has `"ok":
+/// false`, dead letters included), which every later claim of their key
+/// replays: listed for an operator, and sent back to re-drive once the bug
+/// behind them is fixed.
+pub trait JournaledFailures: Send + Sync {
+    /// The largest bound a call may ask for: the server's row cap.
+    fn max_bound(&self) -> u64;
+
+    /// Up to `call.bound` journaled failures, oldest claim first. Read-only;
+    /// `call.claim_ids` is ignored. A bound above
+    /// [`max_bound`](Self::max_bound) is refused before any request, and an
+    /// answer the server cut short is an error, never a short page.
+    fn failures(&self, call: &FailuresCall<'_>) -> impl Future<Output = Result<Vec<FailureRow>, Error>> + Send;
+
+    /// Sends up to `call.bound` journaled failures that carry their work
+    /// back to re-drive, in one statement: the chosen `claim_ids`, or every
+    /// failure claimed `since`, or both filters (one is required). Each
+    /// becomes an orphan again (processing, lease passed, a fresh fence,
+    /// attempts counted from one, retention renewed), and what it replaced
+    /// is kept in the row for the audit. Concurrent callers split the
+    /// failures, and one sent back is no longer a failure: none is sent
+    /// back twice by one pass. Answers the rows sent back, each with the
+    /// answer it replaced.
+    fn redrive_failed(&self, call: &FailuresCall<'_>) -> impl Future<Output = Result<Vec<FailureRow>, Error>> + Send;
 }
 
 /// The plane's own refusal (HTTP 400) of a fenced Run admission whose claim

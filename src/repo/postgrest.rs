@@ -4,13 +4,13 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use super::surface::{
-    CLAIM, COMPLETE, DELETE_EXPIRED, EXPIRED, EXTEND, GET, PROVIDER_JOB_LOOKUP, PROVIDER_JOB_REGISTER, RECLAIM,
-    REDRIVE, RELEASE, RUN_ADMIT, RUN_GET, TRY_CLAIM,
+    SqlFunction, CLAIM, COMPLETE, DELETE_EXPIRED, EXPIRED, EXTEND, FAILURES, GET, PROVIDER_JOB_LOOKUP,
+    PROVIDER_JOB_REGISTER, RECLAIM, REDRIVE, REDRIVE_FAILED, RELEASE, RUN_ADMIT, RUN_GET, TRY_CLAIM,
 };
 use super::{
     AdmittedRun, ClaimCall, ClaimFence, ClaimRequest, ClaimRow, CompletionArgs, ExpiredClaim, ExpiredClaims,
-    IdempotencyRecord, IdempotencyRepository, OrphanedWork, ProviderJob, ProviderJobRepository, RedriveCall,
-    RunRepository, WorkRow, FENCE_LOST,
+    FailureRow, FailuresCall, IdempotencyRecord, IdempotencyRepository, JournaledFailures, OrphanedWork, ProviderJob,
+    ProviderJobRepository, RedriveCall, RunRepository, WorkRow, FENCE_LOST,
 };
 use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
@@ -270,6 +270,70 @@ impl OrphanedWork for PostgrestRepository {
             self.client.rpc_bounded_write(REDRIVE.name, &args, call.bound, taken, Repeat::of(REDRIVE.name)).await;
         let rows = rows.map_err(|error| unknown_scope(error.into(), call.scope))?;
         Ok(rows.into_iter().map(|row| row.work).collect())
+    }
+}
+
+/// The arguments of `idempotency_failures` and `idempotency_redrive_failed`;
+/// what is not given is omitted, never sent as `null`.
+#[derive(Serialize)]
+struct FailuresArgs<'a> {
+    p_scope: &'a str,
+    p_limit: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_organization_id: Option<Uuid>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_since: Option<chrono::DateTime<chrono::Utc>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_claim_ids: Option<&'a [Uuid]>,
+    p_row_cap: u64,
+}
+
+/// A row of a failures answer, with how many rows the call answered.
+#[derive(serde::Deserialize)]
+struct TakenFailure {
+    #[serde(flatten)]
+    failure: FailureRow,
+    taken: i64,
+}
+
+/// Sending failures back is not repeated after a lost answer (the shared
+/// retry table marks it unsafe): a repeat would answer nothing for what the
+/// first attempt sent back. Nothing is lost: those are orphans again, which
+/// the next re-drive hands out.
+impl JournaledFailures for PostgrestRepository {
+    fn max_bound(&self) -> u64 {
+        u64::from(self.client.config().max_rows())
+    }
+
+    async fn failures(&self, call: &FailuresCall<'_>) -> Result<Vec<FailureRow>, Error> {
+        self.failures_of(FAILURES, FailuresCall { claim_ids: None, ..*call }).await
+    }
+
+    async fn redrive_failed(&self, call: &FailuresCall<'_>) -> Result<Vec<FailureRow>, Error> {
+        self.failures_of(REDRIVE_FAILED, *call).await
+    }
+}
+
+impl PostgrestRepository {
+    /// Calls `function` (`idempotency_failures` or
+    /// `idempotency_redrive_failed`) for `call`, its answer checked whole.
+    async fn failures_of(&self, function: SqlFunction, call: FailuresCall<'_>) -> Result<Vec<FailureRow>, Error> {
+        if call.bound == 0 {
+            return Ok(Vec::new());
+        }
+        let args = FailuresArgs {
+            p_scope: call.scope,
+            p_limit: call.bound,
+            p_organization_id: call.organization_id,
+            p_since: call.since,
+            p_claim_ids: call.claim_ids,
+            p_row_cap: JournaledFailures::max_bound(self),
+        };
+        let taken = |row: &TakenFailure| u64::try_from(row.taken).unwrap_or(0);
+        let rows =
+            self.client.rpc_bounded_write(function.name, &args, call.bound, taken, Repeat::of(function.name)).await;
+        let rows = rows.map_err(|error| unknown_scope(error.into(), call.scope))?;
+        Ok(rows.into_iter().map(|row| row.failure).collect())
     }
 }
 

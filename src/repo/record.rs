@@ -194,3 +194,40 @@ impl WorkRow {
         self.status == ClaimStatus::Completed
     }
 }
+
+/// A journaled failure, as [`JournaledFailures`](super::JournaledFailures)
+/// lists it or answers it sent back to re-drive.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailureRow {
+    /// The claim id: name it to send this failure back.
+    pub id: Uuid,
+    /// The tenant.
+    pub organization_id: Uuid,
+    /// The scope.
+    pub scope: String,
+    /// The key within the scope (a webhook's event id).
+    pub key: String,
+    /// Completed (listed), or processing (sent back: an orphan again,
+    /// which the next re-drive hands out).
+    pub status: ClaimStatus,
+    /// The journaled answer's `error` (`dead_lettered` for a dead letter).
+    pub error: Option<String>,
+    /// The journaled answer, or, for a row sent back, the answer it replaced.
+    pub response: Option<serde_json::Value>,
+    /// The journaled resource's type, if it named one.
+    pub resource_type: Option<String>,
+    /// The journaled resource, if it named one.
+    pub resource_id: Option<String>,
+    /// How many attempts the failure took.
+    pub attempts: u32,
+    /// When its last attempt claimed it (database clock); for a row sent
+    /// back, when it was sent back.
+    pub claimed_at: DateTime<Utc>,
+    /// How long the row is remembered (database clock).
+    pub retain_until: DateTime<Utc>,
+    /// Whether the claim carries its work, so it can be sent back.
+    pub redrivable: bool,
+    /// How often it was sent back already (what each replaced is kept for
+    /// the audit in the row, at most 20).
+    pub requeues: u32,
+}

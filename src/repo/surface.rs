@@ -49,6 +49,15 @@ pub(crate) const REDRIVE: SqlFunction = function(
     "p_scope text, p_limit integer, p_lease_ms bigint, p_organization_id uuid, p_row_cap integer",
 );
 pub(crate) const ORPHANS: SqlFunction = function("idempotency_orphans", "p_limit integer");
+pub(crate) const FAILURES: SqlFunction = function(
+    "idempotency_failures",
+    "p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_row_cap integer",
+);
+pub(crate) const REDRIVE_FAILED: SqlFunction = function(
+    "idempotency_redrive_failed",
+    "p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_claim_ids uuid[], \
+     p_row_cap integer",
+);
 pub(crate) const EXPIRED: SqlFunction = function("idempotency_expired", "p_limit integer");
 pub(crate) const DELETE_EXPIRED: SqlFunction = function("idempotency_delete_expired", "p_ids uuid[]");
 pub(crate) const SWEEP: SqlFunction = function("idempotency_sweep", "p_bound integer, p_row_cap integer");
@@ -76,6 +85,8 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     EXTEND,
     REDRIVE,
     ORPHANS,
+    FAILURES,
+    REDRIVE_FAILED,
     EXPIRED,
     DELETE_EXPIRED,
     SWEEP,

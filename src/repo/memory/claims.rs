@@ -82,7 +82,7 @@ impl State {
                     retain_until: now + lease + retain,
                     lease_live: true,
                 };
-                let row = Row { record, reclaims: 0, request: request.cloned() };
+                let row = Row { record, reclaims: 0, request: request.cloned(), replaced: Vec::new() };
                 self.claims.insert(slot, row.clone());
                 (ClaimDecision::Claimed, row)
             }
@@ -306,9 +306,28 @@ impl IdempotencyRepository for MemoryRepository {
     }
 }
 
+impl State {
+    /// Refuses a scope pattern as the plane does: one that is not a scope
+    /// or a family (22023), or that names no policy row (IDEM1).
+    pub(super) fn check_pattern(&self, function: &'static str, pattern: &str) -> Result<(), Error> {
+        if !scope_pattern_well_formed(pattern) {
+            return Err(refused(function, codes::INVALID_PARAMETER_VALUE));
+        }
+        let known = self.policy(pattern).is_some()
+            || pattern
+                .strip_suffix('*')
+                .is_some_and(|prefix| self.policies.iter().any(|p| p.scope.starts_with(prefix)));
+        if known {
+            Ok(())
+        } else {
+            Err(Error::UnknownScope { scope: pattern.to_owned() })
+        }
+    }
+}
+
 /// Whether `scope` is `pattern`, or a member of it when `pattern` is a
 /// family (`webhook.*`).
-fn in_scope(pattern: &str, scope: &str) -> bool {
+pub(super) fn in_scope(pattern: &str, scope: &str) -> bool {
     match pattern.strip_suffix('*') {
         Some(prefix) => scope.starts_with(prefix),
         None => scope == pattern,
@@ -338,18 +357,11 @@ impl OrphanedWork for MemoryRepository {
         if call.bound == 0 {
             return Ok(Vec::new());
         }
-        if !scope_pattern_well_formed(call.scope) || !(1000..=86_400_000).contains(&call.lease.as_millis()) {
+        if !(1000..=86_400_000).contains(&call.lease.as_millis()) {
             return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
         }
         let mut state = self.lock();
-        let known = state.policy(call.scope).is_some()
-            || call
-                .scope
-                .strip_suffix('*')
-                .is_some_and(|prefix| state.policies.iter().any(|p| p.scope.starts_with(prefix)));
-        if !known {
-            return Err(Error::UnknownScope { scope: call.scope.to_owned() });
-        }
+        state.check_pattern(FUNCTION, call.scope)?;
         let now = state.now();
         let lease = TimeDelta::from_std(call.lease).unwrap_or(TimeDelta::MAX);
         let mut orphans: Vec<_> = state

@@ -8,10 +8,11 @@
 //! call atomic, as one SQL statement is.
 //!
 //! The store and its clock live here; the functions over each table in a
-//! file of their own: the claim table (`claims`), Run admission and
-//! provider jobs (`runs`).
+//! file of their own: the claim table (`claims`), its journaled failures
+//! (`failures`), Run admission and provider jobs (`runs`).
 
 mod claims;
+mod failures;
 mod runs;
 
 use std::collections::HashMap;
@@ -66,6 +67,8 @@ struct Row {
     reclaims: u32,
     /// The work the claim carries.
     request: Option<serde_json::Value>,
+    /// What sending it back to re-drive replaced, oldest first.
+    replaced: Vec<serde_json::Value>,
 }
 
 impl Default for MemoryRepository {

@@ -7,11 +7,11 @@
 use std::time::Duration;
 
 use idempotency_plane::repo::{
-    ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs, ExpiredClaims, OrphanedWork,
-    RedriveCall,
+    ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs, ExpiredClaims, FailuresCall,
+    JournaledFailures, OrphanedWork, RedriveCall,
 };
 use idempotency_plane::{ClientError, Error};
-use serde_json::json;
+use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::support::backends::{Backend, TimeTravel};
@@ -453,6 +453,114 @@ async fn work_and_redrives_are_bounded_and_bad_input_is_refused(repo: &impl Back
     assert_eq!(ExpiredClaims::max_bound(repo), OrphanedWork::max_bound(repo));
 }
 
+/// What `failures` lists of `org` in `scope`: the keys, their errors and
+/// whether each can be sent back.
+fn failures_of(org: Uuid, scope: &str, bound: u64) -> FailuresCall<'_> {
+    FailuresCall { scope, bound, organization_id: Some(org), since: None, claim_ids: None }
+}
+
+/// Journaled failures are listed, sent back to re-drive once each (what
+/// they replaced kept for the audit), handed out again as orphans with
+/// their attempts counted anew, and what succeeds then is every replay's
+/// answer; what carries no work, or is no failure, is never sent back.
+async fn journaled_failures_are_listed_and_sent_back_to_redrive_once(repo: &impl Backend, time: &impl TimeTravel) {
+    let (org, h) = (Uuid::new_v4(), hash_text("failures"));
+    let work = json!({"body_text": "{\"id\":\"evt\"}"});
+    let (work_ref, h_ref) = (&work, &h);
+    let journal = |key: &'static str, carries: bool, answer: Value| async move {
+        let token = Uuid::new_v4();
+        let claim =
+            ClaimCall { request: carries.then_some(work_ref), ..call(org, "webhook.stripe", key, h_ref, token) };
+        let claimed = repo.claim(&claim).await.unwrap();
+        let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
+        repo.complete(org, claimed.id, token, args).await.unwrap().expect("journaled");
+        claimed.id
+    };
+    let failed = journal("evt-failed", true, json!({"ok": false, "error": "downstream 500", "output": null})).await;
+    let unstored = journal("evt-no-work", false, json!({"ok": false, "error": "bad", "output": null})).await;
+    journal("evt-fine", true, json!({"ok": true, "output": 1})).await;
+
+    let listed = repo.failures(&failures_of(org, "webhook.*", 10)).await.unwrap();
+    let seen: Vec<_> = listed.iter().map(|f| (f.key.as_str(), f.error.as_deref(), f.redrivable, f.requeues)).collect();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert!(seen.contains(&("evt-failed", Some("downstream 500"), true, 0)), "{seen:?}");
+    assert!(seen.contains(&("evt-no-work", Some("bad"), false, 0)), "{seen:?}");
+    assert!(listed.iter().all(|f| f.status == ClaimStatus::Completed && f.attempts == 1));
+    assert_eq!(repo.failures(&failures_of(Uuid::new_v4(), "webhook.*", 10)).await.unwrap(), vec![]);
+
+    // Sending back: the chosen id, once; one without work is not sent.
+    let chosen = [failed, unstored];
+    let send = FailuresCall { claim_ids: Some(&chosen), ..failures_of(org, "webhook.stripe", 10) };
+    let sent = repo.redrive_failed(&send).await.unwrap();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(
+        (sent[0].id, sent[0].status, sent[0].error.as_deref()),
+        (failed, ClaimStatus::Processing, Some("downstream 500"))
+    );
+    assert_eq!((sent[0].requeues, sent[0].attempts), (1, 1));
+    assert_eq!(repo.redrive_failed(&send).await.unwrap(), vec![], "a failure is sent back once");
+    let still = repo.failures(&failures_of(org, "webhook.*", 10)).await.unwrap();
+    assert_eq!(still.iter().map(|f| f.key.as_str()).collect::<Vec<_>>(), ["evt-no-work"]);
+    // A redelivery meanwhile finds no answer to replay.
+    assert!(repo.get(org, "webhook.stripe", "evt-failed").await.unwrap().is_some_and(|row| row.response.is_none()));
+
+    // The next re-drive hands it out, attempts counted anew, with its work.
+    let taken = repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap();
+    assert_eq!(taken.len(), 1);
+    assert_eq!((taken[0].id, taken[0].attempt, taken[0].request.as_ref()), (failed, 2, Some(&work)));
+    let fixed = json!({"ok": true, "output": "processed after the fix"});
+    let args = CompletionArgs { response: Some(&fixed), ..CompletionArgs::default() };
+    let token = taken[0].lease_token.expect("held");
+    repo.complete(org, failed, token, args).await.unwrap().expect("journaled");
+    let replay = repo.claim(&call(org, "webhook.stripe", "evt-failed", &h, Uuid::new_v4())).await.unwrap();
+    assert_eq!((replay.outcome, replay.response.as_ref()), (ClaimDecision::Completed, Some(&fixed)));
+    time.pass_lease(failed).await;
+    assert_eq!(repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap(), vec![]);
+}
+
+/// Listing and sending back are bounded like every read; a call that
+/// names nothing to send back, an unknown or malformed scope, or an empty
+/// choice is refused, and changes nothing.
+async fn failures_calls_are_bounded_and_bad_input_is_refused(repo: &impl Backend, _time: &impl TimeTravel) {
+    let (org, h) = (Uuid::new_v4(), hash_text("failure bounds"));
+    let work = json!({"n": 1});
+    for key in ["a", "b", "c"] {
+        let token = Uuid::new_v4();
+        let claim = ClaimCall { request: Some(&work), ..call(org, "webhook.svix", key, &h, token) };
+        let id = repo.claim(&claim).await.unwrap().id;
+        let failure = json!({"ok": false, "error": key, "output": null});
+        let args = CompletionArgs { response: Some(&failure), ..CompletionArgs::default() };
+        repo.complete(org, id, token, args).await.unwrap().expect("journaled");
+    }
+    let above = failures_of(org, "webhook.*", JournaledFailures::max_bound(repo) + 1);
+    assert!(matches!(repo.failures(&above).await, Err(Error::Store(ClientError::BoundAboveCap { .. }))));
+    let since = Some(chrono::Utc::now() - chrono::TimeDelta::hours(1));
+    let above = FailuresCall { since, ..above };
+    assert!(matches!(repo.redrive_failed(&above).await, Err(Error::Store(ClientError::BoundAboveCap { .. }))));
+    for unknown in ["nope.*", "nope.x"] {
+        let refused = repo.failures(&failures_of(org, unknown, 10)).await;
+        assert!(matches!(refused, Err(Error::UnknownScope { .. })), "{unknown}: {refused:?}");
+    }
+    for malformed in ["Webhook.*", "webhook.", "*"] {
+        assert_eq!(code(repo.failures(&failures_of(org, malformed, 10)).await), "22023", "{malformed}");
+    }
+    assert_eq!(code(repo.redrive_failed(&failures_of(org, "webhook.*", 10)).await), "22023", "names nothing");
+    let none: [Uuid; 0] = [];
+    let empty = FailuresCall { claim_ids: Some(&none), ..failures_of(org, "webhook.*", 10) };
+    assert_eq!(code(repo.redrive_failed(&empty).await), "22023", "an empty choice");
+    assert_eq!(repo.failures(&failures_of(org, "webhook.svix", 10)).await.unwrap().len(), 3, "nothing changed");
+
+    // Since an instant: the two pages of a bound of 2 send back all three.
+    let all = FailuresCall { since, ..failures_of(org, "webhook.svix", 2) };
+    assert_eq!(repo.failures(&all).await.unwrap().len(), 2);
+    let later = FailuresCall { since: Some(chrono::Utc::now() + chrono::TimeDelta::hours(1)), ..all };
+    assert_eq!(repo.failures(&later).await.unwrap(), vec![], "none claimed since");
+    assert_eq!(repo.redrive_failed(&all).await.unwrap().len(), 2);
+    assert_eq!(repo.redrive_failed(&all).await.unwrap().len(), 1);
+    assert_eq!(repo.redrive_failed(&all).await.unwrap(), vec![]);
+    assert_eq!(JournaledFailures::max_bound(repo), OrphanedWork::max_bound(repo));
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod in_memory {
@@ -493,4 +601,6 @@ conformance!(
     a_heartbeat_moves_the_lease_of_its_holder_alone,
     a_redrive_dead_letters_work_handed_out_max_attempts_times,
     work_and_redrives_are_bounded_and_bad_input_is_refused,
+    journaled_failures_are_listed_and_sent_back_to_redrive_once,
+    failures_calls_are_bounded_and_bad_input_is_refused,
 );

@@ -103,6 +103,29 @@ fn surface() -> Vec<Call> {
             ],
         },
         Call {
+            sql: "select * from agent.idempotency_failures($1, $2::integer, $3::uuid, $4::timestamptz, $5::integer)",
+            arguments: vec![
+                ("p_scope", "webhook.*".to_owned(), true),
+                ("p_limit", "10".to_owned(), true),
+                ("p_organization_id", ORG.to_owned(), false),
+                ("p_since", "2026-01-01T00:00:00Z".to_owned(), false),
+                ("p_row_cap", "1000".to_owned(), true),
+            ],
+        },
+        Call {
+            sql: "select * from agent.idempotency_redrive_failed($1, $2::integer, $3::uuid, $4::timestamptz, \
+                  $5::uuid[], $6::integer)",
+            arguments: vec![
+                ("p_scope", "webhook.*".to_owned(), true),
+                ("p_limit", "10".to_owned(), true),
+                ("p_organization_id", ORG.to_owned(), false),
+                // One of the two is required (both NULL is refused naming both).
+                ("p_since", "2026-01-01T00:00:00Z".to_owned(), false),
+                ("p_claim_ids", format!("{{{CLAIM_ID}}}"), false),
+                ("p_row_cap", "1000".to_owned(), true),
+            ],
+        },
+        Call {
             sql: "select * from agent.idempotency_orphans($1::integer)",
             arguments: vec![("p_limit", "10".to_owned(), true)],
         },
@@ -242,7 +265,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 58, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 64, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 
@@ -579,5 +602,45 @@ async fn a_run_longer_than_30_days_is_refused_by_the_function_the_table_and_the_
             .await
             .expect("the Run's duration");
     assert_eq!((stored.months, stored.days, stored.microseconds), (0, 0, 86_400_000_000), "kept with the Run");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn sending_failures_back_needs_a_choice_or_a_since_and_refuses_a_null_in_the_choice() {
+    let stack = stack().await;
+    let mut conn = stack.db().acquire().await.expect("a connection");
+    let call = |since: Option<&'static str>, ids: Option<&'static str>| Call {
+        sql: "select * from agent.idempotency_redrive_failed($1, $2::integer, $3::uuid, $4::timestamptz, \
+              $5::uuid[], $6::integer)",
+        arguments: vec![
+            ("p_scope", "webhook.*".to_owned(), true),
+            ("p_limit", "10".to_owned(), true),
+            ("p_organization_id", ORG.to_owned(), false),
+            ("p_since", since.unwrap_or("2026-01-01T00:00:00Z").to_owned(), false),
+            ("p_claim_ids", ids.unwrap_or("{}").to_owned(), false),
+            ("p_row_cap", "1000".to_owned(), true),
+        ],
+    };
+    // Both filters SQL NULL: nothing named to send back.
+    let both = call(None, None);
+    let mut query = sqlx::query(both.sql);
+    for (i, (_, value, _)) in both.arguments.iter().enumerate() {
+        query = query.bind((i != 3 && i != 4).then_some(value.as_str()));
+    }
+    sqlx::query("set role service_role").execute(&mut *conn).await.expect("set role");
+    let refused = query.execute(&mut *conn).await.expect_err("refused");
+    let db = refused.as_database_error().expect("a database error");
+    assert_eq!(db.code().as_deref(), Some(codes::INVALID_PARAMETER_VALUE));
+    assert!(db.message().contains("p_claim_ids") && db.message().contains("p_since"), "{}", db.message());
+    sqlx::query("reset role").execute(&mut *conn).await.expect("reset role");
+    // An empty choice, and a choice holding NULL.
+    for ids in ["{}", "{NULL}", "{00000000-0000-0000-0000-0000000000c1,NULL}"] {
+        let refused = run(&mut conn, Some("service_role"), &call(Some("2026-01-01T00:00:00Z"), Some(ids)), None).await;
+        assert!(
+            matches!(&refused, Some((code, message)) if code == codes::INVALID_PARAMETER_VALUE && message.contains("p_claim_ids")),
+            "{ids}: {refused:?}"
+        );
+    }
+    drop(conn);
     stack.stop().await.unwrap();
 }

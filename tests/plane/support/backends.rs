@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_plane::repo::{
-    ExpiredClaim, ExpiredClaims, OrphanedWork, ProviderJob, ProviderJobRepository, RunRepository,
+    ExpiredClaim, ExpiredClaims, JournaledFailures, OrphanedWork, ProviderJob, ProviderJobRepository, RunRepository,
 };
 use idempotency_plane::{Error, IdempotencyRepository, MemoryRepository};
 use uuid::Uuid;
@@ -61,10 +61,19 @@ impl TimeTravel for idempotency_plane::local::LocalStack {
 
 /// Every repository trait, as the conformance cases need them.
 pub(crate) trait Backend:
-    IdempotencyRepository + ExpiredClaims + OrphanedWork + RunRepository + ProviderJobRepository
+    IdempotencyRepository + ExpiredClaims + OrphanedWork + JournaledFailures + RunRepository + ProviderJobRepository
 {
 }
-impl<T: IdempotencyRepository + ExpiredClaims + OrphanedWork + RunRepository + ProviderJobRepository> Backend for T {}
+impl<
+        T: IdempotencyRepository
+            + ExpiredClaims
+            + OrphanedWork
+            + JournaledFailures
+            + RunRepository
+            + ProviderJobRepository,
+    > Backend for T
+{
+}
 
 /// One store the callers' decision tests run on: handles to it for the
 /// services, gates and job directories a case builds, its clock, and a

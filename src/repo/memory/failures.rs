@@ -1,0 +1,131 @@
+//! Journaled failures in memory: `agent.idempotency_failures` and
+//! `agent.idempotency_redrive_failed`, the in-memory twins.
+
+use serde_json::{json, Value};
+
+use super::claims::in_scope;
+use super::{refused, MemoryRepository, Row, MAX_BOUND};
+use crate::error::Error;
+use crate::postgrest::{codes, ClientError};
+use crate::repo::{ClaimStatus, FailureRow, FailuresCall, JournaledFailures};
+
+/// How many replaced answers a row keeps for the audit.
+const MAX_REPLACED: usize = 20;
+
+/// Whether `row` is a journaled failure `call` selects.
+fn selected(row: &Row, call: &FailuresCall<'_>) -> bool {
+    let record = &row.record;
+    record.status == ClaimStatus::Completed
+        && record.response.as_ref().and_then(|response| response.get("ok")) == Some(&Value::Bool(false))
+        && in_scope(call.scope, &record.scope)
+        && call.organization_id.is_none_or(|org| org == record.organization_id)
+        && call.since.is_none_or(|since| record.claimed_at >= since)
+        && call.claim_ids.is_none_or(|ids| ids.contains(&record.id))
+}
+
+/// `row` as a failure row: `response` is the journaled answer (or, for a
+/// row sent back, the one it replaced, with its attempts).
+fn failure_row(row: &Row, response: Option<Value>, attempts: u32) -> FailureRow {
+    let record = &row.record;
+    let text = |name: &str| response.as_ref().and_then(|r| r.get(name)).and_then(Value::as_str).map(str::to_owned);
+    FailureRow {
+        id: record.id,
+        organization_id: record.organization_id,
+        scope: record.scope.clone(),
+        key: record.key.clone(),
+        status: record.status,
+        error: text("error"),
+        resource_type: record.resource_type.clone(),
+        resource_id: record.resource_id.clone(),
+        response,
+        attempts,
+        claimed_at: record.claimed_at,
+        retain_until: record.retain_until,
+        redrivable: row.request.is_some(),
+        requeues: u32::try_from(row.replaced.len()).unwrap_or(u32::MAX),
+    }
+}
+
+impl MemoryRepository {
+    /// The checks both functions make, in the plane's order.
+    fn check_failures_call(&self, function: &'static str, call: &FailuresCall<'_>) -> Result<(), Error> {
+        if call.bound > MAX_BOUND {
+            return Err(ClientError::BoundAboveCap { bound: call.bound, cap: MAX_BOUND }.into());
+        }
+        self.lock().check_pattern(function, call.scope)
+    }
+}
+
+impl JournaledFailures for MemoryRepository {
+    fn max_bound(&self) -> u64 {
+        MAX_BOUND
+    }
+
+    async fn failures(&self, call: &FailuresCall<'_>) -> Result<Vec<FailureRow>, Error> {
+        if call.bound == 0 {
+            return Ok(Vec::new());
+        }
+        self.check_failures_call("idempotency_failures", call)?;
+        let call = FailuresCall { claim_ids: None, ..*call };
+        let state = self.lock();
+        let mut failed: Vec<&Row> = state.claims.values().filter(|row| selected(row, &call)).collect();
+        failed.sort_by_key(|row| (row.record.claimed_at, row.record.id));
+        failed.truncate(usize::try_from(call.bound).unwrap_or(usize::MAX));
+        Ok(failed.into_iter().map(|row| failure_row(row, row.record.response.clone(), row.reclaims + 1)).collect())
+    }
+
+    async fn redrive_failed(&self, call: &FailuresCall<'_>) -> Result<Vec<FailureRow>, Error> {
+        const FUNCTION: &str = "idempotency_redrive_failed";
+        if call.bound == 0 {
+            return Ok(Vec::new());
+        }
+        self.check_failures_call(FUNCTION, call)?;
+        if call.claim_ids.is_some_and(<[_]>::is_empty) || (call.claim_ids.is_none() && call.since.is_none()) {
+            return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
+        }
+        let mut state = self.lock();
+        let now = state.now();
+        let mut chosen: Vec<_> = state
+            .claims
+            .iter()
+            .filter(|(_, row)| row.request.is_some() && selected(row, call))
+            .map(|(slot, row)| (row.record.claimed_at, row.record.id, slot.clone()))
+            .collect();
+        chosen.sort();
+        chosen.truncate(usize::try_from(call.bound).unwrap_or(usize::MAX));
+        let mut sent = Vec::with_capacity(chosen.len());
+        for (_, _, slot) in chosen {
+            let retain = state.policy(&slot.1).map(|policy| policy.retain);
+            let Some(row) = state.claims.get_mut(&slot) else { continue };
+            let record = &mut row.record;
+            let replaced = json!({
+                "response": record.response,
+                "resource_type": record.resource_type,
+                "resource_id": record.resource_id,
+                "attempts": row.reclaims + 1,
+                "claimed_at": record.claimed_at,
+                "sent_back_at": now,
+            });
+            let attempts = row.reclaims + 1;
+            let response = record.response.take();
+            let resource = (record.resource_type.take(), record.resource_id.take());
+            record.status = ClaimStatus::Processing;
+            record.lease_token = Some(uuid::Uuid::new_v4());
+            record.claimed_at = now;
+            record.lease_expires_at = now;
+            if let Some(retain) = retain {
+                record.retain_until = record.retain_until.max(now + retain);
+            }
+            row.reclaims = 0;
+            row.replaced.push(replaced);
+            if row.replaced.len() > MAX_REPLACED {
+                row.replaced.drain(..row.replaced.len() - MAX_REPLACED);
+            }
+            let mut failure = failure_row(row, response, attempts);
+            (failure.resource_type, failure.resource_id) = resource;
+            sent.push(failure);
+        }
+        sent.sort_by_key(|row| row.id);
+        Ok(sent)
+    }
+}
