@@ -115,6 +115,8 @@ fn as_json(record: Option<&IdempotencyRecord>) -> Value {
 
 /// `text` without control characters, so a stored value cannot drive the
 /// operator's terminal.
-fn printable(text: &str) -> String {
+/// `text` with control characters shown as U+FFFD: a key or an answer is
+/// data from a caller or a vendor, never a terminal command.
+pub(crate) fn printable(text: &str) -> String {
     text.chars().map(|c| if c.is_control() { '\u{FFFD}' } else { c }).collect()
 }

@@ -8,7 +8,9 @@
 //! - `idem claim` claims a key the way a worker does;
 //! - `idem doctor` checks that a deployment can serve the plane;
 //! - `idem redrive` asks a function's re-drive route to take over orphaned
-//!   work, once or on a schedule.
+//!   work, once or on a schedule, and with `--failed` sends journaled
+//!   failures back to re-drive;
+//! - `idem failures` lists the failures a scope journaled.
 //!
 //! With `--features local`, on the embedded local stack:
 //! - `idem demo` runs a concurrent scenario and prints what the plane prevented;
@@ -25,6 +27,7 @@
 mod claim;
 mod doctor;
 mod exit;
+mod failures;
 mod get;
 mod metrics_endpoint;
 mod redrive;
@@ -65,8 +68,8 @@ pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
     name = "idem",
     version,
     about,
-    after_help = "Exit codes: 0 success, 1 failure, 2 usage or configuration error (nothing attempted), 3 sweep or redrive backlog.\n\
-                  sweep, redrive, get, claim and doctor act on the plane --url/--service-key or the environment name: \
+    after_help = "Exit codes: 0 success, 1 failure, 2 usage or configuration error (nothing attempted), 3 sweep, redrive or failures backlog.\n\
+                  sweep, redrive, failures, get, claim and doctor act on the plane --url/--service-key or the environment name: \
                   IDEM_POSTGREST_URL (or SUPABASE_URL), IDEM_SERVICE_KEY / SUPABASE_SECRET_KEY / \
                   SUPABASE_SERVICE_ROLE_KEY, IDEM_APIKEY, IDEM_MAX_ROWS.\n\
                   demo, up and bench need the embedded local stack: cargo install --path . --features local; \
@@ -133,6 +136,11 @@ enum Command {
     /// ok, 3 the pass filled its bound, 1 error.
     #[command(after_help = REMOTE_ENV_HELP)]
     Redrive(redrive::RedriveArgs),
+    /// List the failures a scope journaled (dead letters included), which
+    /// every later claim of their key replays: what `idem redrive --failed`
+    /// can send back after a fix. Exit 0, 3 the list filled its bound.
+    #[command(after_help = REMOTE_ENV_HELP)]
+    Failures(failures::FailuresArgs),
     /// Show one claim as the database sees it: why did this call not run?
     #[command(after_help = REMOTE_ENV_HELP)]
     Get(get::GetArgs),
@@ -174,6 +182,7 @@ async fn main() -> ExitCode {
         Command::Up(args) => up::run(args).await,
         Command::Sweep(args) => sweep::run(args).await,
         Command::Redrive(args) => redrive::run(args).await,
+        Command::Failures(args) => failures::run(args).await,
         Command::Get(args) => get::run(args).await,
         Command::Claim(args) => claim::run(args).await,
         Command::Doctor(args) => doctor::run(args).await,

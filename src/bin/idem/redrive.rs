@@ -8,6 +8,10 @@
 //! `journaled`, `dead_lettered`, `left`), the way the example webhook
 //! function's `POST /redrive` and the crate's `WebhookGate::redrive` count.
 //!
+//! With `--failed` it first sends journaled failures back to re-drive (the
+//! plane's `idempotency_redrive_failed`), each once, so the next re-drive
+//! runs them again after a fix.
+//!
 //! Exit codes: 0 the pass took fewer orphans than its bound, 3 it filled the
 //! bound (more may be waiting), 1 an error (the route refused, failed or
 //! answered something that is not a report), 2 a usage error.
@@ -17,7 +21,10 @@ use std::process::ExitCode;
 use serde::{Deserialize, Serialize};
 use tracing::Instrument;
 
-use crate::{exit, remote, schedule, BoxError};
+use idempotency_plane::repo::{FailuresCall, JournaledFailures};
+use idempotency_plane::{PostgrestClient, PostgrestRepository};
+
+use crate::{exit, failures, remote, schedule, BoxError};
 
 /// How many orphans one pass asks for by default: the example function's
 /// batch.
@@ -30,17 +37,36 @@ pub(crate) struct RedriveArgs {
     /// https://<ref>.supabase.co/functions/v1/webhooks/redrive. It gets the
     /// service key: https://, or plain http:// to loopback or the plane's
     /// own host only.
-    #[arg(long, value_name = "URL")]
-    to: String,
+    #[arg(long, value_name = "URL", required_unless_present = "failed")]
+    to: Option<String>,
     /// The scope (or family, webhook.*) to re-drive, when the route serves
-    /// more than one; without it, the route's own.
-    #[arg(long)]
+    /// more than one; without it, the route's own. Required with --failed.
+    #[arg(long, required_if_eq("failed", "true"))]
     scope: Option<String>,
-    /// Orphans one pass takes over: at most the server's row cap
-    /// (IDEM_MAX_ROWS, default 1000). A larger bound is refused, never
-    /// clamped.
+    /// Orphans one pass takes over (with --failed: failures sent back): at
+    /// most the server's row cap (IDEM_MAX_ROWS, default 1000). A larger
+    /// bound is refused, never clamped.
     #[arg(long, default_value_t = DEFAULT_BOUND)]
     bound: u64,
+    /// Send journaled failures of --scope back to re-drive first, once the
+    /// bug behind them is fixed: the chosen --id ones, or every one claimed
+    /// --since an instant (one of the two is required; `idem failures`
+    /// lists them). Each becomes an orphan again, and what it replaced is
+    /// kept in its row for the audit. Then --to, when given, re-drives them
+    /// at once. Never on a schedule.
+    #[arg(long, conflicts_with = "every")]
+    failed: bool,
+    /// With --failed: a failure to send back, by its claim id (repeat the
+    /// flag for more).
+    #[arg(long = "id", value_name = "CLAIM_ID", requires = "failed")]
+    ids: Vec<uuid::Uuid>,
+    /// With --failed: only this organization's failures.
+    #[arg(long, requires = "failed")]
+    org: Option<uuid::Uuid>,
+    /// With --failed: every failure whose last attempt was claimed at or
+    /// after this instant (RFC 3339; database clock).
+    #[arg(long, value_name = "INSTANT", requires = "failed")]
+    since: Option<chrono::DateTime<chrono::Utc>>,
     #[command(flatten)]
     schedule: schedule::ScheduleArgs,
     /// Print each report as one JSON line.
@@ -71,8 +97,14 @@ struct Report {
 
 pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
     let client = remote::client(&args.target)?;
-    let route = url::Url::parse(&args.to).map_err(|e| exit::usage_error(format!("--to {:?}: {e}", args.to)))?;
-    client.check_route(&route).map_err(exit::usage_error)?;
+    let route = match &args.to {
+        Some(to) => {
+            let route = url::Url::parse(to).map_err(|e| exit::usage_error(format!("--to {to:?}: {e}")))?;
+            client.check_route(&route).map_err(exit::usage_error)?;
+            Some(route)
+        }
+        None => None,
+    };
     let cap = u64::from(client.config().max_rows());
     if args.bound == 0 || args.bound > cap {
         return Err(exit::usage_error(format!(
@@ -80,6 +112,13 @@ pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
             args.bound
         )));
     }
+    let mut sent_back = None;
+    if args.failed {
+        sent_back = Some(send_back(&args, &client).await?);
+    }
+    let Some(route) = route else {
+        return Ok(sent_back.unwrap_or_else(exit::ok));
+    };
     args.schedule.serve_metrics()?;
     let ask = Ask { limit: args.bound, scope: args.scope.as_deref() };
     let pass = || async {
@@ -104,6 +143,27 @@ pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
         None => Ok(pass().await),
         Some(schedule) => schedule.run(pass).await,
     }
+}
+
+/// `--failed`: sends the chosen failures back to re-drive and prints them;
+/// exit 3 when the call filled its bound (more may wait).
+async fn send_back(args: &RedriveArgs, client: &PostgrestClient) -> Result<ExitCode, BoxError> {
+    let scope = args.scope.as_deref().ok_or_else(|| exit::usage_error("--failed needs --scope"))?;
+    if args.ids.is_empty() && args.since.is_none() {
+        return Err(exit::usage_error(
+            "--failed needs --id (the chosen failures, from `idem failures`) or --since (every one claimed since)",
+        ));
+    }
+    let ids = (!args.ids.is_empty()).then_some(args.ids.as_slice());
+    let call = FailuresCall { scope, bound: args.bound, organization_id: args.org, since: args.since, claim_ids: ids };
+    let repo = PostgrestRepository::new(client.clone());
+    let sent = repo.redrive_failed(&call).await.map_err(exit::refused_input)?;
+    tracing::info!(scope, sent_back = sent.len(), "journaled failures sent back to re-drive");
+    failures::print(&sent, args.json)?;
+    if !args.json {
+        println!("{} failure(s) sent back to re-drive (bound {})", sent.len(), args.bound);
+    }
+    Ok(failures::filled(sent.len(), args.bound))
 }
 
 fn print(report: &Report, bound: u64, json: bool) {

@@ -196,6 +196,98 @@ async fn idem_doctor_reports_orphaned_work_per_scope_and_fails_when_nothing_re_d
 }
 
 #[tokio::test]
+async fn idem_failures_lists_journaled_failures_and_redrive_failed_sends_the_chosen_back_once() {
+    let stack = crate::support::harness::stack().await;
+    let (url, key) = (stack.url(), stack.service_key());
+    let org = uuid::Uuid::new_v4();
+    // Two failures carrying their work (one a dead letter), one without,
+    // and one success.
+    let journal = |key: &'static str, response: &'static str, work: Option<&'static str>| {
+        sqlx::query(
+            "insert into agent.idempotency_keys
+               (organization_id, scope, key, request_hash, status, lease_token, lease_expires_at, retain_until,
+                response, request)
+             values ($1, 'webhook.stripe', $2, repeat('a', 64), 'completed', gen_random_uuid(), now(),
+                     now() + interval '1 day', $3::jsonb, $4::jsonb)
+             returning id",
+        )
+        .bind(org)
+        .bind(key)
+        .bind(response)
+        .bind(work)
+        .fetch_one(stack.db())
+    };
+    let failed: uuid::Uuid = sqlx::Row::get(
+        &journal("evt-1", r#"{"ok":false,"error":"downstream 500","output":null}"#, Some(r#"{"body_text":"{}"}"#))
+            .await
+            .unwrap(),
+        0,
+    );
+    journal("evt-2", r#"{"ok":false,"error":"dead_lettered","output":{"attempts":5}}"#, Some("{}")).await.unwrap();
+    journal("evt-3", r#"{"ok":false,"error":"bad","output":null}"#, None).await.unwrap();
+    journal("evt-4", r#"{"ok":true,"output":1}"#, Some("{}")).await.unwrap();
+
+    let org_text = org.to_string();
+    let listed = idem(url, key, None, &["failures", "--scope", "webhook.*", "--org", &org_text, "--json"]).await;
+    assert_eq!(listed.status.code(), Some(0), "{}", String::from_utf8_lossy(&listed.stderr));
+    let rows: Vec<serde_json::Value> =
+        stdout(&listed).lines().map(|line| serde_json::from_str(line).expect("a JSON line")).collect();
+    let mut keys: Vec<(&str, &str, bool)> = rows
+        .iter()
+        .map(|row| (row["key"].as_str().unwrap(), row["error"].as_str().unwrap(), row["redrivable"].as_bool().unwrap()))
+        .collect();
+    keys.sort();
+    assert_eq!(keys, [("evt-1", "downstream 500", true), ("evt-2", "dead_lettered", true), ("evt-3", "bad", false)]);
+    let page =
+        idem(url, key, None, &["failures", "--scope", "webhook.stripe", "--org", &org_text, "--bound", "2"]).await;
+    assert_eq!(page.status.code(), Some(3), "a page that filled its bound: {}", stdout(&page));
+    assert!(stdout(&page).contains("2 journaled failures of webhook.stripe (bound 2)"), "{}", stdout(&page));
+
+    let failed_text = failed.to_string();
+    let sent = idem(url, key, None, &["redrive", "--failed", "--scope", "webhook.stripe", "--id", &failed_text]).await;
+    assert_eq!(sent.status.code(), Some(0), "{}", String::from_utf8_lossy(&sent.stderr));
+    assert!(stdout(&sent).contains("1 failure(s) sent back to re-drive"), "{}", stdout(&sent));
+    assert!(stdout(&sent).contains("downstream 500"), "it names what it replaced: {}", stdout(&sent));
+    let again = idem(url, key, None, &["redrive", "--failed", "--scope", "webhook.stripe", "--id", &failed_text]).await;
+    assert!(stdout(&again).contains("0 failure(s) sent back"), "once: {}", stdout(&again));
+    let (status, replaced): (String, serde_json::Value) =
+        sqlx::query_as("select status, replaced from agent.idempotency_keys where id = $1")
+            .bind(failed)
+            .fetch_one(stack.db())
+            .await
+            .unwrap();
+    assert_eq!(status, "processing", "an orphan again, for the next re-drive");
+    assert_eq!(replaced[0]["response"]["error"], "downstream 500", "kept for the audit: {replaced}");
+
+    // Every failure of the scope since an instant: the dead letter; the one
+    // without work stays.
+    let since = (chrono::Utc::now() - chrono::TimeDelta::hours(1)).to_rfc3339();
+    let all =
+        idem(url, key, None, &["redrive", "--failed", "--scope", "webhook.*", "--org", &org_text, "--since", &since])
+            .await;
+    assert!(stdout(&all).contains("1 failure(s) sent back"), "{}", stdout(&all));
+    let left = idem(url, key, None, &["failures", "--scope", "webhook.*", "--org", &org_text, "--json"]).await;
+    assert_eq!(stdout(&left).lines().count(), 1, "{}", stdout(&left));
+
+    // Refused before any request: nothing chosen, a schedule, a bound above the cap.
+    for args in [
+        vec!["redrive", "--failed", "--scope", "webhook.stripe"],
+        vec!["redrive", "--failed", "--scope", "webhook.stripe", "--since", &since, "--every", "1m"],
+        vec!["redrive", "--failed", "--id", &failed_text],
+        vec!["failures", "--scope", "webhook.*", "--bound", "5000"],
+        vec!["failures", "--scope", "webhook.*", "--since", "yesterday"],
+    ] {
+        let refused = idem(url, key, None, &args).await;
+        assert_eq!(refused.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&refused.stderr));
+    }
+    let unknown = idem(url, key, None, &["failures", "--scope", "nope.*"]).await;
+    let said = String::from_utf8_lossy(&unknown.stderr);
+    assert_eq!(unknown.status.code(), Some(1), "the plane refused it: {said}");
+    assert!(said.contains("unknown scope \"nope.*\""), "{said}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
 async fn idem_sweep_reports_backlog_until_drained_and_refuses_a_bound_above_the_cap() {
     let stack =
         crate::support::harness::stack_with(idempotency_plane::local::LocalStackConfig::default().with_max_rows(10))

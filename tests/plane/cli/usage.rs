@@ -66,11 +66,12 @@ fn assert_usage_error(args: &[&str], env: &[(&str, &str)], stdin: &str, plane: &
 type Env<'a> = Vec<(&'a str, &'a str)>;
 
 /// The commands that act on a deployment, with the arguments each needs.
-fn remote_commands() -> [(&'static str, Vec<&'static str>); 5] {
+fn remote_commands() -> [(&'static str, Vec<&'static str>); 6] {
     [
         ("sweep", vec!["--bound", "100"]),
         // Nothing listens on port 1: a request would fail with exit 1, not 2.
         ("redrive", vec!["--to", "http://127.0.0.1:1/redrive"]),
+        ("failures", vec!["--scope", "webhook.*"]),
         ("get", vec!["--org", ORG, "--scope", "tool.email.send", "--key", "k"]),
         ("claim", vec!["--org", ORG, "--scope", "tool.email.send", "--key", "k"]),
         ("doctor", vec![]),
