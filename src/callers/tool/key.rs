@@ -52,9 +52,13 @@ fn escape_step(step_id: &str) -> Cow<'_, str> {
     }
 }
 
-/// `hex(sha256(organization ":" scope ":" key))`: stable across attempts,
-/// distinct across tenants sharing one vendor account.
-pub(super) fn vendor_key(organization_id: Uuid, scope: &str, key: &str) -> String {
+/// The tenant's key for a vendor's own idempotency (Stripe's
+/// `Idempotency-Key`, a downstream service's): `hex(sha256(organization
+/// ":" scope ":" key))`, the organization as its 16 bytes. Stable across
+/// attempts, so a downstream that saw the first attempt's effect applies a
+/// re-drive's once; distinct across tenants sharing one vendor account.
+/// The TypeScript client's `vendorKey` derives the same key.
+pub fn vendor_key(organization_id: Uuid, scope: &str, key: &str) -> String {
     let mut hasher = Sha256::new();
     hasher.update(organization_id.as_bytes());
     hasher.update(b":");

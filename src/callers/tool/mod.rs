@@ -18,7 +18,7 @@ mod spec;
 
 pub use error::ToolError;
 pub use guard::{ToolGuard, DEFAULT_LEASE_MARGIN, LEASE_MARGIN_RANGE};
-pub use key::ToolKey;
+pub use key::{vendor_key, ToolKey};
 pub use run::{Checkpoint, ToolCall, ToolResult, ToolRun};
 pub use spec::{Reconciler, RepeatSafety, ToolSpec, STEP_BUDGET};
 

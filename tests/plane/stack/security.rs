@@ -39,7 +39,8 @@ async fn the_schema_passes_the_linter_checks() {
               where p.pronamespace = 'agent'::regnamespace
                 and p.proname not in ('idempotency_decide', 'idempotency_policy', 'idempotency_claim_of',
                                       'idempotency_json_size', 'idempotency_check_key',
-                                      'idempotency_surface', 'idempotency_private_functions')
+                                      'idempotency_surface', 'idempotency_private_functions',
+                                      'idempotency_failures_scope')
                 and not (p.prosecdef and p.proowner = 'idempotency_owner'::regrole)",
         ),
         (
@@ -76,12 +77,13 @@ async fn the_schema_passes_the_linter_checks() {
         ),
         (
             // The bounded reads answer the table's rows as rows of the view:
-            // every column but the work a claim carries, in order.
+            // every column but the work a claim carries and the audit of
+            // failures sent back to re-drive, in order.
             "agent.idempotency_rows without exactly the columns of agent.idempotency_keys but the work, in order",
             "select 'columns differ' where
                (select string_agg(a.attname || ' ' || a.atttypid::regtype, ', ' order by a.attnum) from pg_attribute a
                  where a.attrelid = 'agent.idempotency_keys'::regclass and a.attnum > 0 and not a.attisdropped
-                   and a.attname not in ('request', 'redrive_at'))
+                   and a.attname not in ('request', 'redrive_at', 'replaced'))
                is distinct from
                (select string_agg(a.attname || ' ' || a.atttypid::regtype, ', ' order by a.attnum) from pg_attribute a
                  where a.attrelid = 'agent.idempotency_rows'::regclass and a.attnum > 0 and not a.attisdropped)",
