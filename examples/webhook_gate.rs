@@ -187,7 +187,7 @@ async fn redrive(State(receiver): State<Arc<Receiver>>, headers: HeaderMap, body
     let (http, url) = (receiver.http.clone(), receiver.process_url.clone());
     let process =
         |event: Redelivery| forward(http.clone(), url.clone(), event.organization_id, event.delivery_id, event.body);
-    match receiver.gate.redrive(SCOPE, limit, process).await {
+    match receiver.gate.redrive_of(Some(receiver.organization_id), SCOPE, limit, process).await {
         Ok(report) => Json(json!({
             "redriven": report.redriven,
             "journaled": report.journaled,

@@ -69,9 +69,26 @@ impl<R: IdempotencyRepository + OrphanedWork + 'static, J: ProviderJobRepository
         F: Fn(Redelivery) -> Fut,
         Fut: Future<Output = Result<Value, ProcessingError>>,
     {
-        let span = tracing::info_span!("webhook.redrive", scope, bound);
+        self.redrive_of(None, scope, bound, process).await
+    }
+
+    /// [`redrive`](Self::redrive), of `organization_id`'s orphans alone when
+    /// given: for a receiver that serves one tenant and must leave the
+    /// others' events to their own receivers.
+    pub async fn redrive_of<F, Fut>(
+        &self,
+        organization_id: Option<Uuid>,
+        scope: &str,
+        bound: u64,
+        process: F,
+    ) -> Result<RedriveReport, Error>
+    where
+        F: Fn(Redelivery) -> Fut,
+        Fut: Future<Output = Result<Value, ProcessingError>>,
+    {
+        let span = tracing::info_span!("webhook.redrive", scope, bound, organization_id = ?organization_id);
         async {
-            let taken = self.driver().redrive(scope, bound, None, self.timing()).await?;
+            let taken = self.driver().redrive(scope, bound, organization_id, self.timing()).await?;
             let mut report = RedriveReport::default();
             let mut running = Vec::new();
             for redriven in taken {

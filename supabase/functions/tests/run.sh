@@ -2,9 +2,10 @@
 # The TypeScript client's tests, on the real runtimes, against the embedded
 # local plane: Deno (pinned, from npm) runs supabase/functions/tests/*_test.ts,
 # and Node.js runs the same module once (node_check.ts, through tsx). Builds
-# nothing: pass an `idem` built with `--features local`.
+# nothing: pass an `idem` built with `--features local`, with the example
+# Rust gate built beside it.
 #
-#   cargo build --features local --bin idem
+#   cargo build --features local --bin idem --example webhook_gate
 #   bash supabase/functions/tests/run.sh target/debug/idem
 #
 # Starts `idem up --env-file` (a fresh database, dropped on stop), waits for
@@ -13,10 +14,18 @@ set -euo pipefail
 
 
 if [ "$#" -ne 1 ] || [ ! -x "$1" ] || [ -d "$1" ]; then
-  echo "usage: $0 PATH/TO/idem   (built with: cargo build --features local --bin idem)" >&2
+  echo "usage: $0 PATH/TO/idem   (built with: cargo build --features local --bin idem --example webhook_gate)" >&2
   exit 2
 fi
 idem="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
+# The Rust gate as a process (examples/webhook_gate.rs), beside idem: the
+# kill test drives it as it drives the Edge Function.
+WEBHOOK_GATE_BIN="$(dirname "$idem")/examples/webhook_gate"
+if [ ! -x "$WEBHOOK_GATE_BIN" ]; then
+  echo "ts-tests: $WEBHOOK_GATE_BIN is missing; build it with: cargo build --features local --example webhook_gate" >&2
+  exit 2
+fi
+export WEBHOOK_GATE_BIN
 functions="$(cd "$(dirname "$0")/.." && pwd)"
 root="$(cd "$functions/../.." && pwd)"
 # shellcheck source=/dev/null

@@ -136,3 +136,52 @@ export async function within<T>(what: string, promise: Promise<T>, ms: number): 
     clearTimeout(timer);
   }
 }
+
+/** A server started as a process of its own: its URL once it printed `listening on …`. */
+export interface Served {
+  url: string;
+  child: Deno.ChildProcess;
+}
+
+/** Starts `command` with `env` added to this environment, and answers once it printed `listening on http://HOST:PORT`. */
+export async function serve(command: string, args: string[], env: Record<string, string>): Promise<Served> {
+  const child = new Deno.Command(command, { args, env, stdout: "piped", stderr: "null" }).spawn();
+  const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  let text = "";
+  while (!text.includes("\n")) {
+    const { value, done } = await reader.read();
+    if (done) throw new Error(`${command} stopped before it served: ${text}`);
+    text += value;
+  }
+  const url = /listening on (\S+)/.exec(text)?.[1];
+  if (!url) throw new Error(`no listening line: ${text}`);
+  // Keep draining stdout so the child never blocks on a full pipe.
+  (async () => {
+    while (!(await reader.read().catch(() => ({ done: true }))).done);
+  })();
+  return { url, child };
+}
+
+/** Kills a served process with SIGKILL, as a platform stops a worker, and waits for it to be gone. */
+export async function killHard(child: Deno.ChildProcess): Promise<void> {
+  try {
+    child.kill("SIGKILL");
+  } catch {
+    // Already gone.
+  }
+  await child.status;
+}
+
+/** `idem redrive --to <route> --json ...` against the local plane: its exit code and output. */
+export async function idemRedrive(route: string, ...args: string[]) {
+  const bin = Deno.env.get("IDEM_BIN");
+  if (!bin) throw new Error("IDEM_BIN is not set: run this through .ci/with-local-plane.sh");
+  const output = await new Deno.Command(bin, {
+    args: ["redrive", "--to", route, "--json", ...args],
+    env: { IDEM_POSTGREST_URL: URL_, IDEM_SERVICE_KEY: KEY },
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  const decode = (bytes: Uint8Array) => new TextDecoder().decode(bytes);
+  return { code: output.code, stdout: decode(output.stdout), stderr: decode(output.stderr) };
+}

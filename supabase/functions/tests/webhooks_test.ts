@@ -6,7 +6,7 @@
 
 import assert from "node:assert/strict";
 import { Webhook } from "standardwebhooks";
-import { KEY, sleep, uniqueKey, URL_ } from "./support.ts";
+import { idemRedrive, KEY, killHard as kill, serve, sleep, uniqueKey, URL_ } from "./support.ts";
 
 const SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const signer = new Webhook(SECRET);
@@ -42,57 +42,15 @@ function downstream() {
 
 /** The function as a process: its URL once it printed `listening on …`. */
 async function start(processUrl: string) {
-  const child = new Deno.Command(Deno.execPath(), {
-    args: ["run", "--frozen", "--allow-net", "--allow-env", "webhooks/index.ts"],
-    env: {
-      IDEM_POSTGREST_URL: URL_,
-      IDEM_SERVICE_KEY: KEY,
-      PORT: "0",
-      WEBHOOK_SECRET: SECRET,
-      PROCESS_URL: processUrl,
-      HEARTBEAT_LEASE_MS: "3000",
-    },
-    stdout: "piped",
-    stderr: "null",
-  }).spawn();
-  const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
-  let text = "";
-  while (!text.includes("\n")) {
-    const { value, done } = await reader.read();
-    if (done) throw new Error(`the function stopped before it served: ${text}`);
-    text += value;
-  }
-  const url = /listening on (\S+)/.exec(text)?.[1];
-  if (!url) throw new Error(`no listening line: ${text}`);
-  // Keep draining stdout so the child never blocks on a full pipe.
-  (async () => {
-    while (!(await reader.read().catch(() => ({ done: true }))).done);
-  })();
-  return { url, child };
-}
-
-/** `idem redrive --to <route> --json ...` against the local plane: its exit code and output. */
-async function idemRedrive(route: string, ...args: string[]) {
-  const bin = Deno.env.get("IDEM_BIN");
-  if (!bin) throw new Error("IDEM_BIN is not set: run this through .ci/with-local-plane.sh");
-  const output = await new Deno.Command(bin, {
-    args: ["redrive", "--to", route, "--json", ...args],
-    env: { IDEM_POSTGREST_URL: URL_, IDEM_SERVICE_KEY: KEY },
-    stdout: "piped",
-    stderr: "piped",
-  }).output();
-  const decode = (bytes: Uint8Array) => new TextDecoder().decode(bytes);
-  return { code: output.code, stdout: decode(output.stdout), stderr: decode(output.stderr) };
-}
-
-/** Kills the function's process (SIGKILL, as a platform stops a worker), if it still runs. */
-async function kill(child: Deno.ChildProcess): Promise<void> {
-  try {
-    child.kill("SIGKILL");
-  } catch {
-    // Already gone.
-  }
-  await child.status;
+  return await serve(Deno.execPath(), ["run", "--frozen", "--allow-net", "--allow-env", "webhooks/index.ts"], {
+    IDEM_POSTGREST_URL: URL_,
+    IDEM_SERVICE_KEY: KEY,
+    IDEM_MAX_ROWS: Deno.env.get("IDEM_MAX_ROWS") ?? "1000",
+    PORT: "0",
+    WEBHOOK_SECRET: SECRET,
+    PROCESS_URL: processUrl,
+    HEARTBEAT_LEASE_MS: "3000",
+  });
 }
 
 function signed(id: string, body: string, headers: Record<string, string> = {}): RequestInit {
