@@ -64,6 +64,7 @@ impl<R> std::fmt::Debug for Config<R> {
             .field("handler_timeout", &self.handler_timeout)
             .field("journal_deadline", &self.journal_deadline)
             .field("lease_margin", &self.lease_margin)
+            .field("heartbeat", &self.heartbeat)
             .field("counted_headers", &self.counted_headers)
             .field("kept_headers", &self.kept_headers)
             .field("oversize", &self.oversize)
@@ -84,6 +85,8 @@ pub(super) struct Config<R> {
     pub(super) handler_timeout: Duration,
     pub(super) journal_deadline: Duration,
     pub(super) lease_margin: Duration,
+    /// The heartbeat lease, when the claim is kept alive by one.
+    pub(super) heartbeat: Option<Duration>,
     pub(super) counted_headers: Vec<HeaderName>,
     pub(super) kept_headers: Vec<HeaderName>,
     pub(super) oversize: OversizeResponse,
@@ -105,6 +108,7 @@ impl<R> Clone for Config<R> {
             handler_timeout: self.handler_timeout,
             journal_deadline: self.journal_deadline,
             lease_margin: self.lease_margin,
+            heartbeat: self.heartbeat,
             counted_headers: self.counted_headers.clone(),
             kept_headers: self.kept_headers.clone(),
             oversize: self.oversize,
@@ -117,8 +121,13 @@ impl<R> Clone for Config<R> {
 
 impl<R> Config<R> {
     /// The handler's timeout, the journal's deadline and the margin: the
-    /// lease is their sum. Checked when they are set.
+    /// lease is their sum, or the heartbeat lease when one keeps the claim
+    /// alive. Checked when they are set.
     pub(super) fn timing(&self) -> Result<Timing, InvalidInput> {
-        Timing::new(self.handler_timeout, self.journal_deadline, self.lease_margin)
+        let timing = Timing::new(self.handler_timeout, self.journal_deadline, self.lease_margin)?;
+        match self.heartbeat {
+            Some(lease) => timing.with_heartbeats(lease),
+            None => Ok(timing),
+        }
     }
 }

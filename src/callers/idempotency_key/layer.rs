@@ -81,6 +81,7 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
                 handler_timeout: Duration::from_secs(30),
                 journal_deadline: Duration::from_secs(10),
                 lease_margin: Duration::from_secs(5),
+                heartbeat: None,
                 counted_headers: Vec::new(),
                 kept_headers: vec![HeaderName::from_static("content-type"), HeaderName::from_static("location")],
                 oversize: OversizeResponse::OmitBody,
@@ -154,6 +155,20 @@ impl<R: IdempotencyRepository + 'static> IdempotencyKeyLayer<R> {
             c.handler_timeout = timeout;
             c.lease_margin = margin;
         }))
+    }
+
+    /// Claims for `lease` instead of the whole lease, and keeps the claim
+    /// alive with a heartbeat every third of it while the handler runs and
+    /// its answer is journaled, never past the end the whole lease would
+    /// have had: a worker that dies mid-handler frees its key after `lease`,
+    /// while a slow live one keeps it. A heartbeat that finds the key taken
+    /// over stops the handler (answered 409 `in-flight`: another worker
+    /// holds the key now). Refused below 3 s or above what the plane
+    /// accepts.
+    pub fn heartbeats(self, lease: Duration) -> Result<Self, InvalidInput> {
+        Timing::new(self.config.handler_timeout, self.config.journal_deadline, self.config.lease_margin)?
+            .with_heartbeats(lease)?;
+        Ok(self.edit(|c| c.heartbeat = Some(lease)))
     }
 
     /// How long writing the handler's answer to the journal may take after

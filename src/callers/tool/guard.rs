@@ -32,6 +32,8 @@ pub struct ToolGuard<R> {
     margin: Duration,
     journal: Duration,
     horizon: RetryHorizon,
+    /// The heartbeat lease, when calls are kept alive by one.
+    heartbeat: Option<Duration>,
 }
 
 impl<R: IdempotencyRepository> ToolGuard<R> {
@@ -43,6 +45,7 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
             margin: DEFAULT_LEASE_MARGIN,
             journal: DEFAULT_JOURNAL_DEADLINE,
             horizon,
+            heartbeat: None,
         }
     }
 
@@ -67,16 +70,41 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
         Ok(self)
     }
 
+    /// Claims each call for `lease` instead of the whole lease, and keeps
+    /// the claim alive with a heartbeat every third of it while the tool
+    /// runs and its answer is journaled, never past the end the whole lease
+    /// would have had: a worker that dies mid-call frees the key after
+    /// `lease`, while a slow live one keeps it. A heartbeat that finds the
+    /// key taken over stops the call; the next attempt meets the new
+    /// holder. The retry horizon is then checked against the heartbeat
+    /// lease: a dead worker's claim passes that long after its last beat,
+    /// so a long tool fits a short horizon. Refused below 3 s or above what
+    /// the plane accepts.
+    pub fn with_heartbeats(mut self, lease: Duration) -> Result<Self, ToolError> {
+        Timing::new(Duration::from_secs(1), self.journal, self.margin)
+            .and_then(|timing| timing.with_heartbeats(lease))
+            .map_err(|refused| ToolError::Plane(refused.into()))?;
+        self.heartbeat = Some(lease);
+        Ok(self)
+    }
+
     /// The timing of a call of `spec`: its timeout, the journal deadline,
-    /// the margin.
+    /// the margin, and the heartbeat.
     fn timing(&self, spec: &ToolSpec) -> Result<Timing, ToolError> {
-        Timing::new(spec.timeout, self.journal, self.margin).map_err(|refused| ToolError::Plane(refused.into()))
+        let timing = Timing::new(spec.timeout, self.journal, self.margin);
+        let timing = match self.heartbeat {
+            Some(lease) => timing.and_then(|timing| timing.with_heartbeats(lease)),
+            None => timing,
+        };
+        timing.map_err(|refused| ToolError::Plane(refused.into()))
     }
 
     /// The lease a call of `spec` is claimed for: its timeout, plus the
-    /// journal deadline, plus the margin.
+    /// journal deadline, plus the margin; or the heartbeat lease, when it
+    /// is shorter.
     pub fn lease_for(&self, spec: &ToolSpec) -> Duration {
-        spec.timeout + self.journal + self.margin
+        let whole = spec.timeout + self.journal + self.margin;
+        self.heartbeat.map_or(whole, |lease| lease.min(whole))
     }
 
     /// Checks that a call of `spec` can run under this guard: its lease

@@ -158,6 +158,29 @@ async fn the_lease_is_the_tools_timeout_plus_the_journal_deadline_plus_the_margi
         .unwrap();
 }
 
+async fn with_heartbeats_a_call_is_claimed_for_a_short_lease_that_its_beats_keep_past_its_end<P: Plane>(plane: &P) {
+    assert!(guard(plane).with_heartbeats(Duration::from_secs(2)).is_err(), "below the 3 s floor");
+    let guard = guard(plane).with_heartbeats(Duration::from_secs(3)).unwrap();
+    assert_eq!(guard.lease_for(&spec()), Duration::from_secs(3), "a dead worker frees the key after 3 s");
+    let service = service(plane);
+    let (org, key, args) = (org(), ToolKey::for_step(Uuid::new_v4(), "render"), json!({"frames": 900}));
+    let hash = idempotency_plane::RequestHash::of_json(&args);
+    let (key_ref, service_ref, hash_ref) = (&key, &service, &hash);
+    let run = guard
+        .run(org, &spec(), &key, &args, allow, |_| async move {
+            let row = row(plane, org, "tool.email.send", key_ref.as_str()).await;
+            assert_eq!((row.lease_expires_at - row.claimed_at).num_milliseconds(), 3_000);
+            // Past the first lease's end, a rival still finds the call in flight.
+            tokio::time::sleep(Duration::from_millis(4_200)).await;
+            let rival = service_ref.claim(org, "tool.email.send", key_ref.as_str(), hash_ref, LEASE).await.unwrap();
+            assert!(matches!(rival, idempotency_plane::ClaimOutcome::Processing { .. }), "{rival:?}");
+            ToolResult::success(json!({"rendered": true}))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(run, ToolRun::Executed(ref r) if r.ok), "{run:?}");
+}
+
 /// A vendor that dedupes on `Idempotency-Key`: the same key answers the same
 /// message, and only a new key makes a message.
 #[derive(Default, Clone)]
@@ -367,4 +390,5 @@ on_every_plane!(
     a_tool_that_overruns_its_timeout_is_cut_off_and_its_claim_waits_for_the_lease,
     a_replay_and_a_claim_in_flight_never_call_the_checkpoint,
     time_spent_in_the_checkpoint_counts_against_the_retry_horizon,
+    with_heartbeats_a_call_is_claimed_for_a_short_lease_that_its_beats_keep_past_its_end,
 );

@@ -111,6 +111,63 @@ async fn a_lease_that_passes_mid_handler_is_reclaimed_and_the_late_completion_is
     stack.stop().await.unwrap();
 }
 
+#[tokio::test]
+async fn with_heartbeats_a_slow_handler_keeps_its_short_lease_and_a_taken_key_stops_it() {
+    let stack = stack().await;
+    let layer = keyed(service(&stack)).heartbeats(Duration::from_secs(3)).unwrap();
+    assert!(keyed(service(&stack)).heartbeats(Duration::from_secs(2)).is_err(), "below the 3 s floor");
+    let api = Arc::new(serve(layer).await);
+    // A handler running 4.5 s: past its 3 s lease, a retry finds it in flight.
+    let slow = {
+        let api = api.clone();
+        tokio::spawn(async move {
+            body(api.post(Some("renders"), &[("x-delay-ms", "4500")], "{}").send().await.unwrap()).await
+        })
+    };
+    eventually("the handler runs", || api.runs() == 1).await;
+    let (lease_ms,): (f64,) = sqlx::query_as(
+        "select (extract(epoch from lease_expires_at - claimed_at) * 1000)::float8 from agent.idempotency_keys",
+    )
+    .fetch_one(stack.db())
+    .await
+    .unwrap();
+    assert!((lease_ms - 3000.0).abs() < 1.0, "claimed for the heartbeat lease: {lease_ms} ms");
+    tokio::time::sleep(Duration::from_millis(3_800)).await;
+    let (status, headers, problem) = body(api.post(Some("renders"), &[], "{}").send().await.unwrap()).await;
+    assert_problem(status, &headers, &problem, StatusCode::CONFLICT, "in-flight");
+    let (status, _, first) = within(WAIT, "the slow handler ends", slow).await.unwrap();
+    assert_eq!((status, api.runs()), (StatusCode::CREATED, 1), "ran once: {first}");
+
+    // A handler whose key is taken over while it runs (its lease made to
+    // pass, another worker reclaims): the next beat stops it, and it is
+    // answered as a repeat in flight, never journaled over the new holder.
+    let held = {
+        let api = api.clone();
+        tokio::spawn(async move { body(api.post(Some("taken"), &[("x-hold", "1")], "{}").send().await.unwrap()).await })
+    };
+    eventually("the held handler runs", || api.runs() == 2).await;
+    let id: Uuid = sqlx::query_scalar("select id from agent.idempotency_keys where status = 'processing'")
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    pass_lease(&stack, id).await;
+    sqlx::query("update agent.idempotency_keys set lease_token = gen_random_uuid(), lease_expires_at = now() + interval '1 minute' where id = $1")
+        .bind(id)
+        .execute(stack.db())
+        .await
+        .unwrap();
+    let (status, headers, problem) = within(WAIT, "the held handler is stopped", held).await.unwrap();
+    assert_problem(status, &headers, &problem, StatusCode::CONFLICT, "in-flight");
+    let status: String = sqlx::query_scalar("select status from agent.idempotency_keys where id = $1")
+        .bind(id)
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    assert_eq!(status, "processing", "the new holder's claim is untouched");
+    api.orders.gate.add_permits(1);
+    stack.stop().await.unwrap();
+}
+
 /// A service whose `call` itself panics on `x-panic-sync`, before any
 /// future exists; else answers 201 and counts.
 #[derive(Clone, Default)]
