@@ -67,6 +67,28 @@ Deno.test("a success is journaled once and replayed to every duplicate, equal to
   assert.equal((await idempotent(effect, { ...opts, request: { to: "b@example.com" } })).status, "conflict");
 });
 
+Deno.test("idempotent() with heartbeats claims a short lease that its beats keep past its end", async () => {
+  const opts = options({ timeoutMs: 8_000, heartbeatLeaseMs: 3_000 });
+  let rival: string | undefined;
+  const first = await idempotent(async () => {
+    await sleep(3_600);
+    // Past the first lease's end, a rival claim still finds it in flight.
+    const hash = await hashOf(opts.request);
+    const seen = await opts.plane.claim({
+      organizationId: opts.organizationId,
+      scope: opts.scope,
+      key: opts.key,
+      requestHash: hash,
+      leaseMs: 30_000,
+    });
+    rival = seen.outcome;
+    return success("rendered");
+  }, opts);
+  assert.equal(rival, "processing");
+  assert.equal(first.status, "ran");
+  assert.throws(() => new Timing(8_000).withHeartbeats(2_000));
+});
+
 Deno.test("a business failure is journaled and replays as the same failure", async () => {
   const opts = options();
   const declined = failure("card_declined", { code: 51 });

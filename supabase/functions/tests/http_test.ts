@@ -196,6 +196,37 @@ Deno.test("plane: a repeat while the first is in flight is 409 with Retry-After,
   assertEquals(runs(), 1);
 });
 
+Deno.test("plane: with heartbeats a handler outlives its short lease, and a retry past it is still 409", async () => {
+  const plane = livePlane();
+  const { serve, organizationId, runs } = setup(async (req, n) => {
+    await new Promise((resolve) => setTimeout(resolve, 4_200));
+    return created(req, n);
+  }, { plane, heartbeatLeaseMs: 3_000 });
+  const key = crypto.randomUUID();
+  const first = serve(request(key));
+  await new Promise((resolve) => setTimeout(resolve, 300));
+  const row = await storedRow(plane, organizationId, "http.post.orders", await planeKey(key, "alice"));
+  const leaseMs = Date.parse(String(row.lease_expires_at)) - Date.parse(String(row.claimed_at));
+  assertEquals(leaseMs, 3_000, "claimed for the heartbeat lease");
+  await new Promise((resolve) => setTimeout(resolve, 3_300));
+  await problemOf(await serve(request(key)), 409, "in-flight");
+  assertEquals((await first).status, 201);
+  assertEquals(runs(), 1);
+  let refused: unknown;
+  try {
+    withIdempotencyKey((req) => created(req, 0), {
+      plane,
+      organizationId,
+      sharedAcrossCallers: true,
+      route: "/orders",
+      heartbeatLeaseMs: 2_000,
+    });
+  } catch (error) {
+    refused = error;
+  }
+  assert(refused instanceof Error, "a heartbeat lease below 3 s is refused when the middleware is built");
+});
+
 Deno.test("plane: no key, an empty or over-long key is 400; optional passes a keyless request through", async () => {
   const { serve, runs } = setup(created);
   await problemOf(await serve(request(null)), 400, "missing-key");

@@ -79,7 +79,7 @@ import type { IdempotencyPlane } from "./plane.ts";
 import { consoleLogger, type Logger } from "./log.ts";
 import { problemResponse } from "./problem.ts";
 import { isCredential } from "./stored_response.ts";
-import { Timing } from "./timing.ts";
+import { Timing, withHeartbeat } from "./timing.ts";
 import { EffectDriver } from "./driver.ts";
 import type { Config, Handler, OfRequest } from "./config.ts";
 import { handle, handlerFailed } from "./request_flow.ts";
@@ -133,6 +133,14 @@ export interface IdempotencyKeyOptions {
   journalDeadlineMs?: number;
   /** What the lease keeps beyond both (default 5 s). */
   marginMs?: number;
+  /**
+   * Claims for this short lease (at least 3 s) instead of the whole one, and
+   * keeps it alive with a heartbeat every third of it while the handler runs
+   * and its answer is journaled: a worker stopped mid-handler frees its key
+   * after this long, a slow live one keeps it. A heartbeat that finds the key
+   * taken over aborts the handler's signal, answered 409 `in-flight`.
+   */
+  heartbeatLeaseMs?: number;
   /** Request headers that are part of the fingerprint (a currency, an API version). */
   countHeaders?: readonly string[];
   /** Answer headers journaled and replayed besides `Content-Type` and `Location`; credential headers are refused. */
@@ -208,10 +216,13 @@ function configure(options: IdempotencyKeyOptions): Config {
   return {
     plane: options.plane,
     driver: new EffectDriver(options.plane, { log }),
-    timing: new Timing(
-      options.handlerTimeoutMs ?? DEFAULT_HANDLER_TIMEOUT_MS,
-      options.journalDeadlineMs ?? DEFAULT_HTTP_JOURNAL_DEADLINE_MS,
-      options.marginMs ?? DEFAULT_HTTP_MARGIN_MS,
+    timing: withHeartbeat(
+      new Timing(
+        options.handlerTimeoutMs ?? DEFAULT_HANDLER_TIMEOUT_MS,
+        options.journalDeadlineMs ?? DEFAULT_HTTP_JOURNAL_DEADLINE_MS,
+        options.marginMs ?? DEFAULT_HTTP_MARGIN_MS,
+      ),
+      options.heartbeatLeaseMs,
     ),
     organizationId: options.organizationId,
     callers: options.principal !== undefined

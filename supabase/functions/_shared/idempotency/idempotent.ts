@@ -10,7 +10,7 @@ import { PlaneError } from "./errors.ts";
 import { requestHash as hashOf, sha256HexOfBytes } from "./hash.ts";
 import type { Claim, IdempotencyPlane } from "./plane.ts";
 import type { Logger } from "./log.ts";
-import { DEFAULT_JOURNAL_DEADLINE_MS, DEFAULT_MARGIN_MS, Timing } from "./timing.ts";
+import { DEFAULT_JOURNAL_DEADLINE_MS, DEFAULT_MARGIN_MS, Timing, withHeartbeat } from "./timing.ts";
 import type { Settle, Settled } from "./held.ts";
 import { Attempt, EffectDriver, type EffectSpec } from "./driver.ts";
 
@@ -77,6 +77,15 @@ export interface IdempotentOptions {
   marginMs?: number;
   /** Ask again for a lost claim answer up to this long (default: half the timeout). */
   askForMs?: number;
+  /**
+   * Claims for this short lease (at least 3 s) instead of the whole one, and
+   * keeps it alive with a heartbeat every third of it while the effect runs
+   * and journals: a worker stopped mid-effect frees the key after this long,
+   * a slow live one keeps it. A heartbeat that finds the key taken over
+   * aborts the effect's signal, and the result is `failed` with a
+   * `lease_lapsed` error (the new holder's ending counts).
+   */
+  heartbeatLeaseMs?: number;
   log?: Logger;
 }
 
@@ -125,7 +134,7 @@ export async function idempotent(
   ) {
     throw PlaneError.invalid("bad_configuration", "give timeoutMs or leaseMs, not two that disagree");
   }
-  const timing = new Timing(timeoutMs, journalMs, marginMs);
+  const timing = withHeartbeat(new Timing(timeoutMs, journalMs, marginMs), options.heartbeatLeaseMs);
   const requestHash = options.requestHash ?? await hashOf(options.request ?? null);
   const driver = new EffectDriver(options.plane, { log: options.log });
   const spec: EffectSpec = {

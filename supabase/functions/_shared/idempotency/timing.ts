@@ -106,3 +106,8 @@ export class Timing {
     }
   }
 }
+
+/** `timing` kept alive by heartbeats on a `heartbeatLeaseMs` lease, when one is given. */
+export function withHeartbeat(timing: Timing, heartbeatLeaseMs: number | undefined): Timing {
+  return heartbeatLeaseMs === undefined ? timing : timing.withHeartbeats(heartbeatLeaseMs);
+}
