@@ -20,6 +20,19 @@ impl SqlFunction {
     pub fn argument_names(&self) -> impl Iterator<Item = &'static str> {
         self.arguments.split(", ").filter_map(|argument| argument.split(' ').next()).filter(|name| !name.is_empty())
     }
+
+    /// The function as SQL names it in `ALTER FUNCTION` or `GRANT`:
+    /// `agent.name(type, …)`, its argument types in order.
+    pub fn signature(&self) -> String {
+        let types: Vec<&str> =
+            self.arguments.split(", ").filter_map(|argument| argument.split_once(' ').map(|(_, kind)| kind)).collect();
+        format!("agent.{}({})", self.name, types.join(", "))
+    }
+
+    /// The function of the surface named `name`.
+    pub fn named(name: &str) -> Option<SqlFunction> {
+        SQL_SURFACE.iter().copied().find(|function| function.name == name)
+    }
 }
 
 const fn function(name: &'static str, arguments: &'static str) -> SqlFunction {
@@ -101,6 +114,23 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_signature_names_the_argument_types_in_order() {
+        assert_eq!(
+            SqlFunction::named("idempotency_claim").map(|f| f.signature()).as_deref(),
+            Some("agent.idempotency_claim(uuid, text, text, text, uuid, bigint, jsonb)")
+        );
+        assert_eq!(
+            SqlFunction::named("idempotency_failures").map(|f| f.signature()).as_deref(),
+            Some("agent.idempotency_failures(text, integer, uuid, timestamp with time zone, integer)")
+        );
+        assert_eq!(
+            SqlFunction::named("idempotency_surface").map(|f| f.signature()).as_deref(),
+            Some("agent.idempotency_surface()")
+        );
+        assert_eq!(SqlFunction::named("nope"), None);
+    }
 
     #[test]
     fn argument_names_are_read_off_the_identity_arguments() {

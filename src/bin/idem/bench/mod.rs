@@ -10,8 +10,9 @@
 //! conflicts and round trips; `claims`: first claims idle, during a sweep,
 //! on a large table; `wan`: each outcome over a slow link; `layout`: disk
 //! per million claims, HOT completions, and completions by organization on
-//! the partitioned layout), `drive` to run them, `rows` for the rows they
-//! set up directly, and `report` for the figures and ratios.
+//! the partitioned layout; `work`: claims carrying work, heartbeats, re-drive
+//! and the WAL and disk of work), `drive` to run them, `rows` for the rows
+//! they set up directly, and `report` for the figures and ratios.
 //!
 //! The first stack has the single-table layout (or the one `IDEM_LAYOUT`
 //! names); a second stack, in the layout partitioned by organization, then
@@ -27,6 +28,7 @@ mod report;
 mod rows;
 mod sql;
 mod wan;
+mod work;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -44,6 +46,7 @@ use self::report::{print, Results};
 use self::rows::fill_table;
 use self::sql::{definer_against_invoker, functions_against_floor};
 use self::wan::wan_outcomes;
+use self::work::{claims_with_work, heartbeats, redrive_throughput, wal_and_disk};
 use crate::BoxError;
 
 /// Options of `idem bench`.
@@ -106,6 +109,7 @@ struct Run {
     wan: Vec<report::Figure>,
     sizes: Vec<layout::Size>,
     hot: Vec<layout::Hot>,
+    work: Vec<work::Measure>,
 }
 
 /// `single` or `partitioned`: how the stack's claim table is laid out.
@@ -145,6 +149,20 @@ async fn bench(stack: &LocalStack, args: &BenchArgs, layout: &str) -> Result<Run
     figures.push(conflict);
     figures.push(cached);
 
+    eprintln!("claims carrying 4 KiB of work, alternating with claims carrying none…");
+    let repo = Arc::new(PostgrestRepository::new(client.clone()));
+    let (with, without) = claims_with_work(repo.clone(), args.workers, duration).await?;
+    figures.push(with);
+    figures.push(without);
+    eprintln!("heartbeats on held claims…");
+    let (beat, beat_trips) = heartbeats(&client, repo, args.workers, duration).await?;
+    figures.push(beat);
+    let mut work = vec![beat_trips];
+    eprintln!("re-drive: four re-drivers over 10,000 orphans…");
+    work.push(redrive_throughput(stack.db(), &client).await?);
+    eprintln!("WAL and disk of claims with and without work…");
+    work.extend(wal_and_disk(stack.db()).await?);
+
     eprintln!("claim latency idle, then while a sweep deletes {} expired rows…", args.sweep_rows);
     figures.push(claims(service.clone(), args.workers, duration, "claim idle").await?);
     figures.push(
@@ -164,7 +182,7 @@ async fn bench(stack: &LocalStack, args: &BenchArgs, layout: &str) -> Result<Run
     fill_table(stack.db(), args.growth_rows).await?;
     figures.push(claims(service.clone(), args.workers, duration, "claim at large table").await?);
     let sizes = vec![size_per_million(stack.db(), layout).await?];
-    Ok(Run { figures, round_trips: trips, wan, sizes, hot })
+    Ok(Run { figures, round_trips: trips, wan, sizes, hot, work })
 }
 
 /// The claim scenarios again on `stack`, whose claim table is partitioned

@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::layout::{Hot, Size};
+use super::work::Measure;
 use super::Run;
 use crate::BoxError;
 
@@ -53,6 +54,7 @@ pub(super) struct Results {
     wan: Vec<Figure>,
     sizes_per_million_claims: Vec<Size>,
     hot_completions: Vec<Hot>,
+    work: Vec<Measure>,
     ratios: Vec<Ratio>,
 }
 
@@ -75,7 +77,7 @@ impl Results {
         run: Run,
         (growth_rows, sweep_rows): (i64, i64),
     ) -> Result<Results, BoxError> {
-        let ratios = ratios(&run.figures, &run.round_trips, &run.wan)?;
+        let ratios = ratios(&run.figures, &run.round_trips, &run.wan, &run.work)?;
         Ok(Results {
             workers,
             seconds_per_scenario,
@@ -86,13 +88,19 @@ impl Results {
             wan: run.wan,
             sizes_per_million_claims: run.sizes,
             hot_completions: run.hot,
+            work: run.work,
             ratios,
         })
     }
 }
 
 /// The ratios between the figures of one run, each against its target.
-fn ratios(figures: &[Figure], trips: &[(String, f64)], wan: &[Figure]) -> Result<Vec<Ratio>, BoxError> {
+fn ratios(
+    figures: &[Figure],
+    trips: &[(String, f64)],
+    wan: &[Figure],
+    work: &[Measure],
+) -> Result<Vec<Ratio>, BoxError> {
     let get = |name: &str| figures.iter().find(|f| f.name == name).cloned().ok_or("missing figure");
     let wan_p50 = |name: &str| wan.iter().find(|f| f.name == name).map_or(f64::NAN, |f| f.p50_ms);
     let (crate_pairs, bare, direct, floor) = (
@@ -107,6 +115,8 @@ fn ratios(figures: &[Figure], trips: &[(String, f64)], wan: &[Figure]) -> Result
     let (p_idle, p_during) = (get("partitioned: claim idle")?, get("partitioned: claim during sweep")?);
     let (p_small, p_large) = (get("partitioned: claim at 10k rows")?, get("partitioned: claim at large table")?);
     let (named, by_id) = (get("complete, organization named")?, get("complete, by id alone")?);
+    let (with_work, without_work) = (get("claim carrying 4 KiB of work")?, get("claim carrying no work")?);
+    let measured = |name: &str| work.iter().find(|m| m.name == name).map_or(f64::NAN, |m| m.value);
     let ratio = |name: &str, value: f64, target: &str, met: bool| Ratio {
         name: name.to_owned(),
         value,
@@ -178,6 +188,14 @@ fn ratios(figures: &[Figure], trips: &[(String, f64)], wan: &[Figure]) -> Result
             let v = by_id.p50_ms / named.p50_ms;
             ratio("partitioned: complete by id ÷ by org", v, "(info)", true)
         },
+        {
+            let v = with_work.p50_ms / without_work.p50_ms;
+            ratio("claim p50 with 4 KiB of work ÷ without", v, "≤ 1.15", v <= 1.15)
+        },
+        {
+            let v = measured("round trips: heartbeat");
+            ratio("round trips: heartbeat", v, "1", v == 1.0)
+        },
     ];
     Ok(ratios)
 }
@@ -231,6 +249,12 @@ pub(super) fn print(results: &Results) {
             "leaves it alone (within lease)"
         };
         println!("  {:<10} {:<33} {:>8} {:>8}", h.fillfactor, what, h.updates, h.hot_updates);
+    }
+    println!();
+    println!("  work that outlives its worker");
+    println!("  {:-<48} {:->12}", "", "");
+    for m in &results.work {
+        println!("  {:<48} {:>8.1} {}", m.name, m.value, m.unit);
     }
     println!();
     println!("  {:<40} {:>8} {:>9}  met", "ratio", "value", "target");

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use idempotency_plane::repo::SqlFunction;
 use idempotency_plane::RequestHash;
 use serde_json::{json, Value};
 use sqlx::{PgPool, Row};
@@ -48,12 +49,15 @@ pub(super) async fn definer_against_invoker(
     workers: usize,
     duration: Duration,
 ) -> Result<(Figure, Figure), BoxError> {
-    async fn security(db: &PgPool, mode: &str) -> Result<(), sqlx::Error> {
-        let statement = format!(
-            "alter function agent.idempotency_claim(uuid, text, text, text, uuid, bigint, jsonb) security {mode};
-             alter function agent.idempotency_complete(uuid, uuid, text, text, jsonb, uuid) security {mode};"
-        );
-        sqlx::raw_sql(sqlx::AssertSqlSafe(statement)).execute(db).await.map(|_| ())
+    // The signatures come from the SQL surface the crate calls, so a
+    // migration that changes either function changes them here too.
+    async fn security(db: &PgPool, mode: &str) -> Result<(), BoxError> {
+        for name in ["idempotency_claim", "idempotency_complete"] {
+            let function = SqlFunction::named(name).ok_or("a function of the SQL surface")?;
+            let statement = format!("alter function {} security {mode}", function.signature());
+            sqlx::raw_sql(sqlx::AssertSqlSafe(statement)).execute(db).await?;
+        }
+        Ok(())
     }
     let pool = own_pool(db).await?;
     let segment = duration / SEGMENTS;

@@ -1,0 +1,239 @@
+//! What the work that outlives its worker costs: a claim that carries a
+//! 4 KiB request against one that carries none, a heartbeat, a re-drive of
+//! 10,000 orphans by four re-drivers, and the WAL and disk a million claims
+//! with their work would take.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idempotency_plane::repo::{ClaimCall, IdempotencyRepository, OrphanedWork, RedriveCall};
+use idempotency_plane::{PostgrestClient, PostgrestRepository, RequestHash};
+use serde::Serialize;
+use serde_json::{json, Value};
+use sqlx::{Executor, PgPool};
+use uuid::Uuid;
+
+use super::drive::{alternating, drive, own_pool, SEGMENTS};
+use super::report::Figure;
+use crate::BoxError;
+
+/// The scope the work scenarios claim in: a member of the seeded
+/// `webhook.*` family (64 KiB of work at most).
+const SCOPE: &str = "webhook.bench";
+
+/// The request a claim carries in the payload scenarios: 4 KiB of text, as a
+/// webhook gate stores a delivery's body.
+fn four_kib_request() -> Value {
+    json!({"body_text": "x".repeat(4096)})
+}
+
+/// One measurement of the work scenarios that is not a latency.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Measure {
+    pub(super) name: String,
+    pub(super) value: f64,
+    pub(super) unit: &'static str,
+}
+
+fn measure(name: &str, value: f64, unit: &'static str) -> Measure {
+    Measure { name: name.to_owned(), value, unit }
+}
+
+/// First claims carrying a 4 KiB request against first claims carrying
+/// none, in alternating segments on `workers` tasks.
+pub(super) async fn claims_with_work(
+    repo: Arc<PostgrestRepository>,
+    workers: usize,
+    duration: Duration,
+) -> Result<(Figure, Figure), BoxError> {
+    let org = Uuid::new_v4();
+    let hash = RequestHash::of_json(&json!({"bench": "work"})).as_str().to_owned();
+    let request = Arc::new(four_kib_request());
+    let segment = duration / SEGMENTS;
+    let (with, without) = alternating(|carries, round| {
+        let (repo, hash, request) = (repo.clone(), hash.clone(), request.clone());
+        drive(workers, segment, move |worker, i| {
+            let (repo, hash, request) = (repo.clone(), hash.clone(), request.clone());
+            async move {
+                let key = format!("work-{carries}-{round}-{worker}-{i}");
+                let call = ClaimCall {
+                    organization_id: org,
+                    scope: SCOPE,
+                    key: &key,
+                    request_hash: &hash,
+                    lease_token: Uuid::new_v4(),
+                    lease: Duration::from_secs(60),
+                    request: carries.then_some(request.as_ref()),
+                };
+                repo.claim(&call).await?;
+                Ok(())
+            }
+        })
+    })
+    .await?;
+    Ok((
+        Figure::from("claim carrying 4 KiB of work", with.0, with.1),
+        Figure::from("claim carrying no work", without.0, without.1),
+    ))
+}
+
+/// Heartbeats on `workers` held claims, each extended again and again for
+/// `duration`; and the HTTP requests one heartbeat costs.
+pub(super) async fn heartbeats(
+    client: &PostgrestClient,
+    repo: Arc<PostgrestRepository>,
+    workers: usize,
+    duration: Duration,
+) -> Result<(Figure, Measure), BoxError> {
+    let org = Uuid::new_v4();
+    let hash = RequestHash::of_json(&json!({"bench": "heartbeat"})).as_str().to_owned();
+    let mut held = Vec::with_capacity(workers);
+    for worker in 0..workers {
+        let (key, token) = (format!("beating-{worker}"), Uuid::new_v4());
+        let call = ClaimCall {
+            organization_id: org,
+            scope: SCOPE,
+            key: &key,
+            request_hash: &hash,
+            lease_token: token,
+            lease: Duration::from_secs(30),
+            request: None,
+        };
+        held.push((repo.claim(&call).await?.id, token));
+    }
+    let held = Arc::new(held);
+    let before = client.requests_sent();
+    let (latencies, elapsed) = drive(workers, duration, move |worker, _| {
+        let (repo, held) = (repo.clone(), held.clone());
+        async move {
+            let (id, token) = held[worker];
+            match repo.extend(org, id, token, Duration::from_secs(30)).await? {
+                Some(_) => Ok(()),
+                None => Err("a heartbeat found its own claim taken over".into()),
+            }
+        }
+    })
+    .await?;
+    let trips = (client.requests_sent() - before) as f64 / latencies.len().max(1) as f64;
+    Ok((Figure::from("heartbeat (extend)", latencies, elapsed), measure("round trips: heartbeat", trips, "HTTP")))
+}
+
+/// Orphans the re-drive throughput is measured on.
+const ORPHANS: i64 = 10_000;
+
+/// Concurrent re-drivers.
+const REDRIVERS: usize = 4;
+
+/// `ORPHANS` orphans carrying 1 KiB of work each, taken over by
+/// `REDRIVERS` concurrent re-drivers, each asking for the row cap per call
+/// until none is left: orphans taken over per second, and that every orphan
+/// went to exactly one re-driver.
+pub(super) async fn redrive_throughput(db: &PgPool, client: &PostgrestClient) -> Result<Measure, BoxError> {
+    let org = Uuid::new_v4();
+    db.execute(
+        sqlx::query(
+            "insert into agent.idempotency_keys
+               (organization_id, scope, key, request_hash, status, lease_token, claimed_at, lease_expires_at,
+                retain_until, request, redrive_at)
+             select $1, $2, 'orphan-' || i, repeat('c', 64), 'processing', gen_random_uuid(),
+                    now() - interval '1 minute', now() - interval '1 second', now() + interval '1 day',
+                    jsonb_build_object('body_text', repeat('w', 1024)), now() - interval '1 second'
+               from generate_series(1, $3) i",
+        )
+        .bind(org)
+        .bind(SCOPE)
+        .bind(ORPHANS),
+    )
+    .await?;
+    db.execute("analyze agent.idempotency_keys").await?;
+    let bound = u64::from(client.config().max_rows());
+    let started = Instant::now();
+    let redrivers: Vec<_> = (0..REDRIVERS)
+        .map(|_| {
+            let repo = PostgrestRepository::new(client.clone());
+            tokio::spawn(async move {
+                let mut taken = 0usize;
+                loop {
+                    let call =
+                        RedriveCall { scope: SCOPE, bound, lease: Duration::from_secs(60), organization_id: Some(org) };
+                    let rows = repo.redrive(&call).await?;
+                    if rows.is_empty() {
+                        return Ok::<_, BoxError>(taken);
+                    }
+                    taken += rows.len();
+                }
+            })
+        })
+        .collect();
+    let mut taken = 0;
+    for redriver in redrivers {
+        taken += redriver.await??;
+    }
+    let elapsed = started.elapsed();
+    if taken as i64 != ORPHANS {
+        return Err(format!("{REDRIVERS} re-drivers took {taken} of {ORPHANS} orphans").into());
+    }
+    eprintln!("  {REDRIVERS} re-drivers took over {taken} orphans in {:.2} s", elapsed.as_secs_f64());
+    Ok(measure("re-drive: orphans taken over per second", taken as f64 / elapsed.as_secs_f64(), "/s"))
+}
+
+/// Claims per side of the WAL and disk figures.
+const WRITTEN_CLAIMS: i64 = 20_000;
+
+/// The WAL written and the disk taken (table, TOAST and indexes) per
+/// million first claims, carrying a 4 KiB request (random hex text, which
+/// compresses little, as a delivery's body does) and carrying none; each
+/// claim its own statement and transaction, as the plane receives them.
+/// The WAL is the cluster's: measure on a quiet one.
+pub(super) async fn wal_and_disk(db: &PgPool) -> Result<Vec<Measure>, BoxError> {
+    let pool = own_pool(db).await?;
+    let mut measures = Vec::new();
+    for carries in [false, true] {
+        let org = Uuid::new_v4();
+        let size = "select pg_total_relation_size('agent.idempotency_keys')::int8";
+        let lsn = "select pg_current_wal_lsn()::text";
+        let disk_before: i64 = sqlx::query_scalar(size).fetch_one(&pool).await?;
+        let wal_before: String = sqlx::query_scalar(lsn).fetch_one(&pool).await?;
+        let workers = 8;
+        let per_worker = WRITTEN_CLAIMS / workers as i64;
+        let tasks: Vec<_> = (0..workers)
+            .map(|worker| {
+                let pool = pool.clone();
+                tokio::spawn(async move {
+                    for i in 0..per_worker {
+                        sqlx::query(
+                            "select agent.idempotency_claim($1, $2, $3, repeat('d', 64), gen_random_uuid(), 60000,
+                                      case when $4 then jsonb_build_object('body_text',
+                                        (select string_agg(md5(random()::text || g), '') from generate_series(1, 128) g))
+                                      end)",
+                        )
+                        .bind(org)
+                        .bind(SCOPE)
+                        .bind(format!("written-{worker}-{i}"))
+                        .bind(carries)
+                        .execute(&pool)
+                        .await?;
+                    }
+                    Ok::<_, BoxError>(())
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await??;
+        }
+        let wal: f64 = sqlx::query_scalar("select pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::float8")
+            .bind(&wal_before)
+            .fetch_one(&pool)
+            .await?;
+        let disk_after: i64 = sqlx::query_scalar(size).fetch_one(&pool).await?;
+        let per_million = |bytes: f64| bytes / (per_worker * workers as i64) as f64 * 1_000_000.0 / (1024.0 * 1024.0);
+        let what = if carries { "with 4 KiB of work" } else { "without work" };
+        measures.push(measure(&format!("WAL per million claims {what}"), per_million(wal), "MiB"));
+        measures.push(measure(
+            &format!("disk per million claims {what}"),
+            per_million((disk_after - disk_before) as f64),
+            "MiB",
+        ));
+    }
+    Ok(measures)
+}
