@@ -40,7 +40,9 @@ pub(crate) struct RedriveArgs {
     #[arg(long, value_name = "URL", required_unless_present = "failed")]
     to: Option<String>,
     /// The scope (or family, webhook.*) to re-drive, when the route serves
-    /// more than one; without it, the route's own. Required with --failed.
+    /// more than one; without it, the route's own. With --failed (where it
+    /// is required) it names the failures' scope, and the route is asked
+    /// for its own.
     #[arg(long, required_if_eq("failed", "true"))]
     scope: Option<String>,
     /// Orphans one pass takes over (with --failed: failures sent back): at
@@ -87,7 +89,6 @@ struct Ask<'a> {
 /// What a re-drive route answers: every count is required, so a route
 /// that answers something else is an error, not a pass that did nothing.
 #[derive(Debug, Clone, Copy, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
 struct Report {
     redriven: u64,
     journaled: u64,
@@ -120,7 +121,7 @@ pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
         return Ok(sent_back.unwrap_or_else(exit::ok));
     };
     args.schedule.serve_metrics()?;
-    let ask = Ask { limit: args.bound, scope: args.scope.as_deref() };
+    let ask = Ask { limit: args.bound, scope: args.scope.as_deref().filter(|_| !args.failed) };
     let pass = || async {
         let span = tracing::info_span!("idem.redrive", route = %route.path(), bound = args.bound);
         match client.post_route::<Report>(&route, &ask).instrument(span).await {
