@@ -245,13 +245,19 @@ impl PostgrestClient {
     }
 
     /// Whether [`post_route`](Self::post_route) would send the service key
-    /// to `route`: `https://`, or plain `http://` to a loopback host or the
-    /// base URL's own host. A configuration error otherwise, before any
-    /// request.
+    /// to `route`: `https://`, or plain `http://` to a loopback host or to
+    /// the host and port of a base URL that is plain `http://` itself (one
+    /// the configuration allowed). A configuration error otherwise, before
+    /// any request.
     pub fn check_route(&self, route: &url::Url) -> Result<(), ClientError> {
         let base = &self.inner.config.base_url;
-        let plain_allowed = route.scheme() == "http"
-            && (super::config::plain_http_allowed(route, &[]) || route.host_str() == base.host_str());
+        // Plain http only where the key already goes in clear: loopback,
+        // or the very host and port a plain-http base URL names.
+        let same_plain_origin = base.scheme() == "http"
+            && route.host_str() == base.host_str()
+            && route.port_or_known_default() == base.port_or_known_default();
+        let plain_allowed =
+            route.scheme() == "http" && (super::config::plain_http_allowed(route, &[]) || same_plain_origin);
         if route.scheme() == "https" || plain_allowed {
             return Ok(());
         }
@@ -443,5 +449,28 @@ fn transport_kind(error: &reqwest::Error) -> TransportKind {
         TransportKind::Interrupted
     } else {
         TransportKind::Other
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client(base: &str) -> PostgrestClient {
+        let config = ClientConfig::new(base, "sb_secret_test").expect("a configuration");
+        PostgrestClient::new(config).expect("a client")
+    }
+
+    #[test]
+    fn the_service_key_goes_to_a_route_only_over_https_or_to_a_plain_http_origin_already_allowed() {
+        let route = |text: &str| url::Url::parse(text).expect("a URL");
+        let hosted = client("https://ref.supabase.co/rest/v1");
+        assert!(hosted.check_route(&route("https://ref.supabase.co/functions/v1/webhooks/redrive")).is_ok());
+        assert!(hosted.check_route(&route("http://ref.supabase.co/functions/v1/webhooks/redrive")).is_err());
+        assert!(hosted.check_route(&route("http://example.com/redrive")).is_err());
+        assert!(hosted.check_route(&route("http://127.0.0.1:8081/redrive")).is_ok(), "loopback");
+        assert!(hosted.check_route(&route("ftp://ref.supabase.co/redrive")).is_err());
+        let local = client("http://127.0.0.1:3000");
+        assert!(local.check_route(&route("http://127.0.0.1:9000/redrive")).is_ok());
     }
 }

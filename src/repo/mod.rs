@@ -230,11 +230,13 @@ pub trait JournaledFailures: Send + Sync {
     /// back to re-drive, in one statement: the chosen `claim_ids`, or every
     /// failure claimed `since`, or both filters (one is required). Each
     /// becomes an orphan again (processing, lease passed, a fresh fence,
-    /// attempts counted from one, retention renewed), and what it replaced
+    /// attempts counted from one, so the next re-drive hands it out as
+    /// attempt 2; retention renewed), and what it replaced
     /// is kept in the row for the audit. Concurrent callers split the
     /// failures, and one sent back is no longer a failure: none is sent
-    /// back twice by one pass. Answers the rows sent back, each with the
-    /// answer it replaced.
+    /// back twice by one pass. A scope with `max_attempts` 1, or without a
+    /// policy row, sends nothing back. Answers the rows sent back, each
+    /// with the answer it replaced.
     fn redrive_failed(&self, call: &FailuresCall<'_>) -> impl Future<Output = Result<Vec<FailureRow>, Error>> + Send;
 }
 

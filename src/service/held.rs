@@ -87,6 +87,12 @@ pub enum Cut {
     /// new holder's ending is the one that counts.
     #[error("the claim was taken over by another worker; the effect was stopped")]
     FenceLost,
+    /// With a heartbeat, the lease could not be confirmed (every beat
+    /// failed) before the effect's deadline: the effect never started.
+    /// Nothing happened, but the claim may still be held: leave it to its
+    /// lease.
+    #[error("the lease could not be confirmed before the deadline; the effect never started")]
+    NotStarted,
 }
 
 /// A claim's heartbeat: while the effect runs ([`Held::run`]) and while
@@ -161,6 +167,10 @@ impl<R: IdempotencyRepository> Held<R> {
         }
         if let Some(keep_alive) = &self.keep_alive {
             self.confirm(keep_alive).await?;
+            // The confirming beat may have taken what was left.
+            if Instant::now() >= self.effect_deadline {
+                return Err(Cut::NotStarted);
+            }
         }
         let running = tokio::time::timeout_at(self.effect_deadline, AssertUnwindSafe(effect).catch_unwind());
         let ran = match &self.keep_alive {
@@ -190,18 +200,18 @@ impl<R: IdempotencyRepository> Held<R> {
     /// worker taken the claim over; so an overdue beat is made first, and
     /// the effect starts only once it answered that the claim is still ours.
     /// A failed beat is tried again a second later, until the effect's
-    /// deadline.
+    /// deadline: then [`Cut::NotStarted`].
     async fn confirm(&self, keep_alive: &KeepAlive) -> Result<(), Cut> {
         loop {
             if keep_alive.lost() {
                 return Err(Cut::FenceLost);
             }
             let now = Instant::now();
+            if now >= self.effect_deadline {
+                return Err(Cut::NotStarted);
+            }
             if now < keep_alive.beaten() + keep_alive.lease / 3 {
                 return Ok(());
-            }
-            if now >= self.effect_deadline {
-                return Err(Cut::TimedOut);
             }
             if self.beat(keep_alive, now).await == Beat::Failed {
                 let retry = (now + Duration::from_secs(1)).min(self.effect_deadline);

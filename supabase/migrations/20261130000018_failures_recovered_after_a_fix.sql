@@ -19,11 +19,17 @@
 --    scope claimed since p_since, or both filters at once. Only a failure
 --    that carries its work can be sent back (nothing else could run it).
 --    Each becomes an orphan again: processing, its lease passed, with a
---    fresh lease token, its attempts counted from one again, its retention
---    renewed by the scope's policy; the next re-drive hands it out as any
---    orphan. Concurrent callers split the failures (FOR UPDATE SKIP
---    LOCKED), and a failure sent back is no longer a failure, so each is
---    sent back once per call that finds it journaled.
+--    fresh lease token, its attempts counted from one again (the send-back
+--    is the first, so the next re-drive hands it out as attempt 2, and it
+--    has max_attempts - 1 runs before it is a dead letter again), its
+--    retention renewed by the scope's policy. A scope whose max_attempts
+--    is 1 allows no run after the first, and one that lost its policy row
+--    has no retention to renew: failures of either are not sent back.
+--    Concurrent callers split the failures (FOR UPDATE SKIP LOCKED), and a
+--    failure sent back is no longer a failure, so each is sent back once
+--    per call that finds it journaled. Until a re-drive (or a redelivery,
+--    which may take over a passed lease as always) runs it, a claim of its
+--    key finds no answer to replay.
 --
 -- What it replaced is kept for the audit, in the row: the new column
 -- replaced is a JSON array, oldest first, of what each send-back replaced
@@ -175,11 +181,14 @@ begin
   v_at := pg_catalog.clock_timestamp();
   return query
     with chosen as (
-      select k.id, k.organization_id, k.scope
+      select k.id, k.organization_id, k.scope, p.retain
         from agent.idempotency_keys k
+       cross join lateral agent.idempotency_policy(k.scope) p
        where k.status = 'completed'
          and k.response -> 'ok' = 'false'::jsonb
          and k.request is not null
+         and p.retain is not null
+         and p.max_attempts > 1
          and (k.scope = p_scope or (v_prefix is not null and left(k.scope, char_length(v_prefix)) = v_prefix))
          and (p_organization_id is null or k.organization_id = p_organization_id)
          and (p_since is null or k.claimed_at >= p_since)
@@ -198,7 +207,7 @@ begin
              lease_expires_at = v_at,
              redrive_at = v_at,
              reclaims = 0,
-             retain_until = greatest(k.retain_until, v_at + p.retain),
+             retain_until = greatest(k.retain_until, v_at + c.retain),
              replaced = (
                select coalesce(jsonb_agg(e.entry order by e.n), '[]'::jsonb)
                  from jsonb_array_elements(
@@ -214,7 +223,6 @@ begin
                 where e.n > jsonb_array_length(coalesce(k.replaced, '[]'::jsonb)) + 1 - 20
              )
         from chosen c
-       cross join lateral agent.idempotency_policy(c.scope) p
        where k.id = c.id and k.organization_id = c.organization_id
       returning k.*
     )

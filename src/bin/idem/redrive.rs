@@ -141,7 +141,15 @@ pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
         }
     };
     match args.schedule.schedule() {
-        None => Ok(pass().await),
+        // After a send-back, the worse of the two passes: a send-back that
+        // filled its bound says more failures may wait.
+        None => {
+            let routed = pass().await;
+            Ok(match sent_back {
+                Some(code) if code == exit::backlog() && routed == exit::ok() => code,
+                _ => routed,
+            })
+        }
         Some(schedule) => schedule.run(pass).await,
     }
 }

@@ -92,9 +92,11 @@ enum Ran<R, E> {
     /// The service failed with an error of its own after it started: the
     /// caller gets the error, and the claim is left to its lease.
     Errored(E),
-    /// A heartbeat found the claim taken over, and the handler was stopped:
-    /// the key is another worker's now, whose answer every repeat gets.
-    /// This caller is answered as a repeat in flight would be.
+    /// A heartbeat found the claim taken over, and the handler was stopped
+    /// (the key is another worker's now, whose answer every repeat gets:
+    /// answered as a repeat in flight would be); or it could not confirm
+    /// the lease, and the handler never started (answered 503). Nothing is
+    /// journaled.
     TakenOver(Problem),
 }
 
@@ -313,6 +315,20 @@ where
                 "the handler timed out after it started; its problem is kept for the key"
             );
             Ran::Failed(held, Problem::started_and_failed(ProblemType::HandlerTimeout))
+        }
+        Err(Cut::NotStarted) => {
+            // Nothing ran, but the plane did not confirm the lease: the key
+            // is left to it, and the caller retries as after an outage.
+            let settled =
+                held.settle(Settle::Unknown("the lease could not be confirmed; the handler never started")).await;
+            tracing::Span::current().record("ending", settled.as_str());
+            Ran::TakenOver(
+                Problem::new(
+                    ProblemType::Unavailable,
+                    "the idempotency plane did not confirm this key's lease; retry later",
+                )
+                .retry_after(config.unavailable_retry_after),
+            )
         }
         Err(Cut::FenceLost) => {
             let settled = held.settle(Settle::Unknown("the claim was taken over by another worker")).await;

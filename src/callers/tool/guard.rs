@@ -337,6 +337,7 @@ fn cut(call: &Call<'_>, cut: Cut) -> ToolError {
         Cut::TimedOut => "timed_out",
         Cut::Panicked => "panicked",
         Cut::FenceLost => "taken_over",
+        Cut::NotStarted => "not_started",
     };
     tracing::Span::current().record("outcome", outcome);
     let (scope, key) = call.scope_and_key();
@@ -346,6 +347,10 @@ fn cut(call: &Call<'_>, cut: Cut) -> ToolError {
         // Another worker holds the call now: in flight elsewhere, as a
         // claim that met its live lease would be told.
         Cut::FenceLost => ToolError::ClaimInFlight { scope, key, lease_expires_at: chrono::Utc::now() },
+        // The lease could not be confirmed: the call never started, and its
+        // claim may still be held. Told as in flight, so the orchestrator
+        // retries; the retry meets the claim or takes it over.
+        Cut::NotStarted => ToolError::ClaimInFlight { scope, key, lease_expires_at: chrono::Utc::now() },
     }
 }
 

@@ -251,11 +251,19 @@ where
                 tracing::warn!("processing was stopped: the claim was taken over; its new holder ends it");
                 return (Settle::Unknown("the claim was taken over by another worker"), None);
             }
+            Err(Cut::NotStarted) => {
+                // Nothing ran: the event and its body wait for a re-drive.
+                tracing::warn!(
+                    outcome = "left_for_redrive",
+                    "the lease could not be confirmed; processing never started"
+                );
+                return (Settle::Unknown("the lease could not be confirmed; processing never started"), None);
+            }
             Err(cut) => {
                 tracing::error!(%cut, "processing was cut; what it did is unknown, and that is journaled");
                 let error = match cut {
                     Cut::TimedOut => "processing_timed_out",
-                    Cut::Panicked | Cut::FenceLost => "processing_panicked",
+                    Cut::Panicked | Cut::FenceLost | Cut::NotStarted => "processing_panicked",
                 };
                 return (Settle::Journal(Answer::failure(error, Value::Null)), Some(DropReason::ProcessingAborted));
             }

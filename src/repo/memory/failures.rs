@@ -85,17 +85,21 @@ impl JournaledFailures for MemoryRepository {
         }
         let mut state = self.lock();
         let now = state.now();
+        // As the plane: a scope without a policy row, or one that allows no
+        // run after the first, sends nothing back.
         let mut chosen: Vec<_> = state
             .claims
             .iter()
             .filter(|(_, row)| row.request.is_some() && selected(row, call))
-            .map(|(slot, row)| (row.record.claimed_at, row.record.id, slot.clone()))
+            .filter_map(|(slot, row)| {
+                let retain = state.policy(&slot.1).filter(|p| p.max_attempts > 1)?.retain;
+                Some((row.record.claimed_at, row.record.id, slot.clone(), retain))
+            })
             .collect();
-        chosen.sort();
+        chosen.sort_by_key(|(claimed_at, id, _, _)| (*claimed_at, *id));
         chosen.truncate(usize::try_from(call.bound).unwrap_or(usize::MAX));
         let mut sent = Vec::with_capacity(chosen.len());
-        for (_, _, slot) in chosen {
-            let retain = state.policy(&slot.1).map(|policy| policy.retain);
+        for (_, _, slot, retain) in chosen {
             let Some(row) = state.claims.get_mut(&slot) else { continue };
             let record = &mut row.record;
             let replaced = json!({
@@ -113,9 +117,7 @@ impl JournaledFailures for MemoryRepository {
             record.lease_token = Some(uuid::Uuid::new_v4());
             record.claimed_at = now;
             record.lease_expires_at = now;
-            if let Some(retain) = retain {
-                record.retain_until = record.retain_until.max(now + retain);
-            }
+            record.retain_until = record.retain_until.max(now + retain);
             row.reclaims = 0;
             row.replaced.push(replaced);
             if row.replaced.len() > MAX_REPLACED {

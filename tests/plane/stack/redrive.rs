@@ -345,9 +345,10 @@ async fn a_holder_that_waited_between_runs_confirms_its_lease_and_runs_again() {
         Effect { organization_id: org, scope: SCOPE, key: "evt-idle-ours", request_hash: &h, timing, request: None };
     let Begun::Held(held) = driver.begin(&effect).await.unwrap() else { panic!("claimed") };
     assert_eq!(held.run(async {}).await, Ok(()));
-    // Two leases of idling: the claim lapses, but nobody took it over, so
-    // the confirming beat finds it still ours (the fence has not moved).
-    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    // More than a lease of idling: the claim lapses, but nobody took it
+    // over, so the confirming beat finds it still ours (the fence has not
+    // moved).
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
     assert_eq!(held.run(async { 7 }).await, Ok(7));
     assert!(!held.fence_lost());
     assert!(held.settle(Settle::Journal(Answer::success(json!(7)))).await.is_journaled());

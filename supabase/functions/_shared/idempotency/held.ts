@@ -64,7 +64,13 @@ export type Cut =
    * worker holds it now): the effect's signal was aborted. The new holder's
    * ending is the one that counts.
    */
-  | { cut: "fence_lost" };
+  | { cut: "fence_lost" }
+  /**
+   * With a heartbeat, the lease could not be confirmed (every beat failed)
+   * before the effect's deadline: the effect never started. Leave the claim
+   * to its lease.
+   */
+  | { cut: "not_started" };
 
 /** A claim this worker holds: run its effect, then settle it exactly once. */
 export class Held {
@@ -173,8 +179,8 @@ export class Held {
     for (;;) {
       if (this.#lost) return { cut: "fence_lost" };
       const now = monotonicNow();
+      if (now >= this.effectDeadline) return { cut: "not_started" };
       if (now < this.#confirmedAt + heartbeat.leaseMs / 3) return undefined;
-      if (now >= this.effectDeadline) return { cut: "timed_out" };
       const beat = await this.#extend(heartbeat, now);
       if (beat === "lost") {
         this.#markLost();
@@ -235,7 +241,8 @@ export class Held {
    * that comes later is ignored. A throw is caught and reported. A deadline
    * already past never starts the effect; with a heartbeat, neither does a
    * lease the database has not confirmed within the last third of it (a
-   * beat is made first): a claim taken over meanwhile answers `fence_lost`.
+   * beat is made first): a claim taken over meanwhile answers `fence_lost`,
+   * and beats that keep failing until the deadline `not_started`.
    */
   async run<T>(effect: (signal: AbortSignal) => Promise<T> | T): Promise<{ value: T } | Cut> {
     const confirmed = await this.#confirm();

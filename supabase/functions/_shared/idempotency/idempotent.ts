@@ -159,6 +159,17 @@ export async function idempotent(
   const held = begun.held;
   const vendor = await vendorKey(held.claim.organizationId, held.claim.scope, held.claim.key);
   const ran = await held.run((signal) => effect({ claim: held.claim, signal, vendorKey: vendor }));
+  if ("cut" in ran && ran.cut === "not_started") {
+    // The lease could not be confirmed: nothing ran, the claim is left to it.
+    return {
+      status: "failed",
+      error: new PlaneError(
+        "deadline",
+        "the lease could not be confirmed before the deadline; the effect never started",
+      ),
+      settled: await held.settle({ unknown: "the lease could not be confirmed; the effect never started" }),
+    };
+  }
   if ("cut" in ran && ran.cut === "fence_lost") {
     // A heartbeat found the claim taken over: the new holder's ending counts.
     return {

@@ -275,6 +275,21 @@ async function runHandler(config: Config, held: Held, handler: Handler, keyed: K
       ),
     };
   }
+  if (ran.cut === "not_started") {
+    // Nothing ran, but the plane did not confirm the lease: the key is left
+    // to it, and the caller retries as after an outage.
+    await held.settle({ unknown: "the lease could not be confirmed; the handler never started" });
+    config.log({ event: "idempotency.http", ...keyed.event, outcome: "not_started" });
+    return {
+      ended: problemResponse(
+        problem(
+          "unavailable",
+          "the idempotency plane did not confirm this key's lease; retry later",
+          UNAVAILABLE_RETRY_AFTER_S,
+        ),
+      ),
+    };
+  }
   return { ended: await failed(config, held, ran.error, keyed.event, "handler-failed") };
 }
 

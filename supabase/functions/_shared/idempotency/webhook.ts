@@ -106,10 +106,10 @@ export type DropReason =
   /** A re-drive found the event handed out as often as its scope's `max_attempts` allows: journaled as a failure. */
   | "dead_lettered";
 
-/** What the gate answers the vendor. */
 /** Why a claim whose processing kept failing retryably is left to its lease. */
 const LEFT_FOR_REDRIVE = "processing kept failing; left for a re-drive";
 
+/** What the gate answers the vendor. */
 export type Ack =
   /** Processed and journaled: 200. */
   | { ack: "processed"; status: 200 }
@@ -572,6 +572,18 @@ export class WebhookGate {
           why: "taken over by another worker",
         });
         return [{ unknown: "the claim was taken over by another worker" }, undefined];
+      }
+      if (ran.cut === "not_started") {
+        // Nothing ran: the event and its body wait for a re-drive.
+        this.#log({
+          event: "webhook.left_for_redrive",
+          level: "warn",
+          scope: held.claim.scope,
+          delivery_id: held.claim.key,
+          outcome: "left_for_redrive",
+          error: "the lease could not be confirmed; processing never started",
+        });
+        return [{ unknown: "the lease could not be confirmed; processing never started" }, undefined];
       }
       if (ran.cut === "timed_out") {
         this.#log({
