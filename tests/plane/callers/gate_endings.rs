@@ -116,3 +116,39 @@ async fn an_event_acknowledged_as_a_duplicate_of_a_claim_whose_answer_was_lost_l
         "processed once, or its failure journaled with a drop reason: {response}"
     );
 }
+
+/// With heartbeats, a holder that waited between runs must confirm its
+/// lease before the next one; when every beat fails until the effect's
+/// deadline, the effect never starts (`Cut::NotStarted`), nothing is
+/// written, and the claim (with the work it carries) is left to its lease
+/// for a re-drive.
+#[tokio::test]
+async fn beats_that_fail_until_the_deadline_never_start_the_effect_and_leave_the_claim_to_its_lease() {
+    use idempotency_plane::service::{Begun, Cut, Effect, EffectDriver, Settle, Timing};
+    let faulty = Faulty::new(MemoryRepository::new());
+    let driver = EffectDriver::new(IdempotencyService::new(faulty.clone()));
+    let timing = Timing::new(Duration::from_secs(4), Duration::from_secs(1), Duration::from_secs(1))
+        .and_then(|timing| timing.with_heartbeats(Duration::from_secs(3)))
+        .expect("a timing");
+    let (org, hash, work) = (Uuid::new_v4(), idempotency_plane::RequestHash::of_json(&json!(1)), json!({"n": 1}));
+    let effect = Effect {
+        organization_id: org,
+        scope: "webhook.nylas",
+        key: "k",
+        request_hash: &hash,
+        timing,
+        request: Some(&work),
+    };
+    let Begun::Held(held) = driver.begin(&effect).await.expect("begin") else { panic!("claimed") };
+    // The plane stops answering heartbeats while the holder waits.
+    faulty.set(Op::Extend, Fault::Unavailable);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let started = std::sync::atomic::AtomicBool::new(false);
+    let ran = held.run(async { started.store(true, Ordering::SeqCst) }).await;
+    assert_eq!(ran, Err(Cut::NotStarted));
+    assert!(!started.load(Ordering::SeqCst), "the effect never started");
+    assert!(faulty.injected(Op::Extend) >= 1, "it tried to confirm the lease, and the plane failed it");
+    assert_eq!(held.settle(Settle::Unknown("the lease could not be confirmed")).await.as_str(), "left_to_lease");
+    let row = faulty.get(org, "webhook.nylas", "k").await.expect("read").expect("the claim");
+    assert_eq!((row.status, row.response), (ClaimStatus::Processing, None), "nothing written: left to its lease");
+}
