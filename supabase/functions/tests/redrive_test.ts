@@ -217,6 +217,30 @@ Deno.test("a run after heartbeats kept failing confirms the lease first: taken o
   assert.deepEqual(await begun.held.settle({ journal: success(1) }), { ending: "lease_moved_on" });
 });
 
+Deno.test("beats that fail until the deadline never start the effect, and the claim is left to its lease", async () => {
+  const lossy = new Lossy();
+  const p = plane({ fetch: lossy.fetch });
+  const timing = new Timing(4_000, 1_000, 1_000).withHeartbeats(3_000);
+  const spec = { organizationId: organization(), scope: SCOPE, key: uniqueKey(), requestHash: await hashOf(4), timing };
+  const begun = await new EffectDriver(p).begin(spec);
+  assert.equal(begun.kind, "held");
+  if (begun.kind !== "held") return;
+  lossy.refuseAll();
+  await sleep(1_100);
+  let started = false;
+  const ran = await begun.held.run(() => {
+    started = true;
+    return "ran";
+  });
+  assert.deepEqual(ran, { cut: "not_started" });
+  assert.equal(started, false, "the effect never started under a lease nobody confirmed");
+  lossy.refuseAll(false);
+  const settled = await begun.held.settle({ unknown: "the lease could not be confirmed" });
+  assert.equal(settled.ending, "left_to_lease");
+  const read = await plane().read(spec);
+  assert.ok(read.outcome === "processing" || read.outcome === "absent", JSON.stringify(read));
+});
+
 Deno.test("an event a worker ACKed and then lost its plane on is re-driven by another worker, once, with its bytes", async () => {
   const org = organization();
   const deliveryId = uniqueKey("evt");
