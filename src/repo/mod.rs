@@ -13,6 +13,7 @@
 //! [`TenantRouter`] spreads organizations over several planes, each on
 //! exactly one.
 
+mod batch;
 mod memory;
 mod postgrest;
 pub mod probes;
@@ -28,6 +29,7 @@ use uuid::Uuid;
 use crate::error::Error;
 
 pub use self::postgrest::PostgrestRepository;
+pub use batch::{BatchClaims, ClaimItem, ClaimManyCall, CompletionItem};
 pub use memory::MemoryRepository;
 pub use record::{
     AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, FailureRow, IdempotencyRecord, ProviderJob,

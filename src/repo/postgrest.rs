@@ -1,5 +1,7 @@
 //! The repository over PostgREST: one RPC per operation.
 
+mod batch;
+
 use serde::Serialize;
 use uuid::Uuid;
 

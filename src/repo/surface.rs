@@ -71,6 +71,14 @@ pub(crate) const REDRIVE_FAILED: SqlFunction = function(
     "p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_claim_ids uuid[], \
      p_row_cap integer",
 );
+pub(crate) const CLAIM_MANY: SqlFunction = function(
+    "idempotency_claim_many",
+    "p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer",
+);
+pub(crate) const COMPLETE_MANY: SqlFunction =
+    function("idempotency_complete_many", "p_organization_id uuid, p_items jsonb, p_row_cap integer");
+pub(crate) const RELEASE_MANY: SqlFunction =
+    function("idempotency_release_many", "p_organization_id uuid, p_items jsonb, p_row_cap integer");
 pub(crate) const EXPIRED: SqlFunction = function("idempotency_expired", "p_limit integer");
 pub(crate) const DELETE_EXPIRED: SqlFunction = function("idempotency_delete_expired", "p_ids uuid[]");
 pub(crate) const SWEEP: SqlFunction = function("idempotency_sweep", "p_bound integer, p_row_cap integer");
@@ -96,6 +104,9 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     COMPLETE,
     RELEASE,
     EXTEND,
+    CLAIM_MANY,
+    COMPLETE_MANY,
+    RELEASE_MANY,
     REDRIVE,
     ORPHANS,
     FAILURES,

@@ -17,7 +17,7 @@ use crate::storable::{self, Unstorable};
 
 /// The plane's checks of a key's arguments (`agent.idempotency_check_key`):
 /// a scope of 1 to 128 characters of `a-z 0-9 . _ -`, a key of 1 to 512.
-fn key_arguments_well_formed(scope: &str, key: &str) -> bool {
+pub(super) fn key_arguments_well_formed(scope: &str, key: &str) -> bool {
     (1..=128).contains(&scope.len())
         && scope.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'))
         && (1..=512).contains(&key.chars().count())
@@ -25,7 +25,7 @@ fn key_arguments_well_formed(scope: &str, key: &str) -> bool {
 
 impl State {
     /// `agent.idempotency_decide`, the in-memory twin.
-    fn decide(
+    pub(super) fn decide(
         &mut self,
         function: &'static str,
         call: &ClaimCall<'_>,
@@ -111,6 +111,87 @@ impl State {
             }
         };
         Ok(Some(shown(outcome, row.record, now)))
+    }
+}
+
+impl State {
+    /// `agent.idempotency_complete`, the in-memory twin.
+    pub(super) fn complete(
+        &mut self,
+        organization_id: Uuid,
+        claim_id: Uuid,
+        lease_token: Uuid,
+        completion: CompletionArgs<'_>,
+    ) -> Result<Option<IdempotencyRecord>, Error> {
+        const FUNCTION: &str = "idempotency_complete";
+        let resource_type = completion.resource_type.filter(|t| !t.is_empty());
+        let resource_id = completion.resource_id.filter(|i| !i.is_empty());
+        let response = completion.response.filter(|r| !r.is_null());
+        if (response.is_none() && resource_id.is_none()) || (resource_id.is_some() && resource_type.is_none()) {
+            return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
+        }
+        // One walk of the response: what the database refuses it for, if anything.
+        let unstorable = response.and_then(|r| storable::unstorable(r, 0, u64::MAX));
+        if unstorable == Some(Unstorable::TooDeep) {
+            return Err(refused(FUNCTION, codes::RESPONSE_TOO_DEEP));
+        }
+        if unstorable == Some(Unstorable::Nul)
+            || [resource_type, resource_id].iter().flatten().any(|text| text.contains('\0'))
+        {
+            return Err(refused(FUNCTION, "22P05"));
+        }
+        let now = self.now();
+        let Some(slot) = self
+            .claims
+            .iter()
+            .find(|(slot, row)| slot.0 == organization_id && row.record.id == claim_id)
+            .map(|(slot, _)| slot.clone())
+        else {
+            return Ok(None);
+        };
+        // What no client could read back is refused before the fence is
+        // looked at, as the SQL measures it before locking the row.
+        if let Some(response) = response {
+            match self.policy(&slot.1).map(|p| p.max_response_bytes) {
+                None => return Err(Error::UnknownScope { scope: slot.1.clone() }),
+                Some(max) if storable::json_size(response) > max => {
+                    return Err(refused(FUNCTION, codes::RESPONSE_TOO_LARGE))
+                }
+                Some(_) => {}
+            }
+        }
+        let Some(row) = self.claims.get_mut(&slot) else { return Ok(None) };
+        let record = &mut row.record;
+        if record.lease_token != Some(lease_token) {
+            return Ok(None);
+        }
+        let same_answer = record.resource_type.as_deref() == resource_type
+            && record.resource_id.as_deref() == resource_id
+            && record.response.as_ref() == response;
+        match record.status {
+            ClaimStatus::Completed if same_answer => return Ok(Some(with_live(record.clone(), now))),
+            ClaimStatus::Completed => return Ok(None),
+            ClaimStatus::Processing => {}
+        }
+        let window = record.retain_until - record.lease_expires_at;
+        record.status = ClaimStatus::Completed;
+        record.resource_type = resource_type.map(str::to_owned);
+        record.resource_id = resource_id.map(str::to_owned);
+        record.response = response.cloned();
+        record.retain_until = record.retain_until.max(now + window);
+        Ok(Some(with_live(record.clone(), now)))
+    }
+
+    /// `agent.idempotency_release`, the in-memory twin.
+    pub(super) fn release(&mut self, organization_id: Uuid, claim_id: Uuid, lease_token: Uuid) -> bool {
+        let before = self.claims.len();
+        self.claims.retain(|slot, row| {
+            !(slot.0 == organization_id
+                && row.record.id == claim_id
+                && row.record.lease_token == Some(lease_token)
+                && row.record.status == ClaimStatus::Processing)
+        });
+        self.claims.len() < before
     }
 }
 
@@ -205,77 +286,11 @@ impl IdempotencyRepository for MemoryRepository {
         lease_token: Uuid,
         completion: CompletionArgs<'_>,
     ) -> Result<Option<IdempotencyRecord>, Error> {
-        const FUNCTION: &str = "idempotency_complete";
-        let resource_type = completion.resource_type.filter(|t| !t.is_empty());
-        let resource_id = completion.resource_id.filter(|i| !i.is_empty());
-        let response = completion.response.filter(|r| !r.is_null());
-        if (response.is_none() && resource_id.is_none()) || (resource_id.is_some() && resource_type.is_none()) {
-            return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
-        }
-        // One walk of the response: what the database refuses it for, if anything.
-        let unstorable = response.and_then(|r| storable::unstorable(r, 0, u64::MAX));
-        if unstorable == Some(Unstorable::TooDeep) {
-            return Err(refused(FUNCTION, codes::RESPONSE_TOO_DEEP));
-        }
-        if unstorable == Some(Unstorable::Nul)
-            || [resource_type, resource_id].iter().flatten().any(|text| text.contains('\0'))
-        {
-            return Err(refused(FUNCTION, "22P05"));
-        }
-        let mut state = self.lock();
-        let now = state.now();
-        let limit = |state: &State, scope: &str| state.policy(scope).map(|p| p.max_response_bytes);
-        let Some(slot) = state
-            .claims
-            .iter()
-            .find(|(slot, row)| slot.0 == organization_id && row.record.id == claim_id)
-            .map(|(slot, _)| slot.clone())
-        else {
-            return Ok(None);
-        };
-        // What no client could read back is refused before the fence is
-        // looked at, as the SQL measures it before locking the row.
-        if let Some(response) = response {
-            match limit(&state, &slot.1) {
-                None => return Err(Error::UnknownScope { scope: slot.1.clone() }),
-                Some(max) if storable::json_size(response) > max => {
-                    return Err(refused(FUNCTION, codes::RESPONSE_TOO_LARGE))
-                }
-                Some(_) => {}
-            }
-        }
-        let Some(row) = state.claims.get_mut(&slot) else { return Ok(None) };
-        let record = &mut row.record;
-        if record.lease_token != Some(lease_token) {
-            return Ok(None);
-        }
-        let same_answer = record.resource_type.as_deref() == resource_type
-            && record.resource_id.as_deref() == resource_id
-            && record.response.as_ref() == response;
-        match record.status {
-            ClaimStatus::Completed if same_answer => return Ok(Some(with_live(record.clone(), now))),
-            ClaimStatus::Completed => return Ok(None),
-            ClaimStatus::Processing => {}
-        }
-        let window = record.retain_until - record.lease_expires_at;
-        record.status = ClaimStatus::Completed;
-        record.resource_type = resource_type.map(str::to_owned);
-        record.resource_id = resource_id.map(str::to_owned);
-        record.response = response.cloned();
-        record.retain_until = record.retain_until.max(now + window);
-        Ok(Some(with_live(record.clone(), now)))
+        self.lock().complete(organization_id, claim_id, lease_token, completion)
     }
 
     async fn release(&self, organization_id: Uuid, claim_id: Uuid, lease_token: Uuid) -> Result<bool, Error> {
-        let mut state = self.lock();
-        let before = state.claims.len();
-        state.claims.retain(|slot, row| {
-            !(slot.0 == organization_id
-                && row.record.id == claim_id
-                && row.record.lease_token == Some(lease_token)
-                && row.record.status == ClaimStatus::Processing)
-        });
-        Ok(state.claims.len() < before)
+        Ok(self.lock().release(organization_id, claim_id, lease_token))
     }
 
     async fn extend(

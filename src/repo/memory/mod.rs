@@ -11,6 +11,7 @@
 //! file of their own: the claim table (`claims`), its journaled failures
 //! (`failures`), Run admission and provider jobs (`runs`).
 
+mod batch;
 mod claims;
 mod failures;
 mod runs;

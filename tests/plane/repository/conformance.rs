@@ -17,6 +17,12 @@ use uuid::Uuid;
 use crate::support::backends::{Backend, TimeTravel};
 use crate::support::LEASE;
 
+mod batches;
+use batches::{
+    a_batch_answers_exactly_what_single_claims_would, a_batch_is_bounded_and_refused_whole_for_one_bad_item,
+    batch_completions_and_releases_are_fenced_per_item,
+};
+
 /// The hash of `{"content": content}`, as the repository takes it.
 fn hash_text(content: &str) -> String {
     crate::support::hash(content).as_str().to_owned()
@@ -603,4 +609,7 @@ conformance!(
     work_and_redrives_are_bounded_and_bad_input_is_refused,
     journaled_failures_are_listed_and_sent_back_to_redrive_once,
     failures_calls_are_bounded_and_bad_input_is_refused,
+    a_batch_answers_exactly_what_single_claims_would,
+    batch_completions_and_releases_are_fenced_per_item,
+    a_batch_is_bounded_and_refused_whole_for_one_bad_item,
 );

@@ -126,6 +126,40 @@ fn surface() -> Vec<Call> {
             ],
         },
         Call {
+            sql: "select * from agent.idempotency_claim_many($1::uuid, $2, $3::bigint, $4::jsonb, $5::integer)",
+            arguments: vec![
+                ("p_organization_id", ORG.to_owned(), true),
+                ("p_scope", "tool.x".to_owned(), true),
+                ("p_lease_ms", "60000".to_owned(), true),
+                (
+                    "p_items",
+                    json!([{"key": "k-batch", "request_hash": hash, "lease_token": Uuid::new_v4()}]).to_string(),
+                    true,
+                ),
+                ("p_row_cap", "1000".to_owned(), true),
+            ],
+        },
+        Call {
+            sql: "select * from agent.idempotency_complete_many($1::uuid, $2::jsonb, $3::integer)",
+            arguments: vec![
+                ("p_organization_id", ORG.to_owned(), true),
+                (
+                    "p_items",
+                    json!([{"claim_id": CLAIM_ID, "lease_token": TOKEN, "response": {"ok": true}}]).to_string(),
+                    true,
+                ),
+                ("p_row_cap", "1000".to_owned(), true),
+            ],
+        },
+        Call {
+            sql: "select * from agent.idempotency_release_many($1::uuid, $2::jsonb, $3::integer)",
+            arguments: vec![
+                ("p_organization_id", ORG.to_owned(), true),
+                ("p_items", json!([{"claim_id": CLAIM_ID, "lease_token": TOKEN}]).to_string(), true),
+                ("p_row_cap", "1000".to_owned(), true),
+            ],
+        },
+        Call {
             sql: "select * from agent.idempotency_orphans($1::integer)",
             arguments: vec![("p_limit", "10".to_owned(), true)],
         },
@@ -265,7 +299,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 64, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 75, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 

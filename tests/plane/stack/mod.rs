@@ -11,6 +11,7 @@
 //! whole folder needs feature `local`.
 
 mod arguments;
+mod batches;
 mod callers_under_faults;
 mod claims;
 mod connections_exhausted;

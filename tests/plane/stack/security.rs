@@ -40,7 +40,8 @@ async fn the_schema_passes_the_linter_checks() {
                 and p.proname not in ('idempotency_decide', 'idempotency_policy', 'idempotency_claim_of',
                                       'idempotency_json_size', 'idempotency_check_key',
                                       'idempotency_surface', 'idempotency_private_functions',
-                                      'idempotency_failures_scope')
+                                      'idempotency_failures_scope', 'idempotency_check_batch',
+                                      'idempotency_check_item', 'idempotency_item_text', 'idempotency_item_uuid')
                 and not (p.prosecdef and p.proowner = 'idempotency_owner'::regrole)",
         ),
         (

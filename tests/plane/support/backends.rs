@@ -13,7 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_plane::repo::{
-    ExpiredClaim, ExpiredClaims, JournaledFailures, OrphanedWork, ProviderJob, ProviderJobRepository, RunRepository,
+    BatchClaims, ExpiredClaim, ExpiredClaims, JournaledFailures, OrphanedWork, ProviderJob, ProviderJobRepository,
+    RunRepository,
 };
 use idempotency_plane::{Error, IdempotencyRepository, MemoryRepository};
 use uuid::Uuid;
@@ -61,7 +62,13 @@ impl TimeTravel for idempotency_plane::local::LocalStack {
 
 /// Every repository trait, as the conformance cases need them.
 pub(crate) trait Backend:
-    IdempotencyRepository + ExpiredClaims + OrphanedWork + JournaledFailures + RunRepository + ProviderJobRepository
+    IdempotencyRepository
+    + ExpiredClaims
+    + OrphanedWork
+    + JournaledFailures
+    + BatchClaims
+    + RunRepository
+    + ProviderJobRepository
 {
 }
 impl<
@@ -69,6 +76,7 @@ impl<
             + ExpiredClaims
             + OrphanedWork
             + JournaledFailures
+            + BatchClaims
             + RunRepository
             + ProviderJobRepository,
     > Backend for T
