@@ -116,14 +116,20 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
                 request: effect.request,
             })
             .await?;
-        Ok(match claimed {
-            ClaimOutcome::Claimed(claim) => Begun::Held(self.hold(claim, timing, attempt.started)),
+        Ok(self.begun(claimed, timing, attempt.started))
+    }
+
+    /// What a claim's outcome means to a caller about to run its effect,
+    /// the deadlines of a held claim counted from `started`.
+    pub(super) fn begun(&self, claimed: ClaimOutcome, timing: Timing, started: Instant) -> Begun<R> {
+        match claimed {
+            ClaimOutcome::Claimed(claim) => Begun::Held(self.hold(claim, timing, started)),
             ClaimOutcome::Completed { response, resource, response_ref } => {
                 Begun::Replayed(Answer::from_stored(response, resource, response_ref))
             }
             ClaimOutcome::Processing { lease_expires_at } => Begun::InFlight { lease_expires_at },
             ClaimOutcome::Conflict => Begun::Conflict,
-        })
+        }
     }
 }
 

@@ -95,6 +95,19 @@ pub enum Cut {
     NotStarted,
 }
 
+impl Cut {
+    /// The cut's name, as logged: `timed_out`, `panicked`, `taken_over`,
+    /// `not_started`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Cut::TimedOut => "timed_out",
+            Cut::Panicked => "panicked",
+            Cut::FenceLost => "taken_over",
+            Cut::NotStarted => "not_started",
+        }
+    }
+}
+
 /// A claim's heartbeat: while the effect runs ([`Held::run`]) and while
 /// its ending is written ([`Held::settle`]), the lease is extended every
 /// third of `lease`, never to end after `lease_end` (the end the whole
@@ -383,11 +396,7 @@ impl Settled {
 impl<R: IdempotencyRepository> Held<R> {
     /// Ends the effect the way `settle` says, within the ending's deadline.
     pub async fn settle(self, settle: Settle) -> Settled {
-        let span = tracing::info_span!(
-            "idempotency.settle",
-            organization_id = %self.claim.organization_id, scope = %self.claim.scope, key = %self.claim.key,
-            claim_id = %self.claim.id, ending = tracing::field::Empty, stand_in = tracing::field::Empty
-        );
+        let span = self.settle_span();
         async move {
             let settled = match settle {
                 Settle::Journal(answer) => match self.beating(self.journal(&answer, false)).await {
@@ -405,6 +414,28 @@ impl<R: IdempotencyRepository> Held<R> {
         .await
     }
 
+    /// The span an ending is recorded on.
+    fn settle_span(&self) -> tracing::Span {
+        tracing::info_span!(
+            "idempotency.settle",
+            organization_id = %self.claim.organization_id, scope = %self.claim.scope, key = %self.claim.key,
+            claim_id = %self.claim.id, ending = tracing::field::Empty, stand_in = tracing::field::Empty
+        )
+    }
+
+    /// Records an ending written for this claim by a batch, as
+    /// [`settle`](Self::settle) records its own.
+    pub(super) fn ended(&self, settled: &Settled) {
+        self.settle_span().in_scope(|| record(&self.claim.scope, settled));
+    }
+
+    /// A release on its own after a batch release failed: with
+    /// `may_have_landed`, a retry that deletes nothing is checked against
+    /// the row, as after a lost answer.
+    pub(super) async fn release_after(&self, may_have_landed: bool) -> Settled {
+        self.beating(self.release_from(may_have_landed)).await
+    }
+
     /// Journals `answer` whole, or gives the claim back: for a caller with
     /// another way to end the effect when the store refuses the answer as
     /// given (the saved-search start then keeps its snapshot in the Run).
@@ -418,11 +449,7 @@ impl<R: IdempotencyRepository> Held<R> {
             let error = InvalidInput::ResponseTooLarge { size, limit }.into();
             return Err(Refused { held: self, error });
         }
-        let span = tracing::info_span!(
-            "idempotency.settle",
-            organization_id = %self.claim.organization_id, scope = %self.claim.scope, key = %self.claim.key,
-            claim_id = %self.claim.id, ending = tracing::field::Empty, stand_in = tracing::field::Empty
-        );
+        let span = self.settle_span();
         let journaled = self.beating(self.journal(&answer, true)).instrument(span.clone()).await;
         match journaled {
             Ok(settled) => {
@@ -483,8 +510,14 @@ impl<R: IdempotencyRepository> Held<R> {
     /// freed since, which is the same for the caller), a row means another
     /// worker holds or answered the key.
     async fn release(&self) -> Settled {
+        self.release_from(false).await
+    }
+
+    /// [`release`](Self::release), knowing whether an earlier attempt may
+    /// have landed.
+    async fn release_from(&self, may_have_landed: bool) -> Settled {
         let mut backoff = FIRST_ENDING_BACKOFF;
-        let mut may_have_landed = false;
+        let mut may_have_landed = may_have_landed;
         loop {
             if Instant::now() >= self.ending_deadline {
                 return Settled::LeftToLease(LeftToLease::Deadline { ending: "release" });

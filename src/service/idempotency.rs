@@ -76,7 +76,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     }
 
     /// Remembers the answer of a completed claim the store answered.
-    fn remember(&self, organization_id: Uuid, scope: &str, key: &str, hash: &str, stored: &Stored) {
+    pub(super) fn remember(&self, organization_id: Uuid, scope: &str, key: &str, hash: &str, stored: &Stored) {
         let Some(cache) = &self.cache else { return };
         let answer = replay_cache::CachedAnswer {
             request_hash: hash.to_owned(),
@@ -302,7 +302,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
 
     /// The stored form of a response above the limit: a [`ResponseRef`] to
     /// `resource`. `None` when the response fits.
-    fn elide_if_large(
+    pub(super) fn elide_if_large(
         &self,
         response: &serde_json::Value,
         resource: Option<&ResourceRef>,
@@ -352,7 +352,7 @@ enum Cached {
 
 /// Records an outcome on the current span and in the
 /// `idempotency_outcomes_total{operation, scope, outcome}` counter.
-fn record_outcome(operation: &'static str, scope: &str, outcome: &'static str) {
+pub(super) fn record_outcome(operation: &'static str, scope: &str, outcome: &'static str) {
     let span = tracing::Span::current();
     span.record("outcome", outcome);
     span.record("replayed", outcome == "completed");
@@ -368,7 +368,7 @@ fn record_outcome(operation: &'static str, scope: &str, outcome: &'static str) {
 
 /// Records an ending on the current span and in the
 /// `idempotency_endings_total{operation, scope, ending}` counter.
-fn record_ending(operation: &'static str, scope: &str, ending: Ending) {
+pub(super) fn record_ending(operation: &'static str, scope: &str, ending: Ending) {
     let name = match ending {
         Ending::Recorded => "recorded",
         Ending::LeaseMovedOn => "lease_moved_on",

@@ -13,6 +13,7 @@
 //! [`ResponseRef`]) for what the store cannot hold ([`Unstorable`]).
 
 mod answer;
+mod batch;
 mod driver;
 mod hash;
 mod held;
@@ -28,6 +29,7 @@ pub(crate) mod validate;
 #[cfg(feature = "axum")]
 pub(crate) use answer::stored_size;
 pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
+pub use batch::{Batch, BatchItem, BatchReport, ItemEnding};
 pub(crate) use driver::asking_cut;
 pub use driver::{may_have_written, Attempt, Begun, Effect, EffectDriver, Redriven};
 pub use hash::{canonical_json, RequestHash};

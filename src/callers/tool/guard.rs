@@ -333,13 +333,7 @@ where
 /// A tool (or reconciler) cut off at the tool's timeout, or panicked: its
 /// effect is unknown. Marked on the `tool.call` span.
 fn cut(call: &Call<'_>, cut: Cut) -> ToolError {
-    let outcome = match cut {
-        Cut::TimedOut => "timed_out",
-        Cut::Panicked => "panicked",
-        Cut::FenceLost => "taken_over",
-        Cut::NotStarted => "not_started",
-    };
-    tracing::Span::current().record("outcome", outcome);
+    tracing::Span::current().record("outcome", cut.as_str());
     let (scope, key) = call.scope_and_key();
     match cut {
         Cut::TimedOut => ToolError::TimedOut { scope, key, timeout: call.spec.timeout },

@@ -45,6 +45,7 @@ macro_rules! on_every_plane {
     };
 }
 
+mod batches;
 mod endings;
 mod gate_deadlines;
 mod gate_endings;

@@ -36,7 +36,8 @@ use std::time::Duration;
 
 use idempotency_plane::postgrest::{codes, ClientError, PostgrestError};
 use idempotency_plane::repo::{
-    ClaimCall, ClaimRequest, ClaimRow, CompletionArgs, IdempotencyRecord, OrphanedWork, RedriveCall, WorkRow,
+    BatchClaims, ClaimCall, ClaimFence, ClaimManyCall, ClaimRequest, ClaimRow, CompletionArgs, CompletionItem,
+    IdempotencyRecord, OrphanedWork, RedriveCall, WorkRow,
 };
 use idempotency_plane::{Error, IdempotencyRepository};
 use tokio::time::Instant;
@@ -59,11 +60,28 @@ pub enum Op {
     Release,
     /// The heartbeat: extending a held lease.
     Extend,
+    /// A batch of claims.
+    ClaimMany,
+    /// A batch of journals.
+    CompleteMany,
+    /// A batch of releases.
+    ReleaseMany,
 }
 
 impl Op {
     /// Every operation.
-    pub const ALL: [Op; 7] = [Op::Claim, Op::TryClaim, Op::Reclaim, Op::Get, Op::Complete, Op::Release, Op::Extend];
+    pub const ALL: [Op; 10] = [
+        Op::Claim,
+        Op::TryClaim,
+        Op::Reclaim,
+        Op::Get,
+        Op::Complete,
+        Op::Release,
+        Op::Extend,
+        Op::ClaimMany,
+        Op::CompleteMany,
+        Op::ReleaseMany,
+    ];
 
     /// The SQL function the operation calls, as errors name it.
     pub fn function(self) -> &'static str {
@@ -75,6 +93,9 @@ impl Op {
             Op::Complete => "idempotency_complete",
             Op::Release => "idempotency_release",
             Op::Extend => "idempotency_extend",
+            Op::ClaimMany => "idempotency_claim_many",
+            Op::CompleteMany => "idempotency_complete_many",
+            Op::ReleaseMany => "idempotency_release_many",
         }
     }
 }
@@ -420,6 +441,39 @@ impl<R: IdempotencyRepository> IdempotencyRepository for Faulty<R> {
     ) -> Result<Option<chrono::DateTime<chrono::Utc>>, Error> {
         let extend = || self.inner.extend(organization_id, claim_id, lease_token, lease);
         self.faulted(Op::Extend, None, Some(claim_id), extend, |_| {}).await
+    }
+}
+
+impl<R: BatchClaims> BatchClaims for Faulty<R> {
+    fn max_batch(&self) -> u64 {
+        self.inner.max_batch()
+    }
+
+    async fn claim_many(&self, call: &ClaimManyCall<'_>) -> Result<Vec<ClaimRow>, Error> {
+        let learn = |rows: &Vec<ClaimRow>| {
+            for row in rows {
+                self.learn(row.id, &row.key);
+            }
+        };
+        self.faulted(Op::ClaimMany, None, None, || self.inner.claim_many(call), learn).await
+    }
+
+    async fn complete_many(
+        &self,
+        organization_id: Uuid,
+        items: &[CompletionItem<'_>],
+    ) -> Result<Vec<Option<IdempotencyRecord>>, Error> {
+        let learn = |rows: &Vec<Option<IdempotencyRecord>>| {
+            for row in rows.iter().flatten() {
+                self.lock().completed.insert(row.id);
+            }
+        };
+        self.faulted(Op::CompleteMany, None, None, || self.inner.complete_many(organization_id, items), learn).await
+    }
+
+    async fn release_many(&self, organization_id: Uuid, items: &[ClaimFence]) -> Result<Vec<bool>, Error> {
+        let release = || self.inner.release_many(organization_id, items);
+        self.faulted(Op::ReleaseMany, None, None, release, |_| {}).await
     }
 }
 
