@@ -300,12 +300,17 @@ export class Held {
     }
   }
 
-  /** Ends the claim in exactly one of the three ways. Settling twice is refused. */
-  async settle(settle: Settle): Promise<Settled> {
+  /**
+   * Ends the claim in exactly one of the three ways. Settling twice is
+   * refused. `releaseMayHaveLanded`: an earlier release of this claim (a
+   * batch's) may have landed, so a release that deletes nothing is checked
+   * against the row, as after a lost answer.
+   */
+  async settle(settle: Settle, options: { releaseMayHaveLanded?: boolean } = {}): Promise<Settled> {
     this.#claimSettlement();
     let settled: Settled;
     try {
-      if (settle === "release") settled = await this.#release();
+      if (settle === "release") settled = await this.#release(options.releaseMayHaveLanded ?? false);
       else if ("journal" in settle) settled = await this.#journal(settle.journal, false) as Settled;
       else settled = { ending: "left_to_lease", why: `the effect's outcome is unknown: ${settle.unknown}` };
     } finally {
@@ -340,6 +345,18 @@ export class Held {
     this.#stopHeartbeat();
     this.#record(journaled);
     return journaled;
+  }
+
+  /**
+   * Records an ending a batch wrote for this claim (batch.ts), as `settle`
+   * records its own: the claim is settled, and `journaled` is the answer
+   * every replay will give.
+   */
+  settledBy(settled: Settled, journaled?: Answer): void {
+    this.#claimSettlement();
+    this.#stopHeartbeat();
+    if (settled.ending === "journaled") this.#journaled = journaled;
+    this.#record(settled);
   }
 
   #claimSettlement(): void {
@@ -397,10 +414,9 @@ export class Held {
    * failure, a retry that deletes nothing is checked against the row (none
    * left: released; a row: another worker holds or answered the key).
    */
-  async #release(): Promise<Settled> {
+  async #release(mayHaveLanded: boolean): Promise<Settled> {
     const plane = this.#driver.plane;
     let backoff = FIRST_ENDING_BACKOFF_MS;
-    let mayHaveLanded = false;
     for (;;) {
       const remaining = this.endingDeadline - monotonicNow();
       if (remaining <= 0) return { ending: "left_to_lease", why: "the release did not land before its deadline" };

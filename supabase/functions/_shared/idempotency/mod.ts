@@ -68,6 +68,8 @@ export { Held, LATE_JOURNAL_RESERVE_MS } from "./held.ts";
 export type { Cut, Settle, Settled } from "./held.ts";
 export { Attempt, EffectDriver } from "./driver.ts";
 export type { Begun, EffectSpec } from "./driver.ts";
+export { beginMany, driveMany, endingName, isDone, settleMany } from "./batch.ts";
+export type { BatchItem, BatchReport, BatchSpec, ItemEnding } from "./batch.ts";
 export { idempotent, makeIdempotent, NothingHappened, vendorKey } from "./idempotent.ts";
 export type { EffectContext, IdempotentOptions, IdempotentResult } from "./idempotent.ts";
 export { consoleLogger, silent } from "./log.ts";

@@ -226,45 +226,7 @@ export class IdempotencyPlane {
       // Omitted when absent, never sent as null (see `complete`).
       ...(request.work === undefined || request.work === null ? {} : { p_request: request.work }),
     }, call);
-    const row = oneRow("idempotency_claim", data);
-    if (row.organization_id !== request.organizationId || row.scope !== request.scope || row.key !== request.key) {
-      throw inconsistent("idempotency_claim answered another row");
-    }
-    switch (row.outcome) {
-      case "claimed":
-      case "reclaimed": {
-        if (row.request_hash !== request.requestHash || row.lease_token !== leaseToken || row.status !== "processing") {
-          throw inconsistent("idempotency_claim answered a claim that is not under this call's hash and token");
-        }
-        if (row.lease_live !== true) {
-          throw new PlaneError(
-            "lease_lapsed",
-            `the store answered a claim whose lease had passed at ${row.lease_expires_at}`,
-          );
-        }
-        const claim: Claim = Object.freeze({
-          id: text(row.id, "id"),
-          organizationId: request.organizationId,
-          scope: request.scope,
-          key: request.key,
-          leaseToken,
-          leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at"),
-          reclaimed: row.outcome === "reclaimed",
-        });
-        return { outcome: row.outcome, claim };
-      }
-      case "completed":
-        if (row.request_hash !== request.requestHash) throw inconsistent("a completed row under another hash");
-        return { outcome: "completed", answer: storedAnswer(row) };
-      case "processing":
-        if (row.request_hash !== request.requestHash) throw inconsistent("a processing row under another hash");
-        return { outcome: "processing", leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at") };
-      case "conflict":
-        if (row.request_hash === request.requestHash) throw inconsistent("a conflict under this call's own hash");
-        return { outcome: "conflict" };
-      default:
-        throw new PlaneError("decode", `idempotency_claim answered an unknown outcome ${JSON.stringify(row.outcome)}`);
-    }
+    return outcomeOf("idempotency_claim", oneRow("idempotency_claim", data), request, leaseToken);
   }
 
   /**
@@ -273,6 +235,32 @@ export class IdempotencyPlane {
    * one). Safe to repeat with the same claim after a lost answer.
    */
   async complete(claim: Claim, completion: Completion, call: CallOptions = {}): Promise<Ending> {
+    const stored = await this.#stored(completion);
+    // The organization addresses the claim with its id: on a claim table
+    // partitioned by organization the database goes straight to it.
+    const args: Record<string, unknown> = {
+      p_claim_id: claim.id,
+      p_lease_token: claim.leaseToken,
+      p_organization_id: claim.organizationId,
+    };
+    // Absent values are left out, never sent as null (PostgREST-compatible
+    // servers differ on null; every one reads a missing argument as its DEFAULT).
+    if (stored.resource) {
+      args.p_resource_type = stored.resource.resourceType;
+      args.p_resource_id = stored.resource.resourceId;
+    }
+    if (stored.response !== undefined) args.p_response = stored.response;
+    const data = await this.client.rpc("idempotency_complete", args, call);
+    const rows = rowsOf("idempotency_complete", data);
+    return rows.length === 0 ? "lease_moved_on" : completedEnding("idempotency_complete", rows[0], claim);
+  }
+
+  /**
+   * What a completion stores, checked as the plane would check it: a
+   * response above the store limit by reference to its resource (refused
+   * without one).
+   */
+  async #stored(completion: Completion): Promise<{ response?: unknown; resource?: ResourceRef }> {
     const response = completion.response === null ? undefined : completion.response;
     if (response === undefined && completion.resource === undefined) {
       throw PlaneError.invalid("empty_completion", "a completion must carry a response or a resource");
@@ -312,28 +300,7 @@ export class IdempotencyPlane {
         stored = await referenceTo(response, completion.resource);
       }
     }
-    // The organization addresses the claim with its id: on a claim table
-    // partitioned by organization the database goes straight to it.
-    const args: Record<string, unknown> = {
-      p_claim_id: claim.id,
-      p_lease_token: claim.leaseToken,
-      p_organization_id: claim.organizationId,
-    };
-    // Absent values are left out, never sent as null (PostgREST-compatible
-    // servers differ on null; every one reads a missing argument as its DEFAULT).
-    if (completion.resource) {
-      args.p_resource_type = completion.resource.resourceType;
-      args.p_resource_id = completion.resource.resourceId;
-    }
-    if (stored !== undefined) args.p_response = stored;
-    const data = await this.client.rpc("idempotency_complete", args, call);
-    const rows = rowsOf("idempotency_complete", data);
-    if (rows.length === 0) return "lease_moved_on";
-    const row = rows[0];
-    if (row.id !== claim.id || row.lease_token !== claim.leaseToken || row.status !== "completed") {
-      throw inconsistent(`completing claim ${claim.id} answered another row or state`);
-    }
-    return "recorded";
+    return { response: stored, resource: completion.resource };
   }
 
   /**
@@ -351,6 +318,139 @@ export class IdempotencyPlane {
     }, call);
     if (typeof data !== "boolean") throw new PlaneError("decode", "idempotency_release answered a non-boolean");
     return data ? "recorded" : "lease_moved_on";
+  }
+
+  /**
+   * Claims a batch in one round trip: every item of one organization and
+   * scope, one lease length. Answers, per item in input order, what `claim`
+   * would answer for it, the items' claims made one after another: a key
+   * repeated in the batch is decided once (its first occurrence claims it,
+   * each later one finds it `processing`, `completed` or a `conflict`), so
+   * no two items ever hold one claim. Each item gets a fresh lease token
+   * unless it brings one (pass the same tokens again after a lost answer:
+   * each item then answers its own claim). At most `maxRows` items (refused
+   * before any request above it); a malformed item anywhere refuses the
+   * whole batch, naming it, and nothing is written. Safe to repeat.
+   */
+  async claimMany(request: {
+    organizationId: string;
+    scope: string;
+    leaseMs: number;
+    items: readonly { key: string; requestHash: string; leaseToken?: string; work?: unknown }[];
+  }, call: CallOptions = {}): Promise<ClaimOutcome[]> {
+    const organizationId = checkOrganization(request.organizationId);
+    checkScope(request.scope);
+    checkLease(request.leaseMs);
+    this.#checkBatch(request.items.length);
+    if (request.items.length === 0) return [];
+    const items = request.items.map((item, index) => {
+      try {
+        checkKey(item.key);
+        checkHash(item.requestHash);
+      } catch (error) {
+        if (error instanceof PlaneError) throw new PlaneError(error.kind, `items[${index}]: ${error.message}`, error);
+        throw error;
+      }
+      if (item.leaseToken !== undefined && !UUID.test(item.leaseToken)) {
+        throw PlaneError.invalid("bad_configuration", `items[${index}]: a lease token must be a UUID`);
+      }
+      return { ...item, leaseToken: item.leaseToken?.toLowerCase() ?? crypto.randomUUID() };
+    });
+    const data = await this.client.rpc("idempotency_claim_many", {
+      p_organization_id: organizationId,
+      p_scope: request.scope,
+      p_lease_ms: Math.ceil(request.leaseMs),
+      p_row_cap: this.maxRows,
+      p_items: items.map((item) => ({
+        key: item.key,
+        request_hash: item.requestHash,
+        lease_token: item.leaseToken,
+        ...(item.work === undefined || item.work === null ? {} : { request: item.work }),
+      })),
+    }, call);
+    const rows = batchRows("idempotency_claim_many", data, items.length);
+    return rows.map((row, index) =>
+      outcomeOf(
+        "idempotency_claim_many",
+        row,
+        { organizationId, scope: request.scope, key: items[index].key, requestHash: items[index].requestHash },
+        items[index].leaseToken,
+      )
+    );
+  }
+
+  /**
+   * Journals a batch of answers in one round trip, each under its own
+   * claim's fence, all of one organization: per item in input order,
+   * `recorded` or `lease_moved_on`, as `complete` would. A completion this
+   * client or the plane refuses (too large, unstorable) refuses the whole
+   * batch and nothing is written: end that item on its own. Safe to repeat.
+   */
+  async completeMany(
+    items: readonly { claim: Claim; completion: Completion }[],
+    call: CallOptions = {},
+  ): Promise<Ending[]> {
+    this.#checkBatch(items.length);
+    if (items.length === 0) return [];
+    const organizationId = sameOrganization(items.map((item) => item.claim));
+    const stored = await Promise.all(items.map((item) => this.#stored(item.completion)));
+    const data = await this.client.rpc("idempotency_complete_many", {
+      p_organization_id: organizationId,
+      p_row_cap: this.maxRows,
+      p_items: items.map((item, index) => ({
+        claim_id: item.claim.id,
+        lease_token: item.claim.leaseToken,
+        ...(stored[index].resource
+          ? {
+            resource_type: stored[index].resource?.resourceType,
+            resource_id: stored[index].resource?.resourceId,
+          }
+          : {}),
+        ...(stored[index].response === undefined ? {} : { response: stored[index].response }),
+      })),
+    }, call);
+    const rows = batchRows("idempotency_complete_many", data, items.length);
+    return rows.map((row, index) =>
+      row.completed === true
+        ? completedEnding("idempotency_complete_many", row, items[index].claim)
+        : row.completed === false
+        ? "lease_moved_on"
+        : (() => {
+          throw new PlaneError("decode", "idempotency_complete_many answered a row without `completed`");
+        })()
+    );
+  }
+
+  /**
+   * Gives a batch of claims back in one round trip, all of one
+   * organization: per item in input order, `recorded` or `lease_moved_on`,
+   * as `release` would. Not safe to repeat after a lost answer, as a single
+   * release is not.
+   */
+  async releaseMany(claims: readonly Claim[], call: CallOptions = {}): Promise<Ending[]> {
+    this.#checkBatch(claims.length);
+    if (claims.length === 0) return [];
+    const data = await this.client.rpc("idempotency_release_many", {
+      p_organization_id: sameOrganization(claims),
+      p_row_cap: this.maxRows,
+      p_items: claims.map((claim) => ({ claim_id: claim.id, lease_token: claim.leaseToken })),
+    }, call);
+    return batchRows("idempotency_release_many", data, claims.length).map((row) => {
+      if (typeof row.released !== "boolean") {
+        throw new PlaneError("decode", "idempotency_release_many answered a row without `released`");
+      }
+      return row.released ? "recorded" : "lease_moved_on";
+    });
+  }
+
+  /** Refuses a batch above the server's row cap, before any request. */
+  #checkBatch(count: number): void {
+    if (count > this.maxRows) {
+      throw PlaneError.invalid(
+        "bound_above_cap",
+        `a batch holds at most ${this.maxRows} items (the server's row cap), not ${count}`,
+      );
+    }
   }
 
   /**
@@ -530,6 +630,92 @@ function redriven(row: Row, organizationId: string | undefined): Redriven {
     reclaimed: true,
   });
   return { outcome: "redriven", claim, request: row.request, attempt: row.attempt };
+}
+
+/** What `row`, the plane's answer to a claim of `request` under `leaseToken`, decided. */
+function outcomeOf(
+  fn: string,
+  row: Row,
+  request: { organizationId: string; scope: string; key: string; requestHash: string },
+  leaseToken: string,
+): ClaimOutcome {
+  if (row.organization_id !== request.organizationId || row.scope !== request.scope || row.key !== request.key) {
+    throw inconsistent(`${fn} answered another row`);
+  }
+  switch (row.outcome) {
+    case "claimed":
+    case "reclaimed": {
+      if (row.request_hash !== request.requestHash || row.lease_token !== leaseToken || row.status !== "processing") {
+        throw inconsistent(`${fn} answered a claim that is not under this call's hash and token`);
+      }
+      if (row.lease_live !== true) {
+        throw new PlaneError(
+          "lease_lapsed",
+          `the store answered a claim whose lease had passed at ${row.lease_expires_at}`,
+        );
+      }
+      const claim: Claim = Object.freeze({
+        id: text(row.id, "id"),
+        organizationId: request.organizationId,
+        scope: request.scope,
+        key: request.key,
+        leaseToken,
+        leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at"),
+        reclaimed: row.outcome === "reclaimed",
+      });
+      return { outcome: row.outcome, claim };
+    }
+    case "completed":
+      if (row.request_hash !== request.requestHash) throw inconsistent("a completed row under another hash");
+      return { outcome: "completed", answer: storedAnswer(row) };
+    case "processing":
+      if (row.request_hash !== request.requestHash) throw inconsistent("a processing row under another hash");
+      return { outcome: "processing", leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at") };
+    case "conflict":
+      if (row.request_hash === request.requestHash) throw inconsistent("a conflict under this call's own hash");
+      return { outcome: "conflict" };
+    default:
+      throw new PlaneError("decode", `${fn} answered an unknown outcome ${JSON.stringify(row.outcome)}`);
+  }
+}
+
+/** A completion's answer row, checked to be `claim`'s, completed under its token. */
+function completedEnding(fn: string, row: Row, claim: Claim): Ending {
+  if (row.id !== claim.id || row.lease_token !== claim.leaseToken || row.status !== "completed") {
+    throw inconsistent(`${fn}: completing claim ${claim.id} answered another row or state`);
+  }
+  return "recorded";
+}
+
+/**
+ * A batch's answer: exactly `count` rows, numbered 0 to `count - 1` in
+ * order. Fewer is a server's row cap cutting the answer (`truncated`).
+ */
+function batchRows(fn: string, data: unknown, count: number): Row[] {
+  if (!Array.isArray(data) || data.some((row) => row === null || typeof row !== "object")) {
+    throw new PlaneError("decode", `${fn} answered something other than a set of rows`, { fn });
+  }
+  if (data.length < count) {
+    throw new PlaneError(
+      "truncated",
+      `${fn} answered ${data.length} rows for a batch of ${count}: the server's row cap is lower than maxRows`,
+      { fn },
+    );
+  }
+  if (data.length > count) throw inconsistent(`${fn} answered ${data.length} rows for a batch of ${count}`);
+  const rows = data as Row[];
+  const misplaced = rows.findIndex((row, index) => row.item !== index);
+  if (misplaced >= 0) throw inconsistent(`${fn} answered item ${rows[misplaced].item} in place ${misplaced}`);
+  return rows;
+}
+
+/** The one organization every claim of a batch belongs to. */
+function sameOrganization(claims: readonly Claim[]): string {
+  const organizationId = claims[0].organizationId;
+  if (claims.some((claim) => claim.organizationId !== organizationId)) {
+    throw PlaneError.invalid("bad_configuration", "a batch ends the claims of one organization");
+  }
+  return organizationId;
 }
 
 function inconsistent(message: string): PlaneError {
