@@ -19,6 +19,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0017_work_outlives_its_worker.sql", include_str!("../sql/0017_work_outlives_its_worker.sql")),
     ("0018_failures_recovered_after_a_fix.sql", include_str!("../sql/0018_failures_recovered_after_a_fix.sql")),
     ("0019_many_claims_in_one_round_trip.sql", include_str!("../sql/0019_many_claims_in_one_round_trip.sql")),
+    ("0020_queue_scopes.sql", include_str!("../sql/0020_queue_scopes.sql")),
 ];
 
 /// The optional layout that hash-partitions the claim table by

@@ -58,6 +58,11 @@ pub struct LocalStackConfig {
     /// ([`with_cors_origin`](Self::with_cors_origin)). Default none: no
     /// CORS headers at all, so no web page may read an answer.
     pub cors_origins: Vec<String>,
+    /// Supabase Queues ([`with_queues`](Self::with_queues)): `None`, the
+    /// default, installs nothing; `Some(names)` installs pgmq and its
+    /// `pgmq_public` wrappers, serves that schema too, and creates the
+    /// queues named.
+    pub queues: Option<Vec<String>>,
 }
 
 impl std::fmt::Debug for LocalStackConfig {
@@ -78,6 +83,7 @@ impl std::fmt::Debug for LocalStackConfig {
             .field("authenticator_password", &self.authenticator_password.as_ref().map(|_| "<redacted>"))
             .field("allowed_hosts", &self.allowed_hosts)
             .field("cors_origins", &self.cors_origins)
+            .field("queues", &self.queues)
             .finish()
     }
 }
@@ -99,6 +105,7 @@ impl Default for LocalStackConfig {
             authenticator_password: std::env::var(AUTHENTICATOR_PASSWORD_VAR).ok().filter(|v| !v.is_empty()),
             allowed_hosts: Vec::new(),
             cors_origins: Vec::new(),
+            queues: None,
         }
     }
 }
@@ -175,6 +182,15 @@ impl LocalStackConfig {
     /// ever get them.
     pub fn with_cors_origin(mut self, origin: impl Into<String>) -> Self {
         self.cors_origins.push(origin.into());
+        self
+    }
+
+    /// Installs Supabase Queues: pgmq's own SQL (from the `pgmq` crate) and
+    /// the `pgmq_public` wrappers Supabase's Data API serves, which the
+    /// server then exposes too; and creates each queue of `queues` that
+    /// does not exist (pgmq names: a-z, 0-9, `_`). Safe on a kept database.
+    pub fn with_queues(mut self, queues: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.queues = Some(queues.into_iter().map(Into::into).collect());
         self
     }
 

@@ -25,6 +25,10 @@ pub enum LocalError {
         #[source]
         source: sqlx::Error,
     },
+    /// Supabase Queues (pgmq and its `pgmq_public` wrappers) could not be
+    /// installed, or a queue created.
+    #[error("local stack queues: {0}")]
+    Queues(String),
     /// The server cannot log in as `authenticator`, or `authenticator` is
     /// (or may switch to) a superuser: the message names the fix.
     #[error("local stack: {0}")]

@@ -133,6 +133,9 @@ pub(super) async fn build_router(
         let mut server_config = postrust_core::AppConfig::default();
         server_config.db_uri = login.to_string();
         server_config.db_schemas = exposed_schemas()?.to_vec();
+        if config.queues.is_some() {
+            server_config.db_schemas.push(super::queues::QUEUES_SCHEMA.to_owned());
+        }
         server_config.db_anon_role = Some("anon".into());
         server_config.db_pool_size = config.pool_size;
         server_config.db_max_rows = Some(i64::from(config.max_rows));

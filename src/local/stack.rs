@@ -99,6 +99,9 @@ impl LocalStack {
         }
         // Read before anything is created: a broken embedded config fails here.
         exposed_schemas()?;
+        for queue in config.queues.iter().flatten() {
+            super::queues::check_queue_name(queue)?;
+        }
         let admin_url = Url::parse(&config.database_url)
             .map_err(|e| LocalError::Config(format!("DATABASE_URL is not a URL: {e}")))?;
         let admin_url = without_loopback_tls(admin_url);
@@ -138,6 +141,9 @@ impl LocalStack {
             let keeper = PgConnection::connect_with(&keeper_options).await.map_err(stack_error)?;
             let db = PgPool::connect(db_url.as_str()).await.map_err(stack_error)?;
             apply_cluster_wide_migrations(&db).await?;
+            if let Some(queues) = &config.queues {
+                super::queues::install(&db, &db_url, queues).await?;
+            }
             let jwt_secret = match &config.jwt_secret {
                 Some(secret) => secret.clone(),
                 None => hex::encode(rand::random::<[u8; 32]>()),

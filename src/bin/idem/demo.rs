@@ -77,9 +77,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, BoxError> {
     }
     let plane = if args.remote {
         // Refuses, naming what to set, when the environment names no deployment.
-        Plane::Remote(remote::config(&remote::Target::default())?)
+        Plane::Remote(Box::new(remote::config(&remote::Target::default())?))
     } else {
-        Plane::Local(crate::plane::start_local(LocalStackConfig::default()).await?)
+        Plane::Local(Box::new(crate::plane::start_local(LocalStackConfig::default()).await?))
     };
     println!("idem demo on the {}", plane.describe());
     let outcome = tokio::select! {

@@ -28,9 +28,9 @@ pub(crate) type Service = IdempotencyService<PostgrestRepository>;
 #[derive(Debug)]
 pub(crate) enum Plane {
     /// The embedded stack: a fresh database behind an in-process server.
-    Local(LocalStack),
+    Local(Box<LocalStack>),
     /// A deployment, named by the environment (`idem demo --remote`).
-    Remote(ClientConfig),
+    Remote(Box<ClientConfig>),
 }
 
 impl Plane {
@@ -39,7 +39,7 @@ impl Plane {
         match self {
             Plane::Local(stack) => Ok(stack.service()?),
             Plane::Remote(config) => {
-                Ok(IdempotencyService::new(PostgrestRepository::new(PostgrestClient::new(config.clone())?)))
+                Ok(IdempotencyService::new(PostgrestRepository::new(PostgrestClient::new((**config).clone())?)))
             }
         }
     }

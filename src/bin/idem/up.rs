@@ -90,6 +90,15 @@ pub(crate) struct UpArgs {
     /// may read its answers. Repeatable.
     #[arg(long, value_name = "ORIGIN")]
     cors_origin: Vec<String>,
+    /// Install Supabase Queues: pgmq (its own SQL, embedded in the pgmq
+    /// crate) and the pgmq_public wrappers Supabase's Data API serves when
+    /// queues are exposed, served beside agent, callable by service_role.
+    #[arg(long)]
+    with_pgmq: bool,
+    /// With --with-pgmq: create the queue NAME when absent (a-z, 0-9 and
+    /// _; e.g. orders, and orders_dlq for its dead letters). Repeatable.
+    #[arg(long = "queue", value_name = "NAME", requires = "with_pgmq")]
+    queues: Vec<String>,
 }
 
 /// Starts the stack, prints how to reach it, serves until a signal, stops.
@@ -107,6 +116,9 @@ pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
     }
     for origin in args.cors_origin {
         config = config.with_cors_origin(origin);
+    }
+    if args.with_pgmq {
+        config = config.with_queues(args.queues);
     }
     // Refused before anything starts: a project's own file is not ours to replace.
     if let Some(path) = &args.env_file {

@@ -80,7 +80,7 @@ impl Default for MemoryRepository {
 
 impl MemoryRepository {
     /// An empty plane with the seeded policies (`tool.*` 30 days,
-    /// `webhook.*`, `surface.saved_search.start` and `http.*` 24 hours,
+    /// `webhook.*`, `surface.saved_search.start` and `http.*` 24 hours, `queue.*` 7 days,
     /// 64 KiB each) and a row cap of 1000 for bounded reads.
     pub fn new() -> Self {
         let policy = |scope: &str, days| Policy {
@@ -95,6 +95,7 @@ impl MemoryRepository {
             policy("webhook.*", 1),
             policy("surface.saved_search.start", 1),
             policy("http.*", 1),
+            policy("queue.*", 7),
         ];
         MemoryRepository { state: Mutex::new(State { policies, ..State::default() }) }
     }

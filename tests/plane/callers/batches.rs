@@ -54,7 +54,13 @@ struct Fixture<R> {
 
 fn fixture<R: Repo>(faulty: Faulty<R>) -> Fixture<R> {
     let driver = EffectDriver::new(IdempotencyService::new(faulty.clone()));
-    Fixture { faulty, driver, org: Uuid::new_v4(), hash: RequestHash::of_json(&json!({"batch": 1})), runs: Runs::default() }
+    Fixture {
+        faulty,
+        driver,
+        org: Uuid::new_v4(),
+        hash: RequestHash::of_json(&json!({"batch": 1})),
+        runs: Runs::default(),
+    }
 }
 
 impl<R: Repo> Fixture<R> {
