@@ -9,6 +9,9 @@
 #
 #   bash .ci/with-local-plane.sh PATH/TO/idem LABEL -- COMMAND [ARG...]
 #
+# IDEM_UP_ARGS, when set, is passed on to `idem up` (split on spaces), e.g.
+# "--with-pgmq --queue orders --queue orders_dlq".
+#
 # Exits with the command's status; non-zero also when the server cannot
 # start or fails to stop cleanly. The server's output is shown on failure.
 # Every interop and TypeScript check runs through this one script.
@@ -72,7 +75,8 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-"$idem" up --env-file "$env_file" </dev/null >"$log" 2>&1 &
+# shellcheck disable=SC2086
+"$idem" up --env-file "$env_file" ${IDEM_UP_ARGS:-} </dev/null >"$log" 2>&1 &
 server_pid=$!
 
 deadline=$((SECONDS + READY_TIMEOUT_S))

@@ -31,13 +31,17 @@ root="$(cd "$functions/../.." && pwd)"
 # shellcheck source=/dev/null
 . "$root/.ci/js-tools.sh"
 
+# Supabase Queues for the queue consumer's tests: pgmq, its pgmq_public
+# wrappers, and a queue and dead-letter queue per test file.
+export IDEM_UP_ARGS="--with-pgmq --queue consumer_test --queue consumer_test_dlq"
+
 cd "$functions"
 echo "ts-tests: $("$DENO" --version | head -n 1), node $(node --version), tsx $("$TSX" --version | sed -n 's/^tsx v//p')"
 exec bash "$root/.ci/with-local-plane.sh" "$idem" ts-tests -- bash -c '
   set -euo pipefail
   "$DENO" fmt --check
   "$DENO" lint
-  "$DENO" check --frozen _shared/idempotency/mod.ts orders/index.ts webhooks/index.ts tests/
+  "$DENO" check --frozen _shared/idempotency/mod.ts orders/index.ts webhooks/index.ts queue-consumer/index.ts tests/
   "$DENO" test --frozen --allow-net --allow-env --allow-read --allow-run tests/
   "$TSX" tests/node_check.ts
 '

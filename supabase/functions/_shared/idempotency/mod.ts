@@ -70,6 +70,8 @@ export { Attempt, EffectDriver } from "./driver.ts";
 export type { Begun, EffectSpec } from "./driver.ts";
 export { beginMany, driveMany, endingName, isDone, settleMany } from "./batch.ts";
 export type { BatchItem, BatchReport, BatchSpec, ItemEnding } from "./batch.ts";
+export { QueueConsumer, Queues, QUEUES_SCHEMA } from "./queue.ts";
+export type { ConsumerOptions, Drained, MessageContext, QueueMessage } from "./queue.ts";
 export { idempotent, makeIdempotent, NothingHappened, vendorKey } from "./idempotent.ts";
 export type { EffectContext, IdempotentOptions, IdempotentResult } from "./idempotent.ts";
 export { consoleLogger, silent } from "./log.ts";
