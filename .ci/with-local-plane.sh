@@ -3,8 +3,9 @@
 # fresh database on the PostgreSQL at DATABASE_URL, default 127.0.0.1:5432),
 # waits for it, runs COMMAND with the env file's variables exported
 # (IDEM_POSTGREST_URL, IDEM_SERVICE_KEY, IDEM_MAX_ROWS, SUPABASE_URL,
-# SUPABASE_SERVICE_ROLE_KEY, SUPABASE_SECRET_KEY, SUPABASE_ANON_KEY) and
-# IDEM_BIN (the idem binary itself), and
+# SUPABASE_SERVICE_ROLE_KEY, SUPABASE_SECRET_KEY, SUPABASE_ANON_KEY),
+# IDEM_BIN (the idem binary itself) and IDEM_TEST_DATABASE_URL (a superuser
+# URL of the database served), and
 # always stops the server (SIGTERM: it stops serving and drops its database).
 #
 #   bash .ci/with-local-plane.sh PATH/TO/idem LABEL -- COMMAND [ARG...]
@@ -101,6 +102,14 @@ set -a
 set +a
 # The binary serving this plane, for a command that calls the CLI too.
 export IDEM_BIN="$idem"
+# A superuser URL of the database served, for a test that checks what the
+# API cannot show (pgmq's archive): DATABASE_URL's (or the default cluster's)
+# with the served database's name.
+served_db="$(sed -n 's/^  database  *\([a-z0-9_]*\) .*/\1/p' "$log" | head -n 1)"
+cluster_url="${DATABASE_URL:-postgresql://postgres@127.0.0.1:5432/postgres}"
+cluster_query=""
+case "$cluster_url" in *\?*) cluster_query="?${cluster_url#*\?}"; cluster_url="${cluster_url%%\?*}" ;; esac
+export IDEM_TEST_DATABASE_URL="${cluster_url%/*}/${served_db}${cluster_query}"
 echo "$label: idem up serving at $IDEM_POSTGREST_URL (also beneath /rest/v1; max rows $IDEM_MAX_ROWS)"
 
 status=0

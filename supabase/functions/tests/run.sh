@@ -33,7 +33,7 @@ root="$(cd "$functions/../.." && pwd)"
 
 # Supabase Queues for the queue consumer's tests: pgmq, its pgmq_public
 # wrappers, and a queue and dead-letter queue per test file.
-export IDEM_UP_ARGS="--with-pgmq --queue consumer_test --queue consumer_test_dlq"
+export IDEM_UP_ARGS="--with-pgmq --queue consumer_test --queue consumer_test_dlq --queue kill_test --queue kill_test_dlq"
 
 cd "$functions"
 echo "ts-tests: $("$DENO" --version | head -n 1), node $(node --version), tsx $("$TSX" --version | sed -n 's/^tsx v//p')"
