@@ -9,7 +9,7 @@
 import assert from "node:assert/strict";
 import { consumer } from "../queue-consumer/index.ts";
 import { type Drained, IdempotencyPlane, Queues, requestHash, vendorKey } from "../_shared/idempotency/mod.ts";
-import { KEY, organization, sleep, URL_ } from "./support.ts";
+import { KEY, killHard, organization, serve, sleep, URL_ } from "./support.ts";
 
 const QUEUE = "consumer_test";
 const DLQ = "consumer_test_dlq";
@@ -194,5 +194,54 @@ Deno.test("anything but POST / with the service key gets 401 and drains nothing"
     const answer = await handler(request);
     assert.equal(answer.status, 401, `${request.method} ${request.url}`);
     await answer.body?.cancel();
+  }
+});
+
+Deno.test("the function as a process: the Supabase Cron recipe's request drains a batch", async () => {
+  const downstream = vendor(() => 200);
+  const org = organization();
+  const queues = Queues.connect({ url: URL_, key: KEY });
+  await empty(queues);
+  const fn = await serve(
+    Deno.execPath(),
+    ["run", "--frozen", "--allow-net", "--allow-env", "queue-consumer/index.ts"],
+    {
+      IDEM_POSTGREST_URL: URL_,
+      IDEM_SERVICE_KEY: KEY,
+      PORT: "0",
+      QUEUE_NAME: QUEUE,
+      PROCESS_URL: downstream.url,
+      ORGANIZATION_ID: org,
+    },
+  );
+  try {
+    await queues.send(QUEUE, { idempotency_key: `order-${crypto.randomUUID()}`, payload: { sku: 3 } });
+    // The recipe's request, as pg_net would send it: its path and body, read
+    // from the recipe; the key comes from Vault, never from the job's text.
+    const recipe = await Deno.readTextFile("../../sql/recipes/pg_cron_queue_consumer.sql");
+    const job = recipe.slice(recipe.indexOf("select cron.schedule("));
+    assert.ok(!/sb_secret_\w|eyJ\w/.test(job), "no key in the job's text");
+    assert.match(job, /'Bearer ' \|\| \(select decrypted_secret from vault\.decrypted_secrets/);
+    const path = /'(\/functions\/v1\/queue-consumer)'/.exec(job)?.[1];
+    const body = /body := '([^']+)'::jsonb/.exec(job)?.[1];
+    assert.ok(path && body, job);
+    const answer = await fetch(new URL(path, fn.url), {
+      method: "POST",
+      headers: { "content-type": "application/json", authorization: `Bearer ${KEY}` },
+      body,
+    });
+    const drained = await answer.json();
+    assert.equal(answer.status, 200);
+    assert.deepEqual({ read: drained.read, ran: drained.ran, archived: drained.archived }, {
+      read: 1,
+      ran: 1,
+      archived: 1,
+    });
+    const refused = await fetch(fn.url, { method: "POST" });
+    assert.equal(refused.status, 401);
+    await refused.body?.cancel();
+  } finally {
+    await killHard(fn.child);
+    await downstream.stop();
   }
 });
