@@ -4,11 +4,14 @@
 //! - [`tool`]: a tool call inside an orchestrator step (raises on in-flight).
 //! - [`webhook`]: the HTTP boundary (every duplicate is an ACK with a reason),
 //!   and provider callbacks that resolve their tenant first.
+//! - [`queue`]: Supabase Queues (pgmq) consumed effectively once, a batch
+//!   at a time.
 //! - [`saved_search`]: the one surface claim before Run admission.
 //! - [`runs`]: Run admission through `agent.runs`, never the claim table.
 //! - `idempotency_key` (feature `axum`): `Idempotency-Key` for any HTTP API,
 //!   as a tower layer.
 
+pub mod queue;
 pub mod runs;
 pub mod saved_search;
 pub mod tool;

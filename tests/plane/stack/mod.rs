@@ -26,6 +26,7 @@ mod layout;
 mod load;
 mod local_doors;
 mod pg_cron;
+mod queues;
 mod redrive;
 mod saved_search;
 mod security;

@@ -1,0 +1,262 @@
+//! The consumer: one batch read, claimed, run, journaled and archived.
+
+use std::future::Future;
+
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use super::pgmq::{QueueMessage, Queues};
+use crate::callers::tool::vendor_key;
+use crate::error::Error;
+use crate::repo::{BatchClaims, IdempotencyRepository};
+use crate::service::{
+    Answer, Batch, BatchItem, BatchReport, Claim, EffectDriver, ItemEnding, RequestHash, Settle, Timing, MAX_KEY_CHARS,
+};
+
+/// How a consumer drains its queue.
+#[derive(Debug, Clone)]
+pub struct ConsumerOptions {
+    /// The pgmq queue.
+    pub queue: String,
+    /// The tenant every message of the queue belongs to.
+    pub organization_id: Uuid,
+    /// Each effect's timeout, its journal's deadline and the lease they
+    /// make. A message read is hidden for the lease and a second more.
+    pub timing: Timing,
+    /// The plane scope messages are claimed in: `queue.<queue>` by default.
+    pub scope: String,
+    /// Where a message goes whose effect failed for good (a journaled
+    /// failure, a key used with another payload) or that was read more
+    /// than `max_reads` times: sent there with its failure, then archived.
+    /// `None`: such a message is archived, its failure kept in the plane.
+    pub dead_letter_queue: Option<String>,
+    /// Reads after which a message that never ended is dead-lettered.
+    pub max_reads: i32,
+    /// Messages per read, at most the plane's row cap.
+    pub batch_size: u32,
+    /// Effects run at once.
+    pub concurrency: usize,
+}
+
+impl ConsumerOptions {
+    /// Options for `queue` of `organization_id`: scope `queue.<queue>`, no
+    /// dead-letter queue, 5 reads, batches of 10, 10 effects at once.
+    pub fn new(queue: impl Into<String>, organization_id: Uuid, timing: Timing) -> Self {
+        let queue = queue.into();
+        ConsumerOptions {
+            scope: format!("queue.{queue}"),
+            queue,
+            organization_id,
+            timing,
+            dead_letter_queue: None,
+            max_reads: 5,
+            batch_size: 10,
+            concurrency: 10,
+        }
+    }
+
+    /// Sends failures for good, conflicts and messages past `max_reads` to
+    /// `queue`.
+    pub fn with_dead_letter_queue(mut self, queue: impl Into<String>) -> Self {
+        self.dead_letter_queue = Some(queue.into());
+        self
+    }
+}
+
+/// What one message's effect is given.
+#[derive(Debug, Clone)]
+pub struct MessageContext {
+    /// The message as read.
+    pub message: QueueMessage,
+    /// The claim: its key is the message's idempotency key.
+    pub claim: Claim,
+    /// The tenant's key for this message, to send downstream as
+    /// `Idempotency-Key` ([`vendor_key`]).
+    pub vendor_key: String,
+}
+
+/// What one drain did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Drained {
+    /// Messages read.
+    pub read: usize,
+    /// Messages whose effect this worker ran (whatever its ending).
+    pub ran: usize,
+    /// Messages whose effect had ended before: not run again.
+    pub replayed: usize,
+    /// Messages this worker ran that did not end journaled as a success.
+    pub failed: usize,
+    /// Messages archived: their answer is journaled.
+    pub archived: usize,
+    /// Messages sent to the dead-letter queue.
+    pub dead_lettered: usize,
+    /// Messages left in the queue: they come back when their visibility passes.
+    pub left: usize,
+}
+
+/// A message's idempotency key and payload: the producer's key when it
+/// gave one; else the message id, which catches redeliveries but not a
+/// producer's duplicates. `None` for a message no key can be read from.
+fn key_and_payload(message: &QueueMessage) -> Option<(String, Value)> {
+    let body = message.message.as_object()?;
+    let payload = body.get("payload").cloned().unwrap_or(Value::Null);
+    match body.get("idempotency_key") {
+        Some(Value::String(key)) if !key.is_empty() && key.chars().count() <= MAX_KEY_CHARS && !key.contains('\0') => {
+            Some((key.clone(), payload))
+        }
+        None | Some(Value::Null) => Some((format!("msg-{}", message.msg_id), payload)),
+        Some(_) => None,
+    }
+}
+
+/// A Supabase Queues consumer whose effects happen once per idempotency key.
+#[derive(Debug)]
+pub struct QueueConsumer<R> {
+    driver: EffectDriver<R>,
+    queues: Queues,
+    options: ConsumerOptions,
+}
+
+impl<R: IdempotencyRepository + BatchClaims> QueueConsumer<R> {
+    /// A consumer of `options.queue`, claiming through `driver`.
+    pub fn new(driver: EffectDriver<R>, queues: Queues, options: ConsumerOptions) -> Result<Self, Error> {
+        let cap = driver.service().repository().max_batch();
+        if options.batch_size == 0 || u64::from(options.batch_size) > cap {
+            return Err(Error::Store(crate::postgrest::ClientError::BoundAboveCap {
+                bound: u64::from(options.batch_size),
+                cap,
+            }));
+        }
+        Ok(QueueConsumer { driver, queues, options })
+    }
+
+    /// Drains one batch: reads up to `batch_size` messages, hidden for the
+    /// claim's whole lease and a second; claims them in one round trip
+    /// under each message's idempotency key; runs `process` for the
+    /// messages this worker now holds (not for one read more than
+    /// `max_reads` times: that one is journaled as the failure
+    /// `dead_lettered`); journals their endings in one round trip; then
+    /// archives exactly the messages whose answer is journaled as a success
+    /// (or replayed one), and sends to the dead-letter queue, then
+    /// archives, those whose answer is a failure or whose key answers for
+    /// another payload. Every other message is left, to come back when its
+    /// visibility passes. An error only when the batch could not be read or
+    /// claimed at all.
+    pub async fn drain<F, Fut>(&self, process: F) -> Result<Drained, Error>
+    where
+        F: Fn(Value, MessageContext) -> Fut,
+        Fut: Future<Output = Settle>,
+    {
+        let options = &self.options;
+        let visibility = u32::try_from(options.timing.lease().as_secs() + 2).unwrap_or(u32::MAX);
+        let messages = self.queues.read(&options.queue, visibility, options.batch_size).await?;
+        let mut drained = Drained { read: messages.len(), ..Drained::default() };
+        let mut malformed = Vec::new();
+        let mut batch = Vec::new();
+        for message in messages {
+            match key_and_payload(&message) {
+                Some((key, payload)) => {
+                    let hash = RequestHash::of_json(&payload);
+                    batch.push((message, key, payload, hash));
+                }
+                None => malformed.push(message),
+            }
+        }
+        for message in &malformed {
+            let failure = Answer::failure("malformed_message", Value::Null);
+            self.dead_letter(message, &failure, &mut drained).await;
+        }
+        if batch.is_empty() {
+            return Ok(drained);
+        }
+        let items: Vec<BatchItem<'_>> =
+            batch.iter().map(|(_, key, _, hash)| BatchItem { key, request_hash: hash, request: None }).collect();
+        let spec = Batch {
+            organization_id: options.organization_id,
+            scope: &options.scope,
+            timing: options.timing,
+            items: &items,
+        };
+        let batch = &batch;
+        let process = &process;
+        let report: BatchReport = self
+            .driver
+            .drive_many(&spec, options.concurrency, |index, claim| async move {
+                let (message, _, payload, _) = &batch[index];
+                if message.read_ct > options.max_reads {
+                    let reads = json!({"reads": message.read_ct, "max_reads": options.max_reads});
+                    return Settle::Journal(Answer::failure("dead_lettered", reads));
+                }
+                let vendor_key = vendor_key(claim.organization_id(), claim.scope(), claim.key());
+                let context = MessageContext { message: message.clone(), claim, vendor_key };
+                process(payload.clone(), context).await
+            })
+            .await?;
+        for (item, (message, key, _, _)) in report.items.iter().zip(batch) {
+            match item {
+                ItemEnding::Ran(settled) => {
+                    drained.ran += 1;
+                    if !settled.journaled().is_some_and(|answer| answer.ok) {
+                        drained.failed += 1;
+                    }
+                }
+                ItemEnding::Replayed(_) => drained.replayed += 1,
+                ItemEnding::InFlight { .. } | ItemEnding::Conflict => {}
+            }
+            match (item.answer(), item) {
+                (Some(answer), _) if answer.ok => self.archive(message, &mut drained).await,
+                (Some(answer), _) => self.dead_letter(message, answer, &mut drained).await,
+                (None, ItemEnding::Conflict) => {
+                    let failure = Answer::failure("conflict", json!({"key": key}));
+                    self.dead_letter(message, &failure, &mut drained).await;
+                }
+                (None, _) => drained.left += 1,
+            }
+        }
+        tracing::info!(
+            queue = %options.queue, scope = %options.scope, read = drained.read, ran = drained.ran,
+            replayed = drained.replayed, failed = drained.failed, archived = drained.archived,
+            dead_lettered = drained.dead_lettered, left = drained.left, "queue drained"
+        );
+        Ok(drained)
+    }
+
+    /// Archives `message`; one that fails to archive is left, and comes back
+    /// to replay its answer.
+    async fn archive(&self, message: &QueueMessage, drained: &mut Drained) {
+        match self.queues.archive(&self.options.queue, message.msg_id).await {
+            Ok(true) => drained.archived += 1,
+            Ok(false) => drained.left += 1,
+            Err(error) => {
+                drained.left += 1;
+                tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, %error, "archiving failed; the message comes back and replays");
+            }
+        }
+    }
+
+    /// Sends `message` with `failure` to the dead-letter queue, then
+    /// archives it. A worker stopped between the two sends it again on the
+    /// message's next delivery: a dead-letter queue may hold a message
+    /// twice, under one idempotency key.
+    async fn dead_letter(&self, message: &QueueMessage, failure: &Answer, drained: &mut Drained) {
+        if let Some(dlq) = &self.options.dead_letter_queue {
+            let mut letter = match &message.message {
+                Value::Object(body) => body.clone(),
+                _ => serde_json::Map::new(),
+            };
+            letter.insert(
+                "dead_letter".into(),
+                json!({"queue": self.options.queue, "msg_id": message.msg_id, "reads": message.read_ct,
+                       "failure": {"ok": failure.ok, "error": failure.error, "output": failure.output}}),
+            );
+            if let Err(error) = self.queues.send(dlq, &Value::Object(letter)).await {
+                drained.left += 1;
+                tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, %error, "sending to the dead-letter queue failed; the message comes back");
+                return;
+            }
+            drained.dead_lettered += 1;
+        }
+        tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, drop_reason = failure.error.as_deref().unwrap_or("failed"), "dead-lettered");
+        self.archive(message, drained).await;
+    }
+}

@@ -1,0 +1,214 @@
+//! The Rust queue consumer against real pgmq (installed from the pgmq
+//! crate by the local stack) and the real plane: a message's effect happens
+//! once per idempotency key however often it is sent or delivered; a
+//! message is archived only once its answer is journaled; failures for good,
+//! conflicts and messages read too often go to the dead-letter queue with
+//! their failure journaled; concurrent consumers split a queue and run each
+//! effect once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotency_plane::callers::queue::{ConsumerOptions, Drained, QueueConsumer, Queues};
+use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::service::{Answer, EffectDriver, Settle, Timing};
+use idempotency_plane::{PostgrestRepository, ReadOutcome, RequestHash};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::support::harness::*;
+
+/// The queue and its dead-letter queue (their tables, `pgmq.q_rust_queue`,
+/// `pgmq.a_rust_queue` and `pgmq.q_rust_queue_dlq`, are read below).
+const QUEUE: &str = "rust_queue";
+const DLQ: &str = "rust_queue_dlq";
+
+/// Effect 1 s, journal 1.5 s, margin 1 s: a lease of 3.5 s, so a message
+/// read is hidden for 5 s.
+fn timing() -> Timing {
+    Timing::new(Duration::from_millis(1000), Duration::from_millis(1500), Duration::from_millis(1000))
+        .expect("a valid timing")
+}
+
+struct Fixture {
+    stack: LocalStack,
+    queues: Queues,
+    org: Uuid,
+    /// Effects applied, by vendor key.
+    effects: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+async fn fixture() -> Fixture {
+    let stack = stack_with(LocalStackConfig::default().with_queues([QUEUE, DLQ])).await;
+    let queues = Queues::new(stack.client_config().expect("a config")).expect("queues");
+    Fixture { stack, queues, org: Uuid::new_v4(), effects: Arc::default() }
+}
+
+impl Fixture {
+    fn consumer(&self, max_reads: i32) -> QueueConsumer<PostgrestRepository> {
+        let driver = EffectDriver::new(service(&self.stack));
+        let mut options = ConsumerOptions::new(QUEUE, self.org, timing()).with_dead_letter_queue(DLQ);
+        options.max_reads = max_reads;
+        options.batch_size = 20;
+        let queues = Queues::new(self.stack.client_config().expect("a config")).expect("queues");
+        QueueConsumer::new(driver, queues, options).expect("a consumer")
+    }
+
+    /// Drains one batch; each payload's `status` says how its effect ends.
+    async fn drain(&self, consumer: &QueueConsumer<PostgrestRepository>) -> Drained {
+        let effects = self.effects.clone();
+        consumer
+            .drain(move |payload: Value, context| {
+                let effects = effects.clone();
+                async move {
+                    match payload.get("status").and_then(Value::as_u64).unwrap_or(200) {
+                        200 => {
+                            *effects.lock().expect("effects").entry(context.vendor_key).or_default() += 1;
+                            Settle::Journal(Answer::success(json!({"done": true})))
+                        }
+                        422 => Settle::Journal(Answer::failure("process_failed", json!({"status": 422}))),
+                        _ => Settle::Unknown("the downstream answered 503"),
+                    }
+                }
+            })
+            .await
+            .expect("a drain")
+    }
+
+    async fn send(&self, message: Value) {
+        self.queues.send(QUEUE, &message).await.expect("a send");
+    }
+
+    async fn dead_letters(&self) -> Vec<Value> {
+        sqlx::query_scalar::<_, Value>("select message from pgmq.q_rust_queue_dlq order by msg_id")
+            .fetch_all(self.stack.db())
+            .await
+            .expect("the dead-letter queue")
+    }
+
+    async fn archived(&self) -> i64 {
+        sqlx::query_scalar::<_, i64>("select count(*) from pgmq.a_rust_queue")
+            .fetch_one(self.stack.db())
+            .await
+            .expect("the archive")
+    }
+
+    fn applied(&self) -> u32 {
+        self.effects.lock().expect("effects").values().sum()
+    }
+}
+
+#[tokio::test]
+async fn a_message_sent_twice_and_delivered_again_has_its_effect_once() {
+    let f = fixture().await;
+    let consumer = f.consumer(5);
+    f.send(json!({"idempotency_key": "order-1", "payload": {"sku": 7}})).await;
+    f.send(json!({"idempotency_key": "order-1", "payload": {"sku": 7}})).await;
+    f.send(json!({"payload": {"sku": 8}})).await;
+
+    let first = f.drain(&consumer).await;
+    assert_eq!(
+        (first.read, first.ran, first.archived, first.left, first.dead_lettered),
+        (3, 2, 2, 1, 0),
+        "the duplicate in the same batch finds the first holding its key: left"
+    );
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let second = f.drain(&consumer).await;
+    assert_eq!((second.read, second.replayed, second.archived, second.ran), (1, 1, 1, 0));
+    assert_eq!(f.applied(), 2, "one effect per key");
+    assert_eq!(f.archived().await, 3, "every message archived");
+    assert_eq!(f.drain(&consumer).await.read, 0);
+    f.stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn failures_conflicts_and_malformed_messages_go_to_the_dead_letter_queue() {
+    let f = fixture().await;
+    let consumer = f.consumer(5);
+    f.send(json!({"idempotency_key": "refund-1", "payload": {"status": 422}})).await;
+    f.send(json!("not an object")).await;
+    f.send(json!({"idempotency_key": 42, "payload": {}})).await;
+    let drained = f.drain(&consumer).await;
+    assert_eq!((drained.ran, drained.failed, drained.dead_lettered, drained.archived), (1, 1, 3, 3));
+
+    // The failure is journaled: a duplicate replays it and is dead-lettered too.
+    let service = service(&f.stack);
+    let hash = RequestHash::of_json(&json!({"status": 422}));
+    let read = service.read(f.org, &format!("queue.{QUEUE}"), "refund-1", &hash).await.expect("a read");
+    assert!(matches!(read, ReadOutcome::Completed { .. }), "{read:?}");
+
+    f.send(json!({"idempotency_key": "order-2", "payload": {"sku": 1}})).await;
+    f.drain(&consumer).await;
+    f.send(json!({"idempotency_key": "order-2", "payload": {"sku": 2}})).await;
+    let conflict = f.drain(&consumer).await;
+    assert_eq!((conflict.ran, conflict.dead_lettered), (0, 1), "another payload under a used key never runs");
+
+    let letters = f.dead_letters().await;
+    let reasons: Vec<&str> =
+        letters.iter().filter_map(|letter| letter["dead_letter"]["failure"]["error"].as_str()).collect();
+    assert_eq!(reasons.len(), 4, "{letters:#?}");
+    for reason in ["process_failed", "malformed_message", "conflict"] {
+        assert!(reasons.contains(&reason), "{reason} in {reasons:?}");
+    }
+    let refund = letters.iter().find(|letter| letter["idempotency_key"] == "refund-1").expect("the message itself");
+    assert_eq!(refund["payload"], json!({"status": 422}), "the letter carries the message");
+    assert_eq!(refund["dead_letter"]["failure"]["error"], "process_failed");
+    f.stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_message_that_keeps_failing_is_dead_lettered_after_max_reads() {
+    let f = fixture().await;
+    let consumer = f.consumer(2);
+    f.send(json!({"idempotency_key": "flaky-1", "payload": {"status": 503}})).await;
+    for read in 1..=2 {
+        let drained = f.drain(&consumer).await;
+        assert_eq!((drained.ran, drained.failed, drained.left), (1, 1, 1), "read {read}: left to come back");
+        tokio::time::sleep(Duration::from_secs(6)).await;
+    }
+    let third = f.drain(&consumer).await;
+    assert_eq!((third.dead_lettered, third.archived), (1, 1));
+    let letters = f.dead_letters().await;
+    assert_eq!(letters[0]["dead_letter"]["failure"]["error"], "dead_lettered");
+    assert_eq!(letters[0]["dead_letter"]["reads"], 3);
+    f.stack.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_consumers_split_a_queue_and_run_each_effect_once() {
+    let f = fixture().await;
+    let keys = 200;
+    for n in 0..keys {
+        f.send(json!({"idempotency_key": format!("order-{n}"), "payload": {"n": n}})).await;
+        if n % 5 == 0 {
+            f.send(json!({"idempotency_key": format!("order-{n}"), "payload": {"n": n}})).await;
+        }
+    }
+    let sent = keys + keys / 5;
+    let f = Arc::new(f);
+    let mut consumers = Vec::new();
+    for _ in 0..4 {
+        let f = f.clone();
+        consumers.push(tokio::spawn(async move {
+            let consumer = f.consumer(5);
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            while f.archived().await < sent && tokio::time::Instant::now() < deadline {
+                if f.drain(&consumer).await.read == 0 {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }));
+    }
+    for consumer in consumers {
+        consumer.await.expect("a consumer");
+    }
+    assert_eq!(f.archived().await, sent, "every message archived");
+    let effects = f.effects.lock().expect("effects").clone();
+    assert_eq!(effects.len(), keys as usize, "every key applied");
+    assert!(effects.values().all(|&count| count == 1), "each once: {effects:?}");
+    match Arc::try_unwrap(f) {
+        Ok(f) => f.stack.stop().await.unwrap(),
+        Err(_) => panic!("a consumer still holds the stack"),
+    }
+}
