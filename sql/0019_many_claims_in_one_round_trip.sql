@@ -42,6 +42,11 @@
 -- written. A caller that wants the other items' endings whatever one of
 -- them does sends that item alone.
 --
+-- The first claims of free keys that carry no work, the common case of a
+-- queue's batch, are inserted in one statement; every other item is
+-- decided by agent.idempotency_decide, one after another, with the same
+-- answers.
+--
 -- Claims and completions are safe to send again after a lost answer: each
 -- item answers its caller's own claim to a repeat with the same token, as
 -- the single functions do. A release is not (a repeat of a release that
@@ -199,11 +204,17 @@ declare
   v_item jsonb;
   v_index integer;
   v_hash text;
-  v_token uuid;
   v_earlier integer;
   v_state text;
   v_message text;
   v_hint text;
+  v_retain interval;
+  v_lease interval := p_lease_ms * interval '1 millisecond';
+  v_at timestamptz;
+  v_won agent.idempotency_keys[];
+  v_won_items integer[];
+  v_places integer[];
+  k agent.idempotency_keys;
   r agent.idempotency_claim_outcome;
 begin
   if p_organization_id is null then
@@ -222,19 +233,34 @@ begin
       using errcode = '22023';
   end if;
   perform agent.idempotency_check_batch(p_items, p_row_cap);
-  if (select p.retain from agent.idempotency_policy(p_scope) p) is null then
+  select p.retain into v_retain from agent.idempotency_policy(p_scope) p;
+  if v_retain is null then
     raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', p_scope
       using errcode = 'IDEM1',
             hint = 'add the scope (or its family, e.g. tool.*) to agent.idempotency_scopes in a migration';
   end if;
 
-  -- Every item is checked before anything is written.
-  for v_item, v_index in select e.value, (e.ordinality - 1)::integer
-                           from jsonb_array_elements(p_items) with ordinality e loop
+  -- Every item is checked before anything is written, in one pass over
+  -- the array; the first bad item, if any, is checked again on its own to
+  -- say what is wrong with it.
+  select (e.ordinality - 1)::integer, e.value into v_index, v_item
+    from pg_catalog.jsonb_array_elements(p_items) with ordinality e
+   where not coalesce(pg_catalog.jsonb_typeof(e.value) = 'object'
+                      and pg_catalog.jsonb_typeof(e.value -> 'key') = 'string'
+                      and char_length(e.value ->> 'key') between 1 and 512
+                      and pg_catalog.jsonb_typeof(e.value -> 'request_hash') = 'string'
+                      and (e.value ->> 'request_hash') ~ '^[0-9a-f]{64}$'
+                      and pg_catalog.jsonb_typeof(e.value -> 'lease_token') = 'string'
+                      and (e.value ->> 'lease_token')
+                          ~ '^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$',
+                      false)
+   order by e.ordinality
+   limit 1;
+  if found then
     perform agent.idempotency_check_item(v_item, v_index);
-    v_keys := pg_catalog.array_append(v_keys, agent.idempotency_item_text(v_item, v_index, 'key', true));
-    if char_length(v_keys[v_index + 1]) not between 1 and 512 then
-      raise exception 'p_items[%].key must be 1 to 512 characters, got %', v_index, char_length(v_keys[v_index + 1])
+    v_hash := agent.idempotency_item_text(v_item, v_index, 'key', true);
+    if char_length(v_hash) not between 1 and 512 then
+      raise exception 'p_items[%].key must be 1 to 512 characters, got %', v_index, char_length(v_hash)
         using errcode = '22023';
     end if;
     v_hash := agent.idempotency_item_text(v_item, v_index, 'request_hash', true);
@@ -243,22 +269,72 @@ begin
                       v_index, pg_catalog.left(v_hash, 80)
         using errcode = '22023';
     end if;
-    v_hashes := pg_catalog.array_append(v_hashes, v_hash);
-    v_token := agent.idempotency_item_uuid(v_item, v_index, 'lease_token');
-    v_earlier := pg_catalog.array_position(v_tokens, v_token);
-    if v_earlier is not null then
-      raise exception 'p_items[%].lease_token repeats p_items[%].lease_token: each item needs a token of its own',
-                      v_index, v_earlier - 1
-        using errcode = '22023',
-              hint = 'a claim repeated with its token answers claimed again; mint a fresh token per item';
-    end if;
-    v_tokens := pg_catalog.array_append(v_tokens, v_token);
-    v_requests := pg_catalog.array_append(v_requests, (v_item -> 'request'));
+    perform agent.idempotency_item_uuid(v_item, v_index, 'lease_token');
+    raise exception 'p_items[%] is malformed', v_index using errcode = '22023';
+  end if;
+  select pg_catalog.array_agg(e.value ->> 'key' order by e.ordinality),
+         pg_catalog.array_agg(e.value ->> 'request_hash' order by e.ordinality),
+         pg_catalog.array_agg((e.value ->> 'lease_token')::uuid order by e.ordinality),
+         pg_catalog.array_agg(e.value -> 'request' order by e.ordinality)
+    into v_keys, v_hashes, v_tokens, v_requests
+    from pg_catalog.jsonb_array_elements(p_items) with ordinality e;
+  -- The first item whose token an earlier item named, and that item.
+  select t.first - 1, t.i - 1 into v_earlier, v_index
+    from (select i, pg_catalog.min(i) over (partition by v_tokens[i]) as first
+            from pg_catalog.generate_subscripts(v_tokens, 1) i) t
+   where t.i > t.first
+   order by t.i
+   limit 1;
+  if v_earlier is not null then
+    raise exception 'p_items[%].lease_token repeats p_items[%].lease_token: each item needs a token of its own',
+                    v_index, v_earlier
+      using errcode = '22023',
+            hint = 'a claim repeated with its token answers claimed again; mint a fresh token per item';
+  end if;
+
+  -- The first claims of free keys, the common case, in one statement: each
+  -- item that carries no work, at its key's first occurrence, inserted as
+  -- agent.idempotency_decide's first claim inserts it (the scope's
+  -- retention, at least the lease). A key already there, or inserted by
+  -- another transaction meanwhile, is left to the decision below, as is
+  -- every item that carries work (its size is checked there).
+  v_at := pg_catalog.clock_timestamp();
+  with items as (
+    select i, v_keys[i] as key, v_hashes[i] as hash, v_tokens[i] as token,
+           pg_catalog.row_number() over (partition by v_keys[i] order by i) as occurrence
+      from pg_catalog.generate_subscripts(v_keys, 1) i
+     where nullif(v_requests[i], 'null'::jsonb) is null
+  ), inserted as (
+    insert into agent.idempotency_keys as x
+      (organization_id, scope, key, request_hash, status, lease_token, claimed_at, lease_expires_at, retain_until)
+    select p_organization_id, p_scope, items.key, items.hash, 'processing', items.token,
+           v_at, v_at + v_lease, v_at + v_lease + greatest(v_retain, v_lease)
+      from items
+     where items.occurrence = 1
+     order by items.i
+    on conflict (organization_id, scope, key) do nothing
+    returning x.*
+  )
+  select pg_catalog.array_agg(row(inserted.*)::agent.idempotency_keys order by items.i),
+         pg_catalog.array_agg(items.i order by items.i)
+    into v_won, v_won_items
+    from inserted join items on items.token = inserted.lease_token;
+  -- Each item's place in v_won, or 0.
+  v_places := pg_catalog.array_fill(0, array[pg_catalog.cardinality(v_keys)]);
+  for j in 1 .. coalesce(pg_catalog.cardinality(v_won_items), 0) loop
+    v_places[v_won_items[j]] := j;
   end loop;
 
   begin
     for i in 1 .. pg_catalog.cardinality(v_keys) loop
       v_index := i - 1;
+      if v_places[i] > 0 then
+        k := v_won[v_places[i]];
+        return next (v_index, 'claimed', k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
+                     k.lease_token, null, null, null, k.claimed_at, k.lease_expires_at, k.retain_until,
+                     k.lease_expires_at > pg_catalog.clock_timestamp())::agent.idempotency_claim_item;
+        continue;
+      end if;
       select * into r
         from agent.idempotency_decide(p_organization_id, p_scope, v_keys[i], v_hashes[i], v_tokens[i],
                                       p_lease_ms, null, true, true, v_requests[i]);

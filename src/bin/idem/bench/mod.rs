@@ -11,13 +11,16 @@
 //! on a large table; `wan`: each outcome over a slow link; `layout`: disk
 //! per million claims, HOT completions, and completions by organization on
 //! the partitioned layout; `work`: claims carrying work, heartbeats, re-drive
-//! and the WAL and disk of work), `drive` to run them, `rows` for the rows
+//! and the WAL and disk of work; `batches`: first claims in batches of 1,
+//! 10 and 100 through the crate and from a bare HTTP client, and a queue
+//! drained end to end over pgmq), `drive` to run them, `rows` for the rows
 //! they set up directly, and `report` for the figures and ratios.
 //!
 //! The first stack has the single-table layout (or the one `IDEM_LAYOUT`
 //! names); a second stack, in the layout partitioned by organization, then
 //! runs the claim scenarios again, so both layouts' figures come from one run.
 
+mod batches;
 mod claims;
 mod drive;
 mod floor;
@@ -38,6 +41,7 @@ use idempotency_plane::local::{LocalStack, LocalStackConfig};
 use idempotency_plane::migrations::Layout;
 use idempotency_plane::{IdempotencyService, PostgrestClient, PostgrestRepository};
 
+use self::batches::{batch_claims, queue_end_to_end};
 use self::claims::{claims, claims_during_sweep};
 use self::http::{pairs_bare_http, pairs_through_crate};
 use self::layout::{completion_addressing, hot_updates, size_per_million};
@@ -73,6 +77,9 @@ pub(crate) struct BenchArgs {
     /// Operations per outcome over the simulated WAN link.
     #[arg(long, default_value_t = 40)]
     wan_operations: usize,
+    /// Messages the end-to-end queue scenario drains.
+    #[arg(long, default_value_t = 10_000)]
+    queue_messages: usize,
     /// Where to write the raw figures as JSON.
     #[arg(long, default_value = "bench.json")]
     out: std::path::PathBuf,
@@ -162,6 +169,10 @@ async fn bench(stack: &LocalStack, args: &BenchArgs, layout: &str) -> Result<Run
     work.push(redrive_throughput(stack.db(), &client).await?);
     eprintln!("WAL and disk of claims with and without work…");
     work.extend(wal_and_disk(stack.db()).await?);
+    eprintln!("first claims in batches of 1, 10 and 100, through the crate and from a bare HTTP client…");
+    work.extend(batch_claims(stack, &client, args.workers, duration).await?);
+    eprintln!("a queue of {} messages drained end to end by four Rust consumers…", args.queue_messages);
+    work.extend(queue_end_to_end(args.queue_messages).await?);
 
     eprintln!("claim latency idle, then while a sweep deletes {} expired rows…", args.sweep_rows);
     figures.push(claims(service.clone(), args.workers, duration, "claim idle").await?);

@@ -196,6 +196,18 @@ fn ratios(
             let v = measured("round trips: heartbeat");
             ratio("round trips: heartbeat", v, "1", v == 1.0)
         },
+        {
+            let v = measured("claims/s, batches of 100, crate") / measured("claims/s, batches of 1, crate");
+            ratio("claims/s batches of 100 ÷ of 1, crate", v, "≥ 10", v >= 10.0)
+        },
+        {
+            let v = measured("claims/s, batches of 100, crate") / measured("claims/s, batches of 100, bare HTTP");
+            ratio("claims/s batches of 100, crate ÷ bare", v, "≥ 0.90", v >= 0.90)
+        },
+        {
+            let v = measured("round trips per batch of 100, crate");
+            ratio("round trips: batch of 100 claims", v, "1", v == 1.0)
+        },
     ];
     Ok(ratios)
 }
@@ -251,7 +263,7 @@ pub(super) fn print(results: &Results) {
         println!("  {:<10} {:<33} {:>8} {:>8}", h.fillfactor, what, h.updates, h.hot_updates);
     }
     println!();
-    println!("  work that outlives its worker");
+    println!("  work that outlives its worker, batches and queues");
     println!("  {:-<48} {:->12}", "", "");
     for m in &results.work {
         println!("  {:<48} {:>8.1} {}", m.name, m.value, m.unit);

@@ -35,7 +35,7 @@ pub(super) struct Measure {
     pub(super) unit: &'static str,
 }
 
-fn measure(name: &str, value: f64, unit: &'static str) -> Measure {
+pub(super) fn measure(name: &str, value: f64, unit: &'static str) -> Measure {
     Measure { name: name.to_owned(), value, unit }
 }
 
