@@ -293,25 +293,27 @@ begin
   end if;
 
   -- The first claims of free keys, the common case, in one statement: each
-  -- item that carries no work, at its key's first occurrence, inserted as
-  -- agent.idempotency_decide's first claim inserts it (the scope's
-  -- retention, at least the lease). A key already there, or inserted by
-  -- another transaction meanwhile, is left to the decision below, as is
-  -- every item that carries work (its size is checked there).
+  -- item that carries no work and is its key's first occurrence in the
+  -- batch, inserted as agent.idempotency_decide's first claim inserts it
+  -- (the scope's retention, at least the lease). A key already there, or
+  -- inserted by another transaction meanwhile, is left to the decision
+  -- below, as is every item that carries work (its size is checked there)
+  -- and every later occurrence of a key. Keys are inserted in key order,
+  -- so that batches over the same keys wait for each other in one order
+  -- and never deadlock.
   v_at := pg_catalog.clock_timestamp();
   with items as (
-    select i, v_keys[i] as key, v_hashes[i] as hash, v_tokens[i] as token,
+    select i, v_keys[i] as key, v_hashes[i] as hash, v_tokens[i] as token, v_requests[i] as request,
            pg_catalog.row_number() over (partition by v_keys[i] order by i) as occurrence
       from pg_catalog.generate_subscripts(v_keys, 1) i
-     where nullif(v_requests[i], 'null'::jsonb) is null
   ), inserted as (
     insert into agent.idempotency_keys as x
       (organization_id, scope, key, request_hash, status, lease_token, claimed_at, lease_expires_at, retain_until)
     select p_organization_id, p_scope, items.key, items.hash, 'processing', items.token,
            v_at, v_at + v_lease, v_at + v_lease + greatest(v_retain, v_lease)
       from items
-     where items.occurrence = 1
-     order by items.i
+     where items.occurrence = 1 and nullif(items.request, 'null'::jsonb) is null
+     order by items.key
     on conflict (organization_id, scope, key) do nothing
     returning x.*
   )
@@ -319,6 +321,23 @@ begin
          pg_catalog.array_agg(items.i order by items.i)
     into v_won, v_won_items
     from inserted join items on items.token = inserted.lease_token;
+  -- A win that waited (on another transaction's insert of a key that then
+  -- rolled back): its lease starts now, as agent.idempotency_decide's does.
+  if pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' and v_won is not null then
+    v_at := pg_catalog.clock_timestamp();
+    with won as (
+      select (v_won[n]).id as id, n from pg_catalog.generate_subscripts(v_won, 1) n
+    ), moved as (
+      update agent.idempotency_keys as x
+         set claimed_at = v_at,
+             lease_expires_at = v_at + v_lease,
+             retain_until = greatest(x.retain_until, v_at + v_lease + greatest(v_retain, v_lease))
+        from won
+       where x.organization_id = p_organization_id and x.id = won.id
+      returning x, won.n
+    )
+    select pg_catalog.array_agg(moved.x order by moved.n) into v_won from moved;
+  end if;
   -- Each item's place in v_won, or 0.
   v_places := pg_catalog.array_fill(0, array[pg_catalog.cardinality(v_keys)]);
   for j in 1 .. coalesce(pg_catalog.cardinality(v_won_items), 0) loop

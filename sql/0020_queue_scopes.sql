@@ -11,9 +11,10 @@
 --   insert into agent.idempotency_scopes (scope, retain, max_response_bytes)
 --   values ('queue.ledger', interval '30 days', 65536);
 --
--- The message's payload is the work its claim carries (at most
--- max_request_bytes, 64 KiB by default), so a consumer stopped mid-effect
--- leaves it for a re-drive or the message's next delivery.
+-- A consumer's claims carry no work: the queue keeps each message until it
+-- is archived, so a consumer stopped mid-effect leaves the message itself
+-- for its next delivery, which finds the claim and takes it over once the
+-- lease has passed.
 insert into agent.idempotency_scopes (scope, retain, max_response_bytes)
 values ('queue.*', interval '7 days', 65536)
 on conflict (scope) do nothing;

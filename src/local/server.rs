@@ -5,6 +5,8 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use axum::response::IntoResponse;
+
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use url::Url;
@@ -96,6 +98,25 @@ fn with_supabase_path(router: axum::Router) -> axum::Router {
     axum::Router::new().nest_service(SUPABASE_REST_PATH, router.clone()).fallback_service(router)
 }
 
+/// `router`, each request run to its end in a task of its own, as PostgREST
+/// runs it: a client that hangs up (a worker stopped mid-call) does not
+/// cancel the database work its request started. Cancelling it would be
+/// worse than wasteful: sqlx 0.9.0 hands a connection back to the pool
+/// still inside a transaction when the request is dropped while its `BEGIN`
+/// is on the wire (sqlx issue 4385), and the next request on that
+/// connection then runs in the old transaction, with its stale `now()`.
+fn run_to_completion(router: axum::Router) -> axum::Router {
+    router.layer(axum::middleware::from_fn(|request: axum::extract::Request, next: axum::middleware::Next| async {
+        match tokio::spawn(next.run(request)).await {
+            Ok(response) => response,
+            Err(error) => {
+                tracing::error!(%error, "local server: a request's task failed");
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR.into_response()
+            }
+        }
+    }))
+}
+
 /// Serves `router` on `listener` until the returned sender fires.
 pub(super) fn serve(listener: tokio::net::TcpListener, router: axum::Router) -> (oneshot::Sender<()>, JoinHandle<()>) {
     let (shutdown, stopped) = oneshot::channel::<()>();
@@ -145,7 +166,7 @@ pub(super) async fn build_router(
         server_config.server_port = config.port;
         server_config.server_cors_origins = config.cors_origins.clone();
         match postrust_server::build(server_config, postrust_server::Host::SERVER).await {
-            Ok(app) => return Ok(guard::guarded(with_supabase_path(app.router), config)),
+            Ok(app) => return Ok(run_to_completion(guard::guarded(with_supabase_path(app.router), config))),
             Err(error) => {
                 tracing::debug!(uri = %redacted(&login), %error, round, "local server could not start");
                 last_error = format!("{error:#}");

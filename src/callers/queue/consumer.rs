@@ -26,10 +26,12 @@ pub struct ConsumerOptions {
     /// The plane scope messages are claimed in: `queue.<queue>` by default.
     pub scope: String,
     /// Where a message goes whose effect failed for good (a journaled
-    /// failure, a key used with another payload) or that was read more
-    /// than `max_reads` times: sent there with its failure, then archived.
-    /// `None`: such a message is archived, its failure kept in the plane.
-    pub dead_letter_queue: Option<String>,
+    /// failure), whose key answers for another payload, that no key can be
+    /// read from, or that was read more than `max_reads` times: sent there
+    /// with its failure, then archived. Required: without it such a
+    /// message would have nowhere to go but the archive, where nobody
+    /// looks.
+    pub dead_letter_queue: String,
     /// Reads after which a message that never ended is dead-lettered.
     pub max_reads: i32,
     /// Messages per read, at most the plane's row cap.
@@ -39,27 +41,26 @@ pub struct ConsumerOptions {
 }
 
 impl ConsumerOptions {
-    /// Options for `queue` of `organization_id`: scope `queue.<queue>`, no
-    /// dead-letter queue, 5 reads, batches of 10, 10 effects at once.
-    pub fn new(queue: impl Into<String>, organization_id: Uuid, timing: Timing) -> Self {
+    /// Options for `queue`, whose dead letters go to `dead_letter_queue`,
+    /// of `organization_id`: scope `queue.<queue>`, 5 reads, batches of
+    /// 10, 10 effects at once.
+    pub fn new(
+        queue: impl Into<String>,
+        dead_letter_queue: impl Into<String>,
+        organization_id: Uuid,
+        timing: Timing,
+    ) -> Self {
         let queue = queue.into();
         ConsumerOptions {
             scope: format!("queue.{queue}"),
             queue,
+            dead_letter_queue: dead_letter_queue.into(),
             organization_id,
             timing,
-            dead_letter_queue: None,
             max_reads: 5,
             batch_size: 10,
             concurrency: 10,
         }
-    }
-
-    /// Sends failures for good, conflicts and messages past `max_reads` to
-    /// `queue`.
-    pub fn with_dead_letter_queue(mut self, queue: impl Into<String>) -> Self {
-        self.dead_letter_queue = Some(queue.into());
-        self
     }
 }
 
@@ -86,7 +87,8 @@ pub struct Drained {
     pub replayed: usize,
     /// Messages this worker ran that did not end journaled as a success.
     pub failed: usize,
-    /// Messages archived: their answer is journaled.
+    /// Messages archived: their answer is journaled, or they were sent to
+    /// the dead-letter queue.
     pub archived: usize,
     /// Messages sent to the dead-letter queue.
     pub dead_lettered: usize,
@@ -148,7 +150,10 @@ impl<R: IdempotencyRepository + BatchClaims> QueueConsumer<R> {
         Fut: Future<Output = Settle>,
     {
         let options = &self.options;
-        let visibility = u32::try_from(options.timing.lease().as_secs() + 2).unwrap_or(u32::MAX);
+        // Hidden for the whole lease and a second more, as the TypeScript
+        // consumer hides it.
+        let lease_seconds = options.timing.lease().as_millis().div_ceil(1000) + 1;
+        let visibility = u32::try_from(lease_seconds).unwrap_or(u32::MAX);
         let messages = self.queues.read(&options.queue, visibility, options.batch_size).await?;
         let mut drained = Drained { read: messages.len(), ..Drained::default() };
         let mut malformed = Vec::new();
@@ -226,7 +231,8 @@ impl<R: IdempotencyRepository + BatchClaims> QueueConsumer<R> {
     async fn archive(&self, message: &QueueMessage, drained: &mut Drained) {
         match self.queues.archive(&self.options.queue, message.msg_id).await {
             Ok(true) => drained.archived += 1,
-            Ok(false) => drained.left += 1,
+            // Not in the queue any more: another consumer archived it.
+            Ok(false) => {}
             Err(error) => {
                 drained.left += 1;
                 tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, %error, "archiving failed; the message comes back and replays");
@@ -239,23 +245,22 @@ impl<R: IdempotencyRepository + BatchClaims> QueueConsumer<R> {
     /// message's next delivery: a dead-letter queue may hold a message
     /// twice, under one idempotency key.
     async fn dead_letter(&self, message: &QueueMessage, failure: &Answer, drained: &mut Drained) {
-        if let Some(dlq) = &self.options.dead_letter_queue {
-            let mut letter = match &message.message {
-                Value::Object(body) => body.clone(),
-                _ => serde_json::Map::new(),
-            };
-            letter.insert(
-                "dead_letter".into(),
-                json!({"queue": self.options.queue, "msg_id": message.msg_id, "reads": message.read_ct,
-                       "failure": {"ok": failure.ok, "error": failure.error, "output": failure.output}}),
-            );
-            if let Err(error) = self.queues.send(dlq, &Value::Object(letter)).await {
-                drained.left += 1;
-                tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, %error, "sending to the dead-letter queue failed; the message comes back");
-                return;
-            }
-            drained.dead_lettered += 1;
+        let mut letter = match &message.message {
+            Value::Object(body) => body.clone(),
+            _ => serde_json::Map::new(),
+        };
+        letter.insert(
+            "dead_letter".into(),
+            json!({"queue": self.options.queue, "msg_id": message.msg_id, "reads": message.read_ct,
+                   "message": message.message,
+                   "failure": {"ok": failure.ok, "error": failure.error, "output": failure.output}}),
+        );
+        if let Err(error) = self.queues.send(&self.options.dead_letter_queue, &Value::Object(letter)).await {
+            drained.left += 1;
+            tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, %error, "sending to the dead-letter queue failed; the message comes back");
+            return;
         }
+        drained.dead_lettered += 1;
         tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, drop_reason = failure.error.as_deref().unwrap_or("failed"), "dead-lettered");
         self.archive(message, drained).await;
     }

@@ -13,10 +13,12 @@
 //   request); an order none of whose messages was ever read twice reached
 //   it once, however often the producer sent it (twice for an order that
 //   failed once, by design);
-// - no message was archived before its order's effect was applied: every
-//   second the test reads what is archived, and each archived order must
-//   have been applied by then (and an archive before the effect followed by
-//   a kill would leave the order never applied, which the end catches);
+// - no message was archived before its order's effect was applied and its
+//   answer journaled: every second the test reads, in one snapshot, the
+//   archive and the plane's claims (each archived message's claim must be
+//   journaled), then checks that each archived order was applied by then
+//   (and an archive before the effect followed by a kill would leave the
+//   order never applied, which the end catches);
 // - every message is archived exactly once and the queue is empty;
 // - every order that failed for good is in the dead-letter queue, with its
 //   failure journaled in the plane.
@@ -167,6 +169,16 @@ Deno.test(`${ORDERS} orders, ${SENT_TWICE} sent twice, ${CONSUMERS} consumers ki
     // the run is done when every message is archived and the queue empty.
     for (;;) {
       await sleep(1_000);
+      // In one snapshot: no archived message whose claim is not journaled
+      // (an archive that came before its journal would show here).
+      const unjournaled = await sql(
+        `select a.msg_id, a.message->>'idempotency_key' from pgmq.a_${QUEUE} a
+           left join agent.idempotency_keys k
+             on k.organization_id = '${organizationId}' and k.scope = 'queue.${QUEUE}'
+            and k.key = a.message->>'idempotency_key'
+          where k.status is distinct from 'completed'`,
+      );
+      assert.deepEqual(unjournaled, [], "messages archived before their answer was journaled");
       const archivedKeys = await sql(`select distinct message->>'idempotency_key' from pgmq.a_${QUEUE}`);
       for (const [k] of archivedKeys) {
         const n = Number(k.slice(k.lastIndexOf("-") + 1));

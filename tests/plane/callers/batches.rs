@@ -170,8 +170,8 @@ async fn each_item_ends_as_a_single_effect_would_with_one_round_trip_per_kind<R:
     assert_eq!([f.runs.of("j-1"), f.runs.of("release-1"), f.runs.of("unknown-1")], [1, 2, 1]);
 }
 
-/// The store refuses one item's answer: the batch journal fails whole, and
-/// every item is journaled on its own, the refused one by reference.
+/// The batch journal is refused (as the store refuses a batch for one
+/// item's answer): every item is then journaled on its own.
 async fn a_batch_journal_refused_for_one_item_journals_each_item_alone<R: Repo>(
     faulty: Faulty<R>,
     _: &impl TimeTravel,

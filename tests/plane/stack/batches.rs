@@ -9,6 +9,8 @@ use idempotency_plane::repo::{
     BatchClaims, ClaimDecision, ClaimFence, ClaimItem, ClaimManyCall, CompletionArgs, CompletionItem,
 };
 use idempotency_plane::PostgrestRepository;
+use std::time::Duration;
+
 use serde_json::{json, Value};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
@@ -205,7 +207,10 @@ async fn racing_batches_over_the_same_keys_hold_each_key_once() {
     let keys: Vec<String> = (0..200).map(|i| format!("k-{i}")).collect();
     let mut racers = Vec::new();
     for racer in 0..8usize {
-        let repo = PostgrestRepository::new(client(&stack));
+        // No retries: batches over the same keys must not deadlock, which a
+        // retried 40P01 would hide.
+        let config = stack.client_config().expect("a config").with_retry(RetryConfig::disabled());
+        let repo = PostgrestRepository::new(idempotency_plane::PostgrestClient::new(config).expect("a client"));
         let (keys, h) = (keys.clone(), h.clone());
         racers.push(tokio::spawn(async move {
             // Each racer takes the keys in its own order, so batches overlap
@@ -232,5 +237,38 @@ async fn racing_batches_over_the_same_keys_hold_each_key_once() {
     let distinct = held.len();
     held.dedup();
     assert_eq!((distinct, held.len()), (200, 200), "each of 200 keys claimed by exactly one item of 8 racing batches");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_batch_claim_that_waited_on_another_transactions_insert_gets_its_whole_lease() {
+    let stack = stack().await;
+    let org = Uuid::new_v4();
+    // Another transaction claims the key and holds its insert uncommitted.
+    let mut other = stack.db().begin().await.expect("a transaction");
+    let item = json!([{"key": "k-wait", "request_hash": "a".repeat(64), "lease_token": Uuid::new_v4()}]);
+    sqlx::query("select * from agent.idempotency_claim_many($1, 'tool.x', 60000, $2)")
+        .bind(org)
+        .bind(&item)
+        .execute(&mut *other)
+        .await
+        .expect("the other claim");
+    let repo = PostgrestRepository::new(client(&stack));
+    let hash = hash("wait").as_str().to_owned();
+    let waiting = tokio::spawn(async move {
+        let items = [ClaimItem { key: "k-wait", request_hash: &hash, lease_token: Uuid::new_v4(), request: None }];
+        let call =
+            ClaimManyCall { organization_id: org, scope: "tool.x", lease: Duration::from_secs(1), items: &items };
+        repo.claim_many(&call).await
+    });
+    // Longer than the lease asked for: a lease stamped before the wait
+    // would be over when the claim is answered.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    other.rollback().await.expect("a rollback");
+    let rows = waiting.await.expect("the batch").expect("a claim");
+    assert_eq!(rows[0].outcome, ClaimDecision::Claimed);
+    assert!(rows[0].lease_live, "the lease starts when the wait ended: {:?}", rows[0]);
+    let lease = rows[0].lease_expires_at - rows[0].claimed_at;
+    assert_eq!(lease, chrono::TimeDelta::seconds(1));
     stack.stop().await.unwrap();
 }

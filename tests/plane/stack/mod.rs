@@ -20,6 +20,7 @@ mod endings;
 mod failover;
 mod faults;
 mod fences;
+mod hangups;
 mod idempotency_key;
 mod indexes;
 mod layout;

@@ -48,7 +48,7 @@ async fn fixture() -> Fixture {
 impl Fixture {
     fn consumer(&self, max_reads: i32) -> QueueConsumer<PostgrestRepository> {
         let driver = EffectDriver::new(service(&self.stack));
-        let mut options = ConsumerOptions::new(QUEUE, self.org, timing()).with_dead_letter_queue(DLQ);
+        let mut options = ConsumerOptions::new(QUEUE, DLQ, self.org, timing());
         options.max_reads = max_reads;
         options.batch_size = 20;
         let queues = Queues::new(self.stack.client_config().expect("a config")).expect("queues");

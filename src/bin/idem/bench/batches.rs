@@ -22,8 +22,9 @@ use crate::BoxError;
 /// The batch sizes compared.
 pub(super) const SIZES: [usize; 3] = [1, 10, 100];
 
-/// The queue the end-to-end scenario drains.
+/// The queue the end-to-end scenario drains, and its dead-letter queue.
 const QUEUE: &str = "bench";
+const DLQ: &str = "bench_dlq";
 
 /// For each of [`SIZES`]: first claims per second in batches of that size,
 /// through the crate and from a bare HTTP client, and the HTTP requests
@@ -120,7 +121,7 @@ async fn bare_http(
 /// batches of 50 on a stack of its own with pgmq: messages per second from
 /// the first read to the last archive, the effect an in-process no-op.
 pub(super) async fn queue_end_to_end(messages: usize) -> Result<Vec<Measure>, BoxError> {
-    let stack = LocalStack::start(LocalStackConfig::default().with_queues([QUEUE])).await?;
+    let stack = LocalStack::start(LocalStackConfig::default().with_queues([QUEUE, DLQ])).await?;
     let result = drain_queue(&stack, messages).await;
     stack.stop().await?;
     result
@@ -142,7 +143,7 @@ async fn drain_queue(stack: &LocalStack, messages: usize) -> Result<Vec<Measure>
         let driver = EffectDriver::new(idempotency_plane::IdempotencyService::new(PostgrestRepository::new(
             PostgrestClient::new(config.clone())?,
         )));
-        let mut options = ConsumerOptions::new(QUEUE, org, timing);
+        let mut options = ConsumerOptions::new(QUEUE, DLQ, org, timing);
         options.batch_size = 50;
         let consumer = QueueConsumer::new(driver, Queues::new(config)?, options)?;
         let archived = archived.clone();

@@ -108,13 +108,13 @@ export interface ConsumerOptions {
   /** The plane scope the messages are claimed in. Default `queue.<queue>`. */
   scope?: string;
   /**
-   * Where a message goes whose effect failed for good (a journaled failure,
-   * a key used with another payload) or that was read more than `maxReads`
-   * times; it is sent there with its failure, then archived. Without one,
-   * such a message is archived, its failure kept in the plane
-   * (`idem failures`).
+   * Where a message goes whose effect failed for good (a journaled failure),
+   * whose key answers for another payload, that no key can be read from, or
+   * that was read more than `maxReads` times: sent there with its failure,
+   * then archived. Required: without it such a message would have nowhere
+   * to go but the archive, where nobody looks.
    */
-  deadLetterQueue?: string;
+  deadLetterQueue: string;
   /** Reads after which a message that never ended is dead-lettered. Default 5. */
   maxReads?: number;
   /** Messages per read, at most the plane's row cap. Default 10. */
@@ -174,7 +174,7 @@ function keyAndPayload(message: QueueMessage): { key: string; payload: unknown; 
 export class QueueConsumer {
   readonly driver: EffectDriver;
   readonly queues: Queues;
-  readonly options: Required<Omit<ConsumerOptions, "deadLetterQueue">> & { deadLetterQueue?: string };
+  readonly options: Required<ConsumerOptions>;
 
   constructor(driver: EffectDriver, queues: Queues, options: ConsumerOptions) {
     this.driver = driver;
@@ -286,8 +286,8 @@ export class QueueConsumer {
   /** Archives `message`; one that fails to archive is left, and comes back to replay its answer. */
   async #archive(message: QueueMessage, drained: Drained): Promise<void> {
     try {
+      // False: no longer in the queue (another consumer archived it).
       if (await this.queues.archive(this.options.queue, message.msgId)) drained.archived++;
-      else drained.left++;
     } catch (error) {
       drained.left++;
       this.driver.log({
@@ -307,26 +307,29 @@ export class QueueConsumer {
    * same idempotency key.
    */
   async #deadLetter(message: QueueMessage, answer: Answer, drained: Drained): Promise<void> {
-    const dlq = this.options.deadLetterQueue;
-    if (dlq) {
-      try {
-        await this.queues.send(dlq, {
-          ...(typeof message.message === "object" && message.message !== null ? message.message : {}),
-          dead_letter: { queue: this.options.queue, msg_id: message.msgId, reads: message.readCount, failure: answer },
-        });
-      } catch (error) {
-        drained.left++;
-        this.driver.log({
-          event: "queue.dead_letter_failed",
-          level: "warn",
+    try {
+      await this.queues.send(this.options.deadLetterQueue, {
+        ...(typeof message.message === "object" && message.message !== null ? message.message : {}),
+        dead_letter: {
           queue: this.options.queue,
           msg_id: message.msgId,
-          error: error instanceof Error ? error.message : String(error),
-        });
-        return;
-      }
-      drained.dead_lettered++;
+          reads: message.readCount,
+          message: message.message,
+          failure: { ok: answer.ok, error: answer.error ?? null, output: answer.output },
+        },
+      });
+    } catch (error) {
+      drained.left++;
+      this.driver.log({
+        event: "queue.dead_letter_failed",
+        level: "warn",
+        queue: this.options.queue,
+        msg_id: message.msgId,
+        error: error instanceof Error ? error.message : String(error),
+      });
+      return;
     }
+    drained.dead_lettered++;
     this.driver.log({
       event: "queue.dead_lettered",
       level: "warn",

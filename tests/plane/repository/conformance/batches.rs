@@ -11,6 +11,7 @@ use uuid::Uuid;
 use super::{call, code, hash_text};
 use crate::support::backends::{Backend, TimeTravel};
 use crate::support::LEASE;
+use idempotency_plane::repo::ClaimCall;
 
 const SCOPE: &str = "tool.batch";
 
@@ -42,7 +43,7 @@ async fn every_state(repo: &impl Backend, time: &impl TimeTravel, org: Uuid, h: 
 pub(super) async fn a_batch_answers_exactly_what_single_claims_would(repo: &impl Backend, time: &impl TimeTravel) {
     let h = hash_text("batch");
     let other = hash_text("a changed request");
-    let plan: [(&str, &str); 8] = [
+    let plan: [(&str, &str); 10] = [
         ("fresh", &h),
         ("done", &h),
         ("held", &h),
@@ -51,7 +52,13 @@ pub(super) async fn a_batch_answers_exactly_what_single_claims_would(repo: &impl
         ("fresh", &h),
         ("fresh", &other),
         ("second", &h),
+        // A key whose first occurrence carries work and whose second does not:
+        // the first claims it, with its work.
+        ("worked", &h),
+        ("worked", &h),
     ];
+    let work = json!({"order": 7});
+    let request = |index: usize| (index == 8).then_some(&work);
     let tokens: Vec<Uuid> = plan.iter().map(|_| Uuid::new_v4()).collect();
 
     let (singles_org, batch_org) = (Uuid::new_v4(), Uuid::new_v4());
@@ -59,13 +66,20 @@ pub(super) async fn a_batch_answers_exactly_what_single_claims_would(repo: &impl
     every_state(repo, time, batch_org, &h).await;
 
     let mut singles = Vec::new();
-    for ((key, hash), token) in plan.iter().zip(&tokens) {
-        singles.push(repo.claim(&call(singles_org, SCOPE, key, hash, *token)).await.unwrap());
+    for (index, ((key, hash), token)) in plan.iter().zip(&tokens).enumerate() {
+        let single = ClaimCall { request: request(index), ..call(singles_org, SCOPE, key, hash, *token) };
+        singles.push(repo.claim(&single).await.unwrap());
     }
     let items: Vec<ClaimItem<'_>> = plan
         .iter()
         .zip(&tokens)
-        .map(|((key, hash), token)| ClaimItem { key, request_hash: hash, lease_token: *token, request: None })
+        .enumerate()
+        .map(|(index, ((key, hash), token))| ClaimItem {
+            key,
+            request_hash: hash,
+            lease_token: *token,
+            request: request(index),
+        })
         .collect();
     let batch = ClaimManyCall { organization_id: batch_org, scope: SCOPE, lease: LEASE, items: &items };
     let answered = repo.claim_many(&batch).await.unwrap();
@@ -73,7 +87,11 @@ pub(super) async fn a_batch_answers_exactly_what_single_claims_would(repo: &impl
     assert_eq!(answered.len(), plan.len(), "one row per item");
     let outcomes: Vec<ClaimDecision> = answered.iter().map(|row| row.outcome).collect();
     use ClaimDecision::*;
-    assert_eq!(outcomes, [Claimed, Completed, Processing, Conflict, Reclaimed, Processing, Conflict, Claimed]);
+    assert_eq!(
+        outcomes,
+        [Claimed, Completed, Processing, Conflict, Reclaimed, Processing, Conflict, Claimed, Claimed, Processing]
+    );
+    assert_eq!(answered[8].lease_token, Some(tokens[8]), "the occurrence carrying work holds the key");
     for (index, ((single, batched), token)) in singles.iter().zip(&answered).zip(&tokens).enumerate() {
         assert_eq!(seen(single, *token), seen(batched, *token), "item {index}: {:?}", plan[index]);
         assert_eq!(batched.key, plan[index].0, "item {index} answers its own key");
