@@ -329,10 +329,11 @@ impl<R: IdempotencyRepository + BatchClaims> EffectDriver<R> {
                 }
             }
         }
-        let (journaled, released) = futures_util::join!(
+        let (journaled, released) = futures_util::future::join(
             self.journal_many(organization_id, journals),
-            self.release_all(organization_id, releases)
-        );
+            self.release_all(organization_id, releases),
+        )
+        .await;
         for (index, ending) in journaled.into_iter().chain(released) {
             settled[index] = Some(ending);
         }
