@@ -1,13 +1,15 @@
 //! What the crate ships, against its twins: the embedded migrations against
 //! the Supabase CLI's copy (`migrations`), the README's code against the
 //! public API (`readme`, its stack half with feature `local`), and the
-//! request hash against the vectors the TypeScript client checks too
-//! (`request_hash`), and the Idempotency-Key layer's credential headers
-//! against the TypeScript middleware's list (`typescript`, feature `axum`).
+//! request hash and a tool call's keys against the vectors the TypeScript
+//! client checks too (`request_hash`, `tool_keys`), and the Idempotency-Key
+//! layer's credential headers against the TypeScript middleware's list
+//! (`typescript`, feature `axum`).
 //! Runs under default features.
 
 mod migrations;
 mod readme;
 mod request_hash;
+mod tool_keys;
 #[cfg(feature = "axum")]
 mod typescript;

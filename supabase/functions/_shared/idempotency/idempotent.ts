@@ -1,51 +1,17 @@
 // The whole road in one call: `idempotent()` claims, runs the effect under
-// the claim, and ends it (journal, release or leave to its lease), as AWS
-// Powertools' `makeIdempotent` does for Lambda; `makeIdempotent()` wraps an
-// effect so each call goes through it. Also what an effect sees
-// (EffectContext), the throw that says it did nothing (NothingHappened), and
-// the vendor key it passes on (vendorKey).
+// the claim, and ends it (journal, release or leave to its lease, decided in
+// run_effect.ts), as AWS Powertools' `makeIdempotent` does for Lambda;
+// `makeIdempotent()` wraps an effect so each call goes through it.
 
-import { type Answer, replayable } from "./answer.ts";
+import type { Answer } from "./answer.ts";
 import { PlaneError } from "./errors.ts";
-import { requestHash as hashOf, sha256HexOfBytes } from "./hash.ts";
-import type { Claim, IdempotencyPlane } from "./plane.ts";
+import { requestHash as hashOf } from "./hash.ts";
+import type { IdempotencyPlane } from "./plane.ts";
 import type { Logger } from "./log.ts";
 import { DEFAULT_JOURNAL_DEADLINE_MS, DEFAULT_MARGIN_MS, Timing, withHeartbeat } from "./timing.ts";
-import type { Settle, Settled } from "./held.ts";
+import type { Settled } from "./held.ts";
 import { Attempt, EffectDriver, type EffectSpec } from "./driver.ts";
-
-/**
- * Thrown by an effect that knows it did nothing (it failed before reaching
- * its vendor, or the vendor refused it outright): the claim is released and
- * the next attempt runs the effect. Any other throw leaves the claim to its
- * lease, since the effect may have happened.
- */
-export class NothingHappened extends Error {
-  override readonly name = "NothingHappened";
-  /**
-   * What an Idempotency-Key handler answers the caller (its claim released,
-   * so a retry with the same key runs it again); without one the middleware
-   * answers a 500 problem saying so. `idempotent()` ignores it.
-   */
-  readonly response?: Response;
-
-  constructor(message?: string, options?: { response?: Response; cause?: unknown }) {
-    super(message, options?.cause === undefined ? undefined : { cause: options.cause });
-    this.response = options?.response;
-  }
-}
-
-/** What an effect sees. */
-export interface EffectContext {
-  claim: Claim;
-  /** Aborted at the effect's timeout: pass it to fetch. */
-  signal: AbortSignal;
-  /**
-   * Pass this to the vendor as its idempotency key: stable across attempts
-   * (a reclaim after a crash sends the same one), distinct across tenants.
-   */
-  vendorKey: string;
-}
+import { type EffectContext, runAndEnd } from "./run_effect.ts";
 
 /** What `idempotent` answers. */
 export type IdempotentResult =
@@ -156,65 +122,8 @@ export async function idempotent(
     case "held":
       break;
   }
-  const held = begun.held;
-  const vendor = await vendorKey(held.claim.organizationId, held.claim.scope, held.claim.key);
-  const ran = await held.run((signal) => effect({ claim: held.claim, signal, vendorKey: vendor }));
-  if ("cut" in ran && ran.cut === "not_started") {
-    // The lease could not be confirmed: nothing ran, the claim is left to it.
-    return {
-      status: "failed",
-      error: new PlaneError(
-        "deadline",
-        "the lease could not be confirmed before the deadline; the effect never started",
-      ),
-      settled: await held.settle({ unknown: "the lease could not be confirmed; the effect never started" }),
-    };
-  }
-  if ("cut" in ran && ran.cut === "fence_lost") {
-    // A heartbeat found the claim taken over: the new holder's ending counts.
-    return {
-      status: "failed",
-      error: new PlaneError("lease_lapsed", "the claim was taken over by another worker; the effect was stopped"),
-      settled: await held.settle({ unknown: "the claim was taken over by another worker" }),
-    };
-  }
-  let ended: { value: unknown } | { cut: "threw"; error: unknown } | undefined = "value" in ran || ran.cut === "threw"
-    ? ran
-    : undefined;
-  if (!ended) {
-    // Timed out: an effect that ignores its signal may still be running. Wait
-    // for it until the journal's deadline has LATE_JOURNAL_RESERVE_MS left
-    // (half of it, when shorter) for the journal itself: a value that comes
-    // then is the effect's answer; an effect still running is left to its
-    // lease, never released.
-    ended = await held.late(held.lateDeadline);
-    if (!ended) {
-      return {
-        status: "failed",
-        error: new PlaneError("deadline", "the effect did not return within its timeout"),
-        settled: await held.settle({ unknown: "timed out, and still running" }),
-      };
-    }
-  }
-  if ("value" in ended) {
-    if (!isAnswer(ended.value)) {
-      const error = PlaneError.invalid(
-        "bad_configuration",
-        "the effect must return an Answer ({ ok, output, error?, resource? })",
-      );
-      return {
-        status: "failed",
-        error,
-        settled: await held.settle({ unknown: "the effect returned something that is not an Answer" }),
-      };
-    }
-    // The first answer as the journal holds it, so every replay equals it.
-    const answer = replayable(ended.value);
-    const settled = await held.settle({ journal: answer });
-    return { status: "ran", answer: held.journaled ?? answer, settled };
-  }
-  const settle: Settle = ended.error instanceof NothingHappened ? "release" : { unknown: "the effect threw" };
-  return { status: "failed", error: ended.error, settled: await held.settle(settle) };
+  const ended = await runAndEnd(begun.held, effect);
+  return ended.status === "ran" ? ended : { status: "failed", error: ended.error, settled: ended.settled };
 }
 
 /**
@@ -236,20 +145,4 @@ export function makeIdempotent<I>(
       organizationId: config.organizationOf(input),
       request: input,
     });
-}
-
-function isAnswer(value: unknown): value is Answer {
-  return value !== null && typeof value === "object" && typeof (value as Answer).ok === "boolean";
-}
-
-/** `hex(sha256(organization bytes ":" scope ":" key))`, as the Rust tool guard computes it. */
-export async function vendorKey(organizationId: string, scope: string, key: string): Promise<string> {
-  const hex = organizationId.replaceAll("-", "");
-  const organization = new Uint8Array(16);
-  for (let i = 0; i < 16; i++) organization[i] = parseInt(hex.slice(2 * i, 2 * i + 2), 16);
-  const rest = new TextEncoder().encode(`:${scope}:${key}`);
-  const bytes = new Uint8Array(16 + rest.length);
-  bytes.set(organization);
-  bytes.set(rest, 16);
-  return await sha256HexOfBytes(bytes);
 }

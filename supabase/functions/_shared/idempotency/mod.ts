@@ -61,6 +61,7 @@ export {
   DEFAULT_MARGIN_MS,
   MIN_HEARTBEAT_LEASE_MS,
   MIN_MARGIN_MS,
+  RetryHorizon,
   Timing,
 } from "./timing.ts";
 export { monotonicNow } from "./clock.ts";
@@ -72,8 +73,25 @@ export { beginMany, driveMany, endingName, isDone, settleMany } from "./batch.ts
 export type { BatchItem, BatchReport, BatchSpec, ItemEnding } from "./batch.ts";
 export { QueueConsumer, Queues, QUEUES_SCHEMA } from "./queue.ts";
 export type { ConsumerOptions, Drained, MessageContext, QueueMessage } from "./queue.ts";
-export { idempotent, makeIdempotent, NothingHappened, vendorKey } from "./idempotent.ts";
-export type { EffectContext, IdempotentOptions, IdempotentResult } from "./idempotent.ts";
+export { idempotent, makeIdempotent } from "./idempotent.ts";
+export type { IdempotentOptions, IdempotentResult } from "./idempotent.ts";
+export { NothingHappened, runAndEnd } from "./run_effect.ts";
+export type { EffectContext, EffectEnded, NoAnswer } from "./run_effect.ts";
+export { vendorKey } from "./vendor_key.ts";
+export { DEFAULT_TOOL_LEASE_MARGIN_MS, LEASE_MARGIN_RANGE_MS, STEP_BUDGET_MS, ToolGuard, toolSpec } from "./tool.ts";
+export type {
+  Checkpoint,
+  Reconciler,
+  RepeatSafety,
+  ToolCall,
+  ToolGuardOptions,
+  ToolInvocation,
+  ToolRun,
+  ToolSpec,
+} from "./tool.ts";
+export { ToolError } from "./tool_error.ts";
+export type { ToolErrorKind } from "./tool_error.ts";
+export { toolCallKey, toolKey } from "./tool_key.ts";
 export { consoleLogger, silent } from "./log.ts";
 export type { Logger, PlaneEvent } from "./log.ts";
 export {

@@ -21,7 +21,7 @@ import type { EffectDriver } from "./driver.ts";
 import { PlaneError } from "./errors.ts";
 import { requestHash } from "./hash.ts";
 import type { Settle } from "./held.ts";
-import { vendorKey } from "./idempotent.ts";
+import { vendorKey } from "./vendor_key.ts";
 import { type Claim, MAX_KEY_CHARS, type PlaneSource } from "./plane.ts";
 import type { Timing } from "./timing.ts";
 

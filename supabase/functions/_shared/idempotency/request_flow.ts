@@ -9,7 +9,7 @@
 
 import { storedSize, success } from "./answer.ts";
 import { PlaneError } from "./errors.ts";
-import { NothingHappened } from "./idempotent.ts";
+import { NothingHappened } from "./run_effect.ts";
 import bodyHeaders from "./body_headers.json" with { type: "json" };
 import { checkOrganization } from "./plane.ts";
 import { fingerprint, scopeOf } from "./fingerprint.ts";

@@ -111,3 +111,51 @@ export class Timing {
 export function withHeartbeat(timing: Timing, heartbeatLeaseMs: number | undefined): Timing {
   return heartbeatLeaseMs === undefined ? timing : timing.withHeartbeats(heartbeatLeaseMs);
 }
+
+/**
+ * How long after its first attempt a caller's retrier (an orchestrator, a
+ * scheduler, a webhook vendor) makes its last one. A claim's lease must pass
+ * before then: a worker stopped while holding the claim otherwise blocks every
+ * attempt left, and the work fails on a worker that died seconds after it
+ * started. The Rust client's `RetryHorizon`.
+ */
+export class RetryHorizon {
+  /** From the first attempt to the last, in ms. */
+  readonly untilLastMs: number;
+
+  private constructor(untilLastMs: number) {
+    if (!(untilLastMs >= 0) || !Number.isFinite(untilLastMs)) {
+      throw PlaneError.invalid(
+        "bad_configuration",
+        `a retry horizon must be a finite number of ms, got ${untilLastMs}`,
+      );
+    }
+    this.untilLastMs = untilLastMs;
+  }
+
+  /** The last attempt starts at least `ms` after the first one. */
+  static untilLastAttempt(ms: number): RetryHorizon {
+    return new RetryHorizon(ms);
+  }
+
+  /**
+   * A retrier that retries a failed step `retries` times, waiting `initialMs`
+   * before the first retry and doubling the wait up to `maxDelayMs`. Counts the
+   * least it waits: jitter only adds.
+   */
+  static exponential(retries: number, initialMs: number, maxDelayMs: number): RetryHorizon {
+    if (!Number.isInteger(retries) || retries < 0 || !(initialMs >= 0) || !(maxDelayMs >= 0)) {
+      throw PlaneError.invalid(
+        "bad_configuration",
+        `exponential(${retries}, ${initialMs}, ${maxDelayMs}): retries must be a whole number and both delays at least 0`,
+      );
+    }
+    let delay = Math.min(initialMs, maxDelayMs);
+    let total = 0;
+    for (let retry = 0; retry < retries; retry++) {
+      total += delay;
+      delay = Math.min(delay * 2, maxDelayMs);
+    }
+    return new RetryHorizon(total);
+  }
+}

@@ -1,0 +1,475 @@
+// The tool guard's decisions against a real plane (`idem up`), as the Rust
+// guard's tests make them: what is raised (never returned) to a replaying
+// orchestrator, the retry horizon, read → checkpoint → claim, the three
+// endings, the reconcile hook, and the keys both clients derive alike. The
+// crash cases stop a worker process with SIGKILL after its vendor applied the
+// call and before the answer was journaled.
+
+import assert from "node:assert/strict";
+import {
+  type Answer,
+  failure,
+  NothingHappened,
+  type Reconciler,
+  RetryHorizon,
+  success,
+  type ToolCall,
+  toolCallKey,
+  ToolError,
+  type ToolErrorKind,
+  ToolGuard,
+  type ToolGuardOptions,
+  type ToolInvocation,
+  toolKey,
+  toolSpec,
+  vendorKey,
+} from "../_shared/idempotency/mod.ts";
+import { hashOf, Lossy, organization, plane, sleep } from "./support.ts";
+
+const SCOPE = "tool.email.send";
+const HOUR = RetryHorizon.untilLastAttempt(60 * 60_000);
+
+/** A guard with short deadlines: a 1 s tool's lease is 3 s. */
+function guard(options: Partial<ToolGuardOptions> & { fetch?: typeof fetch } = {}): ToolGuard {
+  return new ToolGuard(plane({ fetch: options.fetch }), {
+    horizon: HOUR,
+    journalDeadlineMs: 1_000,
+    leaseMarginMs: 1_000,
+    ...options,
+  });
+}
+
+/** One call of a fresh Run's step, with `tool` counting its runs. */
+function invocation(extra: Partial<ToolInvocation> = {}): ToolInvocation & { runs: () => number } {
+  let runs = 0;
+  const tool = extra.tool ?? (() => success({ message_id: "m-1" }));
+  return {
+    organizationId: organization(),
+    spec: toolSpec(SCOPE, 1_000, "vendor_key"),
+    key: toolKey(crypto.randomUUID(), "send-welcome"),
+    arguments: { to: "a@example.com" },
+    ...extra,
+    tool: (call) => {
+      runs += 1;
+      return tool(call);
+    },
+    runs: () => runs,
+  };
+}
+
+/** Asserts `promise` rejects with a ToolError of `kind`, and answers it. */
+async function raises(promise: Promise<unknown>, kind: ToolErrorKind): Promise<ToolError> {
+  try {
+    const value = await promise;
+    assert.fail(`expected a ToolError of kind ${kind}, got the value ${JSON.stringify(value)}`);
+  } catch (error) {
+    if (!(error instanceof ToolError)) throw error;
+    assert.equal(error.kind, kind, error.message);
+    return error;
+  }
+}
+
+/** A predicate for assert.throws: a ToolError of `kind`. */
+function isKind(kind: ToolErrorKind): (error: unknown) => boolean {
+  return (error) => error instanceof ToolError && error.kind === kind;
+}
+
+/** What the journal answers for the call now. */
+async function journal(call: ToolInvocation): Promise<string> {
+  const read = await plane().read({
+    organizationId: call.organizationId,
+    scope: call.spec.scope,
+    key: call.key,
+    requestHash: await hashOf(call.arguments),
+  });
+  return read.outcome;
+}
+
+Deno.test("the vendor key and the step keys are the ones the Rust client derives (shared vectors)", async () => {
+  const vectors = JSON.parse(
+    await Deno.readTextFile(new URL("../../../tests/vectors/tool_keys.json", import.meta.url)),
+  );
+  assert.ok(vectors.vendor_key.length >= 5 && vectors.tool_key.length >= 5);
+  for (const v of vectors.vendor_key) {
+    assert.equal(await vendorKey(v.organization_id, v.scope, v.key), v.vendor_key, JSON.stringify(v));
+  }
+  for (const v of vectors.tool_key) {
+    const key = v.call_index === undefined
+      ? toolKey(v.run_id, v.step_id)
+      : toolCallKey(v.run_id, v.step_id, v.call_index);
+    assert.equal(key, v.key, JSON.stringify(v));
+  }
+  // Injective where a step id looks like a call suffix.
+  assert.notEqual(toolKey("r", "charge:call:0"), toolCallKey("r", "charge", 0));
+  assert.notEqual(toolKey("r:1", "s"), toolKey("r", "1:s"));
+  assert.throws(() => toolKey("", "s"), /empty/);
+  assert.throws(() => toolCallKey("r", "s", -1), /call index/);
+  await assert.rejects(() => vendorKey("not-a-uuid", SCOPE, "k"), /UUID/);
+});
+
+Deno.test("a tool spec refuses non-tool scopes and timeouts above the step budget; a guard refuses margins out of range", () => {
+  assert.doesNotThrow(() => toolSpec(SCOPE, 120_000, "vendor_key"));
+  for (const [scope, timeout] of [[SCOPE, 120_001], [SCOPE, 0], ["webhook.nylas", 5_000], ["tool.", 5_000]] as const) {
+    assert.throws(() => toolSpec(scope, timeout, "vendor_key"), isKind("bad_configuration"), `${scope} ${timeout}`);
+  }
+  assert.throws(() => toolSpec(SCOPE, 1_000, {} as never), /repeat safety/);
+  for (const leaseMarginMs of [0, 999, 300_001]) {
+    assert.throws(() => guard({ leaseMarginMs }), isKind("bad_configuration"));
+  }
+  assert.throws(() => guard({ heartbeatLeaseMs: 2_000 }), isKind("bad_configuration"));
+  const spec = toolSpec(SCOPE, 3_000, "vendor_key");
+  assert.equal(guard({ leaseMarginMs: 7_000 }).leaseFor(spec), 3_000 + 1_000 + 7_000, "timeout + journal + margin");
+});
+
+Deno.test("retry horizon: a lease that outlasts the orchestrator's last attempt is refused, one that passes before it is not", async () => {
+  // Four retries from 1 s, doubling up to a minute: the last attempt comes 15 s after the first.
+  const horizon = RetryHorizon.exponential(4, 1_000, 60_000);
+  assert.equal(horizon.untilLastMs, 15_000);
+  assert.equal(
+    RetryHorizon.exponential(10, 10_000, 30_000).untilLastMs,
+    10_000 + 20_000 + 30_000 * 8,
+    "each wait capped",
+  );
+  const g = guard({ horizon, leaseMarginMs: 4_000 });
+  assert.doesNotThrow(() => g.check(toolSpec(SCOPE, 9_000, "vendor_key")), "lease 14 s < 15 s");
+  assert.throws(
+    () => g.check(toolSpec(SCOPE, 10_000, "vendor_key")),
+    isKind("lease_outlasts_retries"),
+    "15 s is not < 15 s",
+  );
+  // run() refuses it too, before anything is read or claimed.
+  const call = invocation({ spec: toolSpec(SCOPE, 10_000, "vendor_key") });
+  const error = await raises(g.run(call), "lease_outlasts_retries");
+  assert.equal(error.retryable, false);
+  assert.equal(call.runs(), 0);
+  assert.equal(await journal(call), "absent");
+});
+
+Deno.test("time spent in the checkpoint counts against the retry horizon, and no key is taken", async () => {
+  // Lease 3 s against a 4 s horizon: a 1.2 s checkpoint leaves it outlasting the last attempt.
+  const g = guard({ horizon: RetryHorizon.untilLastAttempt(4_000) });
+  const call = invocation({ checkpoint: async () => (await sleep(1_200), "allow" as const) });
+  await raises(g.run(call), "lease_outlasts_retries");
+  assert.equal(call.runs(), 0);
+  assert.equal(await journal(call), "absent");
+});
+
+Deno.test("a success is journaled and every later attempt replays it without running the tool or the checkpoint", async () => {
+  const g = guard();
+  let checkpoints = 0;
+  const call = invocation({
+    tool: (c: ToolCall) => success({ message_id: "m-1", vendor_key: c.vendorKey }),
+    checkpoint: () => (checkpoints++, "allow"),
+  });
+  const first = await g.run(call);
+  assert.equal(first.status, "executed");
+  const replay = await g.run(call);
+  assert.deepEqual(replay, { status: "replayed", answer: (first as { answer: Answer }).answer });
+  assert.equal(
+    JSON.stringify(replay.status === "replayed" && replay.answer),
+    JSON.stringify((first as { answer: Answer }).answer),
+  );
+  assert.equal(call.runs(), 1);
+  assert.equal(checkpoints, 1, "a replay never calls the checkpoint");
+  const expected = await vendorKey(call.organizationId, SCOPE, call.key);
+  assert.equal(
+    ((first as { answer: Answer }).answer.output as { vendor_key?: string }).vendor_key,
+    expected,
+    "the tool got the tenant's vendor key",
+  );
+});
+
+Deno.test("a business failure completes the claim and replays as the same failure", async () => {
+  const g = guard();
+  const call = invocation({ tool: () => failure("not_found", { id: 7 }) });
+  const first = await g.run(call);
+  assert.equal(first.status, "executed");
+  const replay = await g.run(call);
+  assert.equal(replay.status, "replayed");
+  assert.deepEqual(replay.status === "replayed" && replay.answer, (first as { answer: Answer }).answer);
+  assert.equal((first as { answer: Answer }).answer.ok, false);
+  assert.equal(call.runs(), 1);
+});
+
+Deno.test("a retryable failure (NothingHappened) releases the claim and is raised; the next attempt executes", async () => {
+  const g = guard();
+  let fail = true;
+  const call = invocation({
+    tool: () => {
+      if (fail) throw new NothingHappened("vendor answered 429");
+      return success({ message_id: "m-2" });
+    },
+  });
+  const error = await raises(g.run(call), "retryable_failure");
+  assert.equal(error.retryable, true);
+  assert.equal(error.settled?.ending, "released");
+  assert.equal(await journal(call), "absent", "released: no claim is left");
+  fail = false;
+  assert.equal((await g.run(call)).status, "executed");
+  assert.equal(call.runs(), 2);
+});
+
+Deno.test("a live claim on the call's own key is raised as in_flight with when to retry, never a result", async () => {
+  const g = guard();
+  let release!: () => void;
+  const blocked = new Promise<void>((resolve) => (release = resolve));
+  const entered = Promise.withResolvers<void>();
+  const call = invocation({
+    spec: toolSpec(SCOPE, 20_000, "vendor_key"),
+    tool: async () => (entered.resolve(), await blocked, success({ n: 1 })),
+  });
+  const first = g.run(call);
+  await entered.promise;
+  let checkpoints = 0;
+  const second = await raises(g.run({ ...call, checkpoint: () => (checkpoints++, "allow") }), "in_flight");
+  assert.equal(second.retryable, true);
+  assert.ok(second.retryAfter instanceof Date && second.retryAfter.getTime() > Date.now(), "the lease is live");
+  assert.equal(checkpoints, 0, "a call in flight never calls the checkpoint");
+  release();
+  assert.equal((await first).status, "executed");
+  assert.equal(call.runs(), 1);
+});
+
+Deno.test("the journal is read before the checkpoint and claimed after it: a held call takes no key", async () => {
+  const g = guard();
+  const call = invocation({ checkpoint: () => "hold" });
+  assert.deepEqual(await g.run(call), { status: "held" });
+  assert.equal(call.runs(), 0);
+  assert.equal(await journal(call), "absent", "no key was taken while the call waits for approval");
+  assert.equal((await g.run({ ...call, checkpoint: () => "allow" })).status, "executed");
+  assert.equal(call.runs(), 1);
+});
+
+Deno.test("the same key with other arguments is a conflict, not retryable, and nothing runs", async () => {
+  const g = guard();
+  const call = invocation();
+  await g.run(call);
+  const error = await raises(g.run({ ...call, arguments: { to: "b@example.com" } }), "conflict");
+  assert.equal(error.retryable, false);
+  assert.equal(call.runs(), 1);
+});
+
+Deno.test("a tool that overruns its timeout is raised as timed_out and its claim waits for the lease", async () => {
+  const g = guard();
+  const call = invocation({ tool: () => new Promise<Answer>(() => {}) });
+  const error = await raises(g.run(call), "timed_out");
+  assert.equal(error.retryable, true);
+  assert.equal(error.settled?.ending, "left_to_lease");
+  assert.equal(await journal(call), "processing", "the effect is unknown: nothing released");
+  await raises(g.run({ ...call, tool: () => success({}) }), "in_flight");
+});
+
+Deno.test("a tool that throws leaves its claim to the lease; after it, the retry reclaims with the same vendor key", async () => {
+  const g = guard();
+  const keys: string[] = [];
+  let throwing = true;
+  const call = invocation({
+    tool: (c: ToolCall) => {
+      keys.push(c.vendorKey);
+      if (throwing) throw new Error("socket closed after the request was sent");
+      return success({ reclaimed: c.claim.reclaimed });
+    },
+  });
+  const error = await raises(g.run(call), "threw");
+  assert.equal(error.retryable, true);
+  assert.equal(error.settled?.ending, "left_to_lease");
+  const inFlight = await raises(g.run(call), "in_flight");
+  await sleep(Math.max(0, (inFlight.retryAfter?.getTime() ?? 0) - Date.now()) + 300);
+  throwing = false;
+  const run = await g.run(call);
+  assert.deepEqual(run, { status: "executed", answer: success({ reclaimed: true }) });
+  assert.equal(keys.length, 2);
+  assert.equal(keys[0], keys[1], "the vendor sees one key for both attempts");
+});
+
+Deno.test("an answer that cannot be journaled before the deadline is raised as not_journaled and the claim is left to its lease", async () => {
+  const lossy = new Lossy().loseNext("idempotency_complete", 1_000);
+  const g = guard({ fetch: lossy.fetch });
+  const call = invocation();
+  const error = await raises(g.run(call), "not_journaled");
+  assert.equal(error.retryable, true);
+  assert.equal(error.settled?.ending, "left_to_lease");
+  assert.equal(call.runs(), 1);
+});
+
+Deno.test("a plane that cannot be reached is a retryable ToolError of kind plane, before any tool runs", async () => {
+  const lossy = new Lossy().refuseAll();
+  const call = invocation();
+  const error = await raises(guard({ fetch: lossy.fetch }).run(call), "plane");
+  assert.equal(error.retryable, true);
+  assert.equal(call.runs(), 0);
+  const invalid = await raises(guard().run({ ...call, organizationId: "nope" }), "plane");
+  assert.equal(invalid.retryable, false, "invalid input is not retried");
+});
+
+Deno.test("with heartbeats a call is claimed for a short lease that its beats keep past its end", async () => {
+  const g = guard({ heartbeatLeaseMs: 3_000 });
+  const spec = toolSpec(SCOPE, 8_000, "vendor_key");
+  assert.equal(g.leaseFor(spec), 3_000);
+  const call = invocation({ spec, tool: async () => (await sleep(4_500), success({ slow: true })) });
+  const run = g.run(call);
+  await sleep(3_800);
+  assert.equal(await journal(call), "processing", "the beats kept the 3 s lease alive");
+  assert.equal((await run).status, "executed");
+});
+
+// A simulated vendor: applies each request once per Idempotency-Key (when
+// given), and lists what it sent by the caller's reference.
+function vendor() {
+  const byKey = new Map<string, unknown>();
+  const sent: { id: string; reference: string }[] = [];
+  let requests = 0;
+  const server = Deno.serve({ port: 0, hostname: "127.0.0.1", onListen() {} }, async (request) => {
+    requests += 1;
+    const body = await request.json();
+    const key = request.headers.get("idempotency-key");
+    if (key && byKey.has(key)) return Response.json(byKey.get(key));
+    const message = { id: `msg-${sent.length + 1}`, reference: body.reference as string };
+    sent.push(message);
+    if (key) byKey.set(key, message);
+    return Response.json(message);
+  });
+  return {
+    url: `http://127.0.0.1:${server.addr.port}/`,
+    sent,
+    requests: () => requests,
+    stop: () => server.shutdown(),
+  };
+}
+
+/** Runs tool_step_worker.ts and kills it with SIGKILL once its vendor applied the call. */
+async function killedAfterTheVendor(call: ToolInvocation, vendorUrl: string, repeat: string): Promise<void> {
+  const child = new Deno.Command(Deno.execPath(), {
+    args: [
+      "run",
+      "--frozen",
+      "--allow-net",
+      "--allow-env",
+      "--allow-read",
+      new URL("./tool_step_worker.ts", import.meta.url).pathname,
+    ],
+    env: {
+      ORGANIZATION_ID: call.organizationId,
+      TOOL_KEY: call.key,
+      ARGUMENTS: JSON.stringify(call.arguments),
+      VENDOR_URL: vendorUrl,
+      REPEAT: repeat,
+      TIMEOUT_MS: String(call.spec.timeoutMs),
+    },
+    stdout: "piped",
+    stderr: "inherit",
+  }).spawn();
+  const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  let text = "";
+  while (!text.includes("vendor answered")) {
+    const { value, done } = await reader.read();
+    if (done) throw new Error(`the worker stopped before its vendor answered: ${text}`);
+    text += value;
+  }
+  child.kill("SIGKILL");
+  const status = await child.status;
+  assert.equal(status.signal, "SIGKILL", "the worker was killed, not ended");
+  await reader.cancel().catch(() => {});
+}
+
+/** Waits until the lease an in_flight error names has passed. */
+async function afterTheLease(error: ToolError): Promise<void> {
+  assert.ok(error.retryAfter, "in_flight says when to retry");
+  await sleep(Math.max(0, error.retryAfter.getTime() - Date.now()) + 300);
+}
+
+Deno.test("a worker killed after its vendor applied the call: the retry reclaims, and the vendor key makes it a replay at the vendor", async () => {
+  const v = vendor();
+  try {
+    const g = guard();
+    const call = invocation({
+      spec: toolSpec(SCOPE, 3_000, "vendor_key"),
+      tool: async (c: ToolCall) => {
+        const response = await fetch(v.url, {
+          method: "POST",
+          headers: { "idempotency-key": c.vendorKey },
+          body: JSON.stringify({ reference: call.key }),
+          signal: c.signal,
+        });
+        return success({ message: await response.json(), reclaimed: c.claim.reclaimed });
+      },
+    });
+    await killedAfterTheVendor(call, v.url, "vendor_key");
+    assert.equal(v.sent.length, 1);
+    // The orchestrator's retry meets the dead worker's live claim: raised, with when to retry.
+    await afterTheLease(await raises(g.run(call), "in_flight"));
+    const run = await g.run(call);
+    assert.deepEqual(run, { status: "executed", answer: success({ message: v.sent[0], reclaimed: true }) });
+    assert.equal(v.requests(), 2, "the retry reached the vendor");
+    assert.equal(v.sent.length, 1, "and the vendor applied it once");
+    assert.deepEqual(await g.run(call), {
+      status: "replayed",
+      answer: success({ message: v.sent[0], reclaimed: true }),
+    });
+    assert.equal(v.requests(), 2);
+  } finally {
+    await v.stop();
+  }
+});
+
+Deno.test("reconcile: a worker killed after a keyless vendor applied the call is reconciled, and the vendor is not called again", async () => {
+  const v = vendor();
+  try {
+    const g = guard();
+    const reconciler: Reconciler = (c) => {
+      const found = v.sent.find((m) => m.reference === c.claim.key);
+      return Promise.resolve(found ? success({ message: found }) : undefined);
+    };
+    const call = invocation({
+      spec: toolSpec(SCOPE, 3_000, { reconcile: reconciler }),
+      tool: () => assert.fail("the vendor must not be called again"),
+    });
+    await killedAfterTheVendor(call, v.url, "reconcile");
+    await afterTheLease(await raises(g.run(call), "in_flight"));
+    const run = await g.run(call);
+    assert.deepEqual(run, { status: "reconciled", answer: success({ message: v.sent[0] }) });
+    assert.equal(call.runs(), 0);
+    assert.equal(v.sent.length, 1);
+    assert.deepEqual(await g.run(call), { status: "replayed", answer: success({ message: v.sent[0] }) });
+  } finally {
+    await v.stop();
+  }
+});
+
+/** A call whose first attempt threw after claiming (its effect unknown), with the lease then passed. */
+async function abandoned(g: ToolGuard, call: ToolInvocation): Promise<void> {
+  await raises(g.run({ ...call, tool: () => Promise.reject(new Error("stopped")) }), "threw");
+  await afterTheLease(await raises(g.run(call), "in_flight"));
+}
+
+Deno.test("reconcile that finds nothing executes exactly once; a first attempt never asks the reconciler", async () => {
+  const g = guard();
+  let asked = 0;
+  const reconciler: Reconciler = () => (asked++, Promise.resolve(undefined));
+  const spec = toolSpec(SCOPE, 1_000, { reconcile: reconciler });
+  const fresh = invocation({ spec });
+  assert.equal((await g.run(fresh)).status, "executed");
+  assert.equal(asked, 0, "a first claim is not a repeat");
+  const call = invocation({ spec });
+  await abandoned(g, call);
+  assert.equal((await g.run(call)).status, "executed");
+  assert.equal(asked, 1);
+  assert.equal(call.runs(), 1);
+});
+
+Deno.test("reconcile that cannot tell keeps the claim, so the next attempt asks again", async () => {
+  const g = guard();
+  let tell = false;
+  const reconciler: Reconciler = () =>
+    tell ? Promise.resolve(success({ found: true })) : Promise.reject(new Error("vendor search is down"));
+  const call = invocation({ spec: toolSpec(SCOPE, 1_000, { reconcile: reconciler }) });
+  await abandoned(g, call);
+  const error = await raises(g.run(call), "reconcile_failed");
+  assert.equal(error.retryable, true);
+  assert.equal(error.settled?.ending, "left_to_lease");
+  assert.equal(await journal(call), "processing", "kept: a release would let the next attempt run without asking");
+  await afterTheLease(await raises(g.run(call), "in_flight"));
+  tell = true;
+  assert.deepEqual(await g.run(call), { status: "reconciled", answer: success({ found: true }) });
+  assert.equal(call.runs(), 0);
+});

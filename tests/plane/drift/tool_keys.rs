@@ -1,0 +1,66 @@
+//! The keys a tool call derives, against `tests/vectors/tool_keys.json`,
+//! which the TypeScript client's tests check too: the vendor key a tenant
+//! hands its vendor, and the plane's key of a Run's step. A call guarded in
+//! Rust and retried from TypeScript (or the other way round) must meet the
+//! same claim and reach the vendor with the same key. The vectors were made
+//! with Python's `hashlib`, independently of both clients.
+
+use idempotency_plane::callers::tool::{vendor_key, ToolKey};
+use serde::Deserialize;
+use uuid::Uuid;
+
+#[derive(Deserialize)]
+struct Vectors {
+    vendor_key: Vec<VendorKey>,
+    tool_key: Vec<StepKey>,
+}
+
+#[derive(Deserialize)]
+struct VendorKey {
+    organization_id: Uuid,
+    scope: String,
+    key: String,
+    vendor_key: String,
+}
+
+#[derive(Deserialize)]
+struct StepKey {
+    run_id: Uuid,
+    step_id: String,
+    call_index: Option<u32>,
+    key: String,
+}
+
+fn vectors() -> Vectors {
+    serde_json::from_str(include_str!("../../vectors/tool_keys.json"))
+        .expect("tests/vectors/tool_keys.json holds vendor_key and tool_key vectors")
+}
+
+#[test]
+fn every_vendor_key_vector_is_derived_alike() {
+    let vectors = vectors().vendor_key;
+    assert!(vectors.len() >= 5, "{} vectors", vectors.len());
+    for v in &vectors {
+        assert_eq!(
+            vendor_key(v.organization_id, &v.scope, &v.key),
+            v.vendor_key,
+            "{} {} {}",
+            v.organization_id,
+            v.scope,
+            v.key
+        );
+    }
+}
+
+#[test]
+fn every_tool_key_vector_is_built_alike() {
+    let vectors = vectors().tool_key;
+    assert!(vectors.len() >= 5, "{} vectors", vectors.len());
+    for v in &vectors {
+        let key = match v.call_index {
+            None => ToolKey::for_step(v.run_id, &v.step_id),
+            Some(index) => ToolKey::for_step_call(v.run_id, &v.step_id, index),
+        };
+        assert_eq!(key.as_str(), v.key, "run {} step {:?} index {:?}", v.run_id, v.step_id, v.call_index);
+    }
+}
