@@ -9,7 +9,7 @@
 import assert from "node:assert/strict";
 import { consumer } from "../queue-consumer/index.ts";
 import { type Drained, IdempotencyPlane, Queues, requestHash, vendorKey } from "../_shared/idempotency/mod.ts";
-import { KEY, killHard, organization, serve, sleep, URL_ } from "./support.ts";
+import { functionOf, KEY, killHard, organization, serve, sleep, URL_ } from "./support.ts";
 
 const QUEUE = "consumer_test";
 const DLQ = "consumer_test_dlq";
@@ -29,8 +29,20 @@ function vendor(answerFor: (payload: { fail?: number }) => number) {
   return { effects, url: `http://127.0.0.1:${server.addr.port}/`, stop: () => server.shutdown() };
 }
 
-function setup(org: string, processUrl: string, extra: Record<string, string> = {}) {
-  const queues = Queues.connect({ url: URL_, key: KEY });
+/**
+ * A fetch for the queue's Data API that refuses, before sending, every call
+ * of a function named in `refused` (a connection refused): the call makes
+ * nothing happen, however often the client tries it.
+ */
+function refusing(refused: Set<string>): typeof fetch {
+  return (input, init) =>
+    refused.has(functionOf(input))
+      ? Promise.reject(new TypeError("error sending request: Connection refused (os error 111)"))
+      : fetch(input, init);
+}
+
+function setup(org: string, processUrl: string, extra: Record<string, string> = {}, queueFetch?: typeof fetch) {
+  const queues = Queues.connect({ url: URL_, key: KEY, fetch: queueFetch });
   const env: Record<string, string> = {
     QUEUE_NAME: QUEUE,
     DEAD_LETTER_QUEUE: DLQ,
@@ -176,6 +188,72 @@ Deno.test("the same key with another payload is a conflict: dead-lettered, never
       (letter.message as { dead_letter: { failure: { error: string } } }).dead_letter.failure.error,
       "conflict",
     );
+  } finally {
+    await downstream.stop();
+  }
+});
+
+Deno.test("an archive that fails leaves the message; its next delivery replays the answer and archives it, the effect once", async () => {
+  const downstream = vendor(() => 200);
+  const org = organization();
+  const refused = new Set<string>();
+  const { queues, drain } = setup(org, downstream.url, {}, refusing(refused));
+  await empty(queues);
+  try {
+    const key = `order-${crypto.randomUUID()}`;
+    await queues.send(QUEUE, { idempotency_key: key, payload: { sku: 9 } });
+    refused.add("archive");
+    const first = await drain();
+    assert.deepEqual(
+      { ran: first.ran, archived: first.archived, left: first.left },
+      { ran: 1, archived: 0, left: 1 },
+      JSON.stringify(first),
+    );
+    refused.clear();
+    await sleep(6_000);
+    const second = await drain();
+    assert.deepEqual(
+      { read: second.read, ran: second.ran, replayed: second.replayed, archived: second.archived },
+      { read: 1, ran: 0, replayed: 1, archived: 1 },
+      JSON.stringify(second),
+    );
+    assert.equal(downstream.effects.get(await vendorKey(org, `queue.${QUEUE}`, key)), 1, "one effect");
+    assert.equal((await drain()).read, 0, "nothing left");
+  } finally {
+    await downstream.stop();
+  }
+});
+
+Deno.test("a dead-letter send that fails leaves the message, never archived unseen; its next delivery dead-letters it once", async () => {
+  const downstream = vendor((payload) => payload.fail ?? 200);
+  const org = organization();
+  const refused = new Set<string>();
+  const { queues, drain } = setup(org, downstream.url, {}, refusing(refused));
+  await empty(queues);
+  try {
+    const key = `refund-${crypto.randomUUID()}`;
+    await queues.send(QUEUE, { idempotency_key: key, payload: { fail: 422 } });
+    refused.add("send");
+    const first = await drain();
+    assert.deepEqual(
+      { failed: first.failed, dead_lettered: first.dead_lettered, archived: first.archived, left: first.left },
+      { failed: 1, dead_lettered: 0, archived: 0, left: 1 },
+      JSON.stringify(first),
+    );
+    assert.equal((await queues.read(DLQ, 60, 10)).length, 0, "nothing reached the dead-letter queue");
+    refused.clear();
+    await sleep(6_000);
+    const second = await drain();
+    assert.deepEqual(
+      { replayed: second.replayed, dead_lettered: second.dead_lettered, archived: second.archived },
+      { replayed: 1, dead_lettered: 1, archived: 1 },
+      JSON.stringify(second),
+    );
+    const letters = await queues.read(DLQ, 60, 10);
+    assert.equal(letters.length, 1);
+    assert.equal((letters[0].message as { idempotency_key: string }).idempotency_key, key);
+    assert.equal(downstream.effects.size, 0);
+    assert.equal((await drain()).read, 0, "nothing left");
   } finally {
     await downstream.stop();
   }
