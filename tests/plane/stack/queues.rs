@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::support::harness::*;
+use crate::support::proxy::RpcProxy;
 
 /// The queue and its dead-letter queue (their tables, `pgmq.q_rust_queue`,
 /// `pgmq.a_rust_queue` and `pgmq.q_rust_queue_dlq`, are read below).
@@ -47,11 +48,15 @@ async fn fixture() -> Fixture {
 
 impl Fixture {
     fn consumer(&self, max_reads: i32) -> QueueConsumer<PostgrestRepository> {
+        self.consumer_of(max_reads, Queues::new(self.stack.client_config().expect("a config")).expect("queues"))
+    }
+
+    /// A consumer that reaches the queues through `queues`.
+    fn consumer_of(&self, max_reads: i32, queues: Queues) -> QueueConsumer<PostgrestRepository> {
         let driver = EffectDriver::new(service(&self.stack));
         let mut options = ConsumerOptions::new(QUEUE, DLQ, self.org, timing());
         options.max_reads = max_reads;
         options.batch_size = 20;
-        let queues = Queues::new(self.stack.client_config().expect("a config")).expect("queues");
         QueueConsumer::new(driver, queues, options).expect("a consumer")
     }
 
@@ -172,6 +177,42 @@ async fn a_message_that_keeps_failing_is_dead_lettered_after_max_reads() {
     let letters = f.dead_letters().await;
     assert_eq!(letters[0]["dead_letter"]["failure"]["error"], "dead_lettered");
     assert_eq!(letters[0]["dead_letter"]["reads"], 3);
+    f.stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_archive_or_a_dead_letter_send_that_fails_leaves_the_message_for_its_next_delivery() {
+    let f = fixture().await;
+    // The consumer reaches pgmq_public through a proxy that closes chosen
+    // calls before they are forwarded: pgmq never sees them.
+    let proxy = RpcProxy::start(f.stack.url()).await;
+    let consumer = f.consumer_of(5, Queues::new(proxy.client_config(f.stack.service_key())).expect("queues"));
+    f.send(json!({"idempotency_key": "order-9", "payload": {"sku": 9}})).await;
+    f.send(json!({"idempotency_key": "refund-9", "payload": {"status": 422}})).await;
+    proxy.drop_next_unsent("archive", 1_000);
+    proxy.drop_next_unsent("send", 1_000);
+
+    let first = f.drain(&consumer).await;
+    assert_eq!(
+        (first.ran, first.failed, first.archived, first.dead_lettered, first.left),
+        (2, 1, 0, 0, 2),
+        "neither archived nor dead-lettered: both left, their answers journaled"
+    );
+    assert_eq!((f.archived().await, f.dead_letters().await.len()), (0, 0));
+
+    proxy.clear();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let second = f.drain(&consumer).await;
+    assert_eq!(
+        (second.read, second.ran, second.replayed, second.archived, second.dead_lettered),
+        (2, 0, 2, 2, 1),
+        "the next delivery replays both answers: the success archived, the failure dead-lettered"
+    );
+    assert_eq!(f.applied(), 1, "the effect ran once");
+    let letters = f.dead_letters().await;
+    assert_eq!(letters.len(), 1, "{letters:#?}");
+    assert_eq!(letters[0]["idempotency_key"], "refund-9");
+    assert_eq!(f.drain(&consumer).await.read, 0);
     f.stack.stop().await.unwrap();
 }
 
