@@ -8,11 +8,15 @@
 import assert from "node:assert/strict";
 import {
   type Answer,
+  EffectDriver,
   failure,
+  type Held,
   NothingHappened,
   type Reconciler,
   RetryHorizon,
+  silent,
   success,
+  Timing,
   type ToolCall,
   toolCallKey,
   ToolError,
@@ -24,7 +28,7 @@ import {
   toolSpec,
   vendorKey,
 } from "../_shared/idempotency/mod.ts";
-import { hashOf, Lossy, organization, plane, sleep } from "./support.ts";
+import { functionOf, hashOf, Lossy, organization, plane, sleep } from "./support.ts";
 
 const SCOPE = "tool.email.send";
 const HOUR = RetryHorizon.untilLastAttempt(60 * 60_000);
@@ -250,7 +254,7 @@ Deno.test("the same key with other arguments is a conflict, not retryable, and n
 });
 
 Deno.test("a tool that overruns its timeout is raised as timed_out and its claim waits for the lease", async () => {
-  const g = guard();
+  const g = guard({ leaseMarginMs: 10_000 });
   const call = invocation({ tool: () => new Promise<Answer>(() => {}) });
   const error = await raises(g.run(call), "timed_out");
   assert.equal(error.retryable, true);
@@ -282,14 +286,62 @@ Deno.test("a tool that throws leaves its claim to the lease; after it, the retry
   assert.equal(keys[0], keys[1], "the vendor sees one key for both attempts");
 });
 
-Deno.test("an answer that cannot be journaled before the deadline is raised as not_journaled and the claim is left to its lease", async () => {
-  const lossy = new Lossy().loseNext("idempotency_complete", 1_000);
-  const g = guard({ fetch: lossy.fetch });
-  const call = invocation();
-  const error = await raises(g.run(call), "not_journaled");
+Deno.test("an answer the plane never receives is raised as not_journaled; the retry after the lease reclaims the call", async () => {
+  // Every completion is refused before it leaves: the answer is not journaled.
+  const refusing: typeof fetch = (input, init) =>
+    functionOf(input) === "idempotency_complete"
+      ? Promise.reject(new TypeError("error sending request: Connection refused (os error 111)"))
+      : fetch(input, init);
+  const call = invocation({ tool: (c: ToolCall) => success({ reclaimed: c.claim.reclaimed }) });
+  const error = await raises(guard({ fetch: refusing }).run(call), "not_journaled");
   assert.equal(error.retryable, true);
   assert.equal(error.settled?.ending, "left_to_lease");
+  assert.equal(await journal(call), "processing", "left to its lease, not released");
+  const g = guard();
+  await afterTheLease(await raises(g.run(call), "in_flight"));
+  assert.deepEqual(await g.run(call), { status: "executed", answer: success({ reclaimed: true }) });
+  assert.equal(call.runs(), 2, "run again after the lease, with the same vendor key");
+});
+
+Deno.test("an answer whose acknowledgement is lost is raised as not_journaled; the retry replays it", async () => {
+  // The completions commit and their answers are lost: journaled, unconfirmed.
+  const lossy = new Lossy().loseNext("idempotency_complete", 1_000);
+  const call = invocation();
+  const error = await raises(guard({ fetch: lossy.fetch }).run(call), "not_journaled");
+  assert.equal(error.retryable, true);
+  assert.equal(await journal(call), "completed");
+  assert.equal((await guard().run(call)).status, "replayed");
   assert.equal(call.runs(), 1);
+});
+
+Deno.test("a checkpoint that throws is raised as checkpoint_failed, retryable, and takes no key", async () => {
+  const call = invocation({ checkpoint: () => Promise.reject(new Error("the approvals service is down")) });
+  const error = await raises(guard().run(call), "checkpoint_failed");
+  assert.equal(error.retryable, true);
+  assert.equal(call.runs(), 0);
+  assert.equal(await journal(call), "absent");
+});
+
+Deno.test("a second run under one claim that never starts leaves nothing to wait for, not the first run's ending", async () => {
+  // A reclaimed call runs its reconciler, then its tool, under one claim: a
+  // tool that cannot start (the deadline passed) must be timed out, never
+  // answered by the reconciler's ending.
+  const p = plane();
+  const driver = new EffectDriver(p, { log: silent });
+  const begun = await driver.begin({
+    organizationId: organization(),
+    scope: SCOPE,
+    key: toolKey(crypto.randomUUID(), "s"),
+    requestHash: await hashOf({}),
+    timing: new Timing(300, 1_000, 1_000),
+  });
+  assert.equal(begun.kind, "held");
+  const held = (begun as { held: Held }).held;
+  assert.deepEqual(await held.run(() => undefined), { value: undefined });
+  await sleep(400);
+  assert.deepEqual(await held.run(() => success({})), { cut: "timed_out" });
+  assert.equal(await held.late(held.lateDeadline), undefined, "nothing of this run is running");
+  await held.settle({ unknown: "test" });
 });
 
 Deno.test("a plane that cannot be reached is a retryable ToolError of kind plane, before any tool runs", async () => {
@@ -306,10 +358,13 @@ Deno.test("with heartbeats a call is claimed for a short lease that its beats ke
   const g = guard({ heartbeatLeaseMs: 3_000 });
   const spec = toolSpec(SCOPE, 8_000, "vendor_key");
   assert.equal(g.leaseFor(spec), 3_000);
-  const call = invocation({ spec, tool: async () => (await sleep(4_500), success({ slow: true })) });
+  const done = Promise.withResolvers<void>();
+  const call = invocation({ spec, tool: async () => (await done.promise, success({ slow: true })) });
   const run = g.run(call);
-  await sleep(3_800);
-  assert.equal(await journal(call), "processing", "the beats kept the 3 s lease alive");
+  await sleep(4_500);
+  const held = await journal(call);
+  done.resolve();
+  assert.equal(held, "processing", "the beats kept the 3 s lease alive past its end");
   assert.equal((await run).status, "executed");
 });
 

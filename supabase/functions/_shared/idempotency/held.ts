@@ -245,6 +245,9 @@ export class Held {
    * and beats that keep failing until the deadline `not_started`.
    */
   async run<T>(effect: (signal: AbortSignal) => Promise<T> | T): Promise<{ value: T } | Cut> {
+    // `late` waits on this run's effect only: one that never starts leaves
+    // nothing to wait for, not an earlier run's ending (a reconciler's).
+    this.#running = undefined;
     const confirmed = await this.#confirm();
     if (confirmed) return confirmed;
     const remaining = this.effectDeadline - monotonicNow();

@@ -181,7 +181,7 @@ export class ToolGuard {
    * checks it too, with its checkpoint's time counted.
    */
   check(spec: ToolSpec, spentMs = 0): void {
-    const leaseMs = this.leaseFor(spec);
+    const leaseMs = configuration(() => this.leaseFor(spec));
     if (spentMs + leaseMs >= this.#horizon.untilLastMs) {
       throw new ToolError(
         "lease_outlasts_retries",
@@ -234,7 +234,7 @@ export class ToolGuard {
         case "absent":
           break;
       }
-      if ((await (call.checkpoint ?? (() => "allow"))()) === "hold") {
+      if ((await checkpoint(call)) === "hold") {
         outcome("held");
         return { status: "held" };
       }
@@ -266,9 +266,10 @@ export class ToolGuard {
       outcome(executed.settled.ending === "journaled" ? "completed" : executed.settled.ending, false);
       return { status: "executed", answer: executed.answer };
     } catch (error) {
+      if (!(error instanceof ToolError) && !(error instanceof PlaneError)) throw error;
       const raised = error instanceof ToolError
         ? error
-        : new ToolError("plane", `tool call ${spec.scope}/${key}: ${messageOf(error)}`, {
+        : new ToolError("plane", `tool call ${spec.scope}/${key}: ${error.message}`, {
           scope: spec.scope,
           key,
           cause: error,
@@ -289,6 +290,20 @@ export class ToolGuard {
 
   #timing(timeoutMs: number): Timing {
     return withHeartbeat(new Timing(timeoutMs, this.#journalMs, this.#marginMs), this.#heartbeatMs);
+  }
+}
+
+/** The call's checkpoint (allow when it has none); one that throws is raised as `checkpoint_failed`. */
+async function checkpoint(call: ToolInvocation): Promise<Checkpoint> {
+  if (!call.checkpoint) return "allow";
+  try {
+    return await call.checkpoint();
+  } catch (error) {
+    throw new ToolError(
+      "checkpoint_failed",
+      `tool call ${call.spec.scope}/${call.key}: the checkpoint threw: ${messageOf(error)}`,
+      { scope: call.spec.scope, key: call.key, cause: error },
+    );
   }
 }
 

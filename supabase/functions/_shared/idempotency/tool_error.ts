@@ -35,6 +35,8 @@ export type ToolErrorKind =
    * the whole Run.
    */
   | "lease_outlasts_retries"
+  /** The checkpoint threw (`cause`): no key was taken, so running the step again is safe. */
+  | "checkpoint_failed"
   /** A tool or guard setting was refused (`toolSpec`, `ToolGuard`): a bug, never retried. */
   | "bad_configuration"
   /** The plane failed (`cause` is the `PlaneError`): retryable when it is transient. */
@@ -48,7 +50,11 @@ export class ToolError extends Error {
   readonly scope?: string;
   /** The call's key, once known. */
   readonly key?: string;
-  /** For `in_flight`: when the other worker's lease passes, by the database clock (ISO 8601). */
+  /**
+   * For `in_flight` met at a claim: when the other worker's lease passes, by
+   * the database clock (ISO 8601). Absent when this worker's own claim was
+   * taken over or could not be confirmed.
+   */
   readonly leaseExpiresAt?: string;
   /** How the claim ended, for the kinds that held one. */
   readonly settled?: Settled;
@@ -76,6 +82,7 @@ export class ToolError extends Error {
   get retryable(): boolean {
     switch (this.kind) {
       case "in_flight":
+      case "checkpoint_failed":
       case "retryable_failure":
       case "timed_out":
       case "threw":
@@ -89,8 +96,8 @@ export class ToolError extends Error {
   }
 
   /**
-   * For `in_flight`: the soonest a retry can find the call ended or
-   * reclaimable (the other lease's end). Give it to the orchestrator
+   * For `in_flight` met at a claim: the soonest a retry can find the call
+   * ended or reclaimable (the other lease's end); undefined otherwise. Give it to the orchestrator
    * (Inngest's `RetryAfterError`) so the retry does not meet the same lease.
    */
   get retryAfter(): Date | undefined {

@@ -11,12 +11,15 @@ import { PlaneError } from "./errors.ts";
  * The key of the call made by step `stepId` of Run `runId`: `run:<run>:step:<step>`.
  * The step id is the orchestrator's (Inngest's `step.run` id, a Trigger.dev
  * task's idempotency key), which a replay recomputes; never the model's
- * tool-call id. A `:` or `%` in either id is percent-encoded, so distinct
+ * tool-call id. A UUID run id is written in lowercase, as the Rust client
+ * writes it; the Rust client takes only UUIDs, so a run id of another form
+ * (an Inngest ULID) keys calls made from TypeScript alone. A `:` or `%` in
+ * either id is percent-encoded, so distinct
  * `(run, step)` and `(run, step, index)` never share a key; ids without
  * either (UUIDs, ULIDs, slugs) are used as given.
  */
 export function toolKey(runId: string, stepId: string): string {
-  return `run:${escape(nonEmpty("runId", runId))}:step:${escape(stepId)}`;
+  return `run:${escape(runIdOf(runId))}:step:${escape(stepId)}`;
 }
 
 /**
@@ -32,11 +35,18 @@ export function toolCallKey(runId: string, stepId: string, callIndex: number): s
   return `${toolKey(runId, stepId)}:call:${callIndex}`;
 }
 
-function nonEmpty(what: string, value: string): string {
-  if (typeof value !== "string" || value === "") {
-    throw PlaneError.invalid("empty_key", `the ${what} of a tool key is empty`);
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+
+/**
+ * The run id as the key holds it: a UUID in lowercase, as the Rust client
+ * writes one (so both clients meet the same claim); any other id (Inngest's
+ * ULIDs) as given.
+ */
+function runIdOf(runId: string): string {
+  if (typeof runId !== "string" || runId === "") {
+    throw PlaneError.invalid("empty_key", "the run id of a tool key is empty");
   }
-  return value;
+  return UUID.test(runId) ? runId.toLowerCase() : runId;
 }
 
 /** `%` and `:` percent-encoded: injective, and the identity on ids without them. */
