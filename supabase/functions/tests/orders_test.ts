@@ -40,3 +40,41 @@ Deno.test("orders: the 201 body is written as the Rust example writes it", async
   assertEquals(text, `{"id":"${id}","order":{"a":2,"b":1e+2,"c":[1.50,-0.0]},"status":"created"}`);
   assertEquals(answer.headers.get("location"), `/orders/${id}`);
 });
+
+Deno.test("the function as a process answers an order and a replay without Deno's request.signal warning", async () => {
+  const child = new Deno.Command(Deno.execPath(), {
+    args: ["run", "--frozen", "--allow-net", "--allow-env", new URL("../orders/index.ts", import.meta.url).pathname],
+    env: { PORT: "0" },
+    stdout: "piped",
+    stderr: "piped",
+  }).spawn();
+  const stdout = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  let text = "";
+  while (!text.includes("\n")) {
+    const { value, done } = await stdout.read();
+    if (done) throw new Error(`the function stopped before it served: ${text}`);
+    text += value;
+  }
+  const url = /listening on (\S+)/.exec(text)?.[1];
+  try {
+    if (!url) throw new Error(`no listening line: ${text}`);
+    const key = crypto.randomUUID();
+    for (const expected of [201, 201]) {
+      const answer = await fetch(`${url}/orders`, {
+        method: "POST",
+        headers: { "content-type": "application/json", "idempotency-key": key, "x-user-id": "orders-test" },
+        body: '{"sku":"A"}',
+      });
+      await answer.body?.cancel();
+      assertEquals(answer.status, expected);
+    }
+  } finally {
+    child.kill("SIGTERM");
+    await child.status;
+    await stdout.cancel().catch(() => {});
+  }
+  const stderr = await new Response(child.stderr).text();
+  if (stderr.includes("legacy behavior") || stderr.includes("request.signal")) {
+    throw new Error(`the function printed Deno's request.signal warning:\n${stderr}`);
+  }
+});

@@ -51,9 +51,21 @@ export async function readBody(
   return { bytes };
 }
 
-/** The request again, with its buffered body (and a signal of its own, when given). */
+/**
+ * The request again, with its buffered body (and a signal of its own, when
+ * given), built from its URL, method and headers. Never `new Request(req, …)`:
+ * that copies `req.signal`, and reading the signal of a request `Deno.serve`
+ * made opts into its legacy behaviour (the signal aborts once a response is
+ * sent, which would stop work still running under the claim) and prints a
+ * warning on every request.
+ */
 export function rebuilt(req: Request, body: Uint8Array, signal?: AbortSignal): Request {
-  const init: RequestInit = { body: req.method === "GET" || req.method === "HEAD" ? null : body as BodyInit };
+  const init: RequestInit = {
+    method: req.method,
+    headers: req.headers,
+    body: req.method === "GET" || req.method === "HEAD" ? null : body as BodyInit,
+    redirect: req.redirect,
+  };
   if (signal) init.signal = signal;
-  return new Request(req, init);
+  return new Request(req.url, init);
 }
