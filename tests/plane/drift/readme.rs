@@ -55,21 +55,21 @@ async fn the_readme_migration_that_adds_a_scope_applies_and_the_scope_claims() {
     let stack = crate::support::harness::stack().await;
     let service = stack.service().expect("service");
     let org = uuid::Uuid::new_v4();
-    let hash = idempotency_plane::RequestHash::of_json(&serde_json::json!({"event": "charge.succeeded"}));
-    let before = service.claim(org, "webhook.stripe", "evt_1", &hash, std::time::Duration::from_secs(30)).await;
-    // `webhook.*` covers it before the migration; the exact row lengthens its retention.
-    assert!(before.is_ok(), "{before:?}");
+    let hash = idempotency_plane::RequestHash::of_json(&serde_json::json!({"invoice": "in_1"}));
+    let before = service.claim(org, "billing.invoice.send", "inv_1", &hash, std::time::Duration::from_secs(30)).await;
+    // No policy row covers the scope before the migration: refused, nothing written.
+    assert!(matches!(before, Err(idempotency_plane::Error::UnknownScope { .. })), "{before:?}");
     sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(stack.db()).await.expect("the README's migration applies");
     sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(stack.db()).await.expect("and applies again (on conflict)");
-    let claimed = service.claim(org, "webhook.stripe", "evt_2", &hash, std::time::Duration::from_secs(30)).await;
+    let claimed = service.claim(org, "billing.invoice.send", "inv_2", &hash, std::time::Duration::from_secs(30)).await;
     assert!(matches!(claimed, Ok(idempotency_plane::ClaimOutcome::Claimed(_))), "{claimed:?}");
     let retained: f64 = sqlx::query_scalar(
-        "select extract(epoch from retain_until - claimed_at)::float8 from agent.idempotency_keys where key = 'evt_2'",
+        "select extract(epoch from retain_until - claimed_at)::float8 from agent.idempotency_keys where key = 'inv_2'",
     )
     .fetch_one(stack.db())
     .await
     .expect("the row");
-    // 72 hours, counted from the claim or from its 30 s lease's end.
-    assert!((72.0 * 3600.0..72.0 * 3600.0 + 35.0).contains(&retained), "retained {retained} s");
+    // 7 days, counted from the claim or from its 30 s lease's end.
+    assert!((7.0 * 86_400.0..7.0 * 86_400.0 + 35.0).contains(&retained), "retained {retained} s");
     stack.stop().await.expect("stop");
 }
