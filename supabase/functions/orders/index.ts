@@ -273,7 +273,15 @@ export function serve(req: Request): Promise<Response> | Response {
   const { path, rest, origin } = split(req);
   if (path !== "/orders" && path !== `${FUNCTIONS_PREFIX}/orders`) return new Response(null, { status: 404 });
   if (req.method !== "POST") return new Response(null, { status: 405, headers: { allow: "POST" } });
-  return orders(path === "/orders" ? req : new Request(`${origin}/orders${rest}`, req));
+  if (path === "/orders") return orders(req);
+  // Built from parts: `new Request(url, req)` would read req.signal (see body.ts).
+  return orders(
+    new Request(`${origin}/orders${rest}`, {
+      method: req.method,
+      headers: req.headers,
+      body: req.body,
+    }),
+  );
 }
 
 if (import.meta.main) {

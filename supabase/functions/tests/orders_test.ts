@@ -59,8 +59,8 @@ Deno.test("the function as a process answers an order and a replay without Deno'
   try {
     if (!url) throw new Error(`no listening line: ${text}`);
     const key = crypto.randomUUID();
-    for (const expected of [201, 201]) {
-      const answer = await fetch(`${url}/orders`, {
+    for (const [path, expected] of [["/orders", 201], ["/functions/v1/orders", 201]] as const) {
+      const answer = await fetch(`${url}${path}`, {
         method: "POST",
         headers: { "content-type": "application/json", "idempotency-key": key, "x-user-id": "orders-test" },
         body: '{"sku":"A"}',

@@ -41,7 +41,7 @@ exec bash "$root/.ci/with-local-plane.sh" "$idem" ts-tests -- bash -c '
   set -euo pipefail
   "$DENO" fmt --check
   "$DENO" lint
-  "$DENO" check --frozen _shared/idempotency/mod.ts orders/index.ts webhooks/index.ts queue-consumer/index.ts tests/
+  "$DENO" check --frozen _shared/idempotency/mod.ts create-order/index.ts orders/index.ts webhooks/index.ts queue-consumer/index.ts tests/
   "$DENO" test --frozen --allow-net --allow-env --allow-read --allow-run tests/
   "$TSX" tests/node_check.ts
 '
