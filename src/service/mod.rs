@@ -14,6 +14,7 @@
 
 mod answer;
 mod batch;
+mod caller_key;
 mod driver;
 mod hash;
 mod held;
@@ -30,6 +31,7 @@ pub(crate) mod validate;
 pub(crate) use answer::stored_size;
 pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
 pub use batch::{Batch, BatchItem, BatchReport, ItemEnding};
+pub use caller_key::caller_scoped_key;
 pub(crate) use driver::asking_cut;
 pub use driver::{may_have_written, Attempt, Begun, Effect, EffectDriver, Redriven};
 pub use hash::{canonical_json, RequestHash};

@@ -1,7 +1,13 @@
 //! `idem claim`: would this call run?
 //!
-//! Reads the request as JSON from stdin and hashes it as every client does
-//! (RFC 8785 canonical JSON, SHA-256). By default it only reads the journal
+//! Reads the request from stdin and hashes it as the front door that made
+//! the claim does: as JSON (RFC 8785 canonical form, SHA-256) for the tool
+//! guard, `idempotent()`, the queue consumers and direct calls; as the raw
+//! bytes (`--raw-body`, SHA-256) for the webhook gate, which hashes a body
+//! exactly as delivered. The `Idempotency-Key` middleware hashes a
+//! fingerprint of the whole HTTP request (method, target, content type,
+//! body, chosen headers), which a body alone cannot rebuild: look its claim
+//! up with `idem get --principal`. By default it only reads the journal
 //! (`read`: nothing is written) and says what a worker's claim would meet:
 //! `absent` (it would run), `completed` (it would replay), `processing`
 //! (another worker holds it), `conflict`. With `--hold` it makes the claim
@@ -30,9 +36,17 @@ pub(crate) struct ClaimArgs {
     /// The scope, e.g. tool.email.send.
     #[arg(long)]
     scope: String,
-    /// The idempotency key.
+    /// The idempotency key, as the caller sent it.
     #[arg(long)]
     key: String,
+    /// The caller an `Idempotency-Key` front door scoped the key to (see
+    /// `idem get --principal`).
+    #[arg(long)]
+    principal: Option<String>,
+    /// Hash stdin's bytes exactly as read, as the webhook gate hashes a
+    /// delivery's body, instead of as a JSON value.
+    #[arg(long)]
+    raw_body: bool,
     /// Claim the key as a worker does, holding it for its lease, instead of
     /// only reading what a claim would meet.
     #[arg(long)]
@@ -47,12 +61,17 @@ pub(crate) struct ClaimArgs {
     target: remote::Target,
 }
 
-pub(crate) async fn run(args: ClaimArgs) -> Result<ExitCode, BoxError> {
-    let mut text = String::new();
-    std::io::stdin().read_to_string(&mut text).map_err(|e| usage_error(format!("reading stdin: {e}")))?;
-    let request: Value =
-        serde_json::from_str(&text).map_err(|e| usage_error(format!("stdin is not one JSON value: {e}")))?;
-    let hash = RequestHash::of_json(&request);
+pub(crate) async fn run(mut args: ClaimArgs) -> Result<ExitCode, BoxError> {
+    let mut bytes = Vec::new();
+    std::io::stdin().read_to_end(&mut bytes).map_err(|e| usage_error(format!("reading stdin: {e}")))?;
+    let hash = if args.raw_body {
+        RequestHash::of_bytes(&bytes)
+    } else {
+        let request: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| usage_error(format!("stdin is not one JSON value (a webhook body? give --raw-body): {e}")))?;
+        RequestHash::of_json(&request)
+    };
+    args.key = crate::get::stored_key(&args.key, args.principal.as_deref());
     let service = IdempotencyService::new(PostgrestRepository::new(remote::client(&args.target)?));
     let line = if args.hold { hold(&service, &args, &hash).await? } else { read(&service, &args, &hash).await? };
     println!("{line}");

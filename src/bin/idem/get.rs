@@ -21,9 +21,14 @@ pub(crate) struct GetArgs {
     /// The scope, e.g. tool.email.send.
     #[arg(long)]
     scope: String,
-    /// The idempotency key.
+    /// The idempotency key, as the caller sent it.
     #[arg(long)]
     key: String,
+    /// The caller an `Idempotency-Key` front door (the axum layer, the
+    /// TypeScript middleware) scoped the key to, e.g. the token's `sub`: it
+    /// stores SHA-256(principal) § key, never the key alone.
+    #[arg(long)]
+    principal: Option<String>,
     /// Print the claim as one JSON object (`{"state": "absent"}` when there
     /// is none).
     #[arg(long)]
@@ -34,15 +39,23 @@ pub(crate) struct GetArgs {
 
 pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
     let service = IdempotencyService::new(PostgrestRepository::new(remote::client(&args.target)?));
-    let record = service.record(args.org, &args.scope, &args.key).await.map_err(exit::refused_input)?;
+    let key = stored_key(&args.key, args.principal.as_deref());
+    let record = service.record(args.org, &args.scope, &key).await.map_err(exit::refused_input)?;
     if args.json {
         println!("{}", serde_json::to_string(&as_json(record.as_ref()))?);
         return Ok(exit::ok());
     }
     let Some(record) = record else {
+        let hint = if args.principal.is_none() {
+            " (a key of the Idempotency-Key middleware is stored per caller: give --principal)"
+        } else {
+            ""
+        };
         println!(
-            "absent: no claim for {}/{} in {} (never claimed, released, or swept)",
-            args.scope, args.key, args.org
+            "absent: no claim for {}/{} in {} (never claimed, released, or swept){hint}",
+            args.scope,
+            printable(&key),
+            args.org
         );
         return Ok(exit::ok());
     };
@@ -54,6 +67,9 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
         ClaimStatus::Completed => "completed — every repeat replays the stored answer",
     };
     println!("claim        {}", record.id);
+    if args.principal.is_some() {
+        println!("stored key   {}", printable(&key));
+    }
     println!("status       {status}");
     match record.status {
         ClaimStatus::Completed => println!("lease        — (completed: no lease is held)"),
@@ -83,6 +99,14 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
         None => println!("response     —"),
     }
     Ok(exit::ok())
+}
+
+/// The key as a front door stores it: scoped to `principal` when given.
+pub(crate) fn stored_key(key: &str, principal: Option<&str>) -> String {
+    match principal {
+        Some(principal) => idempotency_plane::service::caller_scoped_key(principal, key),
+        None => key.to_owned(),
+    }
 }
 
 /// The claim for `--json`: every field a script needs; the response whole

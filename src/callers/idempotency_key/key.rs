@@ -3,7 +3,8 @@
 //! per request), and the plane's key it becomes for a caller.
 
 use axum::http::HeaderMap;
-use sha2::{Digest, Sha256};
+
+use crate::service::caller_scoped_key;
 
 use super::problem::{Problem, ProblemType};
 
@@ -13,19 +14,13 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Longest key accepted, in characters (Stripe's limit).
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
 
-/// Separates a caller's hash from the key in the plane's key. No
-/// `Idempotency-Key` can hold it (they are visible ASCII), so a key scoped
-/// by a caller never equals a key shared across callers.
-const CALLER_SEPARATOR: char = '\u{a7}';
-
 /// The plane's key: the request's own, or, scoped by a caller, the
-/// SHA-256 of the caller's principal, `§`, and the request's key.
+/// SHA-256 of the caller's principal, `§`, and the request's key
+/// ([`caller_scoped_key`]).
 pub(super) fn plane_key(key: &str, principal: Option<&str>) -> String {
     match principal {
         None => key.to_owned(),
-        Some(principal) => {
-            format!("{}{CALLER_SEPARATOR}{key}", hex::encode(Sha256::digest(principal.as_bytes())))
-        }
+        Some(principal) => caller_scoped_key(principal, key),
     }
 }
 

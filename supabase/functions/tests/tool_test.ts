@@ -12,6 +12,7 @@ import {
   failure,
   type Held,
   NothingHappened,
+  planeKey,
   type Reconciler,
   RetryHorizon,
   silent,
@@ -89,9 +90,9 @@ async function journal(call: ToolInvocation): Promise<string> {
   return read.outcome;
 }
 
-Deno.test("the vendor key and the step keys are the ones the Rust client derives (shared vectors)", async () => {
+Deno.test("the vendor, step and caller keys are the ones the Rust client derives (shared vectors)", async () => {
   const vectors = JSON.parse(
-    await Deno.readTextFile(new URL("../../../tests/vectors/tool_keys.json", import.meta.url)),
+    await Deno.readTextFile(new URL("../../../tests/vectors/keys.json", import.meta.url)),
   );
   assert.ok(vectors.vendor_key.length >= 5 && vectors.tool_key.length >= 5);
   for (const v of vectors.vendor_key) {
@@ -102,6 +103,9 @@ Deno.test("the vendor key and the step keys are the ones the Rust client derives
       ? toolKey(v.run_id, v.step_id)
       : toolCallKey(v.run_id, v.step_id, v.call_index);
     assert.equal(key, v.key, JSON.stringify(v));
+  }
+  for (const v of vectors.caller_key) {
+    assert.equal(await planeKey(v.key, v.principal), v.caller_key, JSON.stringify(v).slice(0, 200));
   }
   // Injective where a step id looks like a call suffix.
   assert.notEqual(toolKey("r", "charge:call:0"), toolCallKey("r", "charge", 0));

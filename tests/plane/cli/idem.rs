@@ -548,3 +548,44 @@ async fn idem_doctor_never_prints_a_urls_password_and_plain_http_goes_to_loopbac
     assert!(stderr.contains("unencrypted") && stderr.contains("IDEM_ALLOW_PLAIN_HTTP=plane.example"), "{stderr}");
     stack.stop().await.unwrap();
 }
+
+/// `idem get` and `idem claim` find the claims the front doors make: the
+/// `Idempotency-Key` middleware stores a caller's key scoped to its
+/// principal, and the webhook gate hashes a body's raw bytes.
+#[tokio::test]
+async fn idem_get_and_claim_know_each_front_doors_key_and_hash() {
+    use crate::support::harness::*;
+    use idempotency_plane::service::caller_scoped_key;
+    use idempotency_plane::{Completion, RequestHash};
+    let stack = stack().await;
+    let org = org();
+    let org_text = org.to_string();
+    let service = service(&stack);
+    // The middleware's claim for alice's key k-1 (its hash is a fingerprint of the request).
+    let stored = caller_scoped_key("alice", "k-1");
+    claimed(service.claim(org, "http.post.orders", &stored, &hash("request"), LEASE).await);
+    let get = ["get", "--org", org_text.as_str(), "--scope", "http.post.orders", "--key", "k-1"];
+    let output = idem(stack.url(), stack.service_key(), None, &get).await;
+    assert!(output.status.success());
+    assert!(stdout(&output).contains("absent") && stdout(&output).contains("give --principal"), "{}", stdout(&output));
+    let output = idem(stack.url(), stack.service_key(), None, &[&get[..], &["--principal", "alice"]].concat()).await;
+    let out = stdout(&output);
+    assert!(out.contains("processing — a worker holds a live lease") && out.contains(&stored), "{out}");
+
+    // The gate's claim of a delivery, journaled: its hash is the body's bytes as delivered.
+    let body = "{\"event_id\": \"Ev1\",  \"type\": \"message\"}\n";
+    let claim =
+        claimed(service.claim(org, "webhook.slack", "Ev1", &RequestHash::of_bytes(body.as_bytes()), LEASE).await);
+    service.complete(&claim, Completion::response(serde_json::json!({"ok": true}))).await.expect("journaled");
+    let args = ["claim", "--org", org_text.as_str(), "--scope", "webhook.slack", "--key", "Ev1"];
+    let raw = claim_with_stdin(stack.url(), stack.service_key(), &[&args[..], &["--raw-body"]].concat(), body).await;
+    let line: serde_json::Value = serde_json::from_str(stdout(&raw).trim()).expect("one JSON line");
+    assert_eq!(line["outcome"], "completed", "the redelivery replays: {line}");
+    let as_json = claim_with_stdin(stack.url(), stack.service_key(), &args, body).await;
+    let line: serde_json::Value = serde_json::from_str(stdout(&as_json).trim()).expect("one JSON line");
+    assert_eq!(line["outcome"], "conflict", "hashed as a JSON value, the body is another request: {line}");
+    let not_json = claim_with_stdin(stack.url(), stack.service_key(), &args, "token=abc&event=1").await;
+    assert_eq!(not_json.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&not_json.stderr).contains("--raw-body"), "the error names the flag");
+    stack.stop().await.unwrap();
+}

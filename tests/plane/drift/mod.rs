@@ -2,14 +2,14 @@
 //! the Supabase CLI's copy (`migrations`), the README's code against the
 //! public API (`readme`, its stack half with feature `local`), and the
 //! request hash and a tool call's keys against the vectors the TypeScript
-//! client checks too (`request_hash`, `tool_keys`), and the Idempotency-Key
+//! client checks too (`request_hash`, `keys`), and the Idempotency-Key
 //! layer's credential headers against the TypeScript middleware's list
 //! (`typescript`, feature `axum`).
 //! Runs under default features.
 
+mod keys;
 mod migrations;
 mod readme;
 mod request_hash;
-mod tool_keys;
 #[cfg(feature = "axum")]
 mod typescript;

@@ -9,7 +9,7 @@ import { checkOrganization } from "./plane.ts";
  * its 16 bytes: stable across attempts, so a downstream that saw the first
  * attempt's effect applies a re-drive's once; distinct across tenants sharing
  * one vendor account. The Rust client's `vendor_key` derives the same key
- * (both are checked against `tests/vectors/tool_keys.json`).
+ * (both are checked against `tests/vectors/keys.json`).
  */
 export async function vendorKey(organizationId: string, scope: string, key: string): Promise<string> {
   const hex = checkOrganization(organizationId).replaceAll("-", "");

@@ -1,11 +1,13 @@
-//! The keys a tool call derives, against `tests/vectors/tool_keys.json`,
-//! which the TypeScript client's tests check too: the vendor key a tenant
-//! hands its vendor, and the plane's key of a Run's step. A call guarded in
+//! The keys both clients derive, against `tests/vectors/keys.json`, which
+//! the TypeScript client's tests check too: the vendor key a tenant hands
+//! its vendor, the plane's key of a Run's step, and the key an
+//! `Idempotency-Key` front door stores for one caller. A call guarded in
 //! Rust and retried from TypeScript (or the other way round) must meet the
 //! same claim and reach the vendor with the same key. The vectors were made
 //! with Python's `hashlib`, independently of both clients.
 
 use idempotency_plane::callers::tool::{vendor_key, ToolKey};
+use idempotency_plane::service::caller_scoped_key;
 use serde::Deserialize;
 use uuid::Uuid;
 
@@ -13,6 +15,14 @@ use uuid::Uuid;
 struct Vectors {
     vendor_key: Vec<VendorKey>,
     tool_key: Vec<StepKey>,
+    caller_key: Vec<CallerKey>,
+}
+
+#[derive(Deserialize)]
+struct CallerKey {
+    principal: String,
+    key: String,
+    caller_key: String,
 }
 
 #[derive(Deserialize)]
@@ -32,8 +42,8 @@ struct StepKey {
 }
 
 fn vectors() -> Vectors {
-    serde_json::from_str(include_str!("../../vectors/tool_keys.json"))
-        .expect("tests/vectors/tool_keys.json holds vendor_key and tool_key vectors")
+    serde_json::from_str(include_str!("../../vectors/keys.json"))
+        .expect("tests/vectors/keys.json holds vendor_key, tool_key and caller_key vectors")
 }
 
 #[test]
@@ -62,5 +72,14 @@ fn every_tool_key_vector_is_built_alike() {
             Some(index) => ToolKey::for_step_call(v.run_id, &v.step_id, index),
         };
         assert_eq!(key.as_str(), v.key, "run {} step {:?} index {:?}", v.run_id, v.step_id, v.call_index);
+    }
+}
+
+#[test]
+fn every_caller_key_vector_is_derived_alike() {
+    let vectors = vectors().caller_key;
+    assert!(vectors.len() >= 5, "{} vectors", vectors.len());
+    for v in &vectors {
+        assert_eq!(caller_scoped_key(&v.principal, &v.key), v.caller_key, "{:?} {:?}", v.principal, v.key);
     }
 }
