@@ -576,7 +576,8 @@ async fn idem_get_and_claim_know_each_front_doors_key_and_hash() {
     let body = "{\"event_id\": \"Ev1\",  \"type\": \"message\"}\n";
     let claim =
         claimed(service.claim(org, "webhook.slack", "Ev1", &RequestHash::of_bytes(body.as_bytes()), LEASE).await);
-    service.complete(&claim, Completion::response(serde_json::json!({"ok": true}))).await.expect("journaled");
+    let ending = service.complete(&claim, Completion::response(serde_json::json!({"ok": true}))).await;
+    assert_eq!(ending.expect("journaled"), idempotency_plane::Ending::Recorded);
     let args = ["claim", "--org", org_text.as_str(), "--scope", "webhook.slack", "--key", "Ev1"];
     let raw = claim_with_stdin(stack.url(), stack.service_key(), &[&args[..], &["--raw-body"]].concat(), body).await;
     let line: serde_json::Value = serde_json::from_str(stdout(&raw).trim()).expect("one JSON line");
