@@ -107,7 +107,8 @@ impl LocalStack {
         let admin_url = without_loopback_tls(admin_url);
         let database_error = |source| LocalError::Database { url: redacted(&admin_url), source };
 
-        let mut admin = PgConnection::connect(admin_url.as_str()).await.map_err(database_error)?;
+        let mut admin =
+            while_slots_are_full(|| PgConnection::connect(admin_url.as_str())).await.map_err(database_error)?;
         drop_stale_databases(&mut admin).await;
         // Until its keeper connects, the new database has no session: the
         // shared set-up lock keeps other starts' clean-ups away meanwhile.
@@ -138,8 +139,9 @@ impl LocalStack {
             let keeper_options = sqlx::postgres::PgConnectOptions::from_str(db_url.as_str())
                 .map_err(stack_error)?
                 .application_name(KEEPER_APPLICATION_NAME);
-            let keeper = PgConnection::connect_with(&keeper_options).await.map_err(stack_error)?;
-            let db = PgPool::connect(db_url.as_str()).await.map_err(stack_error)?;
+            let keeper =
+                while_slots_are_full(|| PgConnection::connect_with(&keeper_options)).await.map_err(stack_error)?;
+            let db = while_slots_are_full(|| PgPool::connect(db_url.as_str())).await.map_err(stack_error)?;
             apply_cluster_wide_migrations(&db).await?;
             if let Some(queues) = &config.queues {
                 super::queues::install(&db, &db_url, queues).await?;
@@ -366,5 +368,32 @@ mod tests {
         old.stop().await.expect("stop the old stack");
         assert!(matches!(again, Ok(crate::ClaimOutcome::Processing { .. })), "{again:?}");
         assert_eq!(keepers, 1, "one keeper session on the old stack's database");
+    }
+}
+
+/// How long a start waits for a connection slot of a cluster that has none
+/// free: a cluster shared by several stacks (a test suite's, a developer's)
+/// runs out for a moment when they all start at once.
+const SLOT_WAIT: Duration = Duration::from_secs(20);
+
+/// `connect`, asked again every 250 ms for up to [`SLOT_WAIT`] while the
+/// cluster answers that every connection slot is taken (53300, `too many
+/// clients already`); any other error at once.
+async fn while_slots_are_full<T, F, Fut>(mut connect: F) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let until = tokio::time::Instant::now() + SLOT_WAIT;
+    loop {
+        match connect().await {
+            Err(sqlx::Error::Database(error))
+                if error.code().as_deref() == Some("53300") && tokio::time::Instant::now() < until =>
+            {
+                tracing::info!("the cluster has no free connection slot; asking again");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            other => return other,
+        }
     }
 }

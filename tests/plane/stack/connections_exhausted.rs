@@ -148,3 +148,47 @@ async fn every_connection_slot_taken_mid_run_loses_nothing_and_the_client_retrie
     );
     stack.stop().await.expect("stop the stack");
 }
+
+/// A local stack started while another role holds every connection slot of
+/// its cluster (a shared cluster, several test suites starting at once)
+/// waits for a slot instead of failing on the first 53300.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stack_started_while_every_slot_is_taken_waits_for_one() {
+    let test = "a_stack_started_while_every_slot_is_taken_waits_for_one";
+    if server_binaries_missing(test) {
+        return;
+    }
+    const SLOTS: usize = 6;
+    let cluster = Cluster::start("slots", &format!("-c max_connections={SLOTS} -c superuser_reserved_connections=0"));
+    let mut admin = cluster.connect("postgres").await;
+    sqlx::query("create role hog login").execute(&mut admin).await.expect("the role that takes every slot");
+    admin.close().await.expect("closed");
+    let mut hogs = Vec::new();
+    let refusal = within(Duration::from_secs(30), "taking every slot", async {
+        loop {
+            let refusal = take_free_slots(&cluster, "hog", &mut hogs).await;
+            if hogs.len() == SLOTS {
+                return refusal;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert_eq!(refusal, "53300");
+    let config = LocalStackConfig {
+        database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", cluster.port()),
+        pool_size: 2,
+        ..LocalStackConfig::default()
+    };
+    let starting = tokio::spawn(idempotency_plane::local::LocalStack::start(config));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!starting.is_finished(), "the start waits while every slot is taken");
+    drop(hogs);
+    let stack = within(Duration::from_secs(60), "the stack starting once slots free up", starting)
+        .await
+        .expect("the start task")
+        .expect("the stack started");
+    let claimed = service(&stack).claim(org(), SCOPE, "after-the-wait", &hash("x"), LEASE).await;
+    assert!(matches!(claimed, Ok(idempotency_plane::ClaimOutcome::Claimed(_))), "{claimed:?}");
+    stack.stop().await.expect("stopped");
+}
