@@ -335,6 +335,33 @@ impl Drop for LocalStack {
     }
 }
 
+/// How long a start waits for a connection slot of a cluster that has none
+/// free: a cluster shared by several stacks (a test suite's, a developer's)
+/// runs out for a moment when they all start at once.
+const SLOT_WAIT: Duration = Duration::from_secs(20);
+
+/// `connect`, asked again every 250 ms for up to [`SLOT_WAIT`] while the
+/// cluster answers that every connection slot is taken (53300, `too many
+/// clients already`); any other error at once.
+async fn while_slots_are_full<T, F, Fut>(mut connect: F) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let until = tokio::time::Instant::now() + SLOT_WAIT;
+    loop {
+        match connect().await {
+            Err(sqlx::Error::Database(error))
+                if error.code().as_deref() == Some("53300") && tokio::time::Instant::now() < until =>
+            {
+                tracing::info!("the cluster has no free connection slot; asking again");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -368,32 +395,5 @@ mod tests {
         old.stop().await.expect("stop the old stack");
         assert!(matches!(again, Ok(crate::ClaimOutcome::Processing { .. })), "{again:?}");
         assert_eq!(keepers, 1, "one keeper session on the old stack's database");
-    }
-}
-
-/// How long a start waits for a connection slot of a cluster that has none
-/// free: a cluster shared by several stacks (a test suite's, a developer's)
-/// runs out for a moment when they all start at once.
-const SLOT_WAIT: Duration = Duration::from_secs(20);
-
-/// `connect`, asked again every 250 ms for up to [`SLOT_WAIT`] while the
-/// cluster answers that every connection slot is taken (53300, `too many
-/// clients already`); any other error at once.
-async fn while_slots_are_full<T, F, Fut>(mut connect: F) -> Result<T, sqlx::Error>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
-{
-    let until = tokio::time::Instant::now() + SLOT_WAIT;
-    loop {
-        match connect().await {
-            Err(sqlx::Error::Database(error))
-                if error.code().as_deref() == Some("53300") && tokio::time::Instant::now() < until =>
-            {
-                tracing::info!("the cluster has no free connection slot; asking again");
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            other => return other,
-        }
     }
 }
