@@ -31,6 +31,7 @@ mod queues;
 mod redrive;
 mod saved_search;
 mod security;
+mod server_version;
 mod sql_sweep;
 mod supabase_paths;
 mod surface;
