@@ -53,8 +53,9 @@ stop() {
 trap stop EXIT
 "${run_as[@]}" "$bin/initdb" -D "$data/cluster" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 >"$data/initdb.log" 2>&1 ||
   { cat "$data/initdb.log" >&2; exit 1; }
-"${run_as[@]}" "$bin/pg_ctl" -D "$data/cluster" -w -l "$data/cluster/server.log" \
-  -o "-p $port -c listen_addresses=127.0.0.1 -c unix_socket_directories=$data -c max_connections=300" start >/dev/null
+"${run_as[@]}" "$bin/pg_ctl" -D "$data/cluster" -w -l "$data/server.log" \
+  -o "-p $port -c listen_addresses=127.0.0.1 -c unix_socket_directories=$data -c max_connections=300" start >/dev/null ||
+  { echo "pg17: the cluster did not start (port $port); its log:" >&2; cat "$data/server.log" >&2; exit 1; }
 echo "pg17: $("$bin/postgres" --version) on 127.0.0.1:$port"
 
 export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"

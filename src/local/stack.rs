@@ -295,7 +295,7 @@ impl LocalStack {
             self.dropped = true;
             return Ok(());
         }
-        let mut admin = PgConnection::connect(self.admin_url.as_str())
+        let mut admin = while_slots_are_full(|| PgConnection::connect(self.admin_url.as_str()))
             .await
             .map_err(|source| LocalError::Database { url: redacted(&self.admin_url), source })?;
         let result = drop_database(&mut admin, &self.db_name).await;
@@ -343,18 +343,24 @@ const SLOT_WAIT: Duration = Duration::from_secs(20);
 /// `connect`, asked again every 250 ms for up to [`SLOT_WAIT`] while the
 /// cluster answers that every connection slot is taken (53300, `too many
 /// clients already`); any other error at once.
-async fn while_slots_are_full<T, F, Fut>(mut connect: F) -> Result<T, sqlx::Error>
+pub(super) async fn while_slots_are_full<T, F, Fut>(mut connect: F) -> Result<T, sqlx::Error>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
 {
     let until = tokio::time::Instant::now() + SLOT_WAIT;
+    let mut warned = false;
     loop {
         match connect().await {
             Err(sqlx::Error::Database(error))
                 if error.code().as_deref() == Some("53300") && tokio::time::Instant::now() < until =>
             {
-                tracing::info!("the cluster has no free connection slot; asking again");
+                if !warned {
+                    // 53300 is also a role's or a database's connection limit,
+                    // which waiting does not lift: the wait is bounded, and said.
+                    tracing::warn!(error = %error, wait = ?SLOT_WAIT, "no free connection slot; asking again");
+                    warned = true;
+                }
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
             other => return other,

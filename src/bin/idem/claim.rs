@@ -6,8 +6,10 @@
 //! bytes (`--raw-body`, SHA-256) for the webhook gate, which hashes a body
 //! exactly as delivered. The `Idempotency-Key` middleware hashes a
 //! fingerprint of the whole HTTP request (method, target, content type,
-//! body, chosen headers), which a body alone cannot rebuild: look its claim
-//! up with `idem get --principal`. By default it only reads the journal
+//! body, chosen headers), which a body alone cannot rebuild, so `idem claim`
+//! takes no principal (it would read a conflict, and `--hold` would block the
+//! caller's key with a hash no request matches): look its claims up with
+//! `idem get --principal`. By default it only reads the journal
 //! (`read`: nothing is written) and says what a worker's claim would meet:
 //! `absent` (it would run), `completed` (it would replay), `processing`
 //! (another worker holds it), `conflict`. With `--hold` it makes the claim
@@ -39,10 +41,6 @@ pub(crate) struct ClaimArgs {
     /// The idempotency key, as the caller sent it.
     #[arg(long)]
     key: String,
-    /// The caller an `Idempotency-Key` front door scoped the key to (see
-    /// `idem get --principal`).
-    #[arg(long)]
-    principal: Option<String>,
     /// Hash stdin's bytes exactly as read, as the webhook gate hashes a
     /// delivery's body, instead of as a JSON value.
     #[arg(long)]
@@ -61,7 +59,7 @@ pub(crate) struct ClaimArgs {
     target: remote::Target,
 }
 
-pub(crate) async fn run(mut args: ClaimArgs) -> Result<ExitCode, BoxError> {
+pub(crate) async fn run(args: ClaimArgs) -> Result<ExitCode, BoxError> {
     let mut bytes = Vec::new();
     std::io::stdin().read_to_end(&mut bytes).map_err(|e| usage_error(format!("reading stdin: {e}")))?;
     let hash = if args.raw_body {
@@ -71,7 +69,6 @@ pub(crate) async fn run(mut args: ClaimArgs) -> Result<ExitCode, BoxError> {
             .map_err(|e| usage_error(format!("stdin is not one JSON value (a webhook body? give --raw-body): {e}")))?;
         RequestHash::of_json(&request)
     };
-    args.key = crate::get::stored_key(&args.key, args.principal.as_deref());
     let service = IdempotencyService::new(PostgrestRepository::new(remote::client(&args.target)?));
     let line = if args.hold { hold(&service, &args, &hash).await? } else { read(&service, &args, &hash).await? };
     println!("{line}");

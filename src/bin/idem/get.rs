@@ -25,8 +25,9 @@ pub(crate) struct GetArgs {
     #[arg(long)]
     key: String,
     /// The caller an `Idempotency-Key` front door (the axum layer, the
-    /// TypeScript middleware) scoped the key to, e.g. the token's `sub`: it
-    /// stores SHA-256(principal) § key, never the key alone.
+    /// TypeScript middleware) scoped the key to, e.g. the token's `sub`: a
+    /// per-caller key is stored as SHA-256(principal) § key (a key shared
+    /// across callers is stored as sent: leave this out).
     #[arg(long)]
     principal: Option<String>,
     /// Print the claim as one JSON object (`{"state": "absent"}` when there
@@ -39,6 +40,11 @@ pub(crate) struct GetArgs {
 
 pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
     let service = IdempotencyService::new(PostgrestRepository::new(remote::client(&args.target)?));
+    if args.principal.is_some() && args.key.contains('\u{a7}') {
+        return Err(exit::usage_error(
+            "--key already holds a stored key (it contains §): give it without --principal, or give the key as the caller sent it",
+        ));
+    }
     let key = stored_key(&args.key, args.principal.as_deref());
     let record = service.record(args.org, &args.scope, &key).await.map_err(exit::refused_input)?;
     if args.json {
@@ -46,7 +52,7 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
         return Ok(exit::ok());
     }
     let Some(record) = record else {
-        let hint = if args.principal.is_none() {
+        let hint = if args.principal.is_none() && args.scope.starts_with("http.") && !args.key.contains('\u{a7}') {
             " (a key of the Idempotency-Key middleware is stored per caller: give --principal)"
         } else {
             ""

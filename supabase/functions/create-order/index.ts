@@ -22,19 +22,24 @@ function caller(req: Request): string | undefined {
   const payload = req.headers.get("authorization")?.match(/^Bearer [\w-]+\.([\w-]+)\./)?.[1];
   if (!payload) return undefined;
   try {
-    const json = atob(payload.replaceAll("-", "+").replaceAll("_", "/").padEnd(Math.ceil(payload.length / 4) * 4, "="));
-    const sub = JSON.parse(json).sub;
+    const bytes = Uint8Array.from(atob(payload.replaceAll("-", "+").replaceAll("_", "/")), (c) => c.charCodeAt(0));
+    const sub = JSON.parse(new TextDecoder().decode(bytes)).sub;
     return typeof sub === "string" && sub !== "" ? sub : undefined;
   } catch {
     return undefined;
   }
 }
 
-export const handler = withIdempotencyKey(createOrder, {
+const idempotent = withIdempotencyKey(createOrder, {
   plane: IdempotencyPlane.fromEnv((name) => Deno.env.get(name)), // SUPABASE_URL and the service key
   organizationId: Deno.env.get("ORGANIZATION_ID") ?? "00000000-0000-0000-0000-000000000001", // your tenant
   principal: caller,
   route: "/create-order",
 });
+
+/** POST only: the middleware passes other methods through unguarded. */
+export function handler(req: Request): Promise<Response> | Response {
+  return req.method === "POST" ? idempotent(req) : new Response(null, { status: 405, headers: { allow: "POST" } });
+}
 
 if (import.meta.main) Deno.serve(handler);

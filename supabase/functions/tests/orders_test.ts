@@ -67,6 +67,9 @@ Deno.test("the function as a process answers an order and a replay without Deno'
       });
       await answer.body?.cancel();
       assertEquals(answer.status, expected);
+      if (path !== "/orders") {
+        assertEquals(answer.headers.get("idempotent-replayed"), "true", "the same order, replayed");
+      }
     }
   } finally {
     child.kill("SIGTERM");

@@ -571,6 +571,14 @@ async fn idem_get_and_claim_know_each_front_doors_key_and_hash() {
     let output = idem(stack.url(), stack.service_key(), None, &[&get[..], &["--principal", "alice"]].concat()).await;
     let out = stdout(&output);
     assert!(out.contains("processing — a worker holds a live lease") && out.contains(&stored), "{out}");
+    // A stored key is not scoped twice: refused as a usage error.
+    let twice =
+        ["get", "--org", org_text.as_str(), "--scope", "http.post.orders", "--key", &stored, "--principal", "alice"];
+    assert_eq!(idem(stack.url(), stack.service_key(), None, &twice).await.status.code(), Some(2));
+    // idem claim takes no principal: a body cannot rebuild the middleware's fingerprint.
+    let claim =
+        ["claim", "--org", org_text.as_str(), "--scope", "http.post.orders", "--key", "k-1", "--principal", "alice"];
+    assert_eq!(claim_with_stdin(stack.url(), stack.service_key(), &claim, "{}").await.status.code(), Some(2));
 
     // The gate's claim of a delivery, journaled: its hash is the body's bytes as delivered.
     let body = "{\"event_id\": \"Ev1\",  \"type\": \"message\"}\n";
