@@ -74,8 +74,8 @@ mod storable;
 pub mod sweeper;
 pub mod telemetry;
 
-/// SQL migrations, in order, as `(file name, contents)`. The same files are
-/// under `sql/` and `supabase/migrations/`.
+/// SQL migrations, in order, as `(file name, contents)`: the files of
+/// `supabase/migrations/`.
 pub mod migrations;
 
 #[cfg(feature = "local")]

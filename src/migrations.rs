@@ -1,25 +1,34 @@
-/// The migrations under `sql/`, in the order they apply.
-pub const MIGRATIONS: &[(&str, &str)] = &[
-    ("0001_roles.sql", include_str!("../sql/0001_roles.sql")),
-    ("0002_idempotency_keys.sql", include_str!("../sql/0002_idempotency_keys.sql")),
-    ("0003_runs.sql", include_str!("../sql/0003_runs.sql")),
-    ("0004_privileges.sql", include_str!("../sql/0004_privileges.sql")),
-    ("0005_provider_jobs.sql", include_str!("../sql/0005_provider_jobs.sql")),
-    ("0006_operator_probes.sql", include_str!("../sql/0006_operator_probes.sql")),
-    ("0007_clocks_locks_admission.sql", include_str!("../sql/0007_clocks_locks_admission.sql")),
-    ("0008_surface_v2.sql", include_str!("../sql/0008_surface_v2.sql")),
-    ("0009_lean_hot_path.sql", include_str!("../sql/0009_lean_hot_path.sql")),
-    ("0010_http_scopes.sql", include_str!("../sql/0010_http_scopes.sql")),
-    ("0011_functions_only.sql", include_str!("../sql/0011_functions_only.sql")),
-    ("0012_fenced_admission.sql", include_str!("../sql/0012_fenced_admission.sql")),
-    ("0013_sweep.sql", include_str!("../sql/0013_sweep.sql")),
-    ("0014_claims_by_organization.sql", include_str!("../sql/0014_claims_by_organization.sql")),
-    ("0015_max_run_duration.sql", include_str!("../sql/0015_max_run_duration.sql")),
-    ("0016_lease_token_stays_with_its_holder.sql", include_str!("../sql/0016_lease_token_stays_with_its_holder.sql")),
-    ("0017_work_outlives_its_worker.sql", include_str!("../sql/0017_work_outlives_its_worker.sql")),
-    ("0018_failures_recovered_after_a_fix.sql", include_str!("../sql/0018_failures_recovered_after_a_fix.sql")),
-    ("0019_many_claims_in_one_round_trip.sql", include_str!("../sql/0019_many_claims_in_one_round_trip.sql")),
-    ("0020_queue_scopes.sql", include_str!("../sql/0020_queue_scopes.sql")),
+/// `(file name, contents)` of each file named, from `supabase/migrations/`.
+macro_rules! supabase_migrations {
+    ($($file:literal),* $(,)?) => {
+        &[$(($file, include_str!(concat!("../supabase/migrations/", $file)))),*]
+    };
+}
+
+/// The migrations, in the order they apply, as `(file name, contents)`: the
+/// files of `supabase/migrations/`, which the Supabase CLI applies too. They
+/// are the deployed history: a change is a new file, never an edit.
+pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
+    "20261130000001_roles.sql",
+    "20261130000002_idempotency_keys.sql",
+    "20261130000003_runs.sql",
+    "20261130000004_privileges.sql",
+    "20261130000005_provider_jobs.sql",
+    "20261130000006_operator_probes.sql",
+    "20261130000007_clocks_locks_admission.sql",
+    "20261130000008_surface_v2.sql",
+    "20261130000009_lean_hot_path.sql",
+    "20261130000010_http_scopes.sql",
+    "20261130000011_functions_only.sql",
+    "20261130000012_fenced_admission.sql",
+    "20261130000013_sweep.sql",
+    "20261130000014_claims_by_organization.sql",
+    "20261130000015_max_run_duration.sql",
+    "20261130000016_lease_token_stays_with_its_holder.sql",
+    "20261130000017_work_outlives_its_worker.sql",
+    "20261130000018_failures_recovered_after_a_fix.sql",
+    "20261130000019_many_claims_in_one_round_trip.sql",
+    "20261130000020_queue_scopes.sql",
 ];
 
 /// The optional layout that hash-partitions the claim table by

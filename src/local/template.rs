@@ -31,7 +31,7 @@ const MIGRATION_LOCK: &str = "idempotency-plane local migrations";
 /// Migrations whose effects are cluster-wide (roles), which a template does
 /// not carry: applied again on every copy, as they were on every fresh
 /// database before templates. They are written to race safely.
-const CLUSTER_WIDE_MIGRATIONS: &[&str] = &["0001_roles.sql"];
+const CLUSTER_WIDE_MIGRATIONS: &[&str] = &["20261130000001_roles.sql"];
 
 /// Tries of a `CREATE DATABASE ... TEMPLATE` or a template rename that
 /// PostgreSQL refuses because the template is in use (each try already waits

@@ -1,59 +1,44 @@
-//! `sql/` and `supabase/migrations/` hold the same migrations, and the crate
-//! embeds exactly those files.
+//! The crate embeds exactly `supabase/migrations/`, the one copy of the
+//! migrations that the Supabase CLI applies too, in the CLI's order.
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 
 use idempotency_plane::migrations::MIGRATIONS;
 
-/// `0002_idempotency_keys.sql` -> `idempotency_keys.sql`, and
-/// `20261130000002_idempotency_keys.sql` -> the same, with its order number.
-fn by_name(dir: &str) -> BTreeMap<String, (String, String)> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
-    let mut files = BTreeMap::new();
+/// Every `.sql` file of `supabase/migrations/`, as `(file name, contents)`,
+/// sorted by name: the order `supabase db push` applies them in.
+fn on_disk() -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("supabase/migrations");
+    let mut files = Vec::new();
     for entry in fs::read_dir(&root).unwrap_or_else(|e| panic!("reading {}: {e}", root.display())) {
         let path = entry.expect("directory entry").path();
         let file = path.file_name().and_then(|n| n.to_str()).expect("UTF-8 file name").to_owned();
-        if !file.ends_with(".sql") {
-            continue;
+        if file.ends_with(".sql") {
+            files.push((file, fs::read_to_string(&path).expect("read migration")));
         }
-        let (order, name) = file.split_once('_').unwrap_or_else(|| panic!("{dir}/{file} has no order prefix"));
-        let contents = fs::read_to_string(&path).expect("read migration");
-        let previous = files.insert(name.to_owned(), (order.to_owned(), contents));
-        assert!(previous.is_none(), "{dir} holds two migrations named {name}");
     }
+    files.sort();
     files
 }
 
 #[test]
-fn sql_and_supabase_migrations_never_drift() {
-    let sql = by_name("sql");
-    let supabase = by_name("supabase/migrations");
-    assert!(!sql.is_empty());
-    assert_eq!(
-        sql.keys().collect::<Vec<_>>(),
-        supabase.keys().collect::<Vec<_>>(),
-        "the two folders hold different migrations"
-    );
-    for (name, (_, contents)) in &sql {
-        assert_eq!(contents, &supabase[name].1, "{name} differs between sql/ and supabase/migrations/");
-    }
-    // Both folders apply in the same order.
-    let order = |m: &BTreeMap<String, (String, String)>| {
-        let mut names: Vec<(&String, &String)> = m.iter().map(|(n, (o, _))| (o, n)).collect();
-        names.sort();
-        names.into_iter().map(|(_, n)| n.clone()).collect::<Vec<_>>()
-    };
-    assert_eq!(order(&sql), order(&supabase));
+fn the_crate_embeds_exactly_the_supabase_migrations_in_order() {
+    let on_disk = on_disk();
+    assert!(!on_disk.is_empty());
+    let embedded: Vec<(String, String)> = MIGRATIONS.iter().map(|(f, c)| (f.to_string(), c.to_string())).collect();
+    let names = |files: &[(String, String)]| files.iter().map(|(f, _)| f.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&embedded), names(&on_disk), "src/migrations.rs lists other files than supabase/migrations/");
+    assert_eq!(embedded, on_disk);
 }
 
 #[test]
-fn the_crate_embeds_exactly_the_sql_folder_in_order() {
-    let sql = by_name("sql");
-    let mut on_disk: Vec<(String, String)> =
-        sql.into_iter().map(|(name, (order, c))| (format!("{order}_{name}"), c)).collect();
-    on_disk.sort();
-    let embedded: Vec<(String, String)> = MIGRATIONS.iter().map(|(f, c)| (f.to_string(), c.to_string())).collect();
-    assert_eq!(embedded, on_disk);
+fn every_migration_is_named_as_the_supabase_cli_expects() {
+    // `<14-digit version>_<name>.sql`: the CLI records the version in
+    // supabase_migrations.schema_migrations and skips a file named otherwise.
+    for (file, _) in on_disk() {
+        let (version, name) = file.split_once('_').unwrap_or_else(|| panic!("{file} has no version prefix"));
+        assert!(version.len() == 14 && version.bytes().all(|b| b.is_ascii_digit()), "{file}: version {version:?}");
+        assert!(name.len() > ".sql".len(), "{file} has no name after its version");
+    }
 }

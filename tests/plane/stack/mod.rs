@@ -16,6 +16,7 @@ mod callers_under_faults;
 mod claims;
 mod connections_exhausted;
 mod database_crash;
+mod declared_schema;
 mod endings;
 mod failover;
 mod faults;

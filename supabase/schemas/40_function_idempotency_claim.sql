@@ -1,0 +1,20 @@
+-- agent.idempotency_claim
+--
+-- The one-call claim (public): decides in one statement whether this call
+-- runs (claimed, reclaimed after the lease passed), replays (completed),
+-- waits (processing) or is refused (conflict: same key, different request).
+-- p_request is the work the claim carries, for re-drive.
+
+CREATE FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb DEFAULT NULL::jsonb) RETURNS SETOF agent.idempotency_claim_outcome
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO ''
+    SET lock_timeout TO '5s'
+    AS $$
+begin
+  return query
+    select * from agent.idempotency_decide(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token,
+                                           p_lease_ms, null, true, true, p_request);
+end
+$$;
+
+ALTER FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) OWNER TO idempotency_owner;

@@ -1,0 +1,125 @@
+-- Who may do what. Every function is private unless granted here: its
+-- owner, idempotency_owner, runs it, and the API role service_role calls
+-- the public surface. No API role holds any privilege on a table; the
+-- functions that write run as the owner (SECURITY DEFINER).
+
+REVOKE ALL ON TABLE agent.idempotency_keys FROM PUBLIC, anon, authenticated, service_role;
+REVOKE ALL ON TABLE agent.idempotency_scopes FROM PUBLIC, anon, authenticated, service_role;
+REVOKE ALL ON TABLE agent.provider_jobs FROM PUBLIC, anon, authenticated, service_role;
+REVOKE ALL ON TABLE agent.runs FROM PUBLIC, anon, authenticated, service_role;
+
+GRANT USAGE ON SCHEMA agent TO service_role;
+GRANT ALL ON SCHEMA agent TO idempotency_owner;
+
+REVOKE ALL ON TYPE agent.idempotency_claim FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_claim TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_claim_item FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_claim_item TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_claim_outcome FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_claim_outcome TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_completion_item FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_completion_item TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_release_item FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_release_item TO service_role;
+
+REVOKE ALL ON TYPE agent.run_admission FROM PUBLIC;
+GRANT ALL ON TYPE agent.run_admission TO service_role;
+
+GRANT SELECT ON TABLE agent.idempotency_rows TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_cap_probe(p_rows integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_cap_probe(p_rows integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_check_batch(p_items jsonb, p_row_cap integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_check_item(p_item jsonb, p_index integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_check_key(p_organization_id uuid, p_scope text, p_key text) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_claim_of(k agent.idempotency_keys) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_complete(p_claim_id uuid, p_lease_token uuid, p_resource_type text, p_resource_id text, p_response jsonb, p_organization_id uuid) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_complete(p_claim_id uuid, p_lease_token uuid, p_resource_type text, p_resource_id text, p_response jsonb, p_organization_id uuid) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_delete_expired(p_ids uuid[]) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_delete_expired(p_ids uuid[]) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_expired(p_limit integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_expired(p_limit integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_extend(p_claim_id uuid, p_lease_token uuid, p_lease_ms bigint, p_organization_id uuid) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_extend(p_claim_id uuid, p_lease_token uuid, p_lease_ms bigint, p_organization_id uuid) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_failures(p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_failures(p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_failures_scope(p_scope text, p_limit integer, p_row_cap integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_get(p_organization_id uuid, p_scope text, p_key text) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_get(p_organization_id uuid, p_scope text, p_key text) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_item_text(p_item jsonb, p_index integer, p_field text, p_required boolean) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_item_uuid(p_item jsonb, p_index integer, p_field text) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_json_size(p_value jsonb) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_orphans(p_limit integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_orphans(p_limit integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_policy(p_scope text, OUT retain interval, OUT max_response_bytes integer, OUT max_request_bytes integer, OUT max_attempts integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_private_functions() FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) TO service_role;
+
+GRANT SELECT ON TABLE agent.idempotency_work TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_limit integer, p_lease_ms bigint, p_organization_id uuid, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_limit integer, p_lease_ms bigint, p_organization_id uuid, p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_redrive_failed(p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_claim_ids uuid[], p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_redrive_failed(p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_claim_ids uuid[], p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_release(p_claim_id uuid, p_lease_token uuid, p_organization_id uuid) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_release(p_claim_id uuid, p_lease_token uuid, p_organization_id uuid) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_release_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_release_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_surface() FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_surface() TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_try_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_try_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.provider_job_lookup(p_provider text, p_job_id text) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.provider_job_lookup(p_provider text, p_job_id text) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.provider_job_register(p_organization_id uuid, p_provider text, p_job_id text) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.provider_job_register(p_organization_id uuid, p_provider text, p_job_id text) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.run_admit(p_organization_id uuid, p_start_key text, p_input jsonb, p_admission_token uuid, p_claim_id uuid, p_lease_token uuid, p_max_run_duration_ms bigint) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.run_admit(p_organization_id uuid, p_start_key text, p_input jsonb, p_admission_token uuid, p_claim_id uuid, p_lease_token uuid, p_max_run_duration_ms bigint) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.run_get(p_organization_id uuid, p_start_key text, p_admission_token uuid) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.run_get(p_organization_id uuid, p_start_key text, p_admission_token uuid) TO service_role;
