@@ -6,6 +6,12 @@
 #   supabase db push --remote=<url> --yes     every migration in supabase/migrations applies
 #   supabase db advisors --remote=<url> ...   Supabase's security and performance linter: no warning
 #   supabase db lint --remote=<url> ...       plpgsql_check over every function: no error
+#   scripts/draft-migration.sh --check        Supabase's diff finds nothing between a database
+#                                             built from supabase/migrations and one built from
+#                                             the declared schema (supabase/schemas)
+#   scripts/draft-migration.sh NAME           on a copy whose declared schema changed (a function's
+#                                             setting, scopes added, changed and removed): the
+#                                             draft it writes takes the migrations there (--check)
 #
 # Installs the CLI (reused when the pinned version is already there) and
 # Debian's plpgsql_check for the server's major version when it is missing.
@@ -13,17 +19,11 @@
 # fails. Run by .ci/run; by hand: bash .ci/supabase-checks.sh
 set -euo pipefail
 
-SUPABASE_CLI_VERSION=3.1.0
 PG_HOST=127.0.0.1
 PG_PORT=5432
 PG_USER=postgres
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
-cli_dir="$root/.ci/supabase"
-supabase="$cli_dir/node_modules/.bin/supabase"
-
-# No telemetry, no update check: CI has no business with either.
-export SUPABASE_TELEMETRY_DISABLED=1 DO_NOT_TRACK=1 SUPABASE_NO_UPDATE_NOTIFIER=1
 
 say() { echo "supabase-checks: $*"; }
 fail() {
@@ -31,25 +31,14 @@ fail() {
   exit 1
 }
 
-for tool in node npm psql createdb dropdb; do
-  command -v "$tool" >/dev/null 2>&1 || fail "'$tool' is not on PATH (needs Node.js 20+, npm and the PostgreSQL client tools)"
+for tool in psql createdb dropdb; do
+  command -v "$tool" >/dev/null 2>&1 || fail "'$tool' is not on PATH (needs the PostgreSQL client tools)"
 done
 pg_isready -h "$PG_HOST" -p "$PG_PORT" -q || fail "PostgreSQL is not answering on $PG_HOST:$PG_PORT"
 psql_admin() { psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -X -v ON_ERROR_STOP=1 -qAt "$@"; }
 
 # The CLI, pinned.
-if [ -x "$supabase" ] && [ "$("$supabase" --version 2>/dev/null)" = "$SUPABASE_CLI_VERSION" ]; then
-  say "Supabase CLI $SUPABASE_CLI_VERSION already installed"
-else
-  # npm install, not npm ci: the lock holds the platform package of the machine
-  # that wrote it only (the CLI ships one optional package per platform), and
-  # npm ci refuses a lock without the others.
-  say "installing Supabase CLI $SUPABASE_CLI_VERSION (npm in .ci/supabase)"
-  # --no-save: the committed package.json and lock stay as they are.
-  (cd "$cli_dir" && npm i -E --no-save --no-audit --no-fund --loglevel=error "supabase@$SUPABASE_CLI_VERSION")
-  installed="$("$supabase" --version)"
-  [ "$installed" = "$SUPABASE_CLI_VERSION" ] || fail "installed Supabase CLI $installed, expected $SUPABASE_CLI_VERSION"
-fi
+. "$root/.ci/supabase-cli.sh"
 
 # plpgsql_check, which `supabase db lint` loads (it creates the extension in
 # its own transaction and rolls it back), for the server's major version.
@@ -95,5 +84,29 @@ supabase_run db advisors --remote="$url" --type all --level info --fail-on warn
 
 say "db lint: plpgsql_check, failing on any error"
 supabase_run db lint --remote="$url" --level warning --fail-on error
+
+say "declared schema: the migrations build exactly supabase/schemas (Supabase's diff, and the shipped scopes)"
+bash "$root/scripts/draft-migration.sh" --check
+
+say "draft-migration: a draft takes the migrations to a changed declared schema"
+copy="$(mktemp -d)"
+trap 'drop_scratch; rm -rf "$copy"' EXIT
+mkdir "$copy/supabase"
+cp -r "$root/supabase/migrations" "$root/supabase/schemas" "$root/supabase/config.toml" "$copy/supabase/"
+sed -i "s/SET lock_timeout TO '5s'/SET lock_timeout TO '6s'/" "$copy/supabase/schemas/40_function_idempotency_claim.sql"
+sed -i "s/('queue.\*', '7 days'/('queue.*', '8 days'/; /'surface.saved_search.start'/d" \
+  "$copy/supabase/schemas/20_table_idempotency_scopes.sql"
+echo "INSERT INTO agent.idempotency_scopes (scope, retain, max_response_bytes) VALUES ('billing.invoice.send', '7 days', 65536);" \
+  >>"$copy/supabase/schemas/20_table_idempotency_scopes.sql"
+if bash "$root/scripts/draft-migration.sh" --root "$copy" --check 2>/dev/null; then
+  fail "draft-migration --check found nothing to migrate in a changed declared schema"
+fi
+bash "$root/scripts/draft-migration.sh" --root "$copy" changed_for_the_check
+draft="$(ls "$copy"/supabase/migrations/*_changed_for_the_check.sql)"
+for expected in "SET lock_timeout TO '6s'" "'billing.invoice.send', '7 days'" "'queue.*', '8 days'" \
+  "delete from agent.idempotency_scopes where scope = 'surface.saved_search.start';"; do
+  grep -qF "$expected" "$draft" || fail "the draft lacks: $expected"
+done
+bash "$root/scripts/draft-migration.sh" --root "$copy" --check
 
 say "all passed"

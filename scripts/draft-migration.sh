@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Drafts the next migration from the declared schema, or checks that none is
+# needed.
+#
+#   scripts/draft-migration.sh NAME      writes supabase/migrations/<UTC timestamp>_NAME.sql
+#   scripts/draft-migration.sh --check   fails, printing the difference, unless the
+#                                        migrations already build the declared schema
+#   --root DIR                           the repository to read (default: this one)
+#
+# Builds one scratch database from supabase/migrations/ and one from
+# supabase/schemas/ on the local PostgreSQL (PG_HOST, PG_PORT, PG_USER;
+# default 127.0.0.1, 5432, postgres), drops both on exit, and compares them
+# with Supabase's own diff (`supabase db diff --from URL --to URL`, which
+# needs no Docker) plus the rows of agent.idempotency_scopes, which no
+# schema diff sees. The draft is a start, not a finished migration: read it
+# against the rules in docs/migrations.md, then list it in src/migrations.rs.
+set -euo pipefail
+
+PG_HOST="${PG_HOST:-127.0.0.1}"
+PG_PORT="${PG_PORT:-5432}"
+PG_USER="${PG_USER:-postgres}"
+
+say() { echo "draft-migration: $*" >&2; }
+fail() {
+  echo "draft-migration: $*" >&2
+  exit 1
+}
+usage() { fail "usage: scripts/draft-migration.sh [--root DIR] (NAME | --check)"; }
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+repo="$root"
+name="" check=false
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --root) [ $# -ge 2 ] || usage; repo="$(cd "$2" && pwd)"; shift 2 ;;
+    --check) check=true; shift ;;
+    -*) usage ;;
+    *) [ -z "$name" ] || usage; name="$1"; shift ;;
+  esac
+done
+if $check; then
+  [ -z "$name" ] || usage
+else
+  [[ "$name" =~ ^[a-z0-9_]+$ ]] || fail "NAME must be lower-case letters, digits and '_' (it names the file), got '$name'"
+fi
+for dir in "$repo/supabase/migrations" "$repo/supabase/schemas"; do
+  [ -d "$dir" ] || fail "$dir is not a directory"
+done
+
+for tool in psql createdb dropdb pg_isready; do
+  command -v "$tool" >/dev/null 2>&1 || fail "'$tool' is not on PATH (needs the PostgreSQL client tools)"
+done
+pg_isready -h "$PG_HOST" -p "$PG_PORT" -q || fail "PostgreSQL is not answering on $PG_HOST:$PG_PORT"
+. "$root/.ci/supabase-cli.sh" >&2
+
+suffix="$$_$RANDOM$RANDOM"
+migrated="idem_draft_migrated_$suffix"
+declared="idem_draft_declared_$suffix"
+work="$(mktemp -d)"
+cleanup() {
+  for db in "$migrated" "$declared"; do
+    dropdb -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" --if-exists --force "$db" ||
+      echo "draft-migration: could not drop the scratch database $db" >&2
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+url() { echo "postgresql://$PG_USER@$PG_HOST:$PG_PORT/$1"; }
+psql_on() {
+  local db="$1"
+  shift
+  psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d "$db" -X -v ON_ERROR_STOP=1 -qAt "$@"
+}
+
+# Both databases, each file in name order: the order `supabase db push`
+# applies migrations in, and the order schema_paths' glob reads the
+# declared files in.
+build() {
+  local db="$1" dir="$2" file
+  createdb -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" "$db"
+  for file in "$dir"/*.sql; do
+    psql_on "$db" -f "$file" >/dev/null 2>"$work/psql.err" ||
+      fail "$(basename "$dir")/$(basename "$file") does not apply: $(cat "$work/psql.err")"
+  done
+}
+say "building a database from supabase/migrations/ and one from supabase/schemas/"
+build "$migrated" "$repo/supabase/migrations"
+build "$declared" "$repo/supabase/schemas"
+
+# Supabase's diff of schema agent: functions, tables, views, types,
+# indexes, constraints, policies, owners and grants.
+"$supabase" --workdir "$repo" db diff --from "$(url "$migrated")" --to "$(url "$declared")" \
+  --schema agent -o "$work/schema.sql" </dev/null >&2 ||
+  fail "supabase db diff failed"
+
+# The shipped scopes: one upsert per row the declared schema adds or
+# changes, one delete per scope it no longer has.
+scopes='select format(
+          $f$insert into agent.idempotency_scopes (scope, retain, max_response_bytes, max_request_bytes, max_attempts)
+values (%L, %L, %s, %s, %s)
+on conflict (scope) do update set retain = excluded.retain, max_response_bytes = excluded.max_response_bytes,
+  max_request_bytes = excluded.max_request_bytes, max_attempts = excluded.max_attempts;$f$,
+          scope, retain, max_response_bytes, max_request_bytes, max_attempts)
+          from agent.idempotency_scopes order by scope'
+names='select scope from agent.idempotency_scopes order by scope'
+psql_on "$migrated" -R $'\x1e' -c "$scopes" | tr '\n\036' '\037\n' | sort >"$work/migrated.rows"
+psql_on "$declared" -R $'\x1e' -c "$scopes" | tr '\n\036' '\037\n' | sort >"$work/declared.rows"
+psql_on "$migrated" -c "$names" | sort >"$work/migrated.names"
+psql_on "$declared" -c "$names" | sort >"$work/declared.names"
+{
+  comm -13 "$work/migrated.rows" "$work/declared.rows" | tr '\037' '\n'
+  comm -23 "$work/migrated.names" "$work/declared.names" |
+    while IFS= read -r scope; do
+      psql_on "$declared" -v scope="$scope" <<<"select format('delete from agent.idempotency_scopes where scope = %L;', :'scope')"
+    done
+} >"$work/scopes.sql"
+
+if [ ! -s "$work/schema.sql" ] && [ ! -s "$work/scopes.sql" ]; then
+  say "the migrations build exactly the declared schema: nothing to migrate"
+  exit 0
+fi
+if $check; then
+  {
+    echo "draft-migration: the migrations do not build the declared schema; what would take them there:"
+    cat "$work/schema.sql" "$work/scopes.sql"
+  } >&2
+  exit 1
+fi
+
+file="$repo/supabase/migrations/$(date -u +%Y%m%d%H%M%S)_$name.sql"
+[ ! -e "$file" ] || fail "$file exists"
+{
+  echo "-- $name"
+  echo "--"
+  echo "-- Drafted by scripts/draft-migration.sh from supabase/schemas/. Say here why"
+  echo "-- the plane changes, and check the statements against docs/migrations.md."
+  if [ -s "$work/schema.sql" ]; then
+    echo
+    cat "$work/schema.sql"
+  fi
+  if [ -s "$work/scopes.sql" ]; then
+    echo
+    echo "-- The scopes the plane ships with."
+    cat "$work/scopes.sql"
+  fi
+} >"$file"
+say "wrote ${file#"$repo"/}; list it in src/migrations.rs, then run: cargo test --features local --test plane declared_schema"
