@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The TypeScript client's tests, on the real runtimes, against the embedded
 # local plane: Deno (pinned, from npm) runs supabase/functions/tests/*_test.ts,
-# and Node.js runs the same module once (node_check.ts, through tsx). Builds
+# and Node.js runs the same module once (node_check.ts, through tsx), then
+# once more as the npm package a user installs (.ci/ts-package.sh). Builds
 # nothing: pass an `idem` built with `--features local`, with the example
 # Rust gate built beside it.
 #
@@ -35,6 +36,9 @@ root="$(cd "$functions/../.." && pwd)"
 # wrappers, and a queue and dead-letter queue per test file.
 export IDEM_UP_ARGS="--with-pgmq --queue consumer_test --queue consumer_test_dlq --queue kill_test --queue kill_test_dlq"
 
+# The packages (JSR, npm) are built and tried inside the plane's run, so
+# the installed npm package's Node check makes its round trip too.
+export IDEM_REPO_ROOT="$root"
 cd "$functions"
 echo "ts-tests: $("$DENO" --version | head -n 1), node $(node --version), tsx $("$TSX" --version | sed -n 's/^tsx v//p')"
 exec bash "$root/.ci/with-local-plane.sh" "$idem" ts-tests -- bash -c '
@@ -44,4 +48,5 @@ exec bash "$root/.ci/with-local-plane.sh" "$idem" ts-tests -- bash -c '
   "$DENO" check --frozen _shared/idempotency/mod.ts create-order/index.ts orders/index.ts webhooks/index.ts queue-consumer/index.ts tests/
   "$DENO" test --frozen --allow-net --allow-env --allow-read --allow-run tests/
   "$TSX" tests/node_check.ts
+  bash "$IDEM_REPO_ROOT/.ci/ts-package.sh"
 '
