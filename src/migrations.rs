@@ -29,6 +29,7 @@ pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
     "20261130000018_failures_recovered_after_a_fix.sql",
     "20261130000019_many_claims_in_one_round_trip.sql",
     "20261130000020_queue_scopes.sql",
+    "20261204151330_surface_reports_owners.sql",
 ];
 
 /// The optional layout that hash-partitions the claim table by

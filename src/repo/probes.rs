@@ -35,6 +35,15 @@ pub struct DeployedFunction {
     pub arguments: String,
     /// Whether the key's role may execute it.
     pub executable: bool,
+    /// The role that owns it; `None` from a plane older than migration
+    /// `20261204151330_surface_reports_owners`.
+    #[serde(default)]
+    pub owner: Option<String>,
+    /// Whether PUBLIC (every role, `anon` and `authenticated` included) may
+    /// execute it: never so for the plane's own functions. `None` from a
+    /// plane older than migration `20261204151330_surface_reports_owners`.
+    #[serde(default)]
+    pub public_executable: Option<bool>,
 }
 
 /// What the server did with a request for more rows than the configured cap

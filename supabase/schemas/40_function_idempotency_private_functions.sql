@@ -22,5 +22,3 @@ begin
   end loop;
 end
 $$;
-
-ALTER FUNCTION agent.idempotency_private_functions() OWNER TO postgres;

@@ -1,19 +1,22 @@
 -- agent.idempotency_surface
 --
--- The plane's functions from the catalog, with whether the caller may execute
--- each (public); for idem doctor. The one function that runs as its caller,
--- because it reports the caller's privileges.
+-- The plane's functions from the catalog (public), for idem doctor: each
+-- one's identity arguments, whether the caller may execute it, its owner, and
+-- whether PUBLIC may execute it. The one function that runs as its caller,
+-- because it reports the caller's privileges. A function PUBLIC may execute
+-- is one the event trigger did not make private: on Supabase, a superuser's
+-- (supautils runs no user event trigger for superusers).
 
-CREATE FUNCTION agent.idempotency_surface() RETURNS TABLE(name text, arguments text, executable boolean)
+CREATE FUNCTION agent.idempotency_surface() RETURNS TABLE(name text, arguments text, executable boolean, owner text, public_executable boolean)
     LANGUAGE sql STABLE
     SET search_path TO ''
     AS $$
   select p.proname::text,
          pg_catalog.pg_get_function_identity_arguments(p.oid),
-         pg_catalog.has_function_privilege(p.oid, 'execute')
+         pg_catalog.has_function_privilege(p.oid, 'execute'),
+         pg_catalog.pg_get_userbyid(p.proowner)::text,
+         pg_catalog.has_function_privilege('public', p.oid, 'execute')
     from pg_catalog.pg_proc p
    where p.pronamespace = 'agent'::regnamespace
    order by 1, 2;
 $$;
-
-ALTER FUNCTION agent.idempotency_surface() OWNER TO postgres;

@@ -87,7 +87,10 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
         }
     }
 
-    check_surface(&repo, &mut report).await;
+    // One read of the catalog answers both.
+    let held = repo.deployed_functions().await;
+    check_surface(&held, &mut report);
+    check_public_functions(&held, &mut report);
     check_row_cap(&repo, &mut report).await;
     check_orphans(&repo, &mut report).await;
     report.finish(&url)
@@ -128,10 +131,10 @@ async fn check_orphans(repo: &PostgrestRepository, report: &mut Report) {
 /// Compares the functions the database holds with the contract, read-only:
 /// a function missing, with other arguments, or not executable by the key's
 /// role fails.
-async fn check_surface(repo: &PostgrestRepository, report: &mut Report) {
-    let held = match repo.deployed_functions().await {
+fn check_surface(held: &Result<Vec<DeployedFunction>, ClientError>, report: &mut Report) {
+    let held = match held {
         Ok(held) => held,
-        Err(error) => return report.line(false, "idempotency_surface", diagnose(&error)),
+        Err(error) => return report.line(false, "idempotency_surface", diagnose(error)),
     };
     for &SqlFunction { name, arguments } in SQL_SURFACE {
         let versions: Vec<&DeployedFunction> = held.iter().filter(|h| h.name == name).collect();
@@ -147,6 +150,44 @@ async fn check_surface(repo: &PostgrestRepository, report: &mut Report) {
             }
         }
     }
+}
+
+/// Functions of schema `agent` that PUBLIC may execute. The plane's own are
+/// private, and the event trigger makes every function created there later
+/// private too, except where it does not fire: on Supabase, for a
+/// superuser. Such a function is callable by `anon` and `authenticated`
+/// wherever they can reach the schema, so it fails the check, with its
+/// owner (the role that created it).
+fn check_public_functions(held: &Result<Vec<DeployedFunction>, ClientError>, report: &mut Report) {
+    const CHECK: &str = "public functions";
+    let held = match held {
+        Ok(held) => held,
+        Err(error) => return report.line(false, CHECK, diagnose(error)),
+    };
+    if held.iter().any(|f| f.public_executable.is_none()) {
+        return report.line(
+            false,
+            CHECK,
+            "the plane does not say who may execute its functions: apply the migrations (supabase db push)",
+        );
+    }
+    let public: Vec<String> = held
+        .iter()
+        .filter(|f| f.public_executable == Some(true))
+        .map(|f| format!("agent.{}({}) owned by {}", f.name, f.arguments, f.owner.as_deref().unwrap_or("?")))
+        .collect();
+    if public.is_empty() {
+        return report.line(true, CHECK, "PUBLIC may execute no function of schema agent");
+    }
+    report.line(
+        false,
+        CHECK,
+        format!(
+            "PUBLIC may execute {}: created where the event trigger does not fire (a superuser's); \
+             revoke execute on function … from public, anon, authenticated, or drop it",
+            public.join(", ")
+        ),
+    );
 }
 
 /// Asks the probe for one row more than the configured cap and reads what

@@ -137,6 +137,7 @@ async fn idem_doctor_passes_on_a_healthy_plane_and_names_what_is_wrong_otherwise
     assert!(out.contains("all checks passed"), "{out}");
     assert!(out.contains("ok    idempotency_try_claim"), "{out}");
     assert!(out.contains("truncates at 50 rows, as configured"), "{out}");
+    assert!(out.contains("ok    public functions: PUBLIC may execute no function of schema agent"), "{out}");
 
     // Told a cap the server does not have.
     let mismatch = idem(url, key, Some(80), &["doctor"]).await;
@@ -149,6 +150,46 @@ async fn idem_doctor_passes_on_a_healthy_plane_and_names_what_is_wrong_otherwise
     let out = stdout(&wrong_role);
     assert!(!wrong_role.status.success(), "{out}");
     assert!(out.contains("FAIL  reachable: the key's role may not execute the plane's functions"), "{out}");
+    stack.stop().await.unwrap();
+}
+
+/// On Supabase, supautils runs no user event trigger for a superuser, so a
+/// function a superuser creates in schema agent keeps PostgreSQL's default:
+/// PUBLIC may execute it. Here the trigger is disabled around the create,
+/// which leaves the function exactly so.
+#[tokio::test]
+async fn idem_doctor_names_a_function_public_may_execute_and_its_owner() {
+    use sqlx::Executor;
+    let stack = crate::support::harness::stack().await;
+    let (url, key) = (stack.url(), stack.service_key());
+    stack
+        .db()
+        .execute(
+            "alter event trigger idempotency_private_functions disable;
+             create function agent.report_totals(p_day date) returns integer language sql as 'select 1';
+             alter event trigger idempotency_private_functions enable;",
+        )
+        .await
+        .unwrap();
+    let owner: String = sqlx::query_scalar("select current_user::text").fetch_one(stack.db()).await.unwrap();
+
+    let exposed = idem(url, key, None, &["doctor"]).await;
+    let out = stdout(&exposed);
+    assert!(!exposed.status.success(), "{out}");
+    assert!(
+        out.contains(&format!(
+            "FAIL  public functions: PUBLIC may execute agent.report_totals(p_day date) owned by {owner}"
+        )),
+        "{out}"
+    );
+    // The plane's own functions are all still as they were.
+    assert!(out.contains("ok    idempotency_claim"), "{out}");
+
+    stack.db().execute("revoke execute on function agent.report_totals(date) from public").await.unwrap();
+    let private = idem(url, key, None, &["doctor"]).await;
+    let out = stdout(&private);
+    assert!(private.status.success(), "{out}");
+    assert!(out.contains("ok    public functions"), "{out}");
     stack.stop().await.unwrap();
 }
 
