@@ -29,6 +29,7 @@ mod layout;
 mod replays;
 mod report;
 mod rows;
+mod servers;
 mod sql;
 mod wan;
 mod work;
@@ -48,6 +49,7 @@ use self::layout::{completion_addressing, hot_updates, size_per_million};
 use self::replays::replays_and_conflicts;
 use self::report::{print, Results};
 use self::rows::fill_table;
+use self::servers::{server_scenarios, ServerRun};
 use self::sql::{definer_against_invoker, functions_against_floor};
 use self::wan::wan_outcomes;
 use self::work::{claims_with_work, heartbeats, redrive_throughput, wal_and_disk};
@@ -83,14 +85,32 @@ pub(crate) struct BenchArgs {
     /// Where to write the raw figures as JSON.
     #[arg(long, default_value = "bench.json")]
     out: std::path::PathBuf,
+    /// A second PostgreSQL server (an admin URL, as DATABASE_URL takes) on
+    /// which the server-bound scenarios run as well, printed beside the
+    /// first server's: pairs through the crate and a bare HTTP client, the
+    /// SQL functions against the plain-statement floor, SECURITY DEFINER
+    /// against INVOKER, first claims.
+    #[arg(long, value_name = "DATABASE_URL")]
+    also_on: Option<String>,
+    /// With --also-on: run only those scenarios, on both servers (minutes
+    /// instead of half an hour).
+    #[arg(long, requires = "also_on")]
+    servers_only: bool,
 }
 
 /// Starts a local stack, runs every scenario on it, prints the figures and
 /// writes them to `--out`.
 pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, BoxError> {
+    if args.servers_only {
+        return servers_only(&args).await;
+    }
     let stack = crate::plane::start_local(LocalStackConfig::default()).await?;
     let layout = stack_layout(&stack).await?;
     let result = bench(&stack, &args, &layout).await;
+    let first_server = match &result {
+        Ok(run) if args.also_on.is_some() => Some(ServerRun::of(&stack, run.figures.clone()).await),
+        _ => None,
+    };
     stack.stop().await?;
     let mut run = result?;
 
@@ -102,11 +122,48 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, BoxError> {
     partitioned.stop().await?;
     result?;
 
-    let results = Results::of(args.workers, args.seconds, run, (args.growth_rows, args.sweep_rows))?;
+    let servers = match (first_server, &args.also_on) {
+        (Some(first), Some(url)) => vec![first?, on_server(url, &args).await?],
+        _ => Vec::new(),
+    };
+
+    let results = Results::of(args.workers, args.seconds, run, (args.growth_rows, args.sweep_rows), servers)?;
     print(&results);
     std::fs::write(&args.out, serde_json::to_vec_pretty(&results)?)?;
     println!("\nraw figures: {}", args.out.display());
     Ok(crate::exit::ok())
+}
+
+/// `--servers-only`: the server-bound scenarios on the first server, then
+/// on `--also-on`'s.
+async fn servers_only(args: &BenchArgs) -> Result<ExitCode, BoxError> {
+    let url = args.also_on.as_deref().ok_or("--servers-only needs --also-on")?;
+    let stack = crate::plane::start_local(LocalStackConfig::default()).await?;
+    let first = async {
+        let figures = server_scenarios(&stack, args.workers, Duration::from_secs(args.seconds)).await?;
+        ServerRun::of(&stack, figures).await
+    }
+    .await;
+    stack.stop().await?;
+    let servers = vec![first?, on_server(url, args).await?];
+    servers::print(&servers);
+    std::fs::write(&args.out, serde_json::to_vec_pretty(&servers)?)?;
+    println!("\nraw figures: {}", args.out.display());
+    Ok(crate::exit::ok())
+}
+
+/// The server-bound scenarios on a local stack of the server at `url`.
+async fn on_server(url: &str, args: &BenchArgs) -> Result<ServerRun, BoxError> {
+    eprintln!("the server-bound scenarios again, on a stack of the second server…");
+    let config = LocalStackConfig { database_url: url.to_owned(), ..LocalStackConfig::default() };
+    let stack = crate::plane::start_local(config).await?;
+    let result = async {
+        let figures = server_scenarios(&stack, args.workers, Duration::from_secs(args.seconds)).await?;
+        ServerRun::of(&stack, figures).await
+    }
+    .await;
+    stack.stop().await?;
+    result
 }
 
 /// What the scenarios measured, before the ratios between them.

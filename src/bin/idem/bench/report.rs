@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::layout::{Hot, Size};
+use super::servers::ServerRun;
 use super::work::Measure;
 use super::Run;
 use crate::BoxError;
@@ -13,11 +14,11 @@ use crate::BoxError;
 /// Latencies of one scenario.
 #[derive(Debug, Clone, Serialize)]
 pub(super) struct Figure {
-    name: String,
+    pub(super) name: String,
     operations: usize,
     seconds: f64,
-    per_second: f64,
-    p50_ms: f64,
+    pub(super) per_second: f64,
+    pub(super) p50_ms: f64,
     p99_ms: f64,
 }
 
@@ -56,6 +57,8 @@ pub(super) struct Results {
     hot_completions: Vec<Hot>,
     work: Vec<Measure>,
     ratios: Vec<Ratio>,
+    /// With `--also-on`: the server-bound scenarios on each server.
+    servers: Vec<ServerRun>,
 }
 
 /// One ratio between two figures, and whether it met its target.
@@ -76,6 +79,7 @@ impl Results {
         seconds_per_scenario: u64,
         run: Run,
         (growth_rows, sweep_rows): (i64, i64),
+        servers: Vec<ServerRun>,
     ) -> Result<Results, BoxError> {
         let ratios = ratios(&run.figures, &run.round_trips, &run.wan, &run.work)?;
         Ok(Results {
@@ -90,6 +94,7 @@ impl Results {
             hot_completions: run.hot,
             work: run.work,
             ratios,
+            servers,
         })
     }
 }
@@ -273,5 +278,8 @@ pub(super) fn print(results: &Results) {
     println!("  {:-<40} {:->8} {:->9}  ---", "", "", "");
     for r in &results.ratios {
         println!("  {:<40} {:>8.2} {:>9}  {}", r.name, r.value, r.target, if r.met { "yes" } else { "NO" });
+    }
+    if !results.servers.is_empty() {
+        super::servers::print(&results.servers);
     }
 }
