@@ -568,34 +568,15 @@ async fn a_claim_whose_answer_was_lost_is_ours_when_asked_again_as_the_same_atte
     assert_eq!(faulty.reached(Op::Claim), 3);
 }
 
-macro_rules! endings {
-    ($($case:ident),* $(,)?) => {
-        mod in_memory {
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    let faulty = crate::support::faults::Faulty::new(idempotency_plane::MemoryRepository::new());
-                    super::$case(faulty.clone(), faulty.inner()).await;
-                }
-            )*
-        }
-
-        #[cfg(feature = "local")]
-        mod on_the_stack {
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    let stack = crate::support::harness::stack().await;
-                    let repo = idempotency_plane::PostgrestRepository::new(crate::support::harness::client(&stack));
-                    super::$case(crate::support::faults::Faulty::new(repo), &stack).await;
-                    stack.stop().await.unwrap();
-                }
-            )*
-        }
+crate::support::on_every_plane!(
+    in_memory: |case| {
+        let faulty = crate::support::faults::Faulty::new(idempotency_plane::MemoryRepository::new());
+        case(faulty.clone(), faulty.inner()).await
+    },
+    on_the_stack: |case, stack| {
+        let repo = idempotency_plane::PostgrestRepository::new(crate::support::harness::client(&stack));
+        case(crate::support::faults::Faulty::new(repo), &stack).await
     };
-}
-
-endings!(
     a_journaled_answer_replays_equal_whatever_it_holds,
     a_business_failure_with_a_100_kib_error_replays_as_a_failure,
     an_answer_above_the_limit_goes_by_reference_and_keeps_its_resource,

@@ -1,7 +1,8 @@
 //! The callers' decisions. The tool guard's (`tool`), the webhook gate's
 //! (`webhook`) and the service's (`service`: claim, replay, in progress,
 //! conflict, reclaim after the lease, release, journal) are each written
-//! once as an `async fn` over any [`Plane`] and run by [`on_every_plane!`]
+//! once as an `async fn` over any [`Plane`] and run by
+//! [`on_every_plane!`](crate::support::on_every_plane)
 //! on the in-memory repository (`in_memory`, default features) and on a
 //! fresh local stack (`on_the_stack`, feature `local`). The effect driver's
 //! ending rules (`endings`) run the same way through a fault-injecting
@@ -16,34 +17,6 @@ use idempotency_plane::{IdempotencyRepository, IdempotencyService};
 use uuid::Uuid;
 
 use crate::support::backends::Plane;
-
-/// Runs each named case, an `async fn(&impl Plane)` of the calling module,
-/// on a fresh in-memory plane (`in_memory::<case>`) and, with feature
-/// `local`, on a fresh local stack (`on_the_stack::<case>`).
-macro_rules! on_every_plane {
-    ($($case:ident),* $(,)?) => {
-        mod in_memory {
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    super::$case(&crate::support::backends::OnMemory::default()).await;
-                }
-            )*
-        }
-
-        #[cfg(feature = "local")]
-        mod on_the_stack {
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    let stack = crate::support::harness::stack().await;
-                    super::$case(&stack).await;
-                    stack.stop().await.unwrap();
-                }
-            )*
-        }
-    };
-}
 
 mod batches;
 mod endings;

@@ -186,7 +186,7 @@ async fn bad_input_is_a_typed_error_and_writes_nothing<P: Plane>(plane: &P) {
     assert_eq!(plane.claims().await, 0);
 }
 
-on_every_plane!(
+crate::support::on_every_plane!(
     completed_duplicate_returns_stored_resource_and_result,
     same_key_with_a_different_hash_is_a_conflict_also_after_the_lease_passed,
     read_writes_no_row_and_answers_absent_for_a_passed_lease,

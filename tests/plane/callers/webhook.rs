@@ -369,7 +369,7 @@ async fn the_first_delivery_is_answered_as_every_redelivery_is<P: Plane>(plane: 
     }
 }
 
-on_every_plane!(
+crate::support::on_every_plane!(
     the_first_delivery_is_answered_as_every_redelivery_is,
     a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing,
     a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate,

@@ -567,34 +567,15 @@ async fn failures_calls_are_bounded_and_bad_input_is_refused(repo: &impl Backend
     assert_eq!(JournaledFailures::max_bound(repo), OrphanedWork::max_bound(repo));
 }
 
-macro_rules! conformance {
-    ($($case:ident),* $(,)?) => {
-        mod in_memory {
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    let repo = idempotency_plane::MemoryRepository::new();
-                    super::$case(&repo, &repo).await;
-                }
-            )*
-        }
-
-        #[cfg(feature = "local")]
-        mod on_the_stack {
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    let stack = crate::support::harness::stack().await;
-                    let repo = idempotency_plane::PostgrestRepository::new(crate::support::harness::client(&stack));
-                    super::$case(&repo, &stack).await;
-                    stack.stop().await.unwrap();
-                }
-            )*
-        }
+crate::support::on_every_plane!(
+    in_memory: |case| {
+        let repo = idempotency_plane::MemoryRepository::new();
+        case(&repo, &repo).await
+    },
+    on_the_stack: |case, stack| {
+        let repo = idempotency_plane::PostgrestRepository::new(crate::support::harness::client(&stack));
+        case(&repo, &stack).await
     };
-}
-
-conformance!(
     the_one_call_claim_decides_every_outcome,
     the_v1_protocol_claims_reclaims_completes_and_releases_under_its_fence,
     retention_is_the_scopes_policy_and_an_unknown_scope_is_refused,

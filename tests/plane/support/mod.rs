@@ -35,6 +35,53 @@ use std::time::Duration;
 use idempotency_plane::{Claim, ClaimOutcome, Error, RequestHash};
 use uuid::Uuid;
 
+/// Runs each named case, an `async fn` of the calling module, twice: in
+/// `in_memory::<case>`, and with feature `local` in `on_the_stack::<case>`
+/// on a fresh local stack, stopped after the case. Each side says how a
+/// case is called: `|case| …` and `|case, stack| …`. With the cases alone,
+/// a case takes the plane itself (`&impl Plane`): a fresh in-memory plane,
+/// or the stack.
+// The observability tests share this module and run no case on every plane.
+#[allow(unused_macros)]
+macro_rules! on_every_plane {
+    (
+        in_memory: |$m:ident| $in_memory:expr,
+        on_the_stack: |$s:ident, $stack:ident| $on_stack:expr;
+        $($case:ident),* $(,)?
+    ) => {
+        mod in_memory {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let $m = super::$case;
+                    $in_memory
+                }
+            )*
+        }
+
+        #[cfg(feature = "local")]
+        mod on_the_stack {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let $stack = crate::support::harness::stack().await;
+                    let $s = super::$case;
+                    $on_stack;
+                    $stack.stop().await.unwrap();
+                }
+            )*
+        }
+    };
+    ($($case:ident),* $(,)?) => {
+        crate::support::on_every_plane!(
+            in_memory: |case| case(&crate::support::backends::OnMemory::default()).await,
+            on_the_stack: |case, stack| case(&stack).await;
+            $($case),*
+        );
+    };
+}
+pub(crate) use on_every_plane;
+
 /// The lease most tests claim with: long enough that it never passes
 /// unless a test moves it.
 pub const LEASE: Duration = Duration::from_secs(60);

@@ -185,7 +185,7 @@ async fn the_first_answer_is_exactly_what_every_replay_says<P: Plane>(plane: &P)
     }
 }
 
-on_every_plane!(
+crate::support::on_every_plane!(
     the_first_answer_is_exactly_what_every_replay_says,
     a_resource_the_store_would_refuse_still_journals_the_answer,
     a_tool_output_above_the_store_limit_with_no_resource_is_journaled_as_a_summary,

@@ -148,7 +148,7 @@ async fn reconcile_that_cannot_tell_keeps_the_claim_so_the_next_attempt_asks_aga
     assert_eq!(status, ClaimStatus::Processing, "kept, not released: a fresh claim would skip the reconciler");
 }
 
-on_every_plane!(
+crate::support::on_every_plane!(
     reconcile_a_worker_that_stalls_after_the_vendor_succeeded_is_reconciled_and_the_vendor_sends_once,
     reconcile_that_finds_nothing_executes_exactly_once,
     reconcile_that_cannot_tell_keeps_the_claim_so_the_next_attempt_asks_again,

@@ -380,7 +380,7 @@ async fn time_spent_in_the_checkpoint_counts_against_the_retry_horizon<P: Plane>
     assert_eq!(plane.claims().await, 0, "refused before any claim");
 }
 
-on_every_plane!(
+crate::support::on_every_plane!(
     a_retryable_tool_failure_releases_the_claim_and_the_next_attempt_executes,
     a_business_failure_completes_the_claim_and_the_next_attempt_returns_the_stored_answer,
     a_live_lease_on_the_callers_own_key_raises_and_no_result_reports_it,
