@@ -5,6 +5,7 @@
 // .ci/orders-function-check.sh.
 
 import { serve } from "../orders/index.ts";
+import { readUntil } from "./support.ts";
 
 function assertEquals(actual: unknown, expected: unknown, message = ""): void {
   const a = JSON.stringify(actual);
@@ -49,14 +50,9 @@ Deno.test("the function as a process answers an order and a replay without Deno'
     stderr: "piped",
   }).spawn();
   const stdout = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
-  let text = "";
-  while (!text.includes("\n")) {
-    const { value, done } = await stdout.read();
-    if (done) throw new Error(`the function stopped before it served: ${text}`);
-    text += value;
-  }
-  const url = /listening on (\S+)/.exec(text)?.[1];
   try {
+    const text = await readUntil(stdout, "\n", "the function starting to serve");
+    const url = /listening on (\S+)/.exec(text)?.[1];
     if (!url) throw new Error(`no listening line: ${text}`);
     const key = crypto.randomUUID();
     for (const [path, expected] of [["/orders", 201], ["/functions/v1/orders", 201]] as const) {

@@ -137,6 +137,28 @@ export async function within<T>(what: string, promise: Promise<T>, ms: number): 
   }
 }
 
+/**
+ * Reads `reader` until the text read so far holds `marker`, and answers that text. Rejects, naming `what`, when the
+ * stream ends first or `ms` pass: a process that never prints fails its test instead of hanging it.
+ */
+export async function readUntil(
+  reader: ReadableStreamDefaultReader<string>,
+  marker: string,
+  what: string,
+  ms = 30_000,
+): Promise<string> {
+  let text = "";
+  const read = async () => {
+    while (!text.includes(marker)) {
+      const { value, done } = await reader.read();
+      if (done) throw new Error(`${what} ended before it printed ${JSON.stringify(marker)}: ${text}`);
+      text += value;
+    }
+    return text;
+  };
+  return await within(`${what} printing ${JSON.stringify(marker)} (so far: ${JSON.stringify(text)})`, read(), ms);
+}
+
 /** A server started as a process of its own: its URL once it printed `listening on …`. */
 export interface Served {
   url: string;
@@ -147,12 +169,7 @@ export interface Served {
 export async function serve(command: string, args: string[], env: Record<string, string>): Promise<Served> {
   const child = new Deno.Command(command, { args, env, stdout: "piped", stderr: "null" }).spawn();
   const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
-  let text = "";
-  while (!text.includes("\n")) {
-    const { value, done } = await reader.read();
-    if (done) throw new Error(`${command} stopped before it served: ${text}`);
-    text += value;
-  }
+  const text = await readUntil(reader, "\n", `${command} starting to serve`);
   const url = /listening on (\S+)/.exec(text)?.[1];
   if (!url) throw new Error(`no listening line: ${text}`);
   // Keep draining stdout so the child never blocks on a full pipe.

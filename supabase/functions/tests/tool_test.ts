@@ -29,7 +29,7 @@ import {
   toolSpec,
   vendorKey,
 } from "../_shared/idempotency/mod.ts";
-import { functionOf, hashOf, Lossy, organization, plane, sleep } from "./support.ts";
+import { functionOf, hashOf, Lossy, organization, plane, readUntil, sleep } from "./support.ts";
 
 const SCOPE = "tool.email.send";
 const HOUR = RetryHorizon.untilLastAttempt(60 * 60_000);
@@ -419,13 +419,11 @@ async function killedAfterTheVendor(call: ToolInvocation, vendorUrl: string, rep
     stderr: "inherit",
   }).spawn();
   const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
-  let text = "";
-  while (!text.includes("vendor answered")) {
-    const { value, done } = await reader.read();
-    if (done) throw new Error(`the worker stopped before its vendor answered: ${text}`);
-    text += value;
+  try {
+    await readUntil(reader, "vendor answered", "the worker");
+  } finally {
+    child.kill("SIGKILL");
   }
-  child.kill("SIGKILL");
   const status = await child.status;
   assert.equal(status.signal, "SIGKILL", "the worker was killed, not ended");
   await reader.cancel().catch(() => {});
