@@ -530,3 +530,36 @@ Deno.test("reconcile that cannot tell keeps the claim, so the next attempt asks 
   assert.deepEqual(await g.run(call), { status: "reconciled", answer: success({ found: true }) });
   assert.equal(call.runs(), 0);
 });
+
+Deno.test("a tool that answers something other than an Answer is a bad_configuration, not retried, and its claim waits for the lease", async () => {
+  const g = guard();
+  const call = invocation({ tool: () => Promise.resolve({ message_id: "m-1" } as unknown as Answer) });
+  const error = await raises(g.run(call), "bad_configuration");
+  assert.equal(error.retryable, false);
+  assert.equal(call.runs(), 1);
+  assert.equal(await journal(call), "processing", "whatever the tool did is unknown: nothing released or journaled");
+});
+
+Deno.test("a reconciler that answers something other than an Answer is a bad_configuration; the tool never runs", async () => {
+  const g = guard();
+  const reconciler = (() => Promise.resolve("found it")) as unknown as Reconciler;
+  const call = invocation({ spec: toolSpec(SCOPE, 1_000, { reconcile: reconciler }) });
+  await abandoned(g, call);
+  const error = await raises(g.run(call), "bad_configuration");
+  assert.equal(error.retryable, false);
+  assert.equal(error.settled?.ending, "left_to_lease");
+  assert.equal(call.runs(), 0, "an unreadable reconciler never lets the tool run again");
+  assert.equal(await journal(call), "processing");
+});
+
+Deno.test("a reconciler that overruns the tool's timeout is raised as timed_out and keeps the claim", async () => {
+  const g = guard();
+  const reconciler: Reconciler = () => new Promise<Answer | undefined>(() => {});
+  const call = invocation({ spec: toolSpec(SCOPE, 1_000, { reconcile: reconciler }) });
+  await abandoned(g, call);
+  const error = await raises(g.run(call), "timed_out");
+  assert.equal(error.retryable, true);
+  assert.equal(error.settled?.ending, "left_to_lease");
+  assert.equal(call.runs(), 0);
+  assert.equal(await journal(call), "processing", "kept: the next attempt asks the reconciler again");
+});
