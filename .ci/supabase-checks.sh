@@ -11,7 +11,8 @@
 #                                             the declared schema (supabase/schemas)
 #   scripts/draft-migration.sh NAME           on a copy whose declared schema changed (a function's
 #                                             setting, scopes added, changed and removed): the
-#                                             draft it writes takes the migrations there (--check)
+#                                             draft it writes holds exactly those changes and
+#                                             takes the migrations there (--check)
 #
 # Installs the CLI (reused when the pinned version is already there) and
 # Debian's plpgsql_check for the server's major version when it is missing.
@@ -96,16 +97,23 @@ cp -r "$root/supabase/migrations" "$root/supabase/schemas" "$root/supabase/confi
 sed -i "s/SET lock_timeout TO '5s'/SET lock_timeout TO '6s'/" "$copy/supabase/schemas/40_function_idempotency_claim.sql"
 sed -i "s/('queue.\*', '7 days'/('queue.*', '8 days'/; /'surface.saved_search.start'/d" \
   "$copy/supabase/schemas/20_table_idempotency_scopes.sql"
-echo "INSERT INTO agent.idempotency_scopes (scope, retain, max_response_bytes) VALUES ('billing.invoice.send', '7 days', 65536);" \
+echo "INSERT INTO agent.idempotency_scopes (scope, retain, max_response_bytes) VALUES ('worker.invoice.send', '7 days', 65536);" \
   >>"$copy/supabase/schemas/20_table_idempotency_scopes.sql"
-if bash "$root/scripts/draft-migration.sh" --root "$copy" --check 2>/dev/null; then
+if bash "$root/scripts/draft-migration.sh" --root "$copy" --check 2>"$copy/check.err"; then
   fail "draft-migration --check found nothing to migrate in a changed declared schema"
 fi
+grep -q "the migrations do not build the declared schema" "$copy/check.err" ||
+  fail "draft-migration --check failed for another reason: $(cat "$copy/check.err")"
 bash "$root/scripts/draft-migration.sh" --root "$copy" changed_for_the_check
 draft="$(ls "$copy"/supabase/migrations/*_changed_for_the_check.sql)"
-for expected in "SET lock_timeout TO '6s'" "'billing.invoice.send', '7 days'" "'queue.*', '8 days'" \
+for expected in "SET lock_timeout TO '6s'" "'worker.invoice.send', '7 days'" "'queue.*', '8 days'" \
   "delete from agent.idempotency_scopes where scope = 'surface.saved_search.start';"; do
   grep -qF "$expected" "$draft" || fail "the draft lacks: $expected"
+done
+# Only what changed: the scopes before and after the changed ones, the
+# first and the last, are not restated.
+for unchanged in "'http.*'" "'tool.*'" "'webhook.*'"; do
+  if grep -qF "$unchanged" "$draft"; then fail "the draft restates the unchanged scope $unchanged"; fi
 done
 bash "$root/scripts/draft-migration.sh" --root "$copy" --check
 

@@ -100,7 +100,8 @@ grep -q "\"$root/tests/vectors/request_hash.json\"" node_check.ts || fail "node_
 {
   echo 'declare const organizationId: string, messageId: string, to: string;'
   echo 'declare function sendEmail(to: string): Promise<{ id: string }>;'
-  sed -n '/^```ts$/,/^```$/p' "$client/README.md" | sed '1d;$d'
+  # The first ```ts block, without its fences.
+  awk '/^```ts$/ && !seen { inside = 1; seen = 1; next } inside && /^```$/ { exit } inside' "$client/README.md"
 } >readme_example.ts
 grep -q '@idempotency-plane/client' readme_example.ts || fail "README.md has no TypeScript example importing the package"
 cat >tsconfig.json <<'JSON'

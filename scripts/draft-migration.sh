@@ -88,9 +88,12 @@ build "$migrated" "$repo/supabase/migrations"
 build "$declared" "$repo/supabase/schemas"
 
 # Supabase's diff of schema agent: functions, tables, views, types,
-# indexes, constraints, policies, owners and grants.
+# indexes, constraints, policies, owners and grants. --strict-coverage: an
+# object its engine (pg-delta) cannot manage fails the diff instead of being
+# left out of it. The CLI calls this output review SQL, not an apply
+# script: the draft is read before it is committed.
 "$supabase" --workdir "$repo" db diff --from "$(url "$migrated")" --to "$(url "$declared")" \
-  --schema agent -o "$work/schema.sql" </dev/null >&2 ||
+  --schema agent --strict-coverage -o "$work/schema.sql" </dev/null >&2 ||
   fail "supabase db diff failed"
 
 # The shipped scopes: one upsert per row the declared schema adds or
@@ -103,8 +106,16 @@ on conflict (scope) do update set retain = excluded.retain, max_response_bytes =
           scope, retain, max_response_bytes, max_request_bytes, max_attempts)
           from agent.idempotency_scopes order by scope'
 names='select scope from agent.idempotency_scopes order by scope'
-psql_on "$migrated" -R $'\x1e' -c "$scopes" | tr '\n\036' '\037\n' | sort >"$work/migrated.rows"
-psql_on "$declared" -R $'\x1e' -c "$scopes" | tr '\n\036' '\037\n' | sort >"$work/declared.rows"
+# One statement per line: psql separates records with \x1e but ends the
+# last with a newline, so each record is given its separator here, and the
+# statements' own newlines become \x1f until they are written out.
+statements() {
+  local out
+  out="$(psql_on "$1" -R $'\x1e' -c "$scopes")"
+  [ -z "$out" ] || printf '%s\036' "$out" | tr '\n\036' '\037\n' | sort
+}
+statements "$migrated" >"$work/migrated.rows"
+statements "$declared" >"$work/declared.rows"
 psql_on "$migrated" -c "$names" | sort >"$work/migrated.names"
 psql_on "$declared" -c "$names" | sort >"$work/declared.names"
 {
@@ -127,7 +138,13 @@ if $check; then
   exit 1
 fi
 
-file="$repo/supabase/migrations/$(date -u +%Y%m%d%H%M%S)_$name.sql"
+version="$(date -u +%Y%m%d%H%M%S)"
+# Migrations apply in version order: a draft must come after every one.
+latest="$(find "$repo/supabase/migrations" -maxdepth 1 -name '[0-9]*_*.sql' -printf '%f\n' | cut -d_ -f1 | sort | tail -n 1)"
+if [ -n "$latest" ] && [[ ! "$version" > "$latest" ]]; then
+  fail "this clock's version $version is not after the latest migration's $latest: the draft would apply before it"
+fi
+file="$repo/supabase/migrations/${version}_$name.sql"
 [ ! -e "$file" ] || fail "$file exists"
 {
   echo "-- $name"

@@ -39,11 +39,17 @@ pub struct DeployedFunction {
     /// `20261204151330_surface_reports_owners`.
     #[serde(default)]
     pub owner: Option<String>,
-    /// Whether PUBLIC (every role, `anon` and `authenticated` included) may
-    /// execute it: never so for the plane's own functions. `None` from a
-    /// plane older than migration `20261204151330_surface_reports_owners`.
+    /// Whether PUBLIC (every role) may execute it: never so for the plane's
+    /// own functions. `None` from a plane older than migration
+    /// `20261204151330_surface_reports_owners`, as for the two below.
     #[serde(default)]
     pub public_executable: Option<bool>,
+    /// Whether `anon` (a request without a user) may execute it.
+    #[serde(default)]
+    pub anon_executable: Option<bool>,
+    /// Whether `authenticated` (any signed-in user) may execute it.
+    #[serde(default)]
+    pub authenticated_executable: Option<bool>,
 }
 
 /// What the server did with a request for more rows than the configured cap

@@ -1,8 +1,9 @@
 -- agent.idempotency_claim
 --
--- A claim as the functions answer it: the row's columns without the stored
--- request, plus lease_live (processing and its lease not passed, by the
--- database clock).
+-- A claim as the functions answer it: the row's columns an answer needs (not
+-- the stored request, the reclaim count, the re-drive time or the audit of
+-- replaced failures), plus lease_live (processing and its lease not passed,
+-- by the database clock).
 
 CREATE TYPE agent.idempotency_claim AS (
 	id uuid,

@@ -1,9 +1,10 @@
 -- agent.idempotency_claim_outcome
 --
 -- What a claim answers: outcome (claimed, reclaimed, completed, processing,
--- conflict) and the claim. Only claimed and reclaimed carry the lease token;
--- processing and conflict carry no response or resource, conflict not the
--- stored hash.
+-- conflict; reclaimable where the caller may not take over, as for
+-- agent.idempotency_try_claim, never from agent.idempotency_claim) and the
+-- claim. Only claimed and reclaimed carry the lease token; processing and
+-- conflict carry no response or resource, conflict not the stored hash.
 
 CREATE TYPE agent.idempotency_claim_outcome AS (
 	outcome text,

@@ -2,8 +2,8 @@
 --
 -- The claim table's columns as a relation an API role may name: the row shape
 -- of agent.idempotency_expired and agent.idempotency_cap_probe. It runs with
--- its caller's privileges, and no API role can read the table through it;
--- lease_token is never shown.
+-- its caller's privileges, so no API role can read the table through it; the
+-- functions that answer its rows never answer a lease token.
 
 CREATE VIEW agent.idempotency_rows WITH (security_invoker='true') AS
  SELECT k.id,

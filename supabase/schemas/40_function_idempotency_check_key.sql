@@ -1,7 +1,8 @@
 -- agent.idempotency_check_key
 --
--- Refuses (22023) a missing organization, or a scope or key that is empty,
--- too long or of other characters. Private.
+-- Refuses (22023) a missing organization, a scope that is empty, longer than
+-- 128 characters or of other characters than a-z, 0-9, '.', '_' and '-', or a
+-- key that is empty or longer than 512 characters. Private.
 
 CREATE FUNCTION agent.idempotency_check_key(p_organization_id uuid, p_scope text, p_key text) RETURNS void
     LANGUAGE plpgsql IMMUTABLE

@@ -1,9 +1,11 @@
 -- agent.idempotency_claim
 --
--- The one-call claim (public): decides in one statement whether this call
--- runs (claimed, reclaimed after the lease passed), replays (completed),
--- waits (processing) or is refused (conflict: same key, different request).
--- p_request is the work the claim carries, for re-drive.
+-- The one-call claim (public): whether this call runs (claimed, or reclaimed
+-- after the lease passed), replays (completed), waits (processing) or is
+-- refused (conflict: same key, another request), decided by
+-- agent.idempotency_decide. A repeat with the same lease token after a lost
+-- answer answers that caller's own claim. p_request is the work the claim
+-- carries, for re-drive.
 
 CREATE FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb DEFAULT NULL::jsonb) RETURNS SETOF agent.idempotency_claim_outcome
     LANGUAGE plpgsql SECURITY DEFINER

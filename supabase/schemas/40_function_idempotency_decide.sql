@@ -1,8 +1,15 @@
 -- agent.idempotency_decide
 --
--- The decision behind every claim: insert, take over, replay or refuse, in
--- one statement under the row lock. Private: called by the claim functions,
--- which say what it may do (p_may_insert, p_may_take_over).
+-- The decision behind every claim: insert, take over, replay, wait or refuse.
+-- Private: called by the claim functions, which say what it may do
+-- (p_may_insert, p_may_take_over).
+--
+-- Each decision is one statement that cannot be overtaken: an INSERT ... ON
+-- CONFLICT DO NOTHING for a free key, or an UPDATE fenced by the lease token
+-- just read (compare and set) for a takeover. A statement that loses a race
+-- is tried again, up to 4 passes; a key that keeps changing hands after that
+-- raises 40001, for the caller to retry. Answers reclaimable where it may not
+-- take over a passed lease itself.
 
 CREATE FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb DEFAULT NULL::jsonb) RETURNS SETOF agent.idempotency_claim_outcome
     LANGUAGE plpgsql

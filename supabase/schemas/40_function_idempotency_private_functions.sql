@@ -1,9 +1,12 @@
 -- agent.idempotency_private_functions
 --
--- The event trigger's function (80_event_trigger.sql): revokes EXECUTE from
--- PUBLIC, anon and authenticated on every function created in, or moved into,
--- schema agent. It runs as the role that ran the command, which owns the new
--- function or is a superuser, so it may revoke.
+-- The event trigger's function (80_event_trigger.sql), private: revokes
+-- EXECUTE from PUBLIC, anon and authenticated on every function created in,
+-- or moved into, schema agent, and on every function there that is altered or
+-- replaced, so a grant to those roles does not survive a later CREATE OR
+-- REPLACE. It runs as the role that ran the command, which owns the function
+-- or is a superuser, so it may revoke. Owned by the role that applies the
+-- schema.
 
 CREATE FUNCTION agent.idempotency_private_functions() RETURNS event_trigger
     LANGUAGE plpgsql

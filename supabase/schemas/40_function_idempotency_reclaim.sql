@@ -1,8 +1,9 @@
 -- agent.idempotency_reclaim
 --
 -- Takes over a claim (public) that is still processing, whose lease passed
--- and whose request hash matches: the row with the new token and lease, or
--- nothing.
+-- and whose request hash matches: the row with the new token and lease; the
+-- row again to the same lease token while the lease it took is live (a repeat
+-- after a lost answer); otherwise nothing.
 
 CREATE FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) RETURNS SETOF agent.idempotency_claim
     LANGUAGE plpgsql SECURITY DEFINER

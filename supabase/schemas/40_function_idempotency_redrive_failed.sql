@@ -1,7 +1,10 @@
 -- agent.idempotency_redrive_failed
 --
--- Sends journaled failures that carry their work back to re-drive (public),
--- keeping what each replaced for the audit.
+-- Sends journaled failures that carry their work back to re-drive (public):
+-- the chosen claim ids, or every failure claimed since p_since. Each becomes
+-- an orphan again with a fresh fence and attempts from one; none of a scope
+-- whose max_attempts is 1. What each replaced is kept in the row for the
+-- audit, the last 20.
 
 CREATE FUNCTION agent.idempotency_redrive_failed(p_scope text, p_limit integer, p_organization_id uuid DEFAULT NULL::uuid, p_since timestamp with time zone DEFAULT NULL::timestamp with time zone, p_claim_ids uuid[] DEFAULT NULL::uuid[], p_row_cap integer DEFAULT 1000) RETURNS SETOF agent.idempotency_failure
     LANGUAGE plpgsql SECURITY DEFINER

@@ -1,7 +1,8 @@
 -- agent.idempotency_try_claim
 --
--- Claims a key that has no row (public): the new row, or nothing when it is
--- already claimed. Never takes over.
+-- Claims a key that has no row (public): the new row; the row again to the
+-- same lease token while its lease is live (a repeat after a lost answer);
+-- otherwise nothing. Never takes over.
 
 CREATE FUNCTION agent.idempotency_try_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) RETURNS SETOF agent.idempotency_claim
     LANGUAGE plpgsql SECURITY DEFINER

@@ -1,8 +1,9 @@
 -- Functions created in schema agent later, by anyone, are not executable by
--- PUBLIC, anon or authenticated until someone grants it on purpose: this
--- event trigger revokes EXECUTE from them on every function, procedure or
--- aggregate created in, or moved into, the schema (the function it runs is
--- agent.idempotency_private_functions).
+-- PUBLIC, anon or authenticated: this event trigger revokes EXECUTE from
+-- them on every function, procedure or aggregate created in, moved into,
+-- altered in or replaced in the schema (the function it runs is
+-- agent.idempotency_private_functions). A grant to those roles therefore
+-- lasts only until the function is next altered or replaced.
 --
 -- Creating an event trigger takes a superuser, or Supabase's postgres
 -- (supautils). Elsewhere the schema applies without it, and says so: the

@@ -1,7 +1,8 @@
--- Who may do what. Every function is private unless granted here: its
--- owner, idempotency_owner, runs it, and the API role service_role calls
--- the public surface. No API role holds any privilege on a table; the
--- functions that write run as the owner (SECURITY DEFINER).
+-- Who may do what, on the types, tables, view and functions (the schema's
+-- own grants are in 01_schema.sql). Every function is private unless
+-- granted here: the API role service_role calls the public surface. No API
+-- role holds any privilege on a table; the functions that write are owned
+-- by idempotency_owner and run as it (SECURITY DEFINER).
 
 REVOKE ALL ON TABLE agent.idempotency_keys FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_scopes FROM PUBLIC, anon, authenticated, service_role;

@@ -16,8 +16,8 @@
 //! - `hostile`: hostile input to the pure parts, the stack and the client.
 //! - `cli`: the `idem` binary, run as a user runs it; its usage errors and
 //!   `--help` need no stack.
-//! - `drift`: what the crate ships against its twins (migrations, README,
-//!   request-hash vectors).
+//! - `drift`: what the crate ships against what it must match (the
+//!   migrations folder, the README, request-hash and key vectors).
 //! - `support`: the helpers the others share.
 //!
 //! `stack`, `cli` (but `cli::usage`), `hostile::keys` and `support::harness` need the embedded

@@ -152,40 +152,54 @@ fn check_surface(held: &Result<Vec<DeployedFunction>, ClientError>, report: &mut
     }
 }
 
-/// Functions of schema `agent` that PUBLIC may execute. The plane's own are
-/// private, and the event trigger makes every function created there later
-/// private too, except where it does not fire: on Supabase, for a
-/// superuser. Such a function is callable by `anon` and `authenticated`
-/// wherever they can reach the schema, so it fails the check, with its
-/// owner (the role that created it).
+/// Functions of schema `agent` that PUBLIC, `anon` or `authenticated` may
+/// execute. The plane's own are private, and the event trigger makes every
+/// function created or replaced there later private too, except where it
+/// does not fire: on Supabase, for a superuser. Such a function is callable
+/// by those roles wherever they can reach the schema, so it fails the
+/// check, with its owner (the role that created it) and who may call it.
 fn check_public_functions(held: &Result<Vec<DeployedFunction>, ClientError>, report: &mut Report) {
     const CHECK: &str = "public functions";
     let held = match held {
         Ok(held) => held,
         Err(error) => return report.line(false, CHECK, diagnose(error)),
     };
-    if held.iter().any(|f| f.public_executable.is_none()) {
+    let said = |f: &DeployedFunction| {
+        [("PUBLIC", f.public_executable), ("anon", f.anon_executable), ("authenticated", f.authenticated_executable)]
+    };
+    if held.iter().any(|f| said(f).iter().any(|(_, may)| may.is_none())) {
         return report.line(
             false,
             CHECK,
             "the plane does not say who may execute its functions: apply the migrations (supabase db push)",
         );
     }
-    let public: Vec<String> = held
+    let exposed: Vec<String> = held
         .iter()
-        .filter(|f| f.public_executable == Some(true))
-        .map(|f| format!("agent.{}({}) owned by {}", f.name, f.arguments, f.owner.as_deref().unwrap_or("?")))
+        .filter_map(|f| {
+            let roles: Vec<&str> =
+                said(f).iter().filter(|(_, may)| *may == Some(true)).map(|(role, _)| *role).collect();
+            (!roles.is_empty()).then(|| {
+                format!(
+                    "agent.{}({}) owned by {} (executable by {})",
+                    f.name,
+                    f.arguments,
+                    f.owner.as_deref().unwrap_or("?"),
+                    roles.join(", ")
+                )
+            })
+        })
         .collect();
-    if public.is_empty() {
-        return report.line(true, CHECK, "PUBLIC may execute no function of schema agent");
+    if exposed.is_empty() {
+        return report.line(true, CHECK, "no function of schema agent is executable by PUBLIC, anon or authenticated");
     }
     report.line(
         false,
         CHECK,
         format!(
-            "PUBLIC may execute {}: created where the event trigger does not fire (a superuser's); \
+            "{}: created where the event trigger does not fire (a superuser's) or granted since; \
              revoke execute on function … from public, anon, authenticated, or drop it",
-            public.join(", ")
+            exposed.join(", ")
         ),
     );
 }

@@ -156,7 +156,11 @@ export async function readUntil(
     }
     return text;
   };
-  return await within(`${what} printing ${JSON.stringify(marker)} (so far: ${JSON.stringify(text)})`, read(), ms);
+  try {
+    return await within(`${what} printing ${JSON.stringify(marker)}`, read(), ms);
+  } catch (error) {
+    throw new Error(`${error instanceof Error ? error.message : String(error)}; read so far: ${JSON.stringify(text)}`);
+  }
 }
 
 /** A server started as a process of its own: its URL once it printed `listening on …`. */
@@ -169,9 +173,17 @@ export interface Served {
 export async function serve(command: string, args: string[], env: Record<string, string>): Promise<Served> {
   const child = new Deno.Command(command, { args, env, stdout: "piped", stderr: "null" }).spawn();
   const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
-  const text = await readUntil(reader, "\n", `${command} starting to serve`);
-  const url = /listening on (\S+)/.exec(text)?.[1];
-  if (!url) throw new Error(`no listening line: ${text}`);
+  let url: string;
+  try {
+    const text = await readUntil(reader, "\n", `${command} starting to serve`);
+    const found = /listening on (\S+)/.exec(text)?.[1];
+    if (!found) throw new Error(`no listening line: ${text}`);
+    url = found;
+  } catch (error) {
+    await killHard(child);
+    await reader.cancel().catch(() => {});
+    throw error;
+  }
   // Keep draining stdout so the child never blocks on a full pipe.
   (async () => {
     while (!(await reader.read().catch(() => ({ done: true }))).done);

@@ -137,7 +137,12 @@ async fn idem_doctor_passes_on_a_healthy_plane_and_names_what_is_wrong_otherwise
     assert!(out.contains("all checks passed"), "{out}");
     assert!(out.contains("ok    idempotency_try_claim"), "{out}");
     assert!(out.contains("truncates at 50 rows, as configured"), "{out}");
-    assert!(out.contains("ok    public functions: PUBLIC may execute no function of schema agent"), "{out}");
+    assert!(
+        out.contains(
+            "ok    public functions: no function of schema agent is executable by PUBLIC, anon or authenticated"
+        ),
+        "{out}"
+    );
 
     // Told a cap the server does not have.
     let mismatch = idem(url, key, Some(80), &["doctor"]).await;
@@ -178,14 +183,30 @@ async fn idem_doctor_names_a_function_public_may_execute_and_its_owner() {
     assert!(!exposed.status.success(), "{out}");
     assert!(
         out.contains(&format!(
-            "FAIL  public functions: PUBLIC may execute agent.report_totals(p_day date) owned by {owner}"
+            "FAIL  public functions: agent.report_totals(p_day date) owned by {owner} \
+             (executable by PUBLIC, anon, authenticated)"
         )),
         "{out}"
     );
     // The plane's own functions are all still as they were.
     assert!(out.contains("ok    idempotency_claim"), "{out}");
 
-    stack.db().execute("revoke execute on function agent.report_totals(date) from public").await.unwrap();
+    // Revoked from PUBLIC, then granted to authenticated on purpose: still
+    // reachable by every signed-in user.
+    stack
+        .db()
+        .execute("revoke execute on function agent.report_totals(date) from public; grant execute on function agent.report_totals(date) to authenticated")
+        .await
+        .unwrap();
+    let granted = idem(url, key, None, &["doctor"]).await;
+    let out = stdout(&granted);
+    assert!(!granted.status.success(), "{out}");
+    assert!(
+        out.contains("agent.report_totals(p_day date) owned by") && out.contains("(executable by authenticated)"),
+        "{out}"
+    );
+
+    stack.db().execute("revoke execute on function agent.report_totals(date) from authenticated").await.unwrap();
     let private = idem(url, key, None, &["doctor"]).await;
     let out = stdout(&private);
     assert!(private.status.success(), "{out}");

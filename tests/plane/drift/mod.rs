@@ -1,5 +1,6 @@
-//! What the crate ships, against its twins: the embedded migrations against
-//! the Supabase CLI's copy (`migrations`), the README's code against the
+//! What the crate ships, against what it must match: the embedded migrations
+//! against `supabase/migrations/`, the folder the Supabase CLI pushes
+//! (`migrations`), the README's code against the
 //! public API (`readme`, its stack half with feature `local`), and the
 //! request hash and a tool call's keys against the vectors the TypeScript
 //! client checks too (`request_hash`, `keys`), and the Idempotency-Key

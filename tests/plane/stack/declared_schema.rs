@@ -3,7 +3,9 @@
 //! built from each must have the same catalog: every function with its body
 //! and settings, every table, view, type, column, constraint, index, policy,
 //! owner, grant, comment and event trigger, and the scopes the plane ships
-//! with. So neither can change without the other.
+//! with. So neither can change without the other. Roles are the cluster's,
+//! not a database's: both databases see the same ones, so they are not
+//! compared here.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -14,8 +16,8 @@ use idempotency_plane::migrations::MIGRATIONS;
 
 /// What is compared, by name: one query each, answering one text per object.
 /// Everything is rendered by PostgreSQL itself (`pg_get_functiondef`,
-/// `pg_get_constraintdef`, ...), so two catalogs are equal exactly when a
-/// caller could not tell the databases apart.
+/// `pg_get_constraintdef`, ...), so two catalogs read alike when every
+/// object of schema `agent`, its privileges and its shipped rows do.
 const CATALOG: &[(&str, &str)] = &[
     (
         "schema",
@@ -52,7 +54,8 @@ const CATALOG: &[(&str, &str)] = &[
     (
         "constraints",
         "select json_build_array(conrelid::regclass::text, contypid::regtype::text, conname, contype,
-                                 pg_get_constraintdef(oid), condeferrable, condeferred, convalidated)::text
+                                 pg_get_constraintdef(oid), condeferrable, condeferred, convalidated,
+                                 obj_description(oid, 'pg_constraint'))::text
            from pg_constraint where connamespace = 'agent'::regnamespace",
     ),
     (
@@ -65,7 +68,7 @@ const CATALOG: &[(&str, &str)] = &[
         "policies",
         "select json_build_array(p.polrelid::regclass::text, p.polname, p.polcmd, p.polpermissive,
                                  p.polroles::regrole[]::text, pg_get_expr(p.polqual, p.polrelid),
-                                 pg_get_expr(p.polwithcheck, p.polrelid))::text
+                                 pg_get_expr(p.polwithcheck, p.polrelid), obj_description(p.oid, 'pg_policy'))::text
            from pg_policy p join pg_class c on c.oid = p.polrelid where c.relnamespace = 'agent'::regnamespace",
     ),
     (
@@ -102,19 +105,21 @@ const CATALOG: &[(&str, &str)] = &[
 
 type Catalog = BTreeMap<&'static str, BTreeSet<String>>;
 
-async fn catalog(db: &mut PgConnection) -> Catalog {
+async fn catalog(db: &mut PgConnection) -> Result<Catalog, String> {
     let mut catalog = Catalog::new();
     for (name, query) in CATALOG {
         let rows: Vec<String> = sqlx::query_scalar(AssertSqlSafe(*query))
             .fetch_all(&mut *db)
             .await
-            .unwrap_or_else(|e| panic!("reading {name}: {e}"));
+            .map_err(|e| format!("reading {name}: {e}"))?;
         let count = rows.len();
         let rows: BTreeSet<String> = rows.into_iter().collect();
-        assert_eq!(rows.len(), count, "{name}: two objects read alike");
+        if rows.len() != count {
+            return Err(format!("{name}: two objects read alike"));
+        }
         catalog.insert(name, rows);
     }
-    catalog
+    Ok(catalog)
 }
 
 /// Every difference, named by what differs and on which side.
@@ -168,16 +173,24 @@ fn the_supabase_cli_reads_the_declared_schema_in_file_name_order() {
     assert_eq!(names.last().map(String::as_str), Some("90_grants.sql"));
 }
 
-/// A database of its own on the shared cluster, `sql` applied file by file.
-async fn build(admin: &mut PgConnection, admin_url: &url::Url, database: &str, files: &[(String, String)]) -> Catalog {
+/// A database of its own on the shared cluster, `files` applied one by one,
+/// then `changes` (SQL run after them), and its catalog.
+async fn build(
+    admin: &mut PgConnection,
+    admin_url: &url::Url,
+    database: &str,
+    files: &[(String, String)],
+    changes: &str,
+) -> Result<Catalog, String> {
     // The name is ours: letters, digits and '_'.
-    admin.execute(AssertSqlSafe(format!("create database {database}"))).await.expect("create database");
+    admin.execute(AssertSqlSafe(format!("create database {database}"))).await.map_err(|e| e.to_string())?;
     let mut url = admin_url.clone();
     url.set_path(&format!("/{database}"));
-    let mut db = PgConnection::connect(url.as_str()).await.expect("connect to the new database");
+    let mut db = PgConnection::connect(url.as_str()).await.map_err(|e| format!("connect to {database}: {e}"))?;
     for (file, sql) in files {
-        sqlx::raw_sql(AssertSqlSafe(sql.as_str())).execute(&mut db).await.unwrap_or_else(|e| panic!("{file}: {e}"));
+        sqlx::raw_sql(AssertSqlSafe(sql.as_str())).execute(&mut db).await.map_err(|e| format!("{file}: {e}"))?;
     }
+    sqlx::raw_sql(AssertSqlSafe(changes)).execute(&mut db).await.map_err(|e| format!("the changes: {e}"))?;
     let catalog = catalog(&mut db).await;
     let _ = db.close().await;
     catalog
@@ -188,25 +201,30 @@ async fn the_declared_schema_and_the_migrations_build_the_same_catalog() {
     let admin_url = url::Url::parse(&idempotency_plane::local::LocalStackConfig::default().database_url).unwrap();
     let mut admin = PgConnection::connect(admin_url.as_str()).await.expect("the maintenance database");
     let suffix = format!("{:016x}", rand::random::<u64>());
-    let (migrated_db, declared_db) = (format!("idem_migrated_{suffix}"), format!("idem_declared_{suffix}"));
+    let databases =
+        [format!("idem_migrated_{suffix}"), format!("idem_declared_{suffix}"), format!("idem_changed_{suffix}")];
     let migrations: Vec<(String, String)> = MIGRATIONS.iter().map(|(f, s)| (f.to_string(), s.to_string())).collect();
     let declared_files = declared_schema();
+    // The comparison sees a difference where there is one: the declared
+    // schema again, with a function's setting, a table's comment and a
+    // shipped scope changed.
+    let changes = "alter function agent.idempotency_get(uuid, text, text) set lock_timeout = '7s';
+                   comment on table agent.runs is 'changed';
+                   delete from agent.idempotency_scopes where scope = 'queue.*';";
 
-    let migrated = build(&mut admin, &admin_url, &migrated_db, &migrations).await;
-    let declared = build(&mut admin, &admin_url, &declared_db, &declared_files).await;
-
-    // The comparison sees a difference where there is one: one function's
-    // setting changed in the declared database.
-    let mut url = admin_url.clone();
-    url.set_path(&format!("/{declared_db}"));
-    let mut db = PgConnection::connect(url.as_str()).await.expect("connect");
-    db.execute("alter function agent.idempotency_get(uuid, text, text) set lock_timeout = '7s'").await.unwrap();
-    let changed = catalog(&mut db).await;
-    let _ = db.close().await;
-
-    for database in [&migrated_db, &declared_db] {
+    let built = async {
+        let migrated = build(&mut admin, &admin_url, &databases[0], &migrations, "").await?;
+        let declared = build(&mut admin, &admin_url, &databases[1], &declared_files, "").await?;
+        let changed = build(&mut admin, &admin_url, &databases[2], &declared_files, changes).await?;
+        Ok::<_, String>((migrated, declared, changed))
+    }
+    .await;
+    // Dropped whatever happened: the event trigger makes a leftover database
+    // anything but inert.
+    for database in &databases {
         admin.execute(AssertSqlSafe(format!("drop database if exists {database} with (force)"))).await.unwrap();
     }
+    let (migrated, declared, changed) = built.unwrap_or_else(|e| panic!("{e}"));
 
     // Every kind of object is there to compare: an empty category would
     // compare equal whatever the files say.
@@ -217,7 +235,13 @@ async fn the_declared_schema_and_the_migrations_build_the_same_catalog() {
     assert!(migrated["functions"].len() >= 30, "{}", migrated["functions"].len());
     let found = differences(&migrated, &declared);
     assert!(found.is_empty(), "the declared schema and the migrations differ:\n{}", found.join("\n"));
+
     let found = differences(&migrated, &changed);
-    assert_eq!(found.len(), 2, "{found:#?}");
-    assert!(found.iter().all(|d| d.starts_with("functions,") && d.contains("idempotency_get")), "{found:#?}");
+    let of = |category: &str, object: &str| {
+        found.iter().filter(|d| d.starts_with(&format!("{category},")) && d.contains(object)).count()
+    };
+    assert_eq!(of("functions", "idempotency_get"), 2, "{found:#?}");
+    assert_eq!(of("relations", "\"runs\""), 2, "{found:#?}");
+    assert_eq!(of("scopes shipped", "queue.*"), 1, "{found:#?}");
+    assert_eq!(found.len(), 5, "nothing else differs: {found:#?}");
 }

@@ -85,11 +85,11 @@ pub(crate) struct BenchArgs {
     /// Where to write the raw figures as JSON.
     #[arg(long, default_value = "bench.json")]
     out: std::path::PathBuf,
-    /// A second PostgreSQL server (an admin URL, as DATABASE_URL takes) on
-    /// which the server-bound scenarios run as well, printed beside the
-    /// first server's: pairs through the crate and a bare HTTP client, the
-    /// SQL functions against the plain-statement floor, SECURITY DEFINER
-    /// against INVOKER, first claims.
+    /// A second PostgreSQL server (an admin URL, as DATABASE_URL takes):
+    /// the run ends with the server-bound scenarios on a fresh stack of each
+    /// server, printed side by side: pairs through the crate and a bare HTTP
+    /// client, the SQL functions against the plain-statement floor, SECURITY
+    /// DEFINER against INVOKER, first claims.
     #[arg(long, value_name = "DATABASE_URL")]
     also_on: Option<String>,
     /// With --also-on: run only those scenarios, on both servers (minutes
@@ -101,16 +101,20 @@ pub(crate) struct BenchArgs {
 /// Starts a local stack, runs every scenario on it, prints the figures and
 /// writes them to `--out`.
 pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, BoxError> {
+    if let Some(url) = &args.also_on {
+        // Before half an hour of scenarios, not after.
+        servers::reachable(url).await?;
+    }
     if args.servers_only {
-        return servers_only(&args).await;
+        let servers = compare_servers(&args).await?;
+        servers::print(&servers);
+        std::fs::write(&args.out, serde_json::to_vec_pretty(&servers)?)?;
+        println!("\nraw figures: {}", args.out.display());
+        return Ok(crate::exit::ok());
     }
     let stack = crate::plane::start_local(LocalStackConfig::default()).await?;
     let layout = stack_layout(&stack).await?;
     let result = bench(&stack, &args, &layout).await;
-    let first_server = match &result {
-        Ok(run) if args.also_on.is_some() => Some(ServerRun::of(&stack, run.figures.clone()).await),
-        _ => None,
-    };
     stack.stop().await?;
     let mut run = result?;
 
@@ -122,40 +126,35 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, BoxError> {
     partitioned.stop().await?;
     result?;
 
-    let servers = match (first_server, &args.also_on) {
-        (Some(first), Some(url)) => vec![first?, on_server(url, &args).await?],
-        _ => Vec::new(),
-    };
-
-    let results = Results::of(args.workers, args.seconds, run, (args.growth_rows, args.sweep_rows), servers)?;
+    let mut results = Results::of(args.workers, args.seconds, run, (args.growth_rows, args.sweep_rows))?;
     print(&results);
+    // Written before the comparison of servers, which may still fail.
     std::fs::write(&args.out, serde_json::to_vec_pretty(&results)?)?;
-    println!("\nraw figures: {}", args.out.display());
-    Ok(crate::exit::ok())
-}
-
-/// `--servers-only`: the server-bound scenarios on the first server, then
-/// on `--also-on`'s.
-async fn servers_only(args: &BenchArgs) -> Result<ExitCode, BoxError> {
-    let url = args.also_on.as_deref().ok_or("--servers-only needs --also-on")?;
-    let stack = crate::plane::start_local(LocalStackConfig::default()).await?;
-    let first = async {
-        let figures = server_scenarios(&stack, args.workers, Duration::from_secs(args.seconds)).await?;
-        ServerRun::of(&stack, figures).await
+    if args.also_on.is_some() {
+        let servers = compare_servers(&args).await?;
+        servers::print(&servers);
+        results.servers = servers;
+        std::fs::write(&args.out, serde_json::to_vec_pretty(&results)?)?;
     }
-    .await;
-    stack.stop().await?;
-    let servers = vec![first?, on_server(url, args).await?];
-    servers::print(&servers);
-    std::fs::write(&args.out, serde_json::to_vec_pretty(&servers)?)?;
     println!("\nraw figures: {}", args.out.display());
     Ok(crate::exit::ok())
 }
 
-/// The server-bound scenarios on a local stack of the server at `url`.
-async fn on_server(url: &str, args: &BenchArgs) -> Result<ServerRun, BoxError> {
-    eprintln!("the server-bound scenarios again, on a stack of the second server…");
-    let config = LocalStackConfig { database_url: url.to_owned(), ..LocalStackConfig::default() };
+/// The server-bound scenarios on a fresh stack of the first server, then on
+/// one of `--also-on`'s: the same scenarios in the same order, so their
+/// ratios compare.
+async fn compare_servers(args: &BenchArgs) -> Result<Vec<ServerRun>, BoxError> {
+    let url = args.also_on.as_deref().ok_or("comparing servers needs --also-on")?;
+    eprintln!("the server-bound scenarios on a fresh stack of the first server…");
+    let first = on_server(LocalStackConfig::default(), args).await?;
+    eprintln!("the same on a stack of the second server…");
+    let second =
+        on_server(LocalStackConfig { database_url: url.to_owned(), ..LocalStackConfig::default() }, args).await?;
+    Ok(vec![first, second])
+}
+
+/// The server-bound scenarios on a local stack started with `config`.
+async fn on_server(config: LocalStackConfig, args: &BenchArgs) -> Result<ServerRun, BoxError> {
     let stack = crate::plane::start_local(config).await?;
     let result = async {
         let figures = server_scenarios(&stack, args.workers, Duration::from_secs(args.seconds)).await?;

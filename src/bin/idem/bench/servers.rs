@@ -2,8 +2,9 @@
 //! their ratios printed side by side: what a move from one major version to
 //! another (Supabase's new projects run 17) changes in the plane's cost.
 //!
-//! Each server gets a local stack of its own, one after the other, with the
-//! same workers and seconds: the crate's pairs against a bare HTTP client,
+//! Each server gets a fresh local stack of its own, one after the other,
+//! with the same workers and seconds (in a full run, after every other
+//! scenario, on stacks of their own): the crate's pairs against a bare HTTP client,
 //! the SQL functions against the plain-statement floor, SECURITY DEFINER
 //! against INVOKER, and first claims. The two clusters' settings are printed
 //! with the figures: a ratio is comparable across them, an absolute figure
@@ -21,6 +22,15 @@ use super::http::{pairs_bare_http, pairs_through_crate};
 use super::report::Figure;
 use super::sql::{definer_against_invoker, functions_against_floor};
 use crate::BoxError;
+
+/// Whether an admin connection to `url` opens: checked before the run, so a
+/// wrong `--also-on` fails at once.
+pub(super) async fn reachable(url: &str) -> Result<(), BoxError> {
+    use sqlx::Connection;
+    let conn = sqlx::PgConnection::connect(url).await.map_err(|e| format!("--also-on: cannot connect: {e}"))?;
+    conn.close().await?;
+    Ok(())
+}
 
 /// The figures the comparison takes, by the names the main run gives them.
 pub(super) const SERVER_FIGURES: &[&str] = &[
