@@ -1,9 +1,13 @@
 -- agent.idempotency_claim_many
 --
 -- Claims a batch in one round trip (public): one row per item, in input
--- order, exactly what the items' single claims made one after another would
--- answer. A malformed item or more than p_row_cap items refuses the whole
--- batch (22023) and writes nothing.
+-- order, what the items' single claims made one after another would answer.
+-- Each key is decided once, by its first occurrence, in one statement that
+-- visits the keys in key order and locks every row it finds, so batches
+-- never deadlock; a later occurrence answers from the row its first left
+-- (processing, completed or a conflict), never a second claim. The leases
+-- won are timed from the end of the batch. A malformed item or more than
+-- p_row_cap items refuses the whole batch (22023) and writes nothing.
 
 CREATE FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer DEFAULT 1000) RETURNS SETOF agent.idempotency_claim_item
     LANGUAGE plpgsql SECURITY DEFINER
@@ -11,13 +15,13 @@ CREATE FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope tex
     SET lock_timeout TO '5s'
     AS $_$
 declare
-  v_keys text[] := '{}'::text[];
-  v_hashes text[] := '{}'::text[];
-  v_tokens uuid[] := '{}'::uuid[];
-  v_requests jsonb[] := '{}'::jsonb[];
+  v_keys text[];
+  v_hashes text[];
+  v_tokens uuid[];
+  v_requests jsonb[];
   v_item jsonb;
   v_index integer;
-  v_hash text;
+  v_text text;
   v_earlier integer;
   v_state text;
   v_message text;
@@ -25,11 +29,9 @@ declare
   v_retain interval;
   v_lease interval := p_lease_ms * interval '1 millisecond';
   v_at timestamptz;
-  v_won agent.idempotency_keys[];
-  v_won_items integer[];
-  v_places integer[];
-  k agent.idempotency_keys;
-  r agent.idempotency_claim_outcome;
+  v_firsts boolean[];
+  v_won uuid[];
+  v_answered integer;
 begin
   if p_organization_id is null then
     raise exception 'p_organization_id is required' using errcode = '22023';
@@ -53,6 +55,7 @@ begin
       using errcode = 'IDEM1',
             hint = 'add the scope (or its family, e.g. tool.*) to agent.idempotency_scopes in a migration';
   end if;
+  v_retain := greatest(v_retain, v_lease);
 
   -- Every item is checked before anything is written, in one pass over
   -- the array; the first bad item, if any, is checked again on its own to
@@ -72,15 +75,15 @@ begin
    limit 1;
   if found then
     perform agent.idempotency_check_item(v_item, v_index);
-    v_hash := agent.idempotency_item_text(v_item, v_index, 'key', true);
-    if char_length(v_hash) not between 1 and 512 then
-      raise exception 'p_items[%].key must be 1 to 512 characters, got %', v_index, char_length(v_hash)
+    v_text := agent.idempotency_item_text(v_item, v_index, 'key', true);
+    if char_length(v_text) not between 1 and 512 then
+      raise exception 'p_items[%].key must be 1 to 512 characters, got %', v_index, char_length(v_text)
         using errcode = '22023';
     end if;
-    v_hash := agent.idempotency_item_text(v_item, v_index, 'request_hash', true);
-    if octet_length(v_hash) <> 64 or v_hash ~ '[^0-9a-f]' then
+    v_text := agent.idempotency_item_text(v_item, v_index, 'request_hash', true);
+    if octet_length(v_text) <> 64 or v_text ~ '[^0-9a-f]' then
       raise exception 'p_items[%].request_hash must be 64 lowercase hex digits (a SHA-256), got %',
-                      v_index, pg_catalog.left(v_hash, 80)
+                      v_index, pg_catalog.left(v_text, 80)
         using errcode = '22023';
     end if;
     perform agent.idempotency_item_uuid(v_item, v_index, 'lease_token');
@@ -89,9 +92,13 @@ begin
   select pg_catalog.array_agg(e.value ->> 'key' order by e.ordinality),
          pg_catalog.array_agg(e.value ->> 'request_hash' order by e.ordinality),
          pg_catalog.array_agg((e.value ->> 'lease_token')::uuid order by e.ordinality),
-         pg_catalog.array_agg(e.value -> 'request' order by e.ordinality)
+         pg_catalog.array_agg(nullif(e.value -> 'request', 'null'::jsonb) order by e.ordinality)
     into v_keys, v_hashes, v_tokens, v_requests
     from pg_catalog.jsonb_array_elements(p_items) with ordinality e;
+  -- Whether each item is its key's first occurrence in the batch.
+  select pg_catalog.array_agg(t.first order by t.i) into v_firsts
+    from (select i, pg_catalog.row_number() over (partition by v_keys[i] order by i) = 1 as first
+            from pg_catalog.generate_subscripts(v_keys, 1) i) t;
   -- The first item whose token an earlier item named, and that item.
   select t.first - 1, t.i - 1 into v_earlier, v_index
     from (select i, pg_catalog.min(i) over (partition by v_tokens[i]) as first
@@ -105,80 +112,102 @@ begin
       using errcode = '22023',
             hint = 'a claim repeated with its token answers claimed again; mint a fresh token per item';
   end if;
-
-  -- The first claims of free keys, the common case, in one statement: each
-  -- item that carries no work and is its key's first occurrence in the
-  -- batch, inserted as agent.idempotency_decide's first claim inserts it
-  -- (the scope's retention, at least the lease). A key already there, or
-  -- inserted by another transaction meanwhile, is left to the decision
-  -- below, as is every item that carries work (its size is checked there)
-  -- and every later occurrence of a key. Keys are inserted in key order,
-  -- so that batches over the same keys wait for each other in one order
-  -- and never deadlock.
-  v_at := pg_catalog.clock_timestamp();
-  with items as (
-    select i, v_keys[i] as key, v_hashes[i] as hash, v_tokens[i] as token, v_requests[i] as request,
-           pg_catalog.row_number() over (partition by v_keys[i] order by i) as occurrence
-      from pg_catalog.generate_subscripts(v_keys, 1) i
-  ), inserted as (
-    insert into agent.idempotency_keys as x
-      (organization_id, scope, key, request_hash, status, lease_token, claimed_at, lease_expires_at, retain_until)
-    select p_organization_id, p_scope, items.key, items.hash, 'processing', items.token,
-           v_at, v_at + v_lease, v_at + v_lease + greatest(v_retain, v_lease)
-      from items
-     where items.occurrence = 1 and nullif(items.request, 'null'::jsonb) is null
-     order by items.key
-    on conflict (organization_id, scope, key) do nothing
-    returning x.*
-  )
-  select pg_catalog.array_agg(row(inserted.*)::agent.idempotency_keys order by items.i),
-         pg_catalog.array_agg(items.i order by items.i)
-    into v_won, v_won_items
-    from inserted join items on items.token = inserted.lease_token;
-  -- A win that waited (on another transaction's insert of a key that then
-  -- rolled back): its lease starts now, as agent.idempotency_decide's does.
-  if pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' and v_won is not null then
-    v_at := pg_catalog.clock_timestamp();
-    with won as (
-      select (v_won[n]).id as id, n from pg_catalog.generate_subscripts(v_won, 1) n
-    ), moved as (
-      update agent.idempotency_keys as x
-         set claimed_at = v_at,
-             lease_expires_at = v_at + v_lease,
-             retain_until = greatest(x.retain_until, v_at + v_lease + greatest(v_retain, v_lease))
-        from won
-       where x.organization_id = p_organization_id and x.id = won.id
-      returning x, won.n
-    )
-    select pg_catalog.array_agg(moved.x order by moved.n) into v_won from moved;
-  end if;
-  -- Each item's place in v_won, or 0.
-  v_places := pg_catalog.array_fill(0, array[pg_catalog.cardinality(v_keys)]);
-  for j in 1 .. coalesce(pg_catalog.cardinality(v_won_items), 0) loop
-    v_places[v_won_items[j]] := j;
-  end loop;
-
+  -- The work each key's first occurrence stores, measured as a single
+  -- claim's is; later occurrences store nothing.
   begin
     for i in 1 .. pg_catalog.cardinality(v_keys) loop
       v_index := i - 1;
-      if v_places[i] > 0 then
-        k := v_won[v_places[i]];
-        return next (v_index, 'claimed', k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status,
-                     k.lease_token, null, null, null, k.claimed_at, k.lease_expires_at, k.retain_until,
-                     k.lease_expires_at > pg_catalog.clock_timestamp())::agent.idempotency_claim_item;
-        continue;
+      if v_firsts[i] and v_requests[i] is not null then
+        perform agent.idempotency_check_work(p_scope, v_requests[i]);
       end if;
-      select * into r
-        from agent.idempotency_decide(p_organization_id, p_scope, v_keys[i], v_hashes[i], v_tokens[i],
-                                      p_lease_ms, null, true, true, v_requests[i]);
-      return next (v_index, r.outcome, r.id, r.organization_id, r.scope, r.key, r.request_hash, r.status,
-                   r.lease_token, r.resource_type, r.resource_id, r.response, r.claimed_at,
-                   r.lease_expires_at, r.retain_until, r.lease_live)::agent.idempotency_claim_item;
     end loop;
   exception when others then
     get stacked diagnostics v_state = returned_sqlstate, v_message = message_text, v_hint = pg_exception_hint;
     raise exception 'p_items[%]: %', v_index, v_message using errcode = v_state, hint = v_hint;
   end;
+
+  -- Each key is decided once, by its first occurrence, in one statement
+  -- that visits the keys in key order: a free key is inserted; a taken one
+  -- is locked, and taken over when its lease has passed and the request is
+  -- the same (the row's work kept, or this item's stored). Every row the
+  -- batch touches is locked in (organization, scope, key) order, as every
+  -- batch of the plane locks them, so batches over the same keys wait for
+  -- each other in one order and never deadlock; and no other transaction
+  -- can change a row between this decision and the answer read below.
+  v_at := pg_catalog.clock_timestamp();
+  with firsts as (
+    select v_keys[i] as key, v_hashes[i] as hash, v_tokens[i] as token, v_requests[i] as request
+      from pg_catalog.generate_subscripts(v_keys, 1) i
+     where v_firsts[i]
+  ), decided as (
+    insert into agent.idempotency_keys as k
+      (organization_id, scope, key, request_hash, status, lease_token,
+       claimed_at, lease_expires_at, retain_until, request, redrive_at)
+    select p_organization_id, p_scope, f.key, f.hash, 'processing', f.token,
+           v_at, v_at + v_lease, v_at + v_lease + v_retain,
+           f.request, case when f.request is not null then v_at + v_lease end
+      from firsts f
+     order by f.key
+    on conflict (organization_id, scope, key) do update
+       set lease_token = excluded.lease_token,
+           claimed_at = pg_catalog.clock_timestamp(),
+           lease_expires_at = pg_catalog.clock_timestamp() + v_lease,
+           retain_until = greatest(k.retain_until, pg_catalog.clock_timestamp() + v_lease + v_retain),
+           reclaims = k.reclaims + 1,
+           request = coalesce(k.request, excluded.request),
+           redrive_at = case when coalesce(k.request, excluded.request) is not null
+                             then pg_catalog.clock_timestamp() + v_lease end
+     where k.status = 'processing'
+       and k.request_hash = excluded.request_hash
+       and k.lease_expires_at <= pg_catalog.clock_timestamp()
+    returning k.id
+  )
+  select pg_catalog.array_agg(decided.id) into v_won from decided;
+
+  -- The leases won are timed from the end of the batch, when the answer
+  -- is made: time spent waiting on other transactions' rows is not taken
+  -- out of them. The retention, counted from the lease's end, moves with it.
+  if v_won is not null and pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' then
+    v_at := pg_catalog.clock_timestamp();
+    update agent.idempotency_keys as k
+       set claimed_at = v_at,
+           lease_expires_at = v_at + v_lease,
+           retain_until = greatest(k.retain_until, v_at + v_lease + (k.retain_until - k.lease_expires_at)),
+           redrive_at = case when k.redrive_at is not null then v_at + v_lease end
+     where k.organization_id = p_organization_id
+       and k.id = any (v_won);
+  end if;
+
+  -- Every item answered from its key's row, which this transaction holds:
+  -- the first occurrence what it decided, a later one what a single claim
+  -- would answer it now (the key is its batch's first occurrence's, so
+  -- never claimed a second time).
+  return query
+    select (i - 1)::integer, o.outcome, k.id, k.organization_id, k.scope, k.key,
+           case when o.outcome = 'conflict' then null else k.request_hash end,
+           k.status,
+           case when o.outcome in ('claimed', 'reclaimed') then k.lease_token end,
+           case when o.outcome = 'completed' then k.resource_type end,
+           case when o.outcome = 'completed' then k.resource_id end,
+           case when o.outcome = 'completed' then k.response end,
+           k.claimed_at, k.lease_expires_at, k.retain_until,
+           k.status = 'processing' and k.lease_expires_at > pg_catalog.clock_timestamp()
+      from pg_catalog.generate_subscripts(v_keys, 1) i
+      join agent.idempotency_keys k
+        on k.organization_id = p_organization_id and k.scope = p_scope and k.key = v_keys[i]
+     cross join lateral (
+       select case when k.request_hash <> v_hashes[i] then 'conflict'
+                   when k.status = 'completed' then 'completed'
+                   when k.lease_token <> v_tokens[i] then 'processing'
+                   when k.reclaims > 0 then 'reclaimed'
+                   else 'claimed' end as outcome
+     ) o
+     order by i;
+  get diagnostics v_answered = row_count;
+  if v_answered <> pg_catalog.cardinality(v_keys) then
+    raise exception 'claim_many answered % of % items', v_answered, pg_catalog.cardinality(v_keys)
+      using errcode = 'XX000';
+  end if;
 end
 $_$;
 

@@ -54,6 +54,15 @@ begin
     v_responses := pg_catalog.array_append(v_responses, v_response);
   end loop;
 
+  -- The rows are locked in (organization, scope, key) order before any is
+  -- written, as every batch of the plane locks them, so that batches over
+  -- the same keys never wait for each other in a cycle.
+  perform 1
+     from agent.idempotency_keys k
+    where k.organization_id = p_organization_id and k.id = any (v_ids)
+    order by k.scope, k.key
+      for update of k;
+
   begin
     for i in 1 .. pg_catalog.cardinality(v_ids) loop
       v_index := i - 1;

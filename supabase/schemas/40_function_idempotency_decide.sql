@@ -23,8 +23,6 @@ declare
   v_won boolean := false;
   v_outcome text;
   v_request jsonb := nullif(p_request, 'null'::jsonb);
-  v_size bigint;
-  v_limit integer;
   r agent.idempotency_keys;
 begin
   -- One test on the way in; the messages are built only for a refusal.
@@ -57,34 +55,9 @@ begin
   end if;
 
   -- The work is measured before anything is locked, as a completion's
-  -- answer is (see 0014): no text under the smallest limit a policy may
-  -- set (1024) can be above one, or 64 levels deep under 130 bytes.
+  -- answer is (see 0014).
   if v_request is not null then
-    v_size := octet_length(v_request::text);
-    if v_size >= 130
-       and jsonb_path_exists(v_request, 'strict $.**{64} ? (@.type() == "array" || @.type() == "object")') then
-      raise exception 'the request nests arrays and objects deeper than 64 levels, more than every client reads back'
-        using errcode = 'IDEM6',
-              hint = 'flatten the request, or store it as its JSON text ({"$json": "<text>"})';
-    end if;
-    if v_size > 1024 then
-      select p.max_request_bytes into v_limit from agent.idempotency_policy(p_scope) p;
-      if v_limit is null then
-        raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', p_scope
-          using errcode = 'IDEM1',
-                hint = 'add the scope (or its family, e.g. tool.*) to agent.idempotency_scopes in a migration';
-      end if;
-      if v_size > v_limit then
-        v_size := agent.idempotency_json_size(v_request);
-        if v_size > v_limit then
-          raise exception 'the request is % bytes as compact JSON, above the % bytes scope % keeps',
-                          v_size, v_limit, p_scope
-            using errcode = 'IDEM5',
-                  hint = 'store the work elsewhere and claim with a reference to it, '
-                         'or raise max_request_bytes for the scope';
-        end if;
-      end if;
-    end if;
+    perform agent.idempotency_check_work(p_scope, v_request);
   end if;
 
   v_lease := p_lease_ms * interval '1 millisecond';

@@ -21,9 +21,14 @@ begin
   if array_position(p_ids, null) is not null then
     raise exception 'p_ids holds a NULL at position %', array_position(p_ids, null) using errcode = '22023';
   end if;
+  -- A row another transaction holds is left for the next pass: the sweep
+  -- never waits on a claim, so it never takes part in a cycle of waits.
   delete from agent.idempotency_keys k
-   where k.id = any (p_ids)
-     and k.retain_until < now();
+   where k.id in (select x.id
+                    from agent.idempotency_keys x
+                   where x.id = any (p_ids)
+                     and x.retain_until < now()
+                     for update of x skip locked);
   get diagnostics v_deleted = row_count;
   return v_deleted;
 end

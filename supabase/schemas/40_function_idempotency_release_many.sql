@@ -25,6 +25,15 @@ begin
     v_tokens := pg_catalog.array_append(v_tokens, agent.idempotency_item_uuid(v_item, v_index, 'lease_token'));
   end loop;
 
+  -- The rows are locked in (organization, scope, key) order before any is
+  -- written, as every batch of the plane locks them, so that batches over
+  -- the same keys never wait for each other in a cycle.
+  perform 1
+     from agent.idempotency_keys k
+    where k.organization_id = p_organization_id and k.id = any (v_ids)
+    order by k.scope, k.key
+      for update of k;
+
   for i in 1 .. pg_catalog.cardinality(v_ids) loop
     return next (i - 1, agent.idempotency_release(v_ids[i], v_tokens[i], p_organization_id))
       ::agent.idempotency_release_item;

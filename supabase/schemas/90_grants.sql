@@ -41,6 +41,8 @@ REVOKE ALL ON FUNCTION agent.idempotency_check_item(p_item jsonb, p_index intege
 
 REVOKE ALL ON FUNCTION agent.idempotency_check_key(p_organization_id uuid, p_scope text, p_key text) FROM PUBLIC;
 
+REVOKE ALL ON FUNCTION agent.idempotency_check_work(p_scope text, p_request jsonb) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) TO service_role;
 

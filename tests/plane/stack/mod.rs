@@ -27,6 +27,7 @@ mod indexes;
 mod layout;
 mod load;
 mod local_doors;
+mod one_holder;
 mod pg_cron;
 mod queues;
 mod redrive;
