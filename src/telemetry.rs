@@ -29,6 +29,9 @@ pub const SWEEP_ERRORS_TOTAL: &str = "idempotency_sweep_errors_total";
 /// Counter: heartbeats that found the fence moved on (the claim was taken
 /// over), so the effect under them was stopped.
 pub const HEARTBEATS_FENCED_TOTAL: &str = "idempotency_heartbeats_fenced_total";
+/// Counter: effects stopped because no heartbeat confirmed their lease in
+/// time (the plane was unreachable); each was left to its lease.
+pub const LEASES_UNCONFIRMED_TOTAL: &str = "idempotency_leases_unconfirmed_total";
 /// Counter `{scope, outcome}`: claims a re-drive took over (`redriven`) or
 /// journaled as dead letters (`dead_lettered`).
 pub const REDRIVES_TOTAL: &str = "idempotency_redrives_total";
@@ -70,6 +73,11 @@ pub fn describe_metrics() {
         HEARTBEATS_FENCED_TOTAL,
         Unit::Count,
         "Heartbeats that found the claim taken over; the effect under them was stopped."
+    );
+    metrics::describe_counter!(
+        LEASES_UNCONFIRMED_TOTAL,
+        Unit::Count,
+        "Effects stopped because no heartbeat confirmed their lease in time; each was left to its lease."
     );
     metrics::describe_counter!(
         REDRIVES_TOTAL,

@@ -138,15 +138,16 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
     /// before the claim was asked for) and its heartbeat, if `timing` has one.
     fn hold(&self, claim: Claim, timing: Timing, started: Instant) -> Held<R> {
         let ending_deadline = started + timing.effect() + timing.journal();
-        let keep_alive = timing
-            .heartbeat()
-            .map(|lease| KeepAlive::new(lease, started, ending_deadline, ending_deadline + timing.margin()));
+        let keep_alive = timing.heartbeat().map(|lease| {
+            KeepAlive::new(lease, started, ending_deadline, ending_deadline + timing.margin(), timing.margin())
+        });
         Held {
             service: self.service.clone(),
             claim,
             effect_deadline: started + timing.effect(),
             ending_deadline,
             keep_alive,
+            stop: tokio_util::sync::CancellationToken::new(),
         }
     }
 }

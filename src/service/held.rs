@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::answer::{self, Answer};
@@ -59,6 +60,24 @@ pub struct Held<R> {
     /// The heartbeat, when the claim is kept alive by one; stopped when the
     /// claim is settled or dropped.
     pub(super) keep_alive: Option<KeepAlive>,
+    /// Fired when the effect must stop: the claim was taken over, or its
+    /// lease could not be confirmed in time.
+    pub(super) stop: CancellationToken,
+}
+
+tokio::task_local! {
+    /// The stop of the effect [`Held::run`] is running on this task.
+    static EFFECT_STOP: CancellationToken;
+}
+
+/// The stop of the effect running on this task under a held claim (inside
+/// [`Held::run`]: a tool, a webhook's processing, a queue message's effect,
+/// a handler behind the Idempotency-Key layer), or `None` outside one. It
+/// fires when the effect must stop where it stands: the claim was taken
+/// over, or its heartbeats could not confirm the lease in time. A task the
+/// effect spawns does not inherit it: hand it a clone.
+pub fn effect_stop() -> Option<CancellationToken> {
+    EFFECT_STOP.try_with(CancellationToken::clone).ok()
 }
 
 /// What one heartbeat found.
@@ -88,22 +107,32 @@ pub enum Cut {
     #[error("the claim was taken over by another worker; the effect was stopped")]
     FenceLost,
     /// With a heartbeat, the lease could not be confirmed (every beat
-    /// failed) before the effect's deadline: the effect never started.
-    /// Nothing happened, but the claim may still be held: leave it to its
-    /// lease.
+    /// failed) before the effect's deadline, or before the confirmed lease
+    /// end less the stop margin: the effect never started. Nothing
+    /// happened, but the claim may still be held: leave it to its lease.
     #[error("the lease could not be confirmed before the deadline; the effect never started")]
     NotStarted,
+    /// With a heartbeat, no beat confirmed the lease before its last
+    /// confirmed end less the stop margin (the plane was unreachable: a
+    /// partition, an outage): the effect's [`stop`](Held::stop) was fired
+    /// then, and the effect was dropped at the confirmed end, when another
+    /// worker may take the key over. Whatever it did is unknown, and
+    /// whatever it returned meanwhile is discarded: leave the claim to its
+    /// lease, never journal as its holder.
+    #[error("the lease could not be confirmed: the plane did not answer a heartbeat in time; the effect was stopped")]
+    LeaseUnconfirmed,
 }
 
 impl Cut {
     /// The cut's name, as logged: `timed_out`, `panicked`, `taken_over`,
-    /// `not_started`.
+    /// `not_started`, `lease_unconfirmed`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Cut::TimedOut => "timed_out",
             Cut::Panicked => "panicked",
             Cut::FenceLost => "taken_over",
             Cut::NotStarted => "not_started",
+            Cut::LeaseUnconfirmed => "lease_unconfirmed",
         }
     }
 }
@@ -113,27 +142,68 @@ impl Cut {
 /// third of `lease`, never to end after `lease_end` (the end the whole
 /// lease would have had) and not from `last_beat` (the ending's deadline)
 /// on. The beats run inside those calls, so nothing outlives the claim.
+///
+/// It also keeps the lease's *confirmed end*: when the last request the
+/// database answered with the lease (the claim, or a beat) was sent, plus
+/// the lease it asked for, on this worker's monotonic clock. The database
+/// stamped that lease at least as late, so its end is no earlier: another
+/// worker cannot take the key over before the confirmed end, and this
+/// worker's clock can only stop it early, never keep it going longer.
 #[derive(Debug)]
 pub(super) struct KeepAlive {
     lease: Duration,
     last_beat: Instant,
     lease_end: Instant,
-    /// When the lease was last extended (or claimed).
+    /// How long before the confirmed end an effect that could not confirm
+    /// its lease is told to stop: the timing's margin, at most a third of
+    /// the lease (a beat's interval).
+    stop_margin: Duration,
+    /// When the next beat is due, less a third of the lease.
     beaten: std::sync::Mutex<Instant>,
+    /// The confirmed end of the lease.
+    confirmed_end: std::sync::Mutex<Instant>,
     /// Set once an extension answered that the fence moved on.
     lost: std::sync::atomic::AtomicBool,
 }
 
 impl KeepAlive {
-    /// The heartbeat of a claim made at `claimed` for `lease`.
-    pub(super) fn new(lease: Duration, claimed: Instant, last_beat: Instant, lease_end: Instant) -> Self {
+    /// The heartbeat of a claim asked for at `claimed` for `lease`, with
+    /// the timing's `margin`.
+    pub(super) fn new(
+        lease: Duration,
+        claimed: Instant,
+        last_beat: Instant,
+        lease_end: Instant,
+        margin: Duration,
+    ) -> Self {
         KeepAlive {
             lease,
             last_beat,
             lease_end,
+            stop_margin: margin.min(lease / 3),
             beaten: std::sync::Mutex::new(claimed),
+            confirmed_end: std::sync::Mutex::new(claimed + lease),
             lost: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// When an effect that could not confirm its lease is told to stop:
+    /// the confirmed end less the stop margin.
+    fn stop_at(&self) -> Instant {
+        let end = *self.confirmed_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        end.checked_sub(self.stop_margin).unwrap_or(end)
+    }
+
+    /// The confirmed end of the lease.
+    fn confirmed_end(&self) -> Instant {
+        *self.confirmed_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A beat sent at `sent`, asking for `ask`, was answered: the lease is
+    /// ours until at least `sent + ask`.
+    fn confirmed(&self, sent: Instant, ask: Duration) {
+        let mut end = self.confirmed_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        *end = (*end).max(sent + ask);
     }
 
     fn lost(&self) -> bool {
@@ -165,6 +235,17 @@ impl<R: IdempotencyRepository> Held<R> {
         self.ending_deadline
     }
 
+    /// Fired when the effect must stop where it stands: a heartbeat found
+    /// the claim taken over ([`Cut::FenceLost`]), or could not confirm the
+    /// lease before its confirmed end less the stop margin
+    /// ([`Cut::LeaseUnconfirmed`]). Hand it to the effect (a clone) and
+    /// stop at the next safe point when it fires: after it, another worker
+    /// may hold the key. The effect's future is dropped at the confirmed
+    /// lease end at the latest.
+    pub fn stop(&self) -> CancellationToken {
+        self.stop.clone()
+    }
+
     /// Runs `effect`, cut at its timeout; a panic is caught and reported.
     /// Either cut leaves the outcome unknown, unless the caller knows
     /// better (settle with [`Settle::Unknown`] by default). With a
@@ -172,11 +253,19 @@ impl<R: IdempotencyRepository> Held<R> {
     /// confirmed within the last third of it (a beat is made first when one
     /// is due, as after a wait between two runs): a claim taken over
     /// meanwhile answers [`Cut::FenceLost`] and the effect never starts.
+    /// While it runs, a heartbeat that finds the claim taken over stops it
+    /// at once ([`Cut::FenceLost`]); when no beat confirms the lease before
+    /// its confirmed end less the stop margin, [`stop`](Self::stop) fires
+    /// and the effect is dropped at the confirmed end
+    /// ([`Cut::LeaseUnconfirmed`]).
     pub async fn run<T>(&self, effect: impl Future<Output = T>) -> Result<T, Cut> {
         // A deadline already past (a claim that answered late) never starts
         // the effect: a first poll could begin it.
         if Instant::now() >= self.effect_deadline {
             return Err(Cut::TimedOut);
+        }
+        if self.stop.is_cancelled() {
+            return Err(if self.fence_lost() { Cut::FenceLost } else { Cut::LeaseUnconfirmed });
         }
         if let Some(keep_alive) = &self.keep_alive {
             self.confirm(keep_alive).await?;
@@ -185,13 +274,30 @@ impl<R: IdempotencyRepository> Held<R> {
                 return Err(Cut::NotStarted);
             }
         }
-        let running = tokio::time::timeout_at(self.effect_deadline, AssertUnwindSafe(effect).catch_unwind());
+        let effect = EFFECT_STOP.scope(self.stop.clone(), AssertUnwindSafe(effect).catch_unwind());
+        let running = tokio::time::timeout_at(self.effect_deadline, effect);
         let ran = match &self.keep_alive {
             None => running.await,
-            Some(keep_alive) => tokio::select! {
-                ran = running => ran,
-                () = self.beat_until_lost(keep_alive) => return Err(Cut::FenceLost),
-            },
+            Some(keep_alive) => {
+                let mut running = std::pin::pin!(running);
+                tokio::select! {
+                    ran = &mut running => ran,
+                    cut = self.keep(keep_alive, true) => {
+                        self.stop.cancel();
+                        if cut == Cut::LeaseUnconfirmed {
+                            tracing::warn!(
+                                claim_id = %self.claim.id, scope = %self.claim.scope, outcome = cut.as_str(),
+                                "no heartbeat confirmed the lease in time; the effect is told to stop, and is dropped at the lease's confirmed end"
+                            );
+                            metrics::counter!(crate::telemetry::LEASES_UNCONFIRMED_TOTAL).increment(1);
+                            // What the effect answers meanwhile is discarded:
+                            // it was told to stop, and the key may be another's.
+                            let _ = tokio::time::timeout_at(keep_alive.confirmed_end(), &mut running).await;
+                        }
+                        return Err(cut);
+                    }
+                }
+            }
         };
         match ran {
             Ok(Ok(value)) => Ok(value),
@@ -223,35 +329,58 @@ impl<R: IdempotencyRepository> Held<R> {
             if now >= self.effect_deadline {
                 return Err(Cut::NotStarted);
             }
-            if now < keep_alive.beaten() + keep_alive.lease / 3 {
+            if now < keep_alive.beaten() + keep_alive.lease / 3 && now < keep_alive.stop_at() {
                 return Ok(());
             }
-            if self.beat(keep_alive, now).await == Beat::Failed {
-                let retry = (now + Duration::from_secs(1)).min(self.effect_deadline);
-                tokio::time::sleep_until(retry).await;
+            match tokio::time::timeout_at(self.effect_deadline, self.beat(keep_alive, now)).await {
+                Ok(Beat::Failed) => {
+                    tokio::time::sleep_until((now + Duration::from_secs(1)).min(self.effect_deadline)).await
+                }
+                Ok(Beat::Extended | Beat::Lost) => {}
+                Err(_unanswered) => return Err(Cut::NotStarted),
             }
         }
     }
 
     /// Extends the lease every third of the heartbeat lease (at once when a
     /// beat is overdue), until an extension answers that the fence moved
-    /// on: then returns. From the last beat on it never returns.
-    async fn beat_until_lost(&self, keep_alive: &KeepAlive) {
-        loop {
-            tokio::time::sleep_until(keep_alive.beaten() + keep_alive.lease / 3).await;
-            let now = Instant::now();
-            if now >= keep_alive.last_beat {
-                return std::future::pending().await;
-            }
-            match self.beat(keep_alive, now).await {
-                Beat::Extended => {}
-                Beat::Lost => return,
-                // Tried again a second later, as long as the lease may
-                // still be ours.
-                Beat::Failed => {
-                    keep_alive.beat_at(now.checked_sub(keep_alive.lease / 3).unwrap_or(now) + Duration::from_secs(1))
+    /// on ([`Cut::FenceLost`]); from the last beat on it beats no more.
+    /// With `watch`, it also returns [`Cut::LeaseUnconfirmed`] when the
+    /// lease's confirmed end less the stop margin arrives, whatever a beat
+    /// still in flight will answer.
+    async fn keep(&self, keep_alive: &KeepAlive, watch: bool) -> Cut {
+        let beats = async {
+            loop {
+                tokio::time::sleep_until(keep_alive.beaten() + keep_alive.lease / 3).await;
+                let now = Instant::now();
+                if now >= keep_alive.last_beat {
+                    return std::future::pending().await;
+                }
+                match self.beat(keep_alive, now).await {
+                    Beat::Extended => {}
+                    Beat::Lost => return Cut::FenceLost,
+                    // Tried again a second later, as long as the lease may
+                    // still be ours.
+                    Beat::Failed => keep_alive
+                        .beat_at(now.checked_sub(keep_alive.lease / 3).unwrap_or(now) + Duration::from_secs(1)),
                 }
             }
+        };
+        if !watch {
+            return beats.await;
+        }
+        let unconfirmed = async {
+            loop {
+                tokio::time::sleep_until(keep_alive.stop_at()).await;
+                // A beat answered meanwhile moved the stop on.
+                if Instant::now() >= keep_alive.stop_at() {
+                    return Cut::LeaseUnconfirmed;
+                }
+            }
+        };
+        tokio::select! {
+            cut = beats => cut,
+            cut = unconfirmed => cut,
         }
     }
 
@@ -265,11 +394,13 @@ impl<R: IdempotencyRepository> Held<R> {
         match repo.extend(claim.organization_id, claim.id, claim.lease_token, ask).await {
             Ok(Some(_)) => {
                 keep_alive.beat_at(now);
+                keep_alive.confirmed(now, ask);
                 tracing::debug!(claim_id = %claim.id, ask_ms = ask.as_millis() as u64, "lease extended");
                 Beat::Extended
             }
             Ok(None) => {
                 keep_alive.lost.store(true, std::sync::atomic::Ordering::SeqCst);
+                self.stop.cancel();
                 tracing::warn!(claim_id = %claim.id, scope = %claim.scope, "the heartbeat found the claim taken over; stopping the effect");
                 metrics::counter!(crate::telemetry::HEARTBEATS_FENCED_TOTAL).increment(1);
                 Beat::Lost
@@ -289,7 +420,7 @@ impl<R: IdempotencyRepository> Held<R> {
         tokio::select! {
             ended = ending => ended,
             never = async {
-                self.beat_until_lost(keep_alive).await;
+                self.keep(keep_alive, false).await;
                 std::future::pending::<T>().await
             } => never,
         }

@@ -35,7 +35,7 @@ pub use caller_key::caller_scoped_key;
 pub(crate) use driver::asking_cut;
 pub use driver::{may_have_written, Attempt, Begun, Effect, EffectDriver, Redriven};
 pub use hash::{canonical_json, RequestHash};
-pub use held::{Cut, Held, LeftToLease, Refused, Settle, Settled};
+pub use held::{effect_stop, Cut, Held, LeftToLease, Refused, Settle, Settled};
 pub use idempotency::{IdempotencyService, DEFAULT_RESPONSE_LIMIT, MAX_REPLAY_CACHE_TTL};
 pub use journal::Elided;
 pub use outcome::{

@@ -316,11 +316,16 @@ where
             );
             Ran::Failed(held, Problem::started_and_failed(ProblemType::HandlerTimeout))
         }
-        Err(Cut::NotStarted) => {
-            // Nothing ran, but the plane did not confirm the lease: the key
-            // is left to it, and the caller retries as after an outage.
-            let settled =
-                held.settle(Settle::Unknown("the lease could not be confirmed; the handler never started")).await;
+        Err(cut @ (Cut::NotStarted | Cut::LeaseUnconfirmed)) => {
+            // The plane did not confirm the lease: the handler never started,
+            // or was stopped (its request's HandlerStop fired) and dropped
+            // before another worker could take the key over. The key is left
+            // to its lease, and the caller retries as after an outage.
+            let why = match cut {
+                Cut::NotStarted => "the lease could not be confirmed; the handler never started",
+                _ => "the lease could not be confirmed; the handler was stopped",
+            };
+            let settled = held.settle(Settle::Unknown(why)).await;
             tracing::Span::current().record("ending", settled.as_str());
             Ran::TakenOver(
                 Problem::new(

@@ -56,6 +56,19 @@ pub enum ToolError {
         /// The tool's timeout.
         timeout: Duration,
     },
+    /// The plane did not confirm the call's lease in time (its heartbeats
+    /// went unanswered: a partition, an outage), so the tool was told to
+    /// stop ([`ToolCall::stop`](super::ToolCall::stop)) and dropped before
+    /// another worker could take the call over. Its effect is unknown: the
+    /// claim is left to its lease, and the retry reaches the vendor with the
+    /// same idempotency key.
+    #[error("tool call {scope}/{key} was stopped: the plane did not confirm its lease in time")]
+    LeaseUnconfirmed {
+        /// The scope.
+        scope: String,
+        /// The key.
+        key: String,
+    },
     /// The tool panicked. Its effect is unknown, so the claim is left to its
     /// lease, like a timeout's.
     #[error("tool call {scope}/{key} panicked")]
@@ -125,6 +138,7 @@ impl ToolError {
         match self {
             ToolError::ClaimInFlight { .. }
             | ToolError::TimedOut { .. }
+            | ToolError::LeaseUnconfirmed { .. }
             | ToolError::Panicked { .. }
             | ToolError::NotJournaled { .. }
             | ToolError::ReconcileFailed { .. } => true,

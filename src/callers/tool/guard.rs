@@ -184,6 +184,7 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
                 vendor_key: vendor_key(organization_id, spec.scope(), key.as_str()),
                 lease_expires_at: held.claim().lease_expires_at(),
                 reclaimed: held.claim().reclaimed(),
+                stop: held.stop(),
             };
             let held = match reconcile(&call, held, &handed, arguments).await? {
                 Next::Go(held) => held,
@@ -345,6 +346,7 @@ fn cut(call: &Call<'_>, cut: Cut) -> ToolError {
         // claim may still be held. Told as in flight, so the orchestrator
         // retries; the retry meets the claim or takes it over.
         Cut::NotStarted => ToolError::ClaimInFlight { scope, key, lease_expires_at: chrono::Utc::now() },
+        Cut::LeaseUnconfirmed => ToolError::LeaseUnconfirmed { scope, key },
     }
 }
 

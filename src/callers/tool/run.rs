@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 
 use crate::service::{Answer, ResourceRef};
 
@@ -12,6 +13,7 @@ pub struct ToolCall {
     pub(super) vendor_key: String,
     pub(super) lease_expires_at: chrono::DateTime<chrono::Utc>,
     pub(super) reclaimed: bool,
+    pub(super) stop: CancellationToken,
 }
 
 impl ToolCall {
@@ -33,6 +35,14 @@ impl ToolCall {
     /// the vendor may already have seen this call.
     pub fn reclaimed(&self) -> bool {
         self.reclaimed
+    }
+
+    /// Fired when the tool must stop where it stands: the call was taken
+    /// over by another worker, or its heartbeats could not confirm the lease
+    /// in time (the plane unreachable). Stop at the next safe point; the
+    /// tool's future is dropped at the lease's confirmed end at the latest.
+    pub fn stop(&self) -> &CancellationToken {
+        &self.stop
     }
 }
 

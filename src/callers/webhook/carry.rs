@@ -251,6 +251,16 @@ where
                 tracing::warn!("processing was stopped: the claim was taken over; its new holder ends it");
                 return (Settle::Unknown("the claim was taken over by another worker"), None);
             }
+            Err(Cut::LeaseUnconfirmed) => {
+                // The plane did not confirm the lease: processing was told to
+                // stop before another worker could take the event over; the
+                // event and its body wait for whoever holds it next.
+                tracing::warn!(
+                    outcome = "left_for_redrive",
+                    "processing was stopped: the lease could not be confirmed; the event is left to its lease"
+                );
+                return (Settle::Unknown("the lease could not be confirmed; processing was stopped"), None);
+            }
             Err(Cut::NotStarted) => {
                 // Nothing ran: the event and its body wait for a re-drive.
                 tracing::warn!(
@@ -263,7 +273,7 @@ where
                 tracing::error!(%cut, "processing was cut; what it did is unknown, and that is journaled");
                 let error = match cut {
                     Cut::TimedOut => "processing_timed_out",
-                    Cut::Panicked | Cut::FenceLost | Cut::NotStarted => "processing_panicked",
+                    Cut::Panicked | Cut::FenceLost | Cut::NotStarted | Cut::LeaseUnconfirmed => "processing_panicked",
                 };
                 return (Settle::Journal(Answer::failure(error, Value::Null)), Some(DropReason::ProcessingAborted));
             }

@@ -28,6 +28,7 @@ mod layout;
 mod load;
 mod local_doors;
 mod one_holder;
+mod partition;
 mod pg_cron;
 mod queues;
 mod redrive;

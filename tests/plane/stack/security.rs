@@ -41,7 +41,8 @@ async fn the_schema_passes_the_linter_checks() {
                                       'idempotency_json_size', 'idempotency_check_key',
                                       'idempotency_surface', 'idempotency_private_functions',
                                       'idempotency_failures_scope', 'idempotency_check_batch',
-                                      'idempotency_check_item', 'idempotency_item_text', 'idempotency_item_uuid')
+                                      'idempotency_check_item', 'idempotency_item_text', 'idempotency_item_uuid',
+                                      'idempotency_check_work')
                 and not (p.prosecdef and p.proowner = 'idempotency_owner'::regrole)",
         ),
         (

@@ -1,13 +1,17 @@
-//! A TCP forwarder on 127.0.0.1 in front of a PostgreSQL port, that a test
-//! can cut (a network partition) or point at another server (a failover's
-//! address switch, as a managed database's endpoint moves to the promoted
-//! standby).
+//! A TCP forwarder on 127.0.0.1 in front of a server's port (PostgreSQL's,
+//! or the plane's HTTP port), that a test can cut (connections closed),
+//! stall (a partition: nothing gets through, and nothing is closed) or point
+//! at another server (a failover's address switch, as a managed database's
+//! endpoint moves to the promoted standby).
 //!
 //! [`cut`](TcpForward::cut) closes every connection through it and refuses
 //! new ones (each is accepted and closed at once) until
 //! [`point_at`](TcpForward::point_at) names a server again; `point_at` also
 //! closes every connection to the server before it, so no client keeps
-//! talking to the old one.
+//! talking to the old one. [`stall`](TcpForward::stall) stops forwarding
+//! bytes either way on every connection and holds them open, and accepts
+//! new ones without ever forwarding them: what a worker behind a partition
+//! sees, requests that never answer, until its own timeouts fire.
 
 use std::sync::Arc;
 
@@ -18,10 +22,24 @@ use tokio::task::JoinHandle;
 /// The forwarder; it stops accepting, and closes what it carries, when dropped.
 pub struct TcpForward {
     port: u16,
-    /// The port connections go to (`None`: cut), and a generation that
-    /// every change bumps: a connection of an older generation closes.
-    target: Arc<watch::Sender<(Option<u16>, u64)>>,
+    /// Where connections go, and a generation that every change bumps: a
+    /// connection of an older generation closes, or stalls.
+    target: Arc<watch::Sender<(Route, u64)>>,
     accepting: JoinHandle<()>,
+}
+
+/// Where the forwarder sends what it accepts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Route {
+    To(u16),
+    Cut,
+    Stall,
+}
+
+/// Holds `sockets` open, forwarding nothing, until the route changes again.
+async fn stall_while<T>(changes: &mut watch::Receiver<(Route, u64)>, sockets: T) {
+    let _ = changes.changed().await;
+    drop(sockets);
 }
 
 impl TcpForward {
@@ -29,27 +47,39 @@ impl TcpForward {
     pub async fn start(target_port: u16) -> TcpForward {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the forwarder");
         let port = listener.local_addr().expect("the forwarder's address").port();
-        let (target, _) = watch::channel((Some(target_port), 0u64));
+        let (target, _) = watch::channel((Route::To(target_port), 0u64));
         let target = Arc::new(target);
         let accepting = tokio::spawn({
             let target = target.clone();
             async move {
                 while let Ok((inbound, _)) = listener.accept().await {
                     let mut changes = target.subscribe();
-                    let (to, generation) = *changes.borrow_and_update();
-                    let Some(to) = to else { continue };
+                    let (route, generation) = *changes.borrow_and_update();
+                    let to = match route {
+                        Route::To(to) => to,
+                        Route::Cut => continue,
+                        Route::Stall => {
+                            tokio::spawn(async move { stall_while(&mut changes, inbound).await });
+                            continue;
+                        }
+                    };
                     tokio::spawn(async move {
                         let Ok(mut outbound) = TcpStream::connect(("127.0.0.1", to)).await else { return };
                         let mut inbound = inbound;
-                        tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                            _ = async {
+                        let stalled = tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => false,
+                            stalled = async {
                                 while changes.changed().await.is_ok() {
-                                    if changes.borrow().1 != generation {
-                                        return;
+                                    let (route, now) = *changes.borrow_and_update();
+                                    if now != generation {
+                                        return route == Route::Stall;
                                     }
                                 }
-                            } => {}
+                                false
+                            } => stalled,
+                        };
+                        if stalled {
+                            stall_while(&mut changes, (inbound, outbound)).await;
                         }
                     });
                 }
@@ -65,16 +95,24 @@ impl TcpForward {
 
     /// Closes every connection through the forwarder and refuses new ones.
     pub fn cut(&self) {
-        self.target.send_modify(|(to, generation)| {
-            *to = None;
-            *generation += 1;
-        });
+        self.route(Route::Cut);
+    }
+
+    /// A partition: forwards nothing more on any connection, closes none,
+    /// and holds new ones open without forwarding them, until the next
+    /// [`cut`](Self::cut) or [`point_at`](Self::point_at).
+    pub fn stall(&self) {
+        self.route(Route::Stall);
     }
 
     /// Closes every connection and forwards new ones to `target_port`.
     pub fn point_at(&self, target_port: u16) {
+        self.route(Route::To(target_port));
+    }
+
+    fn route(&self, route: Route) {
         self.target.send_modify(|(to, generation)| {
-            *to = Some(target_port);
+            *to = route;
             *generation += 1;
         });
     }

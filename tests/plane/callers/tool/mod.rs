@@ -23,7 +23,7 @@ use crate::support::backends::Plane;
 use super::service;
 
 /// An orchestrator whose last attempt comes ten minutes after the first.
-const HORIZON: RetryHorizon = RetryHorizon::until_last_attempt(Duration::from_secs(600));
+pub(crate) const HORIZON: RetryHorizon = RetryHorizon::until_last_attempt(Duration::from_secs(600));
 
 /// A guard over the plane, with a ten-minute retry horizon.
 pub(crate) fn guard<P: Plane>(plane: &P) -> ToolGuard<P::Repo> {
