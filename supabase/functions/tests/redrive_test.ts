@@ -9,7 +9,9 @@ import {
   codes,
   EffectDriver,
   IdempotencyPlane,
+  idempotent,
   PlaneError,
+  type PlaneEvent,
   type Redelivery,
   type RedriveReport,
   sha256HexOfBytes,
@@ -19,7 +21,7 @@ import {
   Timing,
   WebhookGate,
 } from "../_shared/idempotency/mod.ts";
-import { hashOf, Lossy, organization, plane, sleep, uniqueKey } from "./support.ts";
+import { hashOf, Lossy, organization, plane, sleep, superuserSql, uniqueKey } from "./support.ts";
 
 const SCOPE = "webhook.svix";
 
@@ -159,21 +161,26 @@ Deno.test("under heartbeats an effect running past three of its leases keeps its
 });
 
 Deno.test("a heartbeat that finds the claim taken over aborts the effect's signal", async () => {
-  const lossy = new Lossy();
-  const p = plane({ fetch: lossy.fetch });
   const timing = new Timing(15_000, 4_000, 1_000).withHeartbeats(3_000);
   const spec = { organizationId: organization(), scope: SCOPE, key: uniqueKey(), requestHash: await hashOf(2), timing };
-  const begun = await new EffectDriver(p).begin(spec);
+  const begun = await new EffectDriver(plane(), { log: silent }).begin(spec);
   assert.equal(begun.kind, "held");
   if (begun.kind !== "held") return;
-  // The worker stalls: no heartbeat gets out, its lease passes, and another
-  // worker takes the claim over. Then its heartbeats get out again.
-  lossy.refuseAll();
+  const claimId = begun.held.claim.id;
+  // This worker's beats still land, but the database ends its lease early (as
+  // a step of its clock would), and another worker takes the claim over: the
+  // next beat finds the fence moved on, long before this worker's own clock
+  // would stop the effect. (A beat landing in between moves the lease again:
+  // then end it again.)
   const taken = (async () => {
-    await sleep(3_300);
-    const rival = await plane().claim({ ...spec, leaseMs: 30_000 });
-    lossy.refuseAll(false);
-    return rival.outcome;
+    for (let tries = 0; tries < 5; tries++) {
+      await superuserSql(
+        `update agent.idempotency_keys set lease_expires_at = clock_timestamp() - interval '1 second' where id = '${claimId}'`,
+      );
+      const rival = await plane().claim({ ...spec, leaseMs: 30_000 });
+      if (rival.outcome !== "processing") return rival.outcome;
+    }
+    return "processing";
   })();
   let aborted: unknown;
   const ran = await begun.held.run((signal) =>
@@ -189,7 +196,90 @@ Deno.test("a heartbeat that finds the claim taken over aborts the effect's signa
   assert.ok(aborted instanceof PlaneError, String(aborted));
   assert.ok(begun.held.fenceLost);
   assert.deepEqual(await begun.held.settle({ journal: success(1) }), { ending: "lease_moved_on" });
-  assert.ok(lossy.count("idempotency_extend") >= 2);
+});
+
+Deno.test("beats that fail stop the effect before its lease can pass: its signal aborts while the key is still held", async () => {
+  const lossy = new Lossy();
+  const events: PlaneEvent[] = [];
+  const timing = new Timing(15_000, 4_000, 1_000).withHeartbeats(3_000);
+  const spec = { organizationId: organization(), scope: SCOPE, key: uniqueKey(), requestHash: await hashOf(5), timing };
+  const begun = await new EffectDriver(plane({ fetch: lossy.fetch }), { log: (event) => events.push(event) })
+    .begin(spec);
+  assert.equal(begun.kind, "held");
+  if (begun.kind !== "held") return;
+  // Cut off from the plane from the claim on: every beat fails.
+  lossy.refuseAll();
+  let aborted: unknown;
+  let rivalAtAbort: Promise<string> | undefined;
+  let late = false;
+  const ran = await begun.held.run((signal) =>
+    new Promise((resolve) => {
+      signal.addEventListener("abort", () => {
+        aborted = signal.reason;
+        // Stopped before the lease passes: the key is not free yet.
+        rivalAtAbort = plane().claim({ ...spec, leaseMs: 30_000 }).then((rival) => rival.outcome);
+        // A value after the cut: ignored.
+        setTimeout(() => (late = true, resolve("late")), 100);
+      });
+    })
+  );
+  assert.deepEqual(ran, { cut: "lease_unconfirmed" });
+  assert.ok(aborted instanceof PlaneError && aborted.kind === "lease_lapsed", String(aborted));
+  assert.match(aborted.message, /could not be confirmed/);
+  assert.equal(await rivalAtAbort, "processing", "the effect was told to stop while the key was still held");
+  assert.equal(begun.held.fenceLost, false);
+  assert.ok(lossy.count("idempotency_extend") >= 1, "beats were tried");
+  assert.ok(events.some((event) => event.event === "idempotency.heartbeat_failed"));
+  const logged = events.find((event) => event.event === "idempotency.lease_unconfirmed");
+  assert.ok(logged && logged.level === "warn" && logged.key === spec.key, JSON.stringify(logged));
+  assert.ok(!JSON.stringify(logged).includes(begun.held.claim.leaseToken), "the lease token is never logged");
+  const settled = await begun.held.settle({ unknown: "the lease could not be confirmed" });
+  assert.equal(settled.ending, "left_to_lease");
+  await sleep(200);
+  assert.equal(late, true);
+  // Nothing was written: once the lease passes, another worker takes it over.
+  let rival = "processing";
+  for (let poll = 0; poll < 40 && rival === "processing"; poll++) {
+    await sleep(250);
+    rival = (await plane().claim({ ...spec, leaseMs: 30_000 })).outcome;
+  }
+  assert.equal(rival, "reclaimed");
+});
+
+Deno.test("an effect that overran its timeout is not waited for past a lease no beat confirmed, nor its late value journaled", async () => {
+  const lossy = new Lossy();
+  const options = {
+    plane: plane({ fetch: lossy.fetch }),
+    organizationId: organization(),
+    scope: "tool.email.send",
+    key: uniqueKey(),
+    request: { to: "late@example.com" },
+    timeoutMs: 1_000,
+    journalDeadlineMs: 8_000,
+    marginMs: 1_000,
+    heartbeatLeaseMs: 3_000,
+    log: silent,
+  };
+  // The effect overruns its 1 s timeout, ignoring its signal, and answers at
+  // 3 s. Meanwhile the plane cannot be reached for 2.5 s from its start: the
+  // lease is confirmed until 3 s after the claim, so the wait for its late
+  // value ends 2 s after the claim, with nothing journaled, although the
+  // plane is back by the time the value comes.
+  const result = await idempotent(async () => {
+    lossy.refuseAll();
+    setTimeout(() => lossy.refuseAll(false), 2_500);
+    await sleep(3_000);
+    return success("late");
+  }, options);
+  assert.equal(result.status, "failed");
+  if (result.status !== "failed") return;
+  assert.equal(result.why, "lease_unconfirmed");
+  assert.equal(result.settled.ending, "left_to_lease");
+  assert.ok(result.error instanceof PlaneError && result.error.kind === "lease_lapsed", String(result.error));
+  await sleep(1_500);
+  const read = await plane().read({ ...options, requestHash: await hashOf(options.request) });
+  assert.notEqual(read.outcome, "completed", "the late value was never journaled");
+  assert.equal(lossy.count("idempotency_complete"), 0, "no journal was tried");
 });
 
 Deno.test("a run after heartbeats kept failing confirms the lease first: taken over meanwhile, the effect never starts", async () => {

@@ -214,3 +214,123 @@ export async function idemRedrive(route: string, ...args: string[]) {
   const decode = (bytes: Uint8Array) => new TextDecoder().decode(bytes);
   return { code: output.code, stdout: decode(output.stdout), stderr: decode(output.stderr) };
 }
+
+/**
+ * A TCP proxy in front of the plane under test (or `target`), that can be partitioned: `partition()` stops forwarding
+ * on every open connection, holding it open without passing a byte either way, and blackholes every new one (accepted,
+ * never read nor answered), as a network partition does: a worker behind it sees its requests go unanswered, not a
+ * clean close. `close()` ends every connection and the listener.
+ */
+export class PartitionProxy {
+  /** The plane's URL through this proxy. */
+  readonly url: string;
+  readonly #listener: Deno.Listener;
+  readonly #upstream: { hostname: string; port: number };
+  readonly #conns = new Set<Deno.Conn>();
+  readonly #work: Promise<void>[] = [];
+  readonly #accepting: Promise<void>;
+  #partitioned = false;
+
+  constructor(target = URL_) {
+    const upstream = new URL(target);
+    this.#upstream = { hostname: upstream.hostname, port: Number(upstream.port || 80) };
+    this.#listener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+    const through = new URL(target);
+    through.hostname = "127.0.0.1";
+    through.port = String((this.#listener.addr as Deno.NetAddr).port);
+    this.url = through.href.replace(/\/+$/, "");
+    this.#accepting = this.#accept();
+  }
+
+  /** From now on nothing passes, either way, on any connection: each is held open, unanswered. */
+  partition(): void {
+    this.#partitioned = true;
+  }
+
+  get partitioned(): boolean {
+    return this.#partitioned;
+  }
+
+  /** Closes every connection (a held one resets) and the listener, and waits for the forwarding to end. */
+  async close(): Promise<void> {
+    try {
+      this.#listener.close();
+    } catch {
+      // Closed already.
+    }
+    for (const conn of this.#conns) this.#drop(conn);
+    await this.#accepting;
+    await Promise.allSettled(this.#work);
+  }
+
+  async #accept(): Promise<void> {
+    try {
+      for await (const client of this.#listener) {
+        this.#conns.add(client);
+        // Partitioned: accepted and held, never read nor answered.
+        if (!this.#partitioned) this.#work.push(this.#forward(client));
+      }
+    } catch {
+      // The listener was closed.
+    }
+  }
+
+  async #forward(client: Deno.Conn): Promise<void> {
+    let server: Deno.Conn;
+    try {
+      server = await Deno.connect(this.#upstream);
+    } catch {
+      this.#drop(client);
+      return;
+    }
+    this.#conns.add(server);
+    await Promise.all([this.#pipe(client, server), this.#pipe(server, client)]);
+  }
+
+  /** Copies `from` to `to` until either closes; once partitioned, drops what it read and stops reading. */
+  async #pipe(from: Deno.Conn, to: Deno.Conn): Promise<void> {
+    const buffer = new Uint8Array(16 * 1024);
+    try {
+      for (;;) {
+        const n = await from.read(buffer);
+        if (this.#partitioned) return; // held open: neither forwarded nor closed
+        if (n === null) break;
+        let written = 0;
+        while (written < n) written += await to.write(buffer.subarray(written, n));
+      }
+    } catch {
+      // Closed by the other direction, or by close().
+    }
+    if (this.#partitioned) return;
+    this.#drop(from);
+    this.#drop(to);
+  }
+
+  #drop(conn: Deno.Conn): void {
+    this.#conns.delete(conn);
+    try {
+      conn.close();
+    } catch {
+      // Closed already.
+    }
+  }
+}
+
+/**
+ * Runs `query` over a superuser connection to the database served (IDEM_TEST_DATABASE_URL, which
+ * .ci/with-local-plane.sh exports): for what the API cannot do, such as moving a lease as a database clock step would.
+ * Answers its rows, tab-separated.
+ */
+export async function superuserSql(query: string): Promise<string[][]> {
+  const url = Deno.env.get("IDEM_TEST_DATABASE_URL");
+  if (!url) throw new Error("IDEM_TEST_DATABASE_URL is not set: run this through .ci/with-local-plane.sh");
+  const output = await new Deno.Command("psql", {
+    args: [url, "-X", "-A", "-t", "-F", "\t", "-v", "ON_ERROR_STOP=1", "-c", query],
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  if (output.code !== 0) throw new Error(`psql failed: ${new TextDecoder().decode(output.stderr)}`);
+  return new TextDecoder().decode(output.stdout).split("\n").filter((line) => line !== "").map((line) =>
+    line.split("\t")
+  );
+}

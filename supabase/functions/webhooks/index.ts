@@ -65,8 +65,8 @@ export function receiver(plane: IdempotencyPlane, env: (name: string) => string 
   const serviceKey = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
   const gate = new WebhookGate(plane, { heartbeatLeaseMs: Number(env("HEARTBEAT_LEASE_MS") ?? 10_000) });
 
-  /** Forwards one event downstream; done on 2xx. */
-  const forward = async (deliveryId: string, body: Uint8Array): Promise<unknown> => {
+  /** Forwards one event downstream; done on 2xx. Stops when `signal` aborts (the gate cut it). */
+  const forward = async (deliveryId: string, body: Uint8Array, signal: AbortSignal): Promise<unknown> => {
     const key = await vendorKey(organizationId, SCOPE, deliveryId);
     let answer: Response;
     try {
@@ -74,6 +74,7 @@ export function receiver(plane: IdempotencyPlane, env: (name: string) => string 
         method: "POST",
         headers: { "content-type": "application/json", "idempotency-key": key },
         body: body as BodyInit,
+        signal,
       });
     } catch (error) {
       throw ProcessingError.retryable(`PROCESS_URL unreachable: ${error instanceof Error ? error.message : error}`);
@@ -97,7 +98,7 @@ export function receiver(plane: IdempotencyPlane, env: (name: string) => string 
     },
     organizationOf: () => organizationId,
     deliveryIdOf: (request) => request.headers.get("webhook-id") ?? "",
-    process: ({ request, body }) => forward(request.headers.get("webhook-id") ?? "", body),
+    process: ({ request, body, signal }) => forward(request.headers.get("webhook-id") ?? "", body, signal),
   });
 
   const redrive = async (request: Request): Promise<Response> => {
@@ -123,7 +124,7 @@ export function receiver(plane: IdempotencyPlane, env: (name: string) => string 
     }
     const report = await gate.redrive(
       { scope: SCOPE, limit, organizationId },
-      (event: Redelivery) => forward(event.deliveryId, event.body),
+      (event: Redelivery, signal: AbortSignal) => forward(event.deliveryId, event.body, signal),
     );
     return Response.json({
       redriven: report.redriven,

@@ -169,9 +169,10 @@ export async function settleMany(
 
 /**
  * Claims `batch`, runs each held item's `effect` (at most `concurrency` at
- * once, each cut at its timeout as `Held.run` cuts it: a cut or a throw
- * leaves the outcome unknown), and settles them all: each item ends
- * journaled, released or left to its lease exactly as a single effect does.
+ * once, each cut at its timeout, or by its heartbeat, as `Held.run` cuts it:
+ * a cut or a throw leaves the outcome unknown, whatever the effect answers
+ * later), and settles them all: each item ends journaled, released or left
+ * to its lease exactly as a single effect does.
  * `effect` gets the item's index, its claim (whose key is the vendor's
  * idempotency key) and the abort signal, and answers how to end it. Throws
  * only when the batch could not be claimed at all.

@@ -56,7 +56,11 @@ export type PlaneErrorKind =
   | "decode"
   /** The answer contradicts the question (another row, another token). */
   | "inconsistent"
-  /** A claim was answered with a lease that had already passed. */
+  /**
+   * A lease that passed, or may have: a claim answered with a lease already
+   * passed, or an effect stopped because its claim was taken over or no
+   * heartbeat confirmed its lease in time.
+   */
   | "lease_lapsed"
   /** A bounded answer arrived with fewer rows than the server produced (its row cap is lower than `maxRows`). */
   | "truncated";

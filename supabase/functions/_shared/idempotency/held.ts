@@ -10,8 +10,17 @@
 //   can have been answered to anyone on the strength of this claim. The next
 //   attempt runs the effect.
 // - unknown: the outcome is unknown (a timeout, a throw, a lost vendor
-//   answer). Nothing is written; the claim is left to its lease, the next
-//   attempt after it reclaims, and the vendor key or a reconciler decides.
+//   answer, an effect stopped because no heartbeat confirmed its lease).
+//   Nothing is written; the claim is left to its lease, the next attempt
+//   after it reclaims, and the vendor key or a reconciler decides.
+//
+// With a heartbeat, the lease this worker can count on ends when the
+// request that last confirmed it (the claim, or a beat the database
+// answered) was sent, plus the lease it asked for, on this worker's
+// monotonic clock. When that end less a stop margin (a third of the
+// heartbeat lease, or the timing's margin when less) arrives with no beat
+// answered since, the effect's signal is aborted (`lease_unconfirmed`): a
+// worker cut off from the plane stops before another can take its key over.
 //
 // The journal and the release are retried on transient failures until the
 // ending's deadline (timing.ts); none starts after it.
@@ -66,11 +75,37 @@ export type Cut =
    */
   | { cut: "fence_lost" }
   /**
+   * With a heartbeat, no beat confirmed the lease before its confirmed end
+   * less the stop margin (the plane could not be reached): the effect's
+   * signal was aborted there, before the lease can pass and another worker
+   * take the key over. What the effect did is unknown; leave the claim to
+   * its lease, and never journal a value it gives later.
+   */
+  | { cut: "lease_unconfirmed" }
+  /**
    * With a heartbeat, the lease could not be confirmed (every beat failed)
    * before the effect's deadline: the effect never started. Leave the claim
    * to its lease.
    */
   | { cut: "not_started" };
+
+/** A held claim's heartbeat: its lease, the whole lease's end, and the stop margin. */
+interface Heartbeat {
+  /** The lease each beat asks for. */
+  readonly leaseMs: number;
+  /** Monotonic ms: no beat asks past this (the end the whole lease would have had). */
+  readonly leaseEnd: number;
+  /** How long before the confirmed lease end an unconfirmed effect is stopped. */
+  readonly stopMarginMs: number;
+}
+
+/** What an effect's signal is aborted with when no heartbeat confirmed its lease in time. */
+function leaseUnconfirmed(): PlaneError {
+  return new PlaneError(
+    "lease_lapsed",
+    "the lease could not be confirmed: the plane did not answer a heartbeat before the lease could pass",
+  );
+}
 
 /** A claim this worker holds: run its effect, then settle it exactly once. */
 export class Held {
@@ -88,10 +123,20 @@ export class Held {
    */
   readonly lateDeadline: number;
   readonly #driver: { readonly plane: IdempotencyPlane; readonly log: Logger };
-  readonly #heartbeat?: { readonly leaseMs: number; readonly leaseEnd: number };
+  readonly #heartbeat?: Heartbeat;
   #beat?: ReturnType<typeof setTimeout>;
-  /** When the database last confirmed the lease (monotonic ms): the claim, or a beat. */
+  /**
+   * When the request that last confirmed the lease was sent (monotonic ms):
+   * the claim (the attempt's start), or a beat the database answered.
+   */
   #confirmedAt = 0;
+  /**
+   * The lease end that request confirmed (monotonic ms): when it was sent
+   * plus the lease it asked for. The database's end is at least that late
+   * (it started counting once the request arrived), so this clock can only
+   * stop an effect early, never keep it past the lease.
+   */
+  #confirmedEnd = 0;
   #lost = false;
   #onLost?: () => void;
   #settled = false;
@@ -125,8 +170,14 @@ export class Held {
     this.endingDeadline = this.effectDeadline + timing.journalMs;
     this.lateDeadline = this.endingDeadline - Math.min(timing.journalMs / 2, LATE_JOURNAL_RESERVE_MS);
     if (timing.heartbeatMs !== undefined) {
-      this.#heartbeat = { leaseMs: timing.heartbeatMs, leaseEnd: this.endingDeadline + timing.marginMs };
+      this.#heartbeat = {
+        leaseMs: timing.heartbeatMs,
+        leaseEnd: this.endingDeadline + timing.marginMs,
+        stopMarginMs: Math.min(timing.marginMs, timing.heartbeatMs / 3),
+      };
+      // The claim asked for the heartbeat lease, and was sent after this.
       this.#confirmedAt = attempt.startedAt;
+      this.#confirmedEnd = attempt.startedAt + timing.heartbeatMs;
       this.#scheduleBeat(attempt.startedAt);
     }
   }
@@ -194,18 +245,18 @@ export class Held {
   }
 
   /**
-   * One extension of the lease, asked at `now` (monotonic ms): never past
-   * the whole lease's end, never below what the store accepts.
+   * One extension of the lease, sent at `now` (monotonic ms): never past
+   * the whole lease's end, never below what the store accepts. Once the
+   * database answers it, the lease is confirmed until `now` plus the lease
+   * asked.
    */
-  async #extend(
-    heartbeat: { readonly leaseMs: number; readonly leaseEnd: number },
-    now: number,
-  ): Promise<"extended" | "lost" | "failed"> {
+  async #extend(heartbeat: Heartbeat, now: number): Promise<"extended" | "lost" | "failed"> {
     const ask = Math.max(MIN_LEASE_MS, Math.min(heartbeat.leaseMs, heartbeat.leaseEnd - now));
     try {
       const end = await this.#driver.plane.extend(this.claim, ask, { deadlineMs: heartbeat.leaseMs / 3 });
       if (end === null) return "lost";
       this.#confirmedAt = Math.max(this.#confirmedAt, now);
+      this.#confirmedEnd = Math.max(this.#confirmedEnd, now + ask);
       return "extended";
     } catch (error) {
       this.#driver.log({
@@ -231,6 +282,39 @@ export class Held {
     });
   }
 
+  /**
+   * With a heartbeat, calls `stop` once the confirmed lease end less the
+   * stop margin (the heartbeat lease's third, or the timing's margin when
+   * less) arrives with no beat answered that moved it: the lease may pass
+   * soon after, and another worker take the key over. Answers what ends the
+   * watch. Without a heartbeat, nothing to watch: the effect's own deadline
+   * ends it inside the lease.
+   */
+  #watchLease(stop: () => void): () => void {
+    const heartbeat = this.#heartbeat;
+    if (!heartbeat) return () => {};
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const check = () => {
+      const wait = this.#confirmedEnd - heartbeat.stopMarginMs - monotonicNow();
+      if (wait > 0) {
+        timer = setTimeout(check, wait);
+        return;
+      }
+      timer = undefined;
+      this.#driver.log({
+        event: "idempotency.lease_unconfirmed",
+        level: "warn",
+        scope: this.claim.scope,
+        key: this.claim.key,
+        claim_id: this.claim.id,
+        unconfirmed_for_ms: Math.round(monotonicNow() - this.#confirmedAt),
+      });
+      stop();
+    };
+    check();
+    return () => clearTimeout(timer);
+  }
+
   #stopHeartbeat(): void {
     clearTimeout(this.#beat);
     this.#beat = undefined;
@@ -242,7 +326,10 @@ export class Held {
    * already past never starts the effect; with a heartbeat, neither does a
    * lease the database has not confirmed within the last third of it (a
    * beat is made first): a claim taken over meanwhile answers `fence_lost`,
-   * and beats that keep failing until the deadline `not_started`.
+   * and beats that keep failing until the deadline `not_started`. While it
+   * runs, a beat that finds the claim taken over cuts it (`fence_lost`), and
+   * so does the confirmed lease end less the stop margin arriving with no
+   * beat answered (`lease_unconfirmed`).
    */
   async run<T>(effect: (signal: AbortSignal) => Promise<T> | T): Promise<{ value: T } | Cut> {
     // `late` waits on this run's effect only: one that never starts leaves
@@ -255,6 +342,8 @@ export class Held {
     if (this.#lost) return { cut: "fence_lost" };
     const controller = new AbortController();
     let timer: ReturnType<typeof setTimeout> | undefined;
+    let unwatch = () => {};
+    let unconfirmed = false;
     const cut = new Promise<Cut>((resolve) => {
       timer = setTimeout(() => {
         controller.abort(new PlaneError("deadline", "the effect did not return within its timeout"));
@@ -264,6 +353,11 @@ export class Held {
         controller.abort(new PlaneError("inconsistent", "the claim was taken over by another worker"));
         resolve({ cut: "fence_lost" });
       };
+      unwatch = this.#watchLease(() => {
+        unconfirmed = true;
+        controller.abort(leaseUnconfirmed());
+        resolve({ cut: "lease_unconfirmed" });
+      });
     });
     const ran = (async (): Promise<{ value: T } | { cut: "threw"; error: unknown }> => {
       try {
@@ -274,9 +368,12 @@ export class Held {
     })();
     this.#running = ran;
     try {
-      return await Promise.race([ran, cut]);
+      const ended = await Promise.race([ran, cut]);
+      // A value that came in the same turn as the stop is not trusted either.
+      return unconfirmed ? { cut: "lease_unconfirmed" } : ended;
     } finally {
       clearTimeout(timer);
+      unwatch();
       this.#onLost = undefined;
     }
   }
@@ -288,18 +385,30 @@ export class Held {
    * promise (the effect's `signal` only asks it to stop), so a caller waits
    * here before it releases the claim or leaves it to its lease: a claim
    * given up while its effect still runs could let a retry run it twice.
+   * With a heartbeat, the wait ends `lease_unconfirmed` as `run` is cut:
+   * then leave the claim to its lease, journaling nothing of the effect's.
    */
-  async late(untilMs: number): Promise<{ value: unknown } | { cut: "threw"; error: unknown } | undefined> {
+  async late(
+    untilMs: number,
+  ): Promise<{ value: unknown } | { cut: "threw"; error: unknown } | { cut: "lease_unconfirmed" } | undefined> {
     const running = this.#running;
     if (!running) return undefined;
     let timer: ReturnType<typeof setTimeout> | undefined;
-    const wait = new Promise<undefined>((
-      resolve,
-    ) => (timer = setTimeout(() => resolve(undefined), Math.max(0, untilMs - monotonicNow()))));
+    let unwatch = () => {};
+    let unconfirmed = false;
+    const wait = new Promise<undefined>((resolve) => {
+      timer = setTimeout(() => resolve(undefined), Math.max(0, untilMs - monotonicNow()));
+      unwatch = this.#watchLease(() => {
+        unconfirmed = true;
+        resolve(undefined);
+      });
+    });
     try {
-      return await Promise.race([running, wait]);
+      const ended = await Promise.race([running, wait]);
+      return unconfirmed ? { cut: "lease_unconfirmed" } : ended;
     } finally {
       clearTimeout(timer);
+      unwatch();
     }
   }
 

@@ -42,6 +42,8 @@
 // | no policy for the scope, no route, or neither `principal` nor `sharedAcrossCallers` | 500 |
 // | the plane never reached (`PlaneError.neverReachedThePlane`) | 503, `Retry-After: 5` (or run unprotected, `failOpen`) |
 // | any other failure of the claim: the plane may hold the key | 503, `Retry-After: 5`, whether or not it fails open |
+// | with heartbeats, a beat found the key taken over while the handler ran | its signal aborted; 409, `Retry-After: 1`, nothing journaled |
+// | with heartbeats, no beat confirmed the lease in time (the plane not reached) | its signal aborted before the lease can pass; 503, `Retry-After: 5`, nothing journaled (left to its lease) |
 //
 // Endings. Every claim ends through the driver (held.ts): the answer is
 // journaled exactly (`Held.journalExact`) or, when the store refuses it (an
@@ -138,7 +140,10 @@ export interface IdempotencyKeyOptions {
    * keeps it alive with a heartbeat every third of it while the handler runs
    * and its answer is journaled: a worker stopped mid-handler frees its key
    * after this long, a slow live one keeps it. A heartbeat that finds the key
-   * taken over aborts the handler's signal, answered 409 `in-flight`.
+   * taken over aborts the handler's signal, answered 409 `in-flight`; no beat
+   * confirming the lease in time (the plane not reached) aborts it before the
+   * lease can pass, answered 503 `unavailable`. Either way nothing of the
+   * handler's is journaled.
    */
   heartbeatLeaseMs?: number;
   /** Request headers that are part of the fingerprint (a currency, an API version). */

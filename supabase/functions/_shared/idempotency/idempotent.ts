@@ -11,7 +11,7 @@ import type { Logger } from "./log.ts";
 import { DEFAULT_JOURNAL_DEADLINE_MS, DEFAULT_MARGIN_MS, Timing, withHeartbeat } from "./timing.ts";
 import type { Settled } from "./held.ts";
 import { Attempt, EffectDriver, type EffectSpec } from "./driver.ts";
-import { type EffectContext, runAndEnd } from "./run_effect.ts";
+import { type EffectContext, type NoAnswer, runAndEnd } from "./run_effect.ts";
 
 /** What `idempotent` answers. */
 export type IdempotentResult =
@@ -23,8 +23,11 @@ export type IdempotentResult =
   | { status: "in_flight"; leaseExpiresAt: string }
   /** The key was used with another request. */
   | { status: "conflict" }
-  /** The effect threw or timed out: released (NothingHappened) or left to its lease. */
-  | { status: "failed"; error: unknown; settled: Settled };
+  /**
+   * The effect gave no answer to journal (`why`: it threw, timed out, or was
+   * stopped by a heartbeat): released (NothingHappened) or left to its lease.
+   */
+  | { status: "failed"; why: NoAnswer; error: unknown; settled: Settled };
 
 /** Options of `idempotent`. */
 export interface IdempotentOptions {
@@ -47,9 +50,12 @@ export interface IdempotentOptions {
    * Claims for this short lease (at least 3 s) instead of the whole one, and
    * keeps it alive with a heartbeat every third of it while the effect runs
    * and journals: a worker stopped mid-effect frees the key after this long,
-   * a slow live one keeps it. A heartbeat that finds the key taken over
-   * aborts the effect's signal, and the result is `failed` with a
-   * `lease_lapsed` error (the new holder's ending counts).
+   * a slow live one keeps it. The effect's signal is aborted and the result
+   * is `failed` (a `lease_lapsed` error, the claim left to its lease) when a
+   * heartbeat finds the key taken over (`why: "fence_lost"`; the new holder's
+   * ending counts), or when no beat could confirm the lease in time
+   * (`why: "lease_unconfirmed"`: the plane is unreachable, and the effect is
+   * stopped before another worker can take the key over).
    */
   heartbeatLeaseMs?: number;
   log?: Logger;
@@ -123,7 +129,9 @@ export async function idempotent(
       break;
   }
   const ended = await runAndEnd(begun.held, effect);
-  return ended.status === "ran" ? ended : { status: "failed", error: ended.error, settled: ended.settled };
+  return ended.status === "ran"
+    ? ended
+    : { status: "failed", why: ended.why, error: ended.error, settled: ended.settled };
 }
 
 /**

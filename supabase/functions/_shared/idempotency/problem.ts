@@ -26,7 +26,7 @@ export const PROBLEM_TYPE_BASE = "https://github.com/idempotency-plane/idempoten
  * | `answer-not-kept` | 500 | an answer above the journal's limit, refused for all (`onOversize: "refuse"`) |
  * | `unreadable-answer` | 500 | the journaled answer is not one this layer wrote |
  * | `not-configured` | 500 | no policy for the scope, no route, or no caller scoping chosen |
- * | `unavailable` | 503 | the plane could not answer the claim (`Retry-After`) |
+ * | `unavailable` | 503 | the plane could not answer the claim, or confirm its lease while the handler ran (`Retry-After`) |
  */
 export const PROBLEM_TYPES = {
   "missing-key": { status: 400, title: "Idempotency-Key is required" },

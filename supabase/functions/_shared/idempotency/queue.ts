@@ -103,7 +103,11 @@ export interface ConsumerOptions {
   queue: string;
   /** The tenant every message of this queue belongs to. */
   organizationId: string;
-  /** Each effect's timeout, its journal's deadline and the lease they make. */
+  /**
+   * Each effect's timeout, its journal's deadline and the lease they make;
+   * `timing.withHeartbeats(leaseMs)` claims a short lease kept alive by
+   * heartbeats while the effects run (see `MessageContext.signal`).
+   */
   timing: Timing;
   /** The plane scope the messages are claimed in. Default `queue.<queue>`. */
   scope?: string;
@@ -130,7 +134,12 @@ export interface MessageContext {
   claim: Claim;
   /** The tenant's key for this message, to send downstream as `Idempotency-Key`. */
   vendorKey: string;
-  /** Aborted when the effect's timeout passes. */
+  /**
+   * Aborted when the effect's timeout passes, and with a heartbeat timing
+   * when a beat finds the claim taken over or none could confirm the lease in
+   * time (the plane unreachable): the message is then left, nothing of its
+   * effect journaled, whatever `process` answers later.
+   */
   signal: AbortSignal;
 }
 

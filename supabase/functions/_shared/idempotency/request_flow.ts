@@ -275,6 +275,7 @@ async function runHandler(config: Config, held: Held, handler: Handler, keyed: K
       ),
     };
   }
+  if (ran.cut === "lease_unconfirmed") return { ended: await leaseUnconfirmed(config, held, keyed.event) };
   if (ran.cut === "not_started") {
     // Nothing ran, but the plane did not confirm the lease: the key is left
     // to it, and the caller retries as after an outage.
@@ -291,6 +292,34 @@ async function runHandler(config: Config, held: Held, handler: Handler, keyed: K
     };
   }
   return { ended: await failed(config, held, ran.error, keyed.event, "handler-failed") };
+}
+
+/**
+ * No heartbeat confirmed the lease before it could pass (the plane is not
+ * reached): the handler's signal was aborted, and whatever it did is left to
+ * the lease, nothing journaled: another worker may hold the key once it
+ * passes. 503, so the caller retries with the same key later, and meets
+ * that worker's answer or reclaims the key.
+ */
+async function leaseUnconfirmed(config: Config, held: Held, event: Record<string, unknown>): Promise<Response> {
+  const settled = await held.settle({
+    unknown: "the lease could not be confirmed (no heartbeat answered); the handler was stopped",
+  });
+  config.log({
+    event: "idempotency.http",
+    level: "warn",
+    ...event,
+    outcome: "lease_unconfirmed",
+    ending: settled.ending,
+  });
+  return problemResponse(
+    problem(
+      "unavailable",
+      "the idempotency plane did not confirm this key's lease, so the request was stopped and may have taken " +
+        "effect; retry later with the same key",
+      UNAVAILABLE_RETRY_AFTER_S,
+    ),
+  );
 }
 
 /** What the handler returned: its answer, or, when it is not a Response, a failure kept as `slug`. */
@@ -356,7 +385,9 @@ async function failed(
  * released). One still running may yet take effect: its `handler-timeout`
  * problem is kept for the key, as the Rust layer keeps it, so no retry ever
  * runs it a second time (neither beside it nor after its lease). Nothing is
- * released while it may act: a retry meanwhile is 409.
+ * released while it may act: a retry meanwhile is 409. With heartbeats, a
+ * lease no beat confirmed in time ends the wait as `leaseUnconfirmed` does,
+ * nothing journaled.
  *
  * The trade-off: the longer the wait, the more late answers are kept (with
  * the 10 s journal deadline, those that come up to 8 s after the timeout,
@@ -378,6 +409,9 @@ async function cutOff(config: Config, held: Held, event: Record<string, unknown>
   });
   const waitedUntil = held.lateDeadline;
   const late = await held.late(waitedUntil);
+  if (late !== undefined && "cut" in late && late.cut === "lease_unconfirmed") {
+    return await leaseUnconfirmed(config, held, event);
+  }
   if (late === undefined) {
     config.log({
       event: "idempotency.http_handler_failed",

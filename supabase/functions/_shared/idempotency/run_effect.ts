@@ -8,9 +8,10 @@
 // - a throw of `NothingHappened` releases the claim: the effect knows it made
 //   no effect, and the next attempt runs it;
 // - any other throw, a timeout while the effect still runs, a claim taken
-//   over, or a value that is not an answer leaves the claim to its lease: the
-//   effect may have happened, so the next attempt after the lease reclaims it
-//   and the vendor key (or a reconciler) decides.
+//   over, a lease no heartbeat could confirm, or a value that is not an
+//   answer leaves the claim to its lease: the effect may have happened, so
+//   the next attempt after the lease reclaims it and the vendor key (or a
+//   reconciler) decides.
 
 import { type Answer, replayable } from "./answer.ts";
 import { PlaneError } from "./errors.ts";
@@ -42,7 +43,10 @@ export class NothingHappened extends Error {
 /** What an effect sees. */
 export interface EffectContext {
   claim: Claim;
-  /** Aborted at the effect's timeout (or when a heartbeat finds the claim taken over): pass it to fetch. */
+  /**
+   * Aborted at the effect's timeout, or with heartbeats when a beat finds the
+   * claim taken over or none could confirm the lease in time: pass it to fetch.
+   */
   signal: AbortSignal;
   /**
    * Pass this to the vendor as its idempotency key: stable across attempts
@@ -61,6 +65,11 @@ export type NoAnswer =
   | "timed_out"
   /** A heartbeat found the claim taken over; the effect's signal was aborted. */
   | "fence_lost"
+  /**
+   * No heartbeat confirmed the lease before it could pass (the plane was not
+   * reached): the effect's signal was aborted, and the claim left to its lease.
+   */
+  | "lease_unconfirmed"
   /** With heartbeats, the lease could not be confirmed before the deadline: the effect never started. */
   | "not_started"
   /** It returned something that is not an `Answer`: left to the lease. */
@@ -78,8 +87,10 @@ export type EffectEnded =
  * by what it did (see the top of this file). An effect that overruns its
  * timeout and ignores its signal is waited for until `held.lateDeadline`: a
  * value that comes then is its answer; one still running is left to its
- * lease, never released. Never throws: every way the effect can end is
- * answered.
+ * lease, never released. An effect cut because no heartbeat confirmed its
+ * lease (`lease_unconfirmed`, while it runs or while it is waited for) is
+ * left to its lease, and nothing it gives is journaled. Never throws: every
+ * way the effect can end is answered.
  */
 export async function runAndEnd(
   held: Held,
@@ -106,7 +117,18 @@ export async function runAndEnd(
     const error = new PlaneError("lease_lapsed", "the claim was taken over by another worker; the effect was stopped");
     return await failed("fence_lost", error, { unknown: "the claim was taken over by another worker" });
   }
-  const ended = "value" in ran || ran.cut === "threw" ? ran : await held.late(held.lateDeadline);
+  const ended = "value" in ran || ran.cut === "threw" || ran.cut === "lease_unconfirmed"
+    ? ran
+    : await held.late(held.lateDeadline);
+  if (ended && "cut" in ended && ended.cut === "lease_unconfirmed") {
+    const error = new PlaneError(
+      "lease_lapsed",
+      "the lease could not be confirmed: the plane did not answer a heartbeat; the effect was stopped",
+    );
+    return await failed("lease_unconfirmed", error, {
+      unknown: "the lease could not be confirmed (no heartbeat answered); the effect was stopped",
+    });
+  }
   if (!ended) {
     const error = new PlaneError("deadline", "the effect did not return within its timeout");
     return await failed("timed_out", error, { unknown: "timed out, and still running" });

@@ -126,7 +126,10 @@ export interface ToolGuardOptions {
    * Claims each call for this short lease (at least 3 s) kept alive by a
    * heartbeat every third of it, never past the whole lease's end: a worker
    * stopped mid-call frees the key after this long. The retry horizon is then
-   * checked against it, so a long tool fits a short horizon.
+   * checked against it, so a long tool fits a short horizon. A tool whose
+   * claim a beat finds taken over, or whose lease no beat could confirm in
+   * time (the plane unreachable: it is stopped before the lease can pass),
+   * has its signal aborted and raises `in_flight`, its claim left to its lease.
    */
   heartbeatLeaseMs?: number;
   /** Where `tool.call` events go (scope, key, outcome, replayed). */
@@ -385,6 +388,7 @@ async function execute(
       throw new ToolError("bad_configuration", `tool ${spec.scope}: ${messageOf(ended.error)}`, details);
     case "timed_out":
     case "fence_lost":
+    case "lease_unconfirmed":
     case "not_started":
       throw cutOff(ended.why, spec, key, ended.settled);
   }
@@ -412,11 +416,12 @@ function journaledOrRaise(held: Held, answer: Answer, settled: Settled, spec: To
 
 /**
  * A tool or reconciler cut off at the timeout (its effect unknown), or a
- * claim lost to another worker or never confirmed (told as in flight, so the
+ * claim lost to another worker, whose lease no heartbeat confirmed in time
+ * (the tool was stopped), or never confirmed (all told as in flight, so the
  * orchestrator retries and the retry meets the claim or takes it over).
  */
 function cutOff(
-  cut: "timed_out" | "fence_lost" | "not_started",
+  cut: "timed_out" | "fence_lost" | "lease_unconfirmed" | "not_started",
   spec: ToolSpec,
   key: string,
   settled: Settled,
@@ -428,7 +433,11 @@ function cutOff(
       { scope: spec.scope, key, settled },
     );
   }
-  const why = cut === "fence_lost" ? "was taken over by another worker" : "could not be confirmed before the deadline";
+  const why = cut === "fence_lost"
+    ? "was taken over by another worker"
+    : cut === "lease_unconfirmed"
+    ? "could not be confirmed (the plane did not answer a heartbeat), so the call was stopped and left to its lease"
+    : "could not be confirmed before the deadline";
   return new ToolError("in_flight", `tool call ${spec.scope}/${key}: its claim ${why}`, {
     scope: spec.scope,
     key,

@@ -52,8 +52,10 @@
 // often as its scope's `max_attempts` allows is journaled as `dead_lettered`.
 // With `heartbeatLeaseMs` the claim is made for a short lease kept alive by
 // heartbeats while processing runs, so a stopped worker's event is re-driven
-// within seconds. On `beforeunload` the gate stops claiming new deliveries
-// (503) and leaves what it holds to re-drive.
+// within seconds; processing on a worker whose beats no longer reach the
+// plane is aborted before its lease can pass, and the event left to
+// re-drive. On `beforeunload` the gate stops claiming new deliveries (503)
+// and leaves what it holds to re-drive.
 
 import { failure, success } from "./answer.ts";
 import { readBody } from "./body.ts";
@@ -216,7 +218,9 @@ export interface GateOptions {
    * Claims for this short lease (at least 3 s) kept alive by heartbeats while
    * processing and its journal run, instead of the whole processing timeout:
    * a worker that is stopped is re-driven after it, while a live one keeps
-   * its claim as long as its own deadlines allow.
+   * its claim as long as its own deadlines allow. Processing whose lease no
+   * beat could confirm in time (the plane unreachable) has its signal
+   * aborted before the lease can pass, and the event is left to re-drive.
    */
   heartbeatLeaseMs?: number;
   /**
@@ -287,9 +291,12 @@ export class WebhookGate {
   /**
    * Claims the delivery and processes it once. `process` may be called again
    * after a retryable ProcessingError; its value is journaled as the event's
-   * answer (as JSON).
+   * answer (as JSON). Its `signal` aborts at the processing timeout, and with
+   * heartbeats when a beat finds the claim taken over or none could confirm
+   * the lease in time (pass it to fetch): what it gives after that is never
+   * journaled.
    */
-  async handle(delivery: Delivery, process: () => Promise<unknown>): Promise<Ack> {
+  async handle(delivery: Delivery, process: (signal: AbortSignal) => Promise<unknown>): Promise<Ack> {
     return await this.#handleBy(monotonicNow() + this.deadlineMs, delivery, process);
   }
 
@@ -300,7 +307,7 @@ export class WebhookGate {
    */
   async handleProviderCallback(
     callback: ProviderCallback,
-    process: (job: ProviderJob) => Promise<unknown>,
+    process: (job: ProviderJob, signal: AbortSignal) => Promise<unknown>,
   ): Promise<Ack> {
     const answerBy = monotonicNow() + this.deadlineMs;
     let job: ProviderJob | undefined;
@@ -319,7 +326,7 @@ export class WebhookGate {
       scope: `webhook.${callback.provider}`,
       deliveryId: callback.deliveryId,
       body: callback.body,
-    }, () => process(found));
+    }, (signal) => process(found, signal));
   }
 
   /**
@@ -330,10 +337,11 @@ export class WebhookGate {
    * alive by heartbeats when the gate has them. An event past its scope's
    * `max_attempts` comes back journaled as a dead letter (counted as
    * `dead_lettered`). A limit above the plane's `maxRows` is refused.
+   * `signal` aborts as `handle`'s does.
    */
   async redrive(
     request: { scope: string; limit: number; organizationId?: string },
-    process: (redelivery: Redelivery) => Promise<unknown>,
+    process: (redelivery: Redelivery, signal: AbortSignal) => Promise<unknown>,
   ): Promise<RedriveReport> {
     const startedAt = monotonicNow();
     const taken = await this.driver.plane.redrive({ ...request, leaseMs: this.timing.leaseMs });
@@ -361,7 +369,7 @@ export class WebhookGate {
     held: Held,
     stored: unknown,
     attempt: number,
-    process: (redelivery: Redelivery) => Promise<unknown>,
+    process: (redelivery: Redelivery, signal: AbortSignal) => Promise<unknown>,
   ): Promise<boolean> {
     const body = bodyOf(stored);
     if (body === undefined) {
@@ -381,7 +389,7 @@ export class WebhookGate {
       body,
       attempt,
     };
-    const [settle, dropped] = await this.#processToAnAnswer(held, () => process(redelivery));
+    const [settle, dropped] = await this.#processToAnAnswer(held, (signal) => process(redelivery, signal));
     const settled = await held.settle(settle);
     if (settled.ending !== "journaled") return false;
     if (dropped) this.#drop(dropped);
@@ -401,7 +409,11 @@ export class WebhookGate {
     return { organizationId: row.organization_id, provider, jobId };
   }
 
-  async #handleBy(answerBy: number, delivery: Delivery, process: () => Promise<unknown>): Promise<Ack> {
+  async #handleBy(
+    answerBy: number,
+    delivery: Delivery,
+    process: (signal: AbortSignal) => Promise<unknown>,
+  ): Promise<Ack> {
     if (this.#closing) {
       this.#log({ event: "webhook.closing", level: "warn", scope: delivery.scope, delivery_id: delivery.deliveryId });
       return { ack: "retry", status: 503, reason: "closing" };
@@ -457,7 +469,7 @@ export class WebhookGate {
 
   async #carry(
     delivery: Delivery,
-    process: () => Promise<unknown>,
+    process: (signal: AbortSignal) => Promise<unknown>,
     say: (ack: Ack) => boolean,
     state: { held: boolean },
   ): Promise<void> {
@@ -556,10 +568,13 @@ export class WebhookGate {
     if (say({ ack: "dropped", status: 200, reason })) this.#drop(reason, replayed);
   }
 
-  async #processToAnAnswer(held: Held, process: () => Promise<unknown>): Promise<[Settle, DropReason | undefined]> {
+  async #processToAnAnswer(
+    held: Held,
+    process: (signal: AbortSignal) => Promise<unknown>,
+  ): Promise<[Settle, DropReason | undefined]> {
     let backoff = FIRST_PROCESSING_BACKOFF_MS;
     for (;;) {
-      const ran = await held.run(() => process());
+      const ran = await held.run((signal) => process(signal));
       if ("value" in ran) return [{ journal: success(ran.value === undefined ? null : ran.value) }, undefined];
       if (ran.cut === "fence_lost") {
         // Another worker (a re-driver, or a redelivery after our lease passed)
@@ -572,6 +587,22 @@ export class WebhookGate {
           why: "taken over by another worker",
         });
         return [{ unknown: "the claim was taken over by another worker" }, undefined];
+      }
+      if (ran.cut === "lease_unconfirmed") {
+        // This worker cannot reach the plane: processing was stopped before
+        // the lease could pass. The event and its body wait for a re-drive,
+        // whose ending counts; nothing of this run is journaled.
+        this.#log({
+          event: "webhook.processing_cut",
+          level: "warn",
+          scope: held.claim.scope,
+          delivery_id: held.claim.key,
+          why: "the lease could not be confirmed",
+        });
+        return [
+          { unknown: "the lease could not be confirmed (no heartbeat answered); processing was stopped" },
+          undefined,
+        ];
       }
       if (ran.cut === "not_started") {
         // Nothing ran: the event and its body wait for a re-drive.
@@ -671,8 +702,11 @@ export interface WebhookRoute {
   organizationOf: (request: Request, body: Uint8Array) => string | Promise<string>;
   /** The vendor's delivery id (Slack's `event_id`, a header such as `webhook-id`). */
   deliveryIdOf: (request: Request, body: Uint8Array) => string | Promise<string>;
-  /** Processes the event once; its value is journaled. Throw ProcessingError to fail. */
-  process: (event: { request: Request; body: Uint8Array }) => Promise<unknown>;
+  /**
+   * Processes the event once; its value is journaled. Throw ProcessingError
+   * to fail. `signal` aborts as `WebhookGate.handle`'s does: pass it to fetch.
+   */
+  process: (event: { request: Request; body: Uint8Array; signal: AbortSignal }) => Promise<unknown>;
   /**
    * The largest body read, in bytes (default 1 MiB,
    * DEFAULT_WEBHOOK_BODY_LIMIT_BYTES): a larger one is refused 413 before
@@ -757,7 +791,7 @@ export function webhookHandler(route: WebhookRoute): (request: Request) => Promi
     if (typeof deliveryId !== "string" || deliveryId === "") return reject("no_event_id");
     const ack = await route.gate.handle(
       { organizationId, scope: route.scope, deliveryId, body },
-      () => route.process({ request, body }),
+      (signal) => route.process({ request, body, signal }),
     );
     const payload = ack.ack === "dropped"
       ? { ack: ack.ack, drop_reason: ack.reason }
