@@ -31,6 +31,7 @@ pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
     "20261130000020_queue_scopes.sql",
     "20261204151330_surface_reports_owners.sql",
     "20261204212742_one_holder_in_batches.sql",
+    "20261204214314_nothing_held_by_nobody.sql",
 ];
 
 /// The optional layout that hash-partitions the claim table by

@@ -111,7 +111,8 @@ impl Default for LocalStackConfig {
 }
 
 impl LocalStackConfig {
-    /// Sets the server's `db-max-rows`.
+    /// Sets the server's `db-max-rows`, and the plane's row cap
+    /// (`agent.idempotency_settings.max_rows`, 1 to 100000) to match.
     pub fn with_max_rows(mut self, max_rows: u32) -> Self {
         self.max_rows = max_rows;
         self

@@ -143,6 +143,13 @@ impl LocalStack {
                 while_slots_are_full(|| PgConnection::connect_with(&keeper_options)).await.map_err(stack_error)?;
             let db = while_slots_are_full(|| PgPool::connect(db_url.as_str())).await.map_err(stack_error)?;
             apply_cluster_wide_migrations(&db).await?;
+            // The plane's row cap is the server's db-max-rows, as a
+            // deployment sets it (docs/deploying.md).
+            sqlx::query("update agent.idempotency_settings set max_rows = $1")
+                .bind(i32::try_from(config.max_rows).unwrap_or(i32::MAX))
+                .execute(&db)
+                .await
+                .map_err(stack_error)?;
             if let Some(queues) = &config.queues {
                 super::queues::install(&db, &db_url, queues).await?;
             }

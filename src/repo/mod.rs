@@ -174,8 +174,11 @@ pub trait IdempotencyRepository: Send + Sync {
 pub struct RedriveCall<'a> {
     /// A scope (`webhook.stripe`) or a family (`webhook.*`).
     pub scope: &'a str,
-    /// The most orphans to take over; at most [`OrphanedWork::max_bound`].
-    pub bound: u64,
+    /// One fresh lease token per orphan the call may take over (at most
+    /// [`OrphanedWork::max_bound`], none repeated), minted by the caller as
+    /// for claims: a repeat with the same tokens after a lost answer
+    /// answers again what they still hold, at the same attempt.
+    pub lease_tokens: &'a [Uuid],
     /// The lease each orphan is handed out with.
     pub lease: Duration,
     /// Only this organization's orphans, when given.
@@ -188,13 +191,16 @@ pub trait OrphanedWork: Send + Sync {
     /// The largest bound a re-drive may ask for: the server's row cap.
     fn max_bound(&self) -> u64;
 
-    /// Takes over up to `call.bound` orphans in one statement, each with a
-    /// fresh lease token (the old holder is fenced off) and its attempt
-    /// number; one whose work was handed out `max_attempts` times already
-    /// comes back journaled as a dead letter instead. Concurrent callers
-    /// split the orphans: none is handed to two. A bound above
-    /// [`max_bound`](Self::max_bound) is refused before any request, and an
-    /// answer the server cut short is an error, never a short page.
+    /// Takes over up to one orphan per token of `call.lease_tokens` in one
+    /// statement, each under its token (the old holder is fenced off) with
+    /// its attempt number; one whose work was handed out `max_attempts`
+    /// times already comes back journaled as a dead letter instead.
+    /// Concurrent callers split the orphans: none is handed to two. Safe to
+    /// repeat after a lost answer: the claims the tokens still hold are
+    /// answered again, at the same attempt, and nothing taken is left held
+    /// by nobody. More tokens than [`max_bound`](Self::max_bound) are
+    /// refused before any request, and an answer the server cut short is an
+    /// error, never a short page.
     fn redrive(&self, call: &RedriveCall<'_>) -> impl Future<Output = Result<Vec<WorkRow>, Error>> + Send;
 }
 

@@ -235,41 +235,39 @@ struct ExtendArgs {
 
 /// The organization is omitted, never sent as `null`, when there is none
 /// (see [`CompleteArgs`]). `p_row_cap` is the client's configured cap, so
-/// the database refuses a bound above it too.
+/// the database refuses it when it is above the plane's own.
 #[derive(Serialize)]
 struct RedriveArgs<'a> {
     p_scope: &'a str,
-    p_limit: u64,
+    p_lease_tokens: &'a [Uuid],
     p_lease_ms: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     p_organization_id: Option<Uuid>,
     p_row_cap: u64,
 }
 
-/// A re-drive is not repeated after a lost answer (the shared retry table
-/// marks it unsafe): a repeat would take over other orphans while those the
-/// first attempt took went unseen. Those are not lost: nobody runs them,
-/// and they are orphans again once the lease given to them passes, one
-/// attempt later.
+/// A re-drive is repeated after a lost answer (the shared retry table marks
+/// it safe): the caller's tokens make the repeat answer the claims the
+/// first attempt took over, at the same attempt.
 impl OrphanedWork for PostgrestRepository {
     fn max_bound(&self) -> u64 {
         u64::from(self.client.config().max_rows())
     }
 
     async fn redrive(&self, call: &RedriveCall<'_>) -> Result<Vec<WorkRow>, Error> {
+        let bound = call.lease_tokens.len() as u64;
         let args = RedriveArgs {
             p_scope: call.scope,
-            p_limit: call.bound,
+            p_lease_tokens: call.lease_tokens,
             p_lease_ms: millis(call.lease),
             p_organization_id: call.organization_id,
             p_row_cap: OrphanedWork::max_bound(self),
         };
-        if call.bound == 0 {
+        if bound == 0 {
             return Ok(Vec::new());
         }
         let taken = |row: &TakenWork| u64::try_from(row.taken).unwrap_or(0);
-        let rows =
-            self.client.rpc_bounded_write(REDRIVE.name, &args, call.bound, taken, Repeat::of(REDRIVE.name)).await;
+        let rows = self.client.rpc_bounded_write(REDRIVE.name, &args, bound, taken, Repeat::of(REDRIVE.name)).await;
         let rows = rows.map_err(|error| unknown_scope(error.into(), call.scope))?;
         Ok(rows.into_iter().map(|row| row.work).collect())
     }

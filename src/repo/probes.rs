@@ -8,7 +8,7 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::surface::{CAP_PROBE, GET, ORPHANS, SURFACE};
+use super::surface::{CAP_PROBE, GET, ORPHANS, ROW_CAP, SURFACE};
 use super::PostgrestRepository;
 use crate::postgrest::{ClientError, ContentRange, Repeat};
 
@@ -84,6 +84,13 @@ impl PostgrestRepository {
     /// `limit` of them (1 to 1000), from `idempotency_orphans`. Read-only.
     pub async fn orphans(&self, limit: u32) -> Result<Vec<OrphanedScope>, ClientError> {
         self.client().rpc(ORPHANS.name, &json!({"p_limit": limit}), Repeat::of(ORPHANS.name)).await
+    }
+
+    /// The plane's own row cap (`agent.idempotency_settings.max_rows`, from
+    /// `idempotency_row_cap`), which every function that answers rows holds
+    /// its callers to. Read-only.
+    pub async fn plane_row_cap(&self) -> Result<u64, ClientError> {
+        self.client().rpc(ROW_CAP.name, &json!({}), Repeat::of(ROW_CAP.name)).await
     }
 
     /// One harmless read, `idempotency_get` of a key in scope `tool.doctor`

@@ -59,7 +59,7 @@ pub(crate) const EXTEND: SqlFunction =
     function("idempotency_extend", "p_claim_id uuid, p_lease_token uuid, p_lease_ms bigint, p_organization_id uuid");
 pub(crate) const REDRIVE: SqlFunction = function(
     "idempotency_redrive",
-    "p_scope text, p_limit integer, p_lease_ms bigint, p_organization_id uuid, p_row_cap integer",
+    "p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer",
 );
 pub(crate) const ORPHANS: SqlFunction = function("idempotency_orphans", "p_limit integer");
 pub(crate) const FAILURES: SqlFunction = function(
@@ -93,6 +93,7 @@ pub(crate) const PROVIDER_JOB_REGISTER: SqlFunction =
     function("provider_job_register", "p_organization_id uuid, p_provider text, p_job_id text");
 pub(crate) const PROVIDER_JOB_LOOKUP: SqlFunction = function("provider_job_lookup", "p_provider text, p_job_id text");
 pub(crate) const CAP_PROBE: SqlFunction = function("idempotency_cap_probe", "p_rows integer");
+pub(crate) const ROW_CAP: SqlFunction = function("idempotency_row_cap", "p_row_cap integer");
 pub(crate) const SURFACE: SqlFunction = function("idempotency_surface", "");
 
 /// Every function of the SQL surface.
@@ -119,6 +120,7 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     PROVIDER_JOB_REGISTER,
     PROVIDER_JOB_LOOKUP,
     CAP_PROBE,
+    ROW_CAP,
     SURFACE,
 ];
 

@@ -188,7 +188,14 @@ impl<R: IdempotencyRepository + OrphanedWork> EffectDriver<R> {
         timing: Timing,
     ) -> Result<Vec<Redriven<R>>, Error> {
         let started = Instant::now();
-        let call = RedriveCall { scope, bound, lease: timing.lease(), organization_id };
+        // One token per orphan this call may take over: the client repeats
+        // the call with them after a lost answer, and gets the same claims.
+        let cap = self.service.repository().max_bound();
+        if bound > cap {
+            return Err(crate::postgrest::ClientError::BoundAboveCap { bound, cap }.into());
+        }
+        let tokens: Vec<Uuid> = (0..bound).map(|_| Uuid::new_v4()).collect();
+        let call = RedriveCall { scope, lease_tokens: &tokens, lease: timing.lease(), organization_id };
         let taken = self.service.repository().redrive(&call).await?;
         let mut redriven = Vec::with_capacity(taken.len());
         for work in taken {

@@ -1,20 +1,17 @@
 -- agent.idempotency_check_batch
 --
--- Refuses (22023) a batch that is not a JSON array of 1 to p_row_cap items.
--- Private.
+-- Refuses (22023) a batch that is not a JSON array of 1 to p_row_cap items,
+-- or a p_row_cap above the plane's (agent.idempotency_row_cap); without
+-- p_row_cap, the plane's. Private.
 
 CREATE FUNCTION agent.idempotency_check_batch(p_items jsonb, p_row_cap integer) RETURNS void
-    LANGUAGE plpgsql IMMUTABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO ''
     AS $$
 declare
   v_count integer;
+  v_cap integer := agent.idempotency_row_cap(p_row_cap);
 begin
-  if p_row_cap is null or p_row_cap not between 1 and 100000 then
-    raise exception 'p_row_cap must be between 1 and 100000, got %', p_row_cap
-      using errcode = '22023',
-            hint = 'the row cap the caller is held to: PostgREST db-max-rows, Supabase api.max_rows (default 1000)';
-  end if;
   if p_items is null then
     raise exception 'p_items is required' using errcode = '22023';
   end if;
@@ -23,8 +20,8 @@ begin
       using errcode = '22023';
   end if;
   v_count := jsonb_array_length(p_items);
-  if v_count not between 1 and p_row_cap then
-    raise exception 'p_items must hold between 1 and the row cap p_row_cap % items, got %', p_row_cap, v_count
+  if v_count not between 1 and v_cap then
+    raise exception 'p_items must hold between 1 and the row cap % items, got %', v_cap, v_count
       using errcode = '22023',
             hint = 'a batch answers a row per item; more than the row cap would be cut from the answer';
   end if;

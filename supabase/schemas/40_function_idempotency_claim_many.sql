@@ -9,7 +9,7 @@
 -- won are timed from the end of the batch. A malformed item or more than
 -- p_row_cap items refuses the whole batch (22023) and writes nothing.
 
-CREATE FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer DEFAULT 1000) RETURNS SETOF agent.idempotency_claim_item
+CREATE FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_claim_item
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO ''
     SET lock_timeout TO '5s'

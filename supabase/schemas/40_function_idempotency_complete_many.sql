@@ -3,7 +3,7 @@
 -- Completes a batch (public), each item fenced by its own token: one row per
 -- item, in order.
 
-CREATE FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer DEFAULT 1000) RETURNS SETOF agent.idempotency_completion_item
+CREATE FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_completion_item
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO ''
     SET lock_timeout TO '5s'

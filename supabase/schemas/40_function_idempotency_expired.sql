@@ -10,8 +10,9 @@ CREATE FUNCTION agent.idempotency_expired(p_limit integer) RETURNS SETOF agent.i
 declare
   v_row agent.idempotency_rows;
 begin
-  if p_limit is null or p_limit < 1 or p_limit > 100000 then
-    raise exception 'p_limit must be between 1 and 100000, got %', p_limit using errcode = '22023';
+  if p_limit is null or p_limit not between 1 and agent.idempotency_row_cap() then
+    raise exception 'p_limit must be between 1 and the plane''s row cap %, got %', agent.idempotency_row_cap(), p_limit
+      using errcode = '22023';
   end if;
   for v_row in
     select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status, null::uuid,

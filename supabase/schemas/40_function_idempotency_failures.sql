@@ -3,7 +3,7 @@
 -- Lists journaled failures of a scope or family (public), oldest claim first.
 -- Never writes.
 
-CREATE FUNCTION agent.idempotency_failures(p_scope text, p_limit integer, p_organization_id uuid DEFAULT NULL::uuid, p_since timestamp with time zone DEFAULT NULL::timestamp with time zone, p_row_cap integer DEFAULT 1000) RETURNS SETOF agent.idempotency_failure
+CREATE FUNCTION agent.idempotency_failures(p_scope text, p_limit integer, p_organization_id uuid DEFAULT NULL::uuid, p_since timestamp with time zone DEFAULT NULL::timestamp with time zone, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_failure
     LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path TO ''
     AS $$

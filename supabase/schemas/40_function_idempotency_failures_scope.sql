@@ -11,6 +11,7 @@ CREATE FUNCTION agent.idempotency_failures_scope(p_scope text, p_limit integer, 
     AS $_$
 declare
   v_prefix text;
+  v_cap integer;
 begin
   if p_scope is null then
     raise exception 'p_scope is required' using errcode = '22023';
@@ -20,13 +21,9 @@ begin
                     pg_catalog.left(p_scope, 128)
       using errcode = '22023';
   end if;
-  if p_row_cap is null or p_row_cap not between 1 and 100000 then
-    raise exception 'p_row_cap must be between 1 and 100000, got %', p_row_cap
-      using errcode = '22023',
-            hint = 'the row cap the caller is held to: PostgREST db-max-rows, Supabase api.max_rows (default 1000)';
-  end if;
-  if p_limit is null or p_limit not between 1 and p_row_cap then
-    raise exception 'p_limit must be between 1 and the row cap p_row_cap %, got %', p_row_cap, p_limit
+  v_cap := agent.idempotency_row_cap(p_row_cap);
+  if p_limit is null or p_limit not between 1 and v_cap then
+    raise exception 'p_limit must be between 1 and the row cap %, got %', v_cap, p_limit
       using errcode = '22023',
             hint = 'every failure is answered; more than the row cap would be cut from the answer';
   end if;

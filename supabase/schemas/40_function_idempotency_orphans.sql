@@ -8,8 +8,10 @@ CREATE FUNCTION agent.idempotency_orphans(p_limit integer DEFAULT 100) RETURNS S
     SET search_path TO ''
     AS $$
 begin
-  if p_limit is null or p_limit not between 1 and 1000 then
-    raise exception 'p_limit must be between 1 and 1000 scopes, got %', p_limit using errcode = '22023';
+  if p_limit is null or p_limit not between 1 and least(1000, agent.idempotency_row_cap()) then
+    raise exception 'p_limit must be between 1 and % scopes (1000, or the plane''s row cap when lower), got %',
+                    least(1000, agent.idempotency_row_cap()), p_limit
+      using errcode = '22023';
   end if;
   return query
     select k.scope, count(*), min(k.redrive_at),

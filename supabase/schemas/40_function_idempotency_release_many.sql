@@ -2,7 +2,7 @@
 --
 -- Releases a batch (public): one row per item, in order.
 
-CREATE FUNCTION agent.idempotency_release_many(p_organization_id uuid, p_items jsonb, p_row_cap integer DEFAULT 1000) RETURNS SETOF agent.idempotency_release_item
+CREATE FUNCTION agent.idempotency_release_many(p_organization_id uuid, p_items jsonb, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_release_item
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO ''
     SET lock_timeout TO '5s'

@@ -4,7 +4,7 @@
 -- agent.idempotency_expired and deletes with
 -- agent.idempotency_delete_expired, bounded by the row cap.
 
-CREATE FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer DEFAULT 1000) RETURNS SETOF agent.idempotency_sweep_report
+CREATE FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_sweep_report
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO ''
     SET lock_timeout TO '5s'
@@ -13,21 +13,18 @@ declare
   v_ids uuid[];
   v_read integer;
   v_deleted integer;
+  v_cap integer;
 begin
   if p_bound is null then
     raise exception 'p_bound is required: the most expired claims one sweep reads' using errcode = '22023';
   end if;
-  if p_row_cap is null or p_row_cap not between 1 and 100000 then
-    raise exception 'p_row_cap must be between 1 and 100000, got %', p_row_cap
-      using errcode = '22023',
-            hint = 'the row cap idem sweep is held to: PostgREST db-max-rows, Supabase api.max_rows (default 1000)';
-  end if;
+  v_cap := agent.idempotency_row_cap(p_row_cap);
   if p_bound < 1 then
     raise exception 'p_bound must be at least 1, got %', p_bound using errcode = '22023';
   end if;
-  if p_bound > p_row_cap then
-    raise exception 'p_bound % is above the row cap p_row_cap %: a sweep reads at most the row cap',
-                    p_bound, p_row_cap
+  if p_bound > v_cap then
+    raise exception 'p_bound % is above the row cap %: a sweep reads at most the row cap',
+                    p_bound, v_cap
       using errcode = '22023',
             hint = 'lower p_bound to the row cap or below; a larger backlog is swept by sweeping more often';
   end if;

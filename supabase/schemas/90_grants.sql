@@ -6,6 +6,7 @@
 
 REVOKE ALL ON TABLE agent.idempotency_keys FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_scopes FROM PUBLIC, anon, authenticated, service_role;
+REVOKE ALL ON TABLE agent.idempotency_settings FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.provider_jobs FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.runs FROM PUBLIC, anon, authenticated, service_role;
 
@@ -94,8 +95,8 @@ GRANT ALL ON FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope 
 
 GRANT SELECT ON TABLE agent.idempotency_work TO service_role;
 
-REVOKE ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_limit integer, p_lease_ms bigint, p_organization_id uuid, p_row_cap integer) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_limit integer, p_lease_ms bigint, p_organization_id uuid, p_row_cap integer) TO service_role;
+REVOKE ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_redrive_failed(p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_claim_ids uuid[], p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_redrive_failed(p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_claim_ids uuid[], p_row_cap integer) TO service_role;
@@ -108,6 +109,9 @@ GRANT ALL ON FUNCTION agent.idempotency_release_many(p_organization_id uuid, p_i
 
 REVOKE ALL ON FUNCTION agent.idempotency_surface() FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_surface() TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer) TO service_role;

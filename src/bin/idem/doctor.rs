@@ -91,7 +91,8 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
     let held = repo.deployed_functions().await;
     check_surface(&held, &mut report);
     check_public_functions(&held, &mut report);
-    check_row_cap(&repo, &mut report).await;
+    let server_cap = check_row_cap(&repo, &mut report).await;
+    check_plane_row_cap(&repo, server_cap, &mut report).await;
     check_orphans(&repo, &mut report).await;
     report.finish(&url)
 }
@@ -104,7 +105,7 @@ const ORPHAN_GRACE: std::time::Duration = std::time::Duration::from_secs(10 * 60
 /// their work. Fails when some has waited longer than [`ORPHAN_GRACE`]:
 /// nothing re-drives that scope.
 async fn check_orphans(repo: &PostgrestRepository, report: &mut Report) {
-    let scopes = match repo.orphans(100).await {
+    let scopes = match repo.orphans(100.min(repo.client().config().max_rows())).await {
         Ok(scopes) => scopes,
         Err(error) => return report.line(false, "orphans", diagnose(&error)),
     };
@@ -205,12 +206,16 @@ fn check_public_functions(held: &Result<Vec<DeployedFunction>, ClientError>, rep
 }
 
 /// Asks the probe for one row more than the configured cap and reads what
-/// the server did from Content-Range.
-async fn check_row_cap(repo: &PostgrestRepository, report: &mut Report) {
+/// the server did from Content-Range: the server's cap, when it truncated
+/// (at or below the configured one).
+async fn check_row_cap(repo: &PostgrestRepository, report: &mut Report) -> Option<u64> {
     let cap = u64::from(repo.client().config().max_rows());
     let RowCapProbe { range, received, .. } = match repo.probe_row_cap(cap + 1).await {
         Ok(probe) => probe,
-        Err(error) => return report.line(false, "row cap", diagnose(&error)),
+        Err(error) => {
+            report.line(false, "row cap", diagnose(&error));
+            return None;
+        }
     };
     if range.rows() != received || range.total() != Some(cap + 1) {
         let detail = format!(
@@ -218,11 +223,13 @@ async fn check_row_cap(repo: &PostgrestRepository, report: &mut Report) {
              bounded reads cannot detect truncation through this server",
             cap + 1
         );
-        return report.line(false, "row cap", detail);
+        report.line(false, "row cap", detail);
+        return None;
     }
     let detail = match received.cmp(&cap) {
         std::cmp::Ordering::Equal => {
-            return report.line(true, "row cap", format!("the server truncates at {cap} rows, as configured (Content-Range {range})"));
+            report.line(true, "row cap", format!("the server truncates at {cap} rows, as configured (Content-Range {range})"));
+            return Some(cap);
         }
         std::cmp::Ordering::Less => format!(
             "the server truncates at {received} rows, below the configured {cap}: every bounded read above \
@@ -235,6 +242,42 @@ async fn check_row_cap(repo: &PostgrestRepository, report: &mut Report) {
         ),
     };
     report.line(false, "row cap", detail);
+    (received <= cap).then_some(received)
+}
+
+/// The plane's own row cap against the server's (`server_cap`, when the
+/// probe measured it): every function that answers rows holds its callers
+/// to the plane's, so one above the server's lets the server cut rows the
+/// plane claimed or took over, and one below refuses what the server could
+/// answer.
+async fn check_plane_row_cap(repo: &PostgrestRepository, server_cap: Option<u64>, report: &mut Report) {
+    const CHECK: &str = "plane row cap";
+    let plane = match repo.plane_row_cap().await {
+        Ok(plane) => plane,
+        Err(error) => return report.line(false, CHECK, diagnose(&error)),
+    };
+    let configured = u64::from(repo.client().config().max_rows());
+    let fix = "update agent.idempotency_settings set max_rows = <the server's db-max-rows> (in a migration)";
+    match server_cap {
+        Some(server) if server == plane => {
+            report.line(true, CHECK, format!("the plane holds answers to {plane} rows, the server's cap"))
+        }
+        Some(server) => report.line(
+            false,
+            CHECK,
+            format!("the plane holds answers to {plane} rows but the server cuts them at {server}: {fix}"),
+        ),
+        None if plane <= configured => report.line(
+            true,
+            CHECK,
+            format!("the plane holds answers to {plane} rows, within the configured {configured}"),
+        ),
+        None => report.line(
+            false,
+            CHECK,
+            format!("the plane holds answers to {plane} rows, above the configured {configured}: {fix}"),
+        ),
+    }
 }
 
 /// What an error means for an operator.

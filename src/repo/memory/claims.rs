@@ -366,35 +366,53 @@ impl OrphanedWork for MemoryRepository {
 
     async fn redrive(&self, call: &RedriveCall<'_>) -> Result<Vec<WorkRow>, Error> {
         const FUNCTION: &str = "idempotency_redrive";
-        if call.bound > MAX_BOUND {
-            return Err(ClientError::BoundAboveCap { bound: call.bound, cap: MAX_BOUND }.into());
+        let bound = call.lease_tokens.len() as u64;
+        if bound > MAX_BOUND {
+            return Err(ClientError::BoundAboveCap { bound, cap: MAX_BOUND }.into());
         }
-        if call.bound == 0 {
+        if bound == 0 {
             return Ok(Vec::new());
         }
-        if !(1000..=86_400_000).contains(&call.lease.as_millis()) {
+        let repeated = call.lease_tokens.iter().enumerate().any(|(i, token)| call.lease_tokens[..i].contains(token));
+        if repeated || !(1000..=86_400_000).contains(&call.lease.as_millis()) {
             return Err(refused(FUNCTION, codes::INVALID_PARAMETER_VALUE));
         }
         let mut state = self.lock();
         state.check_pattern(FUNCTION, call.scope)?;
         let now = state.now();
         let lease = TimeDelta::from_std(call.lease).unwrap_or(TimeDelta::MAX);
-        let mut orphans: Vec<_> = state
+        let in_call = |slot: &(Uuid, String, String), row: &Row| {
+            in_scope(call.scope, &slot.1)
+                && call.organization_id.is_none_or(|org| org == slot.0)
+                && row.request.is_some()
+                && row.record.status == ClaimStatus::Processing
+        };
+        // What an earlier call with these tokens took over and still holds:
+        // answered again, at the same attempt.
+        let mine: Vec<_> = state
             .claims
             .iter()
             .filter(|(slot, row)| {
-                in_scope(call.scope, &slot.1)
-                    && call.organization_id.is_none_or(|org| org == slot.0)
-                    && row.request.is_some()
-                    && row.record.status == ClaimStatus::Processing
-                    && row.record.lease_expires_at <= now
+                in_call(slot, row) && row.record.lease_token.is_some_and(|token| call.lease_tokens.contains(&token))
             })
+            .map(|(slot, _)| slot.clone())
+            .collect();
+        let unused: Vec<Uuid> = call
+            .lease_tokens
+            .iter()
+            .copied()
+            .filter(|token| !mine.iter().any(|slot| state.claims[slot].record.lease_token == Some(*token)))
+            .collect();
+        let mut orphans: Vec<_> = state
+            .claims
+            .iter()
+            .filter(|(slot, row)| in_call(slot, row) && row.record.lease_expires_at <= now && !mine.contains(slot))
             .map(|(slot, row)| (row.record.lease_expires_at, row.record.id, slot.clone()))
             .collect();
         orphans.sort();
-        orphans.truncate(usize::try_from(call.bound).unwrap_or(usize::MAX));
-        let mut taken = Vec::with_capacity(orphans.len());
-        for (_, _, slot) in orphans {
+        orphans.truncate(unused.len());
+        let mut taken = Vec::with_capacity(orphans.len() + mine.len());
+        for ((_, _, slot), token) in orphans.into_iter().zip(unused) {
             let max_attempts = state.policy(&slot.1).map_or(DEFAULT_MAX_ATTEMPTS, |p| p.max_attempts);
             let Some(row) = state.claims.get_mut(&slot) else { continue };
             let window = row.record.retain_until - row.record.lease_expires_at;
@@ -406,30 +424,41 @@ impl OrphanedWork for MemoryRepository {
                 }));
                 row.record.retain_until = row.record.retain_until.max(now + window);
             } else {
-                row.record.lease_token = Some(Uuid::new_v4());
+                row.record.lease_token = Some(token);
                 row.record.claimed_at = now;
                 row.record.lease_expires_at = now + lease;
                 row.record.retain_until = row.record.retain_until.max(now + lease + window);
                 row.reclaims += 1;
             }
-            taken.push(WorkRow {
-                id: row.record.id,
-                organization_id: row.record.organization_id,
-                scope: row.record.scope.clone(),
-                key: row.record.key.clone(),
-                request_hash: row.record.request_hash.clone(),
-                status: row.record.status,
-                lease_token: row.record.lease_token.filter(|_| !dead),
-                request: row.request.clone().filter(|_| !dead),
-                attempt: row.reclaims + 1,
-                claimed_at: row.record.claimed_at,
-                lease_expires_at: row.record.lease_expires_at,
-                retain_until: row.record.retain_until,
-                response: row.record.response.clone().filter(|_| dead),
-            });
+            taken.push(work_row(row, dead));
+        }
+        for slot in mine {
+            if let Some(row) = state.claims.get(&slot) {
+                taken.push(work_row(row, false));
+            }
         }
         taken.sort_by_key(|work| (work.lease_expires_at, work.id));
         Ok(taken)
+    }
+}
+
+/// What a re-drive answers of `row`: the work and its token while it is
+/// held, the dead letter once it is one.
+fn work_row(row: &Row, dead: bool) -> WorkRow {
+    WorkRow {
+        id: row.record.id,
+        organization_id: row.record.organization_id,
+        scope: row.record.scope.clone(),
+        key: row.record.key.clone(),
+        request_hash: row.record.request_hash.clone(),
+        status: row.record.status,
+        lease_token: row.record.lease_token.filter(|_| !dead),
+        request: row.request.clone().filter(|_| !dead),
+        attempt: row.reclaims + 1,
+        claimed_at: row.record.claimed_at,
+        lease_expires_at: row.record.lease_expires_at,
+        retain_until: row.record.retain_until,
+        response: row.record.response.clone().filter(|_| dead),
     }
 }
 

@@ -137,6 +137,7 @@ async fn idem_doctor_passes_on_a_healthy_plane_and_names_what_is_wrong_otherwise
     assert!(out.contains("all checks passed"), "{out}");
     assert!(out.contains("ok    idempotency_try_claim"), "{out}");
     assert!(out.contains("truncates at 50 rows, as configured"), "{out}");
+    assert!(out.contains("ok    plane row cap: the plane holds answers to 50 rows, the server's cap"), "{out}");
     assert!(
         out.contains(
             "ok    public functions: no function of schema agent is executable by PUBLIC, anon or authenticated"
@@ -149,6 +150,18 @@ async fn idem_doctor_passes_on_a_healthy_plane_and_names_what_is_wrong_otherwise
     let out = stdout(&mismatch);
     assert!(!mismatch.status.success(), "{out}");
     assert!(out.contains("FAIL  row cap: the server truncates at 50 rows, below the configured 80"), "{out}");
+
+    // A plane whose own cap is not the server's: it would claim rows the
+    // server cuts from the answer.
+    crate::support::harness::set_plane_row_cap(&stack, 80).await;
+    let plane_above = idem(url, key, Some(50), &["doctor"]).await;
+    let out = stdout(&plane_above);
+    assert!(!plane_above.status.success(), "{out}");
+    assert!(
+        out.contains("FAIL  plane row cap: the plane holds answers to 80 rows but the server cuts them at 50"),
+        "{out}"
+    );
+    crate::support::harness::set_plane_row_cap(&stack, 50).await;
 
     // A key whose role cannot execute the functions.
     let wrong_role = idem(url, &stack.token_for("anon"), None, &["doctor"]).await;
@@ -472,7 +485,10 @@ async fn idem_doctor_json_lists_every_check() {
     assert_eq!(report["ok"], true);
     let checks = report["checks"].as_array().expect("checks");
     let names: Vec<&str> = checks.iter().filter_map(|c| c["check"].as_str()).collect();
-    assert!(names.contains(&"reachable") && names.contains(&"row cap"), "{names:?}");
+    assert!(
+        names.contains(&"reachable") && names.contains(&"row cap") && names.contains(&"plane row cap"),
+        "{names:?}"
+    );
     assert!(names.contains(&"idempotency_claim"), "{names:?}");
     assert!(checks.iter().all(|c| c["ok"] == true && c["detail"].is_string()), "{checks:?}");
     stack.stop().await.unwrap();

@@ -34,7 +34,7 @@ fn call<'a>(org: Uuid, scope: &'a str, key: &'a str, hash: &'a str, token: Uuid)
 
 /// A re-drive of `scope`'s orphans of `org` alone, handed out for [`LEASE`].
 fn redrive(org: Uuid, scope: &str, bound: u64) -> RedriveCall<'_> {
-    RedriveCall { scope, bound, lease: LEASE, organization_id: Some(org) }
+    RedriveCall { scope, lease_tokens: crate::support::lease_tokens(bound), lease: LEASE, organization_id: Some(org) }
 }
 
 fn code(result: Result<impl std::fmt::Debug, Error>) -> String {

@@ -93,13 +93,13 @@ fn surface() -> Vec<Call> {
             ],
         },
         Call {
-            sql: "select * from agent.idempotency_redrive($1, $2::integer, $3::bigint, $4::uuid, $5::integer)",
+            sql: "select * from agent.idempotency_redrive($1, $2::uuid[], $3::bigint, $4::uuid, $5::integer)",
             arguments: vec![
                 ("p_scope", "webhook.*".to_owned(), true),
-                ("p_limit", "10".to_owned(), true),
+                ("p_lease_tokens", format!("{{{TOKEN}}}"), true),
                 ("p_lease_ms", "60000".to_owned(), true),
                 ("p_organization_id", ORG.to_owned(), false),
-                ("p_row_cap", "1000".to_owned(), true),
+                ("p_row_cap", "1000".to_owned(), false),
             ],
         },
         Call {
@@ -109,7 +109,7 @@ fn surface() -> Vec<Call> {
                 ("p_limit", "10".to_owned(), true),
                 ("p_organization_id", ORG.to_owned(), false),
                 ("p_since", "2026-01-01T00:00:00Z".to_owned(), false),
-                ("p_row_cap", "1000".to_owned(), true),
+                ("p_row_cap", "1000".to_owned(), false),
             ],
         },
         Call {
@@ -122,7 +122,7 @@ fn surface() -> Vec<Call> {
                 // One of the two is required (both NULL is refused naming both).
                 ("p_since", "2026-01-01T00:00:00Z".to_owned(), false),
                 ("p_claim_ids", format!("{{{CLAIM_ID}}}"), false),
-                ("p_row_cap", "1000".to_owned(), true),
+                ("p_row_cap", "1000".to_owned(), false),
             ],
         },
         Call {
@@ -136,7 +136,7 @@ fn surface() -> Vec<Call> {
                     json!([{"key": "k-batch", "request_hash": hash, "lease_token": Uuid::new_v4()}]).to_string(),
                     true,
                 ),
-                ("p_row_cap", "1000".to_owned(), true),
+                ("p_row_cap", "1000".to_owned(), false),
             ],
         },
         Call {
@@ -148,7 +148,7 @@ fn surface() -> Vec<Call> {
                     json!([{"claim_id": CLAIM_ID, "lease_token": TOKEN, "response": {"ok": true}}]).to_string(),
                     true,
                 ),
-                ("p_row_cap", "1000".to_owned(), true),
+                ("p_row_cap", "1000".to_owned(), false),
             ],
         },
         Call {
@@ -156,7 +156,7 @@ fn surface() -> Vec<Call> {
             arguments: vec![
                 ("p_organization_id", ORG.to_owned(), true),
                 ("p_items", json!([{"claim_id": CLAIM_ID, "lease_token": TOKEN}]).to_string(), true),
-                ("p_row_cap", "1000".to_owned(), true),
+                ("p_row_cap", "1000".to_owned(), false),
             ],
         },
         Call {
@@ -173,7 +173,7 @@ fn surface() -> Vec<Call> {
         },
         Call {
             sql: "select * from agent.idempotency_sweep($1::integer, $2::integer)",
-            arguments: vec![("p_bound", "10".to_owned(), true), ("p_row_cap", "1000".to_owned(), true)],
+            arguments: vec![("p_bound", "10".to_owned(), true), ("p_row_cap", "1000".to_owned(), false)],
         },
         Call {
             sql: "select * from agent.run_admit($1::uuid, $2, $3::jsonb, $4::uuid, $5::uuid, $6::uuid, $7::bigint)",
@@ -299,7 +299,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 75, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 68, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 
@@ -652,7 +652,7 @@ async fn sending_failures_back_needs_a_choice_or_a_since_and_refuses_a_null_in_t
             ("p_organization_id", ORG.to_owned(), false),
             ("p_since", since.unwrap_or("2026-01-01T00:00:00Z").to_owned(), false),
             ("p_claim_ids", ids.unwrap_or("{}").to_owned(), false),
-            ("p_row_cap", "1000".to_owned(), true),
+            ("p_row_cap", "1000".to_owned(), false),
         ],
     };
     // Both filters SQL NULL: nothing named to send back.

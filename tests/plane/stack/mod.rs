@@ -27,6 +27,7 @@ mod indexes;
 mod layout;
 mod load;
 mod local_doors;
+mod nothing_held_by_nobody;
 mod one_holder;
 mod partition;
 mod pg_cron;

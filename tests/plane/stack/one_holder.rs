@@ -273,7 +273,12 @@ async fn a_takeover_races_batches_heartbeats_and_a_redrive_and_one_holder_wins()
         let redrive = {
             let repo = repos[4].clone();
             tokio::spawn(async move {
-                let call = RedriveCall { scope: "queue.two", bound: 10, lease: LEASE, organization_id: Some(org) };
+                let call = RedriveCall {
+                    scope: "queue.two",
+                    lease_tokens: crate::support::lease_tokens(10),
+                    lease: LEASE,
+                    organization_id: Some(org),
+                };
                 let rows = repo.redrive(&call).await.map_err(|error| format!("a re-drive: {error}"))?;
                 Ok::<_, String>(rows.into_iter().filter(|row| row.lease_token.is_some()).map(|row| row.key).collect())
             })

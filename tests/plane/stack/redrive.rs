@@ -58,7 +58,7 @@ async fn four_concurrent_redrivers_hand_each_of_a_thousand_orphans_to_exactly_on
                 loop {
                     let call = RedriveCall {
                         scope: "webhook.*",
-                        bound: 10,
+                        lease_tokens: crate::support::lease_tokens(10),
                         lease: Duration::from_secs(300),
                         organization_id: Some(org),
                     };
@@ -132,7 +132,12 @@ async fn a_claim_kept_alive_by_heartbeats_for_three_leases_is_never_taken_and_is
                     request: None,
                 };
                 claims.push(repo.claim(&rival).await.expect("a rival's claim").outcome);
-                let call = RedriveCall { scope: SCOPE, bound: 10, lease, organization_id: Some(org) };
+                let call = RedriveCall {
+                    scope: SCOPE,
+                    lease_tokens: crate::support::lease_tokens(10),
+                    lease,
+                    organization_id: Some(org),
+                };
                 redriven += repo.redrive(&call).await.expect("a re-drive").len();
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -153,7 +158,12 @@ async fn a_claim_kept_alive_by_heartbeats_for_three_leases_is_never_taken_and_is
 
     // The heartbeats stop, as when the worker is killed: once the lease
     // passes the work is re-driven, and the old holder is fenced off.
-    let call = RedriveCall { scope: SCOPE, bound: 10, lease: Duration::from_secs(60), organization_id: Some(org) };
+    let call = RedriveCall {
+        scope: SCOPE,
+        lease_tokens: crate::support::lease_tokens(10),
+        lease: Duration::from_secs(60),
+        organization_id: Some(org),
+    };
     let taken = loop {
         let taken = repo.redrive(&call).await.unwrap();
         if !taken.is_empty() || started.elapsed() > 10 * lease {
@@ -191,8 +201,12 @@ async fn a_slow_holder_racing_a_redrive_at_its_lease_end_either_completes_or_is_
         let claimed = repo.claim(&call).await.unwrap();
         pass_lease(&stack, claimed.id).await;
 
-        let redrive =
-            RedriveCall { scope: SCOPE, bound: 10, lease: Duration::from_secs(60), organization_id: Some(org) };
+        let redrive = RedriveCall {
+            scope: SCOPE,
+            lease_tokens: crate::support::lease_tokens(10),
+            lease: Duration::from_secs(60),
+            organization_id: Some(org),
+        };
         let args = CompletionArgs { response: Some(&answer), ..CompletionArgs::default() };
         let (done, taken) = tokio::join!(repo.complete(org, claimed.id, token, args), repo.redrive(&redrive));
         let (done, taken) = (done.unwrap().is_some(), taken.unwrap());

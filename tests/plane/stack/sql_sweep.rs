@@ -60,11 +60,11 @@ async fn a_sql_sweep_refuses_a_bound_below_one_or_above_the_row_cap_and_deletes_
     for (args, names) in [
         (json!({"p_bound": 0}), "p_bound must be at least 1"),
         (json!({"p_bound": -1}), "p_bound must be at least 1"),
-        (json!({"p_bound": 1001}), "p_bound 1001 is above the row cap p_row_cap 1000"),
-        (json!({"p_bound": 6, "p_row_cap": 5}), "p_bound 6 is above the row cap p_row_cap 5"),
-        (json!({"p_bound": 1, "p_row_cap": 0}), "p_row_cap must be between 1 and 100000"),
-        (json!({"p_bound": 1, "p_row_cap": 100001}), "p_row_cap must be between 1 and 100000"),
-        (json!({"p_bound": 100001, "p_row_cap": 100001}), "p_row_cap must be between 1 and 100000"),
+        (json!({"p_bound": 1001}), "p_bound 1001 is above the row cap 1000"),
+        (json!({"p_bound": 6, "p_row_cap": 5}), "p_bound 6 is above the row cap 5"),
+        (json!({"p_bound": 1, "p_row_cap": 0}), "p_row_cap 0 is outside 1 to the plane's row cap 1000"),
+        (json!({"p_bound": 1, "p_row_cap": 1001}), "p_row_cap 1001 is outside 1 to the plane's row cap 1000"),
+        (json!({"p_bound": 100001, "p_row_cap": 100001}), "p_row_cap 100001 is outside 1 to the plane's row cap"),
     ] {
         match client.rpc::<Value>("idempotency_sweep", &args, Repeat::Safe).await {
             Err(ClientError::Api { status: 400, error, .. })
@@ -74,9 +74,12 @@ async fn a_sql_sweep_refuses_a_bound_below_one_or_above_the_row_cap_and_deletes_
     }
     assert!(wrong.is_empty(), "{wrong:#?}");
     assert_eq!(count_rows(&stack).await, 10, "no refused sweep deleted anything");
-    // The largest pass the client allows is accepted.
-    let largest = sweep(&stack, json!({"p_bound": 100000, "p_row_cap": 100000})).await;
+    // The largest pass the plane allows is accepted, its own cap by default.
+    let largest = sweep(&stack, json!({"p_bound": 1000})).await;
     assert_eq!((&largest["read"], &largest["filled"]), (&json!(10), &json!(false)));
+    set_plane_row_cap(&stack, 100_000).await;
+    let largest = sweep(&stack, json!({"p_bound": 100000, "p_row_cap": 100000})).await;
+    assert_eq!((&largest["read"], &largest["filled"]), (&json!(0), &json!(false)));
     stack.stop().await.unwrap();
 }
 

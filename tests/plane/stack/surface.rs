@@ -21,7 +21,7 @@ const SURFACE: &[(&str, &str)] = &[
     ("idempotency_complete", "p_claim_id,p_lease_token,p_resource_type,p_resource_id,p_response,p_organization_id"),
     ("idempotency_release", "p_claim_id,p_lease_token,p_organization_id"),
     ("idempotency_extend", "p_claim_id,p_lease_token,p_lease_ms,p_organization_id"),
-    ("idempotency_redrive", "p_scope,p_limit,p_lease_ms,p_organization_id,p_row_cap"),
+    ("idempotency_redrive", "p_scope,p_lease_tokens,p_lease_ms,p_organization_id,p_row_cap"),
     ("idempotency_orphans", "p_limit"),
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
@@ -34,6 +34,7 @@ const SURFACE: &[(&str, &str)] = &[
     ("provider_job_register", "p_organization_id,p_provider,p_job_id"),
     ("provider_job_lookup", "p_provider,p_job_id"),
     ("idempotency_cap_probe", "p_rows"),
+    ("idempotency_row_cap", "p_row_cap"),
 ];
 
 #[tokio::test]
@@ -81,7 +82,10 @@ async fn every_function_runs_as_the_planes_owner_with_an_empty_search_path_for_s
         }
         assert_eq!(config, Some(expected), "agent.{name} pins search_path (and lock_timeout when it locks rows)");
         assert!(service && !anon && !authenticated, "agent.{name}: execute for service_role only");
-        let scalar = matches!(*name, "idempotency_release" | "idempotency_extend" | "idempotency_delete_expired");
+        let scalar = matches!(
+            *name,
+            "idempotency_release" | "idempotency_extend" | "idempotency_delete_expired" | "idempotency_row_cap"
+        );
         assert_eq!(returns_set, !scalar, "agent.{name} returns a set unless it is a scalar");
     }
     stack.stop().await.unwrap();
@@ -327,8 +331,9 @@ async fn a_bounded_read_reads_whole_pages_under_the_servers_cap() {
 
 #[tokio::test]
 async fn a_server_whose_real_cap_is_lower_than_configured_is_detected_as_truncation() {
-    // The server caps at 3; the client was told 10.
+    // The server caps at 3; the client, and the plane, were told 10.
     let stack = stack_with(LocalStackConfig::default().with_max_rows(3)).await;
+    set_plane_row_cap(&stack, 10).await;
     expired_rows(&stack, 8).await;
     let config = stack.client_config().unwrap().with_max_rows(10).unwrap();
     let client = PostgrestClient::new(config).unwrap();

@@ -129,6 +129,7 @@ async fn a_sweep_bound_above_the_cap_is_refused_naming_the_setting_and_sends_not
 #[tokio::test]
 async fn a_server_capped_lower_than_configured_makes_the_sweep_fail_loudly() {
     let stack = stack_with(LocalStackConfig::default().with_max_rows(5)).await;
+    set_plane_row_cap(&stack, 20).await;
     expired_rows(&stack, 12).await;
     let told_twenty = PostgrestClient::new(stack.client_config().unwrap().with_max_rows(20).unwrap()).unwrap();
     let failed = Sweeper::new(told_twenty, 20).unwrap().pass().await;

@@ -68,6 +68,16 @@ pub async fn travel_back(stack: &LocalStack, claim_id: Uuid, by: Duration) {
     .expect("move timestamps back");
 }
 
+/// Sets the plane's row cap (`agent.idempotency_settings.max_rows`), as an
+/// operator would, e.g. to one that disagrees with the server's.
+pub async fn set_plane_row_cap(stack: &LocalStack, cap: i32) {
+    sqlx::query("update agent.idempotency_settings set max_rows = $1")
+        .bind(cap)
+        .execute(stack.db())
+        .await
+        .expect("set the plane's row cap");
+}
+
 /// A PostgREST client on the stack, with the service key.
 pub fn client(stack: &LocalStack) -> idempotency_plane::PostgrestClient {
     idempotency_plane::PostgrestClient::new(stack.client_config().expect("config")).expect("client")

@@ -92,6 +92,12 @@ pub const LEASE: Duration = Duration::from_secs(60);
 pub const WAIT: Duration = Duration::from_secs(30);
 
 /// A fresh organization.
+/// `n` fresh lease tokens, for a re-drive (one per orphan it may take
+/// over); leaked, so a call built from them can be kept anywhere.
+pub fn lease_tokens(n: u64) -> &'static [Uuid] {
+    Box::leak((0..n).map(|_| Uuid::new_v4()).collect::<Vec<_>>().into_boxed_slice())
+}
+
 pub fn org() -> Uuid {
     Uuid::new_v4()
 }

@@ -154,8 +154,13 @@ pub(super) async fn redrive_throughput(db: &PgPool, client: &PostgrestClient) ->
             tokio::spawn(async move {
                 let mut taken = 0usize;
                 loop {
-                    let call =
-                        RedriveCall { scope: SCOPE, bound, lease: Duration::from_secs(60), organization_id: Some(org) };
+                    let tokens: Vec<Uuid> = (0..bound).map(|_| Uuid::new_v4()).collect();
+                    let call = RedriveCall {
+                        scope: SCOPE,
+                        lease_tokens: &tokens,
+                        lease: Duration::from_secs(60),
+                        organization_id: Some(org),
+                    };
                     let rows = repo.redrive(&call).await?;
                     if rows.is_empty() {
                         return Ok::<_, BoxError>(taken);

@@ -482,8 +482,9 @@ export class IdempotencyPlane {
    * work was handed out the scope's `max_attempts` times comes back
    * journaled as a dead letter instead. `limit` above `maxRows` is refused
    * before any request, and an answer the server cut short is an error.
-   * Not repeated after a lost answer: what that call took over is re-driven
-   * again once the lease it was given passes.
+   * The call carries one fresh lease token per claim it may take over, so
+   * the client repeats it after a lost answer and gets the same claims, at
+   * the same attempt: nothing taken over is left held by nobody.
    */
   async redrive(
     request: { scope: string; limit: number; leaseMs: number; organizationId?: string },
@@ -499,9 +500,10 @@ export class IdempotencyPlane {
       );
     }
     const organizationId = request.organizationId === undefined ? undefined : checkOrganization(request.organizationId);
+    const tokens = Array.from({ length: request.limit }, () => crypto.randomUUID());
     const data = await this.client.rpc("idempotency_redrive", {
       p_scope: request.scope,
-      p_limit: request.limit,
+      p_lease_tokens: tokens,
       p_lease_ms: Math.ceil(request.leaseMs),
       p_row_cap: this.maxRows,
       ...(organizationId === undefined ? {} : { p_organization_id: organizationId }),
@@ -520,7 +522,8 @@ export class IdempotencyPlane {
       throw new PlaneError(
         "truncated",
         `idempotency_redrive took over ${cut.taken} claims but ${rows.length} arrived: the server's row cap ` +
-          `is lower than maxRows (${this.maxRows}); those claims are re-driven again when their lease passes`,
+          `is lower than maxRows (${this.maxRows}) and the plane's: set both to the server's (idem doctor says which); `+
+          `the claims not received are re-driven again when their lease passes`,
         { fn: "idempotency_redrive" },
       );
     }
