@@ -32,6 +32,7 @@ pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
     "20261204151330_surface_reports_owners.sql",
     "20261204212742_one_holder_in_batches.sql",
     "20261204214314_nothing_held_by_nobody.sql",
+    "20261204215555_the_sweep_keeps_unfinished_work.sql",
 ];
 
 /// The optional layout that hash-partitions the claim table by

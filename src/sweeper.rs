@@ -1,5 +1,8 @@
 //! The retention sweeper: deletes claims past `retain_until`, a bounded pass
-//! at a time.
+//! at a time. Unfinished work (a claim still processing that carries its
+//! request: acknowledged, and nobody re-drove it) is never deleted: the pass
+//! journals it as a dead letter (`swept_unredriven`) and counts it, so it
+//! is listed among the failures and can be sent back after a fix.
 //!
 //! An unbounded delete would hold row locks over every expired claim of
 //! every tenant, on the table the tool call path writes. So a pass reads at
@@ -23,7 +26,7 @@ use crate::error::Error;
 use crate::postgrest::{ClientError, PostgrestClient};
 use crate::repo::{ExpiredClaims, PostgrestRepository};
 
-pub use crate::repo::ExpiredClaim;
+pub use crate::repo::{ExpiredClaim, Retired};
 
 /// What one pass did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -32,6 +35,9 @@ pub struct SweepReport {
     pub read: u64,
     /// Claims it deleted (those still past retention at the delete).
     pub deleted: u64,
+    /// Unfinished claims it journaled as dead letters instead of deleting
+    /// them: work nobody re-drove before its retention passed.
+    pub dead_lettered: u64,
     /// The pass's bound.
     pub bound: u64,
     /// True when the read filled the bound: more expired claims are waiting.
@@ -85,20 +91,38 @@ impl<R: ExpiredClaims> Sweeper<R> {
             bound = self.bound,
             read = tracing::field::Empty,
             deleted = tracing::field::Empty,
+            dead_lettered = tracing::field::Empty,
             filled = tracing::field::Empty
         );
         let expired = self.read_expired().instrument(span.clone()).await?;
         let ids: Vec<Uuid> = expired.iter().map(|claim| claim.id).collect();
-        let deleted = self.delete(&ids).instrument(span.clone()).await?;
-        let report =
-            SweepReport { read: ids.len() as u64, deleted, bound: self.bound, filled: ids.len() as u64 >= self.bound };
-        span.record("read", report.read).record("deleted", report.deleted).record("filled", report.filled);
+        let Retired { deleted, dead_lettered } = self.delete(&ids).instrument(span.clone()).await?;
+        let report = SweepReport {
+            read: ids.len() as u64,
+            deleted,
+            dead_lettered,
+            bound: self.bound,
+            filled: ids.len() as u64 >= self.bound,
+        };
+        span.record("read", report.read)
+            .record("deleted", report.deleted)
+            .record("dead_lettered", report.dead_lettered)
+            .record("filled", report.filled);
         metrics::counter!(crate::telemetry::SWEEP_READ_TOTAL).increment(report.read);
         metrics::counter!(crate::telemetry::SWEEP_DELETED_TOTAL).increment(report.deleted);
+        metrics::counter!(crate::telemetry::SWEEP_DEAD_LETTERED_TOTAL).increment(report.dead_lettered);
         if report.filled {
             metrics::counter!(crate::telemetry::SWEEP_FILLED_TOTAL).increment(1);
         }
         span.in_scope(|| {
+            if report.dead_lettered > 0 {
+                tracing::warn!(
+                    dead_lettered = report.dead_lettered,
+                    drop_reason = "swept_unredriven",
+                    "unfinished work passed its retention with nobody re-driving it: journaled as dead letters \
+                     (idem failures lists them; idem redrive --failed sends them back after a fix)"
+                );
+            }
             if report.filled {
                 tracing::warn!(
                     read = report.read,
@@ -119,13 +143,15 @@ impl<R: ExpiredClaims> Sweeper<R> {
         self.repo.expired(self.bound).await
     }
 
-    /// Deletes those of `ids` still past retention; answers how many. At
-    /// most `bound` ids, like the read that found them. Sent again after a
-    /// lost response, so the count can under-report what a pass deleted;
-    /// the backlog is judged by the read, never by this count.
-    pub async fn delete(&self, ids: &[Uuid]) -> Result<u64, Error> {
+    /// Retires those of `ids` still past retention (see
+    /// [`ExpiredClaims::retire_expired`]); answers how many it deleted and
+    /// how many it journaled as dead letters. At most `bound` ids, like the
+    /// read that found them. Sent again after a lost response, so the
+    /// counts can under-report what a pass did; the backlog is judged by
+    /// the read, never by these counts.
+    pub async fn delete(&self, ids: &[Uuid]) -> Result<Retired, Error> {
         if ids.is_empty() {
-            return Ok(0);
+            return Ok(Retired::default());
         }
         if ids.len() as u64 > self.bound {
             return Err(ClientError::Config(format!(
@@ -135,6 +161,6 @@ impl<R: ExpiredClaims> Sweeper<R> {
             ))
             .into());
         }
-        self.repo.delete_expired(ids).await
+        self.repo.retire_expired(ids).await
     }
 }

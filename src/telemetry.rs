@@ -26,6 +26,9 @@ pub const SWEEP_DELETED_TOTAL: &str = "idempotency_sweep_deleted_total";
 pub const SWEEP_FILLED_TOTAL: &str = "idempotency_sweep_filled_total";
 /// Counter: scheduled sweeper passes that failed (`idem sweep --every`).
 pub const SWEEP_ERRORS_TOTAL: &str = "idempotency_sweep_errors_total";
+/// Counter: unfinished claims the sweeper journaled as dead letters
+/// (`swept_unredriven`) instead of deleting them.
+pub const SWEEP_DEAD_LETTERED_TOTAL: &str = "idempotency_sweep_dead_lettered_total";
 /// Counter: heartbeats that found the fence moved on (the claim was taken
 /// over), so the effect under them was stopped.
 pub const HEARTBEATS_FENCED_TOTAL: &str = "idempotency_heartbeats_fenced_total";
@@ -69,6 +72,11 @@ pub fn describe_metrics() {
         "Sweeper passes whose read filled the bound: expired claims are waiting."
     );
     metrics::describe_counter!(SWEEP_ERRORS_TOTAL, Unit::Count, "Scheduled sweeper passes that failed.");
+    metrics::describe_counter!(
+        SWEEP_DEAD_LETTERED_TOTAL,
+        Unit::Count,
+        "Unfinished claims past retention that nobody re-drove, journaled by the sweeper as dead letters."
+    );
     metrics::describe_counter!(
         HEARTBEATS_FENCED_TOTAL,
         Unit::Count,

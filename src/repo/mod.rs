@@ -333,6 +333,19 @@ pub trait ExpiredClaims: Send + Sync {
     /// cut short is an error, never a short page.
     fn expired(&self, bound: u64) -> impl Future<Output = Result<Vec<ExpiredClaim>, Error>> + Send;
 
-    /// Deletes those of `ids` still past retention; answers how many.
-    fn delete_expired(&self, ids: &[Uuid]) -> impl Future<Output = Result<u64, Error>> + Send;
+    /// Retires those of `ids` still past retention: deletes them, except
+    /// unfinished work (processing, carrying its request) that nobody
+    /// re-drove, which is journaled as a dead letter (`swept_unredriven`)
+    /// and kept for its scope's retention, so it is listed among the
+    /// failures and can be sent back after a fix. Answers how many of each.
+    fn retire_expired(&self, ids: &[Uuid]) -> impl Future<Output = Result<Retired, Error>> + Send;
+}
+
+/// What [`ExpiredClaims::retire_expired`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+pub struct Retired {
+    /// Claims deleted.
+    pub deleted: u64,
+    /// Unfinished claims journaled as dead letters instead of deleted.
+    pub dead_lettered: u64,
 }

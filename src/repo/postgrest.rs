@@ -6,13 +6,13 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use super::surface::{
-    SqlFunction, CLAIM, COMPLETE, DELETE_EXPIRED, EXPIRED, EXTEND, FAILURES, GET, PROVIDER_JOB_LOOKUP,
-    PROVIDER_JOB_REGISTER, RECLAIM, REDRIVE, REDRIVE_FAILED, RELEASE, RUN_ADMIT, RUN_GET, TRY_CLAIM,
+    SqlFunction, CLAIM, COMPLETE, EXPIRED, EXTEND, FAILURES, GET, PROVIDER_JOB_LOOKUP, PROVIDER_JOB_REGISTER, RECLAIM,
+    REDRIVE, REDRIVE_FAILED, RELEASE, RETIRE_EXPIRED, RUN_ADMIT, RUN_GET, TRY_CLAIM,
 };
 use super::{
     AdmittedRun, ClaimCall, ClaimFence, ClaimRequest, ClaimRow, CompletionArgs, ExpiredClaim, ExpiredClaims,
     FailureRow, FailuresCall, IdempotencyRecord, IdempotencyRepository, JournaledFailures, OrphanedWork, ProviderJob,
-    ProviderJobRepository, RedriveCall, RunRepository, WorkRow, FENCE_LOST,
+    ProviderJobRepository, RedriveCall, Retired, RunRepository, WorkRow, FENCE_LOST,
 };
 use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
@@ -507,10 +507,14 @@ impl ExpiredClaims for PostgrestRepository {
             .await?)
     }
 
-    async fn delete_expired(&self, ids: &[Uuid]) -> Result<u64, Error> {
-        let deleted: i64 = self.rpc(DELETE_EXPIRED.name, &IdsArgs { p_ids: ids }).await?;
-        u64::try_from(deleted).map_err(|_| {
-            Error::Store(ClientError::Decode { function: DELETE_EXPIRED.name, reason: format!("answered {deleted}") })
-        })
+    async fn retire_expired(&self, ids: &[Uuid]) -> Result<Retired, Error> {
+        let rows: Vec<Retired> = self.rpc(RETIRE_EXPIRED.name, &IdsArgs { p_ids: ids }).await?;
+        match rows.as_slice() {
+            [retired] => Ok(*retired),
+            _ => Err(Error::Store(ClientError::Decode {
+                function: RETIRE_EXPIRED.name,
+                reason: format!("answered {} rows, not one", rows.len()),
+            })),
+        }
     }
 }

@@ -81,6 +81,7 @@ pub(crate) const RELEASE_MANY: SqlFunction =
     function("idempotency_release_many", "p_organization_id uuid, p_items jsonb, p_row_cap integer");
 pub(crate) const EXPIRED: SqlFunction = function("idempotency_expired", "p_limit integer");
 pub(crate) const DELETE_EXPIRED: SqlFunction = function("idempotency_delete_expired", "p_ids uuid[]");
+pub(crate) const RETIRE_EXPIRED: SqlFunction = function("idempotency_retire_expired", "p_ids uuid[]");
 pub(crate) const SWEEP: SqlFunction = function("idempotency_sweep", "p_bound integer, p_row_cap integer");
 pub(crate) const RUN_ADMIT: SqlFunction = function(
     "run_admit",
@@ -114,6 +115,7 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     REDRIVE_FAILED,
     EXPIRED,
     DELETE_EXPIRED,
+    RETIRE_EXPIRED,
     SWEEP,
     RUN_ADMIT,
     RUN_GET,

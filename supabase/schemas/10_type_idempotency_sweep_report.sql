@@ -7,7 +7,8 @@ CREATE TYPE agent.idempotency_sweep_report AS (
 	read integer,
 	deleted integer,
 	bound integer,
-	filled boolean
+	filled boolean,
+	dead_lettered integer
 );
 
 ALTER TYPE agent.idempotency_sweep_report OWNER TO idempotency_owner;

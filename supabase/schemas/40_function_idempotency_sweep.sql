@@ -1,8 +1,9 @@
 -- agent.idempotency_sweep
 --
 -- One sweep pass inside the database (public), for Supabase Cron: reads with
--- agent.idempotency_expired and deletes with
--- agent.idempotency_delete_expired, bounded by the row cap.
+-- agent.idempotency_expired and retires with
+-- agent.idempotency_retire_expired (deleted, or journaled as a dead letter
+-- when it is unfinished work nobody re-drove), bounded by the row cap.
 
 CREATE FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_sweep_report
     LANGUAGE plpgsql SECURITY DEFINER
@@ -12,7 +13,7 @@ CREATE FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer DEFAU
 declare
   v_ids uuid[];
   v_read integer;
-  v_deleted integer;
+  v_retired agent.idempotency_retired;
   v_cap integer;
 begin
   if p_bound is null then
@@ -32,13 +33,14 @@ begin
   select coalesce(pg_catalog.array_agg(e.id), '{}') into v_ids
     from agent.idempotency_expired(p_bound) e;
   v_read := pg_catalog.cardinality(v_ids);
-  v_deleted := agent.idempotency_delete_expired(v_ids);
+  select * into v_retired from agent.idempotency_retire_expired(v_ids);
 
   if v_read >= p_bound then
     raise warning 'idempotency sweep read % expired claims, its whole bound: the backlog may be larger', v_read
       using hint = 'sweep more often or raise the bound (up to the row cap)';
   end if;
-  return next (v_read, v_deleted, p_bound, v_read >= p_bound)::agent.idempotency_sweep_report;
+  return next (v_read, v_retired.deleted, p_bound, v_read >= p_bound, v_retired.dead_lettered)
+    ::agent.idempotency_sweep_report;
 end
 $$;
 

@@ -110,6 +110,9 @@ GRANT ALL ON FUNCTION agent.idempotency_release_many(p_organization_id uuid, p_i
 REVOKE ALL ON FUNCTION agent.idempotency_surface() FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_surface() TO service_role;
 
+REVOKE ALL ON FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) TO service_role;
+
 REVOKE ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) TO service_role;
 

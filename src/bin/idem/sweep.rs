@@ -72,7 +72,10 @@ fn print(report: &SweepReport, json: bool) -> Result<(), BoxError> {
         println!("{}", serde_json::to_string(report)?);
     } else {
         let state = if report.filled { "backlog: the read filled its bound" } else { "ok" };
-        println!("read {} / bound {}, deleted {} — {state}", report.read, report.bound, report.deleted);
+        println!(
+            "read {} / bound {}, deleted {}, dead-lettered {} — {state}",
+            report.read, report.bound, report.deleted, report.dead_lettered
+        );
     }
     Ok(())
 }

@@ -11,7 +11,7 @@ use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
 use crate::repo::{
     ClaimCall, ClaimDecision, ClaimRequest, ClaimRow, ClaimStatus, CompletionArgs, ExpiredClaim, ExpiredClaims,
-    IdempotencyRecord, IdempotencyRepository, OrphanedWork, RedriveCall, WorkRow,
+    IdempotencyRecord, IdempotencyRepository, OrphanedWork, RedriveCall, Retired, WorkRow,
 };
 use crate::storable::{self, Unstorable};
 
@@ -496,11 +496,32 @@ impl ExpiredClaims for MemoryRepository {
         Ok(expired)
     }
 
-    async fn delete_expired(&self, ids: &[Uuid]) -> Result<u64, Error> {
+    async fn retire_expired(&self, ids: &[Uuid]) -> Result<Retired, Error> {
         let mut state = self.lock();
         let now = state.now();
-        let before = state.claims.len();
-        state.claims.retain(|_, row| !(ids.contains(&row.record.id) && row.record.retain_until < now));
-        Ok((before - state.claims.len()) as u64)
+        let mut retired = Retired::default();
+        let expired: Vec<_> = state
+            .claims
+            .iter()
+            .filter(|(_, row)| ids.contains(&row.record.id) && row.record.retain_until < now)
+            .map(|(slot, _)| slot.clone())
+            .collect();
+        for slot in expired {
+            let retain = state.policy(&slot.1).map(|policy| policy.retain);
+            let Some(row) = state.claims.get_mut(&slot) else { continue };
+            if row.record.status == ClaimStatus::Processing && row.request.is_some() {
+                row.record.status = ClaimStatus::Completed;
+                row.record.response = Some(serde_json::json!({
+                    "ok": false, "error": "swept_unredriven", "output": {"attempts": row.reclaims + 1}
+                }));
+                row.record.lease_expires_at = row.record.lease_expires_at.min(now);
+                row.record.retain_until = now + retain.unwrap_or(TimeDelta::days(1));
+                retired.dead_lettered += 1;
+            } else {
+                state.claims.remove(&slot);
+                retired.deleted += 1;
+            }
+        }
+        Ok(retired)
     }
 }

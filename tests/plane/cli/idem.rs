@@ -550,7 +550,7 @@ async fn idem_sweep_serves_prometheus_metrics_while_it_sweeps() {
         "# TYPE idempotency_rpc_duration_seconds histogram",
         "# HELP idempotency_rpc_duration_seconds SQL function calls over PostgREST",
         "idempotency_rpc_duration_seconds_bucket{function=\"idempotency_expired\",le=\"0.005\"}",
-        "idempotency_rpc_duration_seconds_count{function=\"idempotency_delete_expired\"}",
+        "idempotency_rpc_duration_seconds_count{function=\"idempotency_retire_expired\"}",
     ] {
         assert!(body.contains(expected), "missing {expected:?} in:\n{body}");
     }

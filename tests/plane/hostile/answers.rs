@@ -242,7 +242,7 @@ async fn absurd_content_ranges_fail_a_sweep_pass_with_typed_errors_and_delete_no
             .mount(&server)
             .await;
         Mock::given(method("POST"))
-            .and(path("/rpc/idempotency_delete_expired"))
+            .and(path("/rpc/idempotency_retire_expired"))
             .respond_with(ResponseTemplate::new(200).set_body_json(json!(1)))
             .expect(0)
             .mount(&server)

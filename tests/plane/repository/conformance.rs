@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use idempotency_plane::repo::{
     ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs, ExpiredClaims, FailuresCall,
-    JournaledFailures, OrphanedWork, RedriveCall,
+    JournaledFailures, OrphanedWork, RedriveCall, Retired,
 };
 use idempotency_plane::{ClientError, Error};
 use serde_json::{json, Value};
@@ -231,8 +231,8 @@ async fn expired_claims_are_read_oldest_first_within_the_bound_and_deleted(
         Err(Error::Store(ClientError::BoundAboveCap { .. }))
     ));
     let ids: Vec<Uuid> = two.iter().map(|c| c.id).collect();
-    assert_eq!(repo.delete_expired(&ids).await.unwrap(), 2);
-    assert_eq!(repo.delete_expired(&ids).await.unwrap(), 0, "gone already");
+    assert_eq!(repo.retire_expired(&ids).await.unwrap(), Retired { deleted: 2, dead_lettered: 0 });
+    assert_eq!(repo.retire_expired(&ids).await.unwrap(), Retired::default(), "gone already");
     assert_eq!(repo.expired(ExpiredClaims::max_bound(repo)).await.unwrap().len(), 1);
 }
 

@@ -172,6 +172,10 @@ fn surface() -> Vec<Call> {
             arguments: vec![("p_ids", format!("{{{CLAIM_ID}}}"), true)],
         },
         Call {
+            sql: "select * from agent.idempotency_retire_expired($1::uuid[])",
+            arguments: vec![("p_ids", format!("{{{CLAIM_ID}}}"), true)],
+        },
+        Call {
             sql: "select * from agent.idempotency_sweep($1::integer, $2::integer)",
             arguments: vec![("p_bound", "10".to_owned(), true), ("p_row_cap", "1000".to_owned(), false)],
         },
@@ -299,7 +303,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 68, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 69, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 

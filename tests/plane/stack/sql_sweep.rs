@@ -38,12 +38,12 @@ async fn a_sql_sweep_is_one_bounded_pass_oldest_first_that_keeps_what_retention_
     // Act and assert: a pass of 5 reads the five oldest and fills its bound;
     // the next reads the other three and does not.
     let first = sweep(&stack, json!({"p_bound": 5})).await;
-    assert_eq!(first, json!({"read": 5, "deleted": 5, "bound": 5, "filled": true}));
+    assert_eq!(first, json!({"read": 5, "deleted": 5, "bound": 5, "filled": true, "dead_lettered": 0}));
     assert_eq!(keys(&stack).await, ["k6", "k7", "k8", "live", "passed"], "the five oldest went first");
     let second = sweep(&stack, json!({"p_bound": 5, "p_row_cap": 5})).await;
-    assert_eq!(second, json!({"read": 3, "deleted": 3, "bound": 5, "filled": false}));
+    assert_eq!(second, json!({"read": 3, "deleted": 3, "bound": 5, "filled": false, "dead_lettered": 0}));
     let third = sweep(&stack, json!({"p_bound": 1000})).await;
-    assert_eq!(third, json!({"read": 0, "deleted": 0, "bound": 1000, "filled": false}));
+    assert_eq!(third, json!({"read": 0, "deleted": 0, "bound": 1000, "filled": false, "dead_lettered": 0}));
     assert_eq!(keys(&stack).await, ["live", "passed"], "only what retention still holds is left");
     stack.stop().await.unwrap();
 }
@@ -168,7 +168,7 @@ async fn a_sql_sweep_judges_the_backlog_by_the_read_and_warns_when_the_read_fill
 #[tokio::test]
 async fn a_sql_sweep_is_written_with_the_http_sweepers_read_and_delete() {
     // The retention rule and the order live in idempotency_expired and
-    // idempotency_delete_expired alone: the sweep calls them and repeats
+    // idempotency_retire_expired alone: the sweep calls them and repeats
     // neither.
     let stack = stack().await;
     let body: String = sqlx::query_scalar("select prosrc from pg_proc where oid = 'agent.idempotency_sweep'::regproc")
@@ -176,9 +176,35 @@ async fn a_sql_sweep_is_written_with_the_http_sweepers_read_and_delete() {
         .await
         .unwrap();
     assert!(body.contains("from agent.idempotency_expired(p_bound) e"), "{body}");
-    assert!(body.contains("agent.idempotency_delete_expired(v_ids)"), "{body}");
+    assert!(body.contains("agent.idempotency_retire_expired(v_ids)"), "{body}");
     for repeated in ["retain_until", "idempotency_keys", "order by"] {
         assert!(!body.contains(repeated), "the sweep repeats {repeated:?}: {body}");
     }
+    stack.stop().await.unwrap();
+}
+
+/// The SQL sweep keeps unfinished work too, and says how much.
+#[tokio::test]
+async fn a_sql_sweep_dead_letters_unfinished_work_and_reports_it() {
+    let stack = stack().await;
+    sqlx::query(
+        "insert into agent.idempotency_keys
+           (organization_id, scope, key, request_hash, status, lease_token, request, claimed_at,
+            lease_expires_at, retain_until, redrive_at)
+         values (gen_random_uuid(), 'queue.sweep', 'acked', repeat('a', 64), 'processing', gen_random_uuid(),
+                 '{\"job\": 1}', now() - interval '8 days', now() - interval '8 days', now() - interval '1 hour',
+                 now() - interval '8 days')",
+    )
+    .execute(stack.db())
+    .await
+    .unwrap();
+    expired_rows(&stack, 2).await;
+    let report = sweep(&stack, json!({"p_bound": 10})).await;
+    assert_eq!((&report["read"], &report["deleted"], &report["dead_lettered"]), (&json!(3), &json!(2), &json!(1)));
+    let kept: String = sqlx::query_scalar("select response ->> 'error' from agent.idempotency_keys")
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    assert_eq!(kept, "swept_unredriven");
     stack.stop().await.unwrap();
 }

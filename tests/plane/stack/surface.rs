@@ -25,6 +25,7 @@ const SURFACE: &[(&str, &str)] = &[
     ("idempotency_orphans", "p_limit"),
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
+    ("idempotency_retire_expired", "p_ids"),
     ("idempotency_sweep", "p_bound,p_row_cap"),
     (
         "run_admit",
@@ -72,6 +73,7 @@ async fn every_function_runs_as_the_planes_owner_with_an_empty_search_path_for_s
                 | "idempotency_extend"
                 | "idempotency_redrive"
                 | "idempotency_delete_expired"
+                | "idempotency_retire_expired"
                 | "idempotency_sweep"
                 | "run_admit"
                 | "provider_job_register"

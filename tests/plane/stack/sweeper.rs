@@ -25,7 +25,7 @@ async fn a_row_whose_retention_was_extended_between_read_and_delete_survives() {
         .await
         .unwrap();
     let ids: Vec<uuid::Uuid> = expired.iter().map(|c| c.id).collect();
-    assert_eq!(sweeper.delete(&ids).await.unwrap(), 3);
+    assert_eq!(sweeper.delete(&ids).await.unwrap().deleted, 3);
     let survivor: i64 = sqlx::query_scalar("select count(*) from agent.idempotency_keys where id = $1")
         .bind(expired[0].id)
         .fetch_one(stack.db())
@@ -186,5 +186,82 @@ async fn a_response_above_the_limit_with_nothing_to_point_at_is_refused_and_the_
     assert_eq!(status, "processing", "nothing was sent");
     // Still ours: a smaller answer completes it.
     assert_eq!(service.complete(&claim, Completion::response(json!({"rows": 4096}))).await.unwrap(), Ending::Recorded);
+    stack.stop().await.unwrap();
+}
+
+/// Work a worker acknowledged (a claim still processing, carrying its
+/// request) that nobody re-drove before its retention passed is never
+/// deleted: the sweep journals it as a dead letter, counts it, and the
+/// failures list it, re-drivable; beside it, an unfinished claim without
+/// work and a finished one are deleted. Sent back after a fix, it runs
+/// once more.
+#[tokio::test]
+async fn unfinished_work_past_its_retention_is_dead_lettered_never_deleted() {
+    use idempotency_plane::repo::{
+        ClaimCall, FailuresCall, IdempotencyRepository, JournaledFailures, OrphanedWork, RedriveCall,
+    };
+    use idempotency_plane::PostgrestRepository;
+
+    let stack = stack().await;
+    let repo = PostgrestRepository::new(client(&stack));
+    let (org, h) = (org(), hash("acknowledged").as_str().to_owned());
+    let work = json!({"order": 42});
+    let claim = |key: &'static str, request| ClaimCall {
+        organization_id: org,
+        scope: "webhook.sweep",
+        key,
+        request_hash: &h,
+        lease_token: uuid::Uuid::new_v4(),
+        lease: LEASE,
+        request,
+    };
+    let unfinished = repo.claim(&claim("unfinished", Some(&work))).await.unwrap();
+    let bare = repo.claim(&claim("bare", None)).await.unwrap();
+    // Their worker died, and their retention passed with nobody re-driving them.
+    stack
+        .db()
+        .execute(
+            "update agent.idempotency_keys
+                set claimed_at = now() - interval '2 days', lease_expires_at = now() - interval '2 days',
+                    retain_until = now() - interval '1 hour',
+                    redrive_at = case when redrive_at is not null then now() - interval '2 days' end",
+        )
+        .await
+        .unwrap();
+    expired_rows(&stack, 1).await;
+
+    let report = Sweeper::new(client(&stack), 10).unwrap().pass().await.unwrap();
+    assert_eq!((report.read, report.deleted, report.dead_lettered), (3, 2, 1), "{report:?}");
+    assert_eq!(count_rows(&stack).await, 1, "only the unfinished work is kept");
+    let kept: (uuid::Uuid, String, serde_json::Value, bool) = sqlx::query_as(
+        "select id, status, response, retain_until > now() + interval '23 hours' from agent.idempotency_keys",
+    )
+    .fetch_one(stack.db())
+    .await
+    .unwrap();
+    assert_eq!(kept.0, unfinished.id);
+    assert_eq!((kept.1.as_str(), &kept.2["error"]), ("completed", &json!("swept_unredriven")));
+    assert!(kept.3, "kept for its scope's retention (24 h) from now");
+    assert_ne!(bare.id, kept.0);
+
+    let listed =
+        FailuresCall { scope: "webhook.*", bound: 10, organization_id: Some(org), since: None, claim_ids: None };
+    let failures = repo.failures(&listed).await.unwrap();
+    assert_eq!(failures.len(), 1);
+    assert_eq!((failures[0].error.as_deref(), failures[0].redrivable), (Some("swept_unredriven"), true));
+
+    // A second pass finds nothing more to do.
+    let again = Sweeper::new(client(&stack), 10).unwrap().pass().await.unwrap();
+    assert_eq!((again.read, again.deleted, again.dead_lettered), (0, 0, 0));
+
+    // Sent back after a fix, a re-drive runs it with its work.
+    let chosen = [unfinished.id];
+    let back = FailuresCall { claim_ids: Some(&chosen), ..listed };
+    assert_eq!(repo.redrive_failed(&back).await.unwrap().len(), 1);
+    let tokens = crate::support::lease_tokens(5);
+    let call = RedriveCall { scope: "webhook.*", lease_tokens: tokens, lease: LEASE, organization_id: Some(org) };
+    let taken = repo.redrive(&call).await.unwrap();
+    assert_eq!(taken.len(), 1);
+    assert_eq!((taken[0].key.as_str(), taken[0].request.as_ref()), ("unfinished", Some(&work)));
     stack.stop().await.unwrap();
 }

@@ -522,7 +522,7 @@ export class IdempotencyPlane {
       throw new PlaneError(
         "truncated",
         `idempotency_redrive took over ${cut.taken} claims but ${rows.length} arrived: the server's row cap ` +
-          `is lower than maxRows (${this.maxRows}) and the plane's: set both to the server's (idem doctor says which); `+
+          `is lower than maxRows (${this.maxRows}) and the plane's: set both to the server's (idem doctor says which); ` +
           `the claims not received are re-driven again when their lease passes`,
         { fn: "idempotency_redrive" },
       );
