@@ -150,13 +150,12 @@ begin
      order by f.key
     on conflict (organization_id, scope, key) do update
        set lease_token = excluded.lease_token,
-           claimed_at = pg_catalog.clock_timestamp(),
-           lease_expires_at = pg_catalog.clock_timestamp() + v_lease,
-           retain_until = greatest(k.retain_until, pg_catalog.clock_timestamp() + v_lease + v_retain),
+           claimed_at = v_at,
+           lease_expires_at = v_at + v_lease,
+           retain_until = greatest(k.retain_until, v_at + v_lease + v_retain),
            reclaims = k.reclaims + 1,
            request = coalesce(k.request, excluded.request),
-           redrive_at = case when coalesce(k.request, excluded.request) is not null
-                             then pg_catalog.clock_timestamp() + v_lease end
+           redrive_at = case when coalesce(k.request, excluded.request) is not null then v_at + v_lease end
      where k.status = 'processing'
        and k.request_hash = excluded.request_hash
        and k.lease_expires_at <= pg_catalog.clock_timestamp()
