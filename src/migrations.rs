@@ -33,6 +33,7 @@ pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
     "20261204212742_one_holder_in_batches.sql",
     "20261204214314_nothing_held_by_nobody.sql",
     "20261204215555_the_sweep_keeps_unfinished_work.sql",
+    "20261204230500_webhook_body_limit.sql",
 ];
 
 /// The optional layout that hash-partitions the claim table by

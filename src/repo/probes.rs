@@ -1,14 +1,15 @@
 //! Operator probes: what `idem doctor` asks a deployment before trusting it
 //! with the plane. None of them writes, or reads a claim's data: a read of a
 //! key no tenant holds, the catalog's view of the SQL surface, synthetic
-//! rows for the row cap, and counts of orphaned work per scope. They answer the client's error as it is
+//! rows for the row cap, counts of orphaned work per scope, and the scopes'
+//! policies. They answer the client's error as it is
 //! ([`ClientError`]), which says what an operator must fix (the key, the
 //! exposed schema, a missing function) better than the crate's [`Error`](crate::Error).
 
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::surface::{CAP_PROBE, GET, ORPHANS, ROW_CAP, SURFACE};
+use super::surface::{CAP_PROBE, GET, ORPHANS, POLICIES, ROW_CAP, SURFACE};
 use super::PostgrestRepository;
 use crate::postgrest::{ClientError, ContentRange, Repeat};
 
@@ -79,7 +80,31 @@ pub struct OrphanedScope {
     pub waited_ms: u64,
 }
 
+/// One row of `agent.idempotency_scopes` as the deployment holds it
+/// ([`PostgrestRepository::policies`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[non_exhaustive]
+pub struct ScopePolicy {
+    /// The scope (`webhook.stripe`) or family (`webhook.*`) the row names.
+    pub scope: String,
+    /// How long a claim is kept, in milliseconds.
+    pub retain_ms: u64,
+    /// The largest answer stored, as compact JSON.
+    pub max_response_bytes: u64,
+    /// The largest work a claim carries, as compact JSON.
+    pub max_request_bytes: u64,
+    /// How many times its work is handed out before it is dead-lettered.
+    pub max_attempts: u32,
+}
+
 impl PostgrestRepository {
+    /// The policies that govern `scope` (`idempotency_policies`): for one
+    /// scope the row that applies to it, for a family (`webhook.*`) that
+    /// row and every row under it, by scope. Read-only.
+    pub async fn policies(&self, scope: &str) -> Result<Vec<ScopePolicy>, ClientError> {
+        self.client().rpc(POLICIES.name, &json!({"p_scope": scope}), Repeat::of(POLICIES.name)).await
+    }
+
     /// The scopes holding orphaned work, most orphans first, at most
     /// `limit` of them (1 to 1000), from `idempotency_orphans`. Read-only.
     pub async fn orphans(&self, limit: u32) -> Result<Vec<OrphanedScope>, ClientError> {

@@ -62,6 +62,7 @@ pub(crate) const REDRIVE: SqlFunction = function(
     "p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer",
 );
 pub(crate) const ORPHANS: SqlFunction = function("idempotency_orphans", "p_limit integer");
+pub(crate) const POLICIES: SqlFunction = function("idempotency_policies", "p_scope text");
 pub(crate) const FAILURES: SqlFunction = function(
     "idempotency_failures",
     "p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_row_cap integer",
@@ -111,6 +112,7 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     RELEASE_MANY,
     REDRIVE,
     ORPHANS,
+    POLICIES,
     FAILURES,
     REDRIVE_FAILED,
     EXPIRED,

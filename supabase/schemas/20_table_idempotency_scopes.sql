@@ -29,8 +29,12 @@ ALTER TABLE ONLY agent.idempotency_scopes
 ALTER TABLE agent.idempotency_scopes ENABLE ROW LEVEL SECURITY;
 
 -- The scopes the plane ships with. Add your own with a migration (README).
+-- webhook.* keeps 384 KiB of work: a delivery's body as the webhook gates
+-- store it takes at most 4 * ceil(n / 3) + 18 bytes (its base64, wrapped),
+-- so every body up to the gates' default limit of 256 KiB fits (349,546
+-- bytes at most); raise the two together (docs/callers.md, "One body limit").
 INSERT INTO agent.idempotency_scopes (scope, retain, max_response_bytes, max_request_bytes, max_attempts) VALUES ('tool.*', '30 days', 65536, 65536, 5);
-INSERT INTO agent.idempotency_scopes (scope, retain, max_response_bytes, max_request_bytes, max_attempts) VALUES ('webhook.*', '24:00:00', 65536, 65536, 5);
+INSERT INTO agent.idempotency_scopes (scope, retain, max_response_bytes, max_request_bytes, max_attempts) VALUES ('webhook.*', '24:00:00', 65536, 393216, 5);
 INSERT INTO agent.idempotency_scopes (scope, retain, max_response_bytes, max_request_bytes, max_attempts) VALUES ('surface.saved_search.start', '24:00:00', 65536, 65536, 5);
 INSERT INTO agent.idempotency_scopes (scope, retain, max_response_bytes, max_request_bytes, max_attempts) VALUES ('http.*', '24:00:00', 65536, 65536, 5);
 INSERT INTO agent.idempotency_scopes (scope, retain, max_response_bytes, max_request_bytes, max_attempts) VALUES ('queue.*', '7 days', 65536, 65536, 5);

@@ -86,6 +86,9 @@ REVOKE ALL ON FUNCTION agent.idempotency_json_size(p_value jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION agent.idempotency_orphans(p_limit integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_orphans(p_limit integer) TO service_role;
 
+REVOKE ALL ON FUNCTION agent.idempotency_policies(p_scope text) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_policies(p_scope text) TO service_role;
+
 REVOKE ALL ON FUNCTION agent.idempotency_policy(p_scope text, OUT retain interval, OUT max_response_bytes integer, OUT max_request_bytes integer, OUT max_attempts integer) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION agent.idempotency_private_functions() FROM PUBLIC;

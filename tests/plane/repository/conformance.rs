@@ -436,8 +436,8 @@ async fn work_and_redrives_are_bounded_and_bad_input_is_refused(repo: &impl Back
     let short = RedriveCall { lease: Duration::from_millis(10), ..redrive(org, "webhook.*", 10) };
     assert_eq!(code(repo.redrive(&short).await), "22023");
 
-    // The scope's max_request_bytes (64 KiB by default), as compact JSON.
-    let large = json!({"body": "x".repeat(70_000)});
+    // The scope's max_request_bytes (384 KiB for webhook.*), as compact JSON.
+    let large = json!({"body": "x".repeat(400_000)});
     let deep = (0..70).fold(json!(1), |inner, _| json!([inner]));
     for (work, refusal) in [(&large, "IDEM5"), (&deep, "IDEM6")] {
         let carrying = ClaimCall { request: Some(work), ..call(org, "webhook.stripe", "too-much", &h, Uuid::new_v4()) };

@@ -105,11 +105,13 @@ async fn an_event_acked_by_a_worker_that_stopped_mid_processing_is_re_driven_onc
     stack.stop().await.unwrap();
 }
 
+/// A delivery above the 384 KiB webhook.* keeps: the store refuses the
+/// work, and the delivery is answered 413, never claimed.
 #[tokio::test]
 async fn a_delivery_too_large_to_store_with_its_claim_is_never_acked_and_never_claimed() {
     let stack = stack().await;
     let org = org();
-    let body = vec![b'x'; 100_000];
+    let body = vec![b'x'; 400_000];
     let delivery = Delivery { organization_id: org, scope: "webhook.stripe", delivery_id: "evt_big", body: &body };
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
