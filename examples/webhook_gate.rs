@@ -3,10 +3,14 @@
 //! (`supabase/functions/webhooks/index.ts`), so one vendor, one downstream
 //! service and one re-drive schedule serve either.
 //!
-//! - `POST /`: a delivery signed as Standard Webhooks signs it (headers
-//!   `webhook-id`, `webhook-timestamp`, `webhook-signature`, checked with the
-//!   `standardwebhooks` crate before anything else: 401 and never claimed
-//!   otherwise), claimed with its body under its `webhook-id`, answered
+//! - `POST /`: a delivery whose body is within the gate's body limit
+//!   (`IDEM_WEBHOOK_BODY_LIMIT_BYTES`, default 262 144 bytes, what the
+//!   `webhook.*` scope always stores: 413 before anything else otherwise,
+//!   the signature unchecked), signed as Standard Webhooks signs it
+//!   (headers `webhook-id`, `webhook-timestamp`, `webhook-signature`,
+//!   checked with the `standardwebhooks` crate before anything else is done
+//!   with it: 401 and never claimed otherwise), claimed with its body under
+//!   its `webhook-id`, answered
 //!   within the gate's deadline, and processed once: the body is forwarded
 //!   to `PROCESS_URL` (POST, the tenant's vendor key as `Idempotency-Key`),
 //!   done when that answers 2xx.
@@ -22,21 +26,25 @@
 //!   cargo run --example webhook_gate --features axum
 //! ```
 //!
-//! Also `ORGANIZATION_ID` (the tenant of these deliveries) and
-//! `HEARTBEAT_LEASE_MS` (default 10 000). The first line on stdout is
+//! Also `ORGANIZATION_ID` (the tenant of these deliveries),
+//! `HEARTBEAT_LEASE_MS` (default 10 000) and `IDEM_WEBHOOK_BODY_LIMIT_BYTES`
+//! (default 262 144; `idem doctor` checks the scope stores it). The first line on stdout is
 //! `listening on http://HOST:PORT`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
+use idempotency_plane::callers::http::read_bounded_body;
 use idempotency_plane::callers::tool::vendor_key;
-use idempotency_plane::callers::webhook::{Ack, Delivery, ProcessingError, ProviderJobs, Redelivery, WebhookGate};
+use idempotency_plane::callers::webhook::{
+    Ack, Delivery, ProcessingError, ProviderJobs, Redelivery, RetryReason, WebhookGate, WEBHOOK_BODY_LIMIT_VAR,
+};
 use idempotency_plane::{ClientConfig, IdempotencyService, PostgrestClient, PostgrestRepository};
 use serde_json::{json, Value};
 use standardwebhooks::Webhook;
@@ -85,6 +93,10 @@ async fn main() -> Result<(), BoxError> {
         ProviderJobs::new(PostgrestRepository::new(client)),
     )
     .with_heartbeats(heartbeat)?;
+    let gate = match std::env::var(WEBHOOK_BODY_LIMIT_VAR) {
+        Ok(bytes) => gate.with_body_limit(bytes.parse()?),
+        Err(_) => gate,
+    };
     let organization_id = match std::env::var("ORGANIZATION_ID") {
         Ok(id) => id.parse()?,
         Err(_) => DEMO_ORGANIZATION,
@@ -124,7 +136,12 @@ async fn forward(
     }
 }
 
-async fn deliveries(State(receiver): State<Arc<Receiver>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn deliveries(State(receiver): State<Arc<Receiver>>, headers: HeaderMap, body: Body) -> Response {
+    // What the plane could not store is refused first, unread past the limit.
+    let body = match read_bounded_body(&headers, body, receiver.gate.body_limit()).await {
+        Ok(body) => body,
+        Err(refused) => return refused.into_response(),
+    };
     if receiver.verifier.verify(&body, &headers).is_err() {
         return (StatusCode::UNAUTHORIZED, Json(json!({"error": "signature_invalid"}))).into_response();
     }
@@ -149,6 +166,7 @@ async fn deliveries(State(receiver): State<Arc<Receiver>>, headers: HeaderMap, b
         Ack::Processed => json!({"ack": "processed"}),
         Ack::Accepted => json!({"ack": "accepted"}),
         Ack::Dropped(reason) => json!({"ack": "dropped", "drop_reason": reason.as_str()}),
+        Ack::Retry(RetryReason::DeliveryTooLarge) => json!({"ack": "retry", "reason": "delivery_too_large"}),
         Ack::Retry(_) => json!({"ack": "retry"}),
     };
     (status, Json(answer)).into_response()

@@ -1,8 +1,13 @@
 //! The webhook gate mounted as an axum route (feature `axum`).
 //!
-//! `POST /callbacks/{provider}/{job_id}`: the caller's verifier checks the
-//! request's signature first (401 when it fails), before any lookup or
-//! claim, so a forged body can never take a delivery id. The delivery id
+//! `POST /callbacks/{provider}/{job_id}`: the body is read first, up to the
+//! gate's [body limit](WebhookGate::with_body_limit) (256 KiB by default,
+//! what the `webhook.*` scope always stores): a Content-Length above it is
+//! refused 413 unread, a body that passes it while streaming is refused 413
+//! as soon as it does ([`read_bounded_body`]), before the signature is
+//! checked or anything else is done. The caller's verifier then checks the
+//! request's signature (401 when it fails), before any lookup or claim, so a
+//! forged body can never take a delivery id. The delivery id
 //! comes from the `webhook-id` header (Standard Webhooks) or
 //! `x-delivery-id`; the body's `job_id`, when it is JSON and names one (a
 //! string or a number), must match the path. Every ACK is 200 with
@@ -12,12 +17,13 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::{json, Value};
 
 use super::webhook::{Ack, ProcessingError, ProviderCallback, ProviderJob, RetryReason, WebhookGate};
@@ -54,7 +60,7 @@ async fn callback<R, J, V, P, Fut>(
     State(route): State<Arc<Route<R, J, V, P>>>,
     Path((provider, job_id)): Path<(String, String)>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Response
 where
     R: IdempotencyRepository + 'static,
@@ -63,6 +69,13 @@ where
     P: Fn(ProviderJob, Bytes) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
 {
+    let body = match read_bounded_body(&headers, body, route.gate.body_limit()).await {
+        Ok(body) => body,
+        Err(refused) => {
+            tracing::warn!(provider, job_id, %refused, "callback refused before its signature was checked");
+            return refused.into_response();
+        }
+    };
     if !(route.verify)(&provider, &headers, &body) {
         tracing::warn!(provider, job_id, "callback refused: its signature did not verify");
         return refusal(StatusCode::UNAUTHORIZED, "signature did not verify");
@@ -96,6 +109,71 @@ where
     ack_response(&ack)
 }
 
+/// Why a webhook route refused a request's body before anything else
+/// looked at it ([`read_bounded_body`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BodyRefusal {
+    /// Above the limit: by its Content-Length (not a byte read), or once it
+    /// passed the limit while streaming (nothing more read). 413.
+    #[error("the body is larger than this endpoint reads ({limit} bytes)")]
+    TooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// The body broke off while it was read. 400.
+    #[error("the body could not be read")]
+    Unreadable,
+}
+
+impl BodyRefusal {
+    /// The reason as the answer names it, as the TypeScript
+    /// `webhookHandler` does: `body_too_large` or `body_unreadable`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            BodyRefusal::TooLarge { .. } => "body_too_large",
+            BodyRefusal::Unreadable => "body_unreadable",
+        }
+    }
+
+    /// The HTTP status: 413 or 400.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            BodyRefusal::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            BodyRefusal::Unreadable => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+impl IntoResponse for BodyRefusal {
+    /// `{"ack": "rejected", "reason": …, "error": …}` with its status, as
+    /// the TypeScript `webhookHandler` answers it.
+    fn into_response(self) -> Response {
+        let answer = json!({"ack": "rejected", "reason": self.as_str(), "error": self.to_string()});
+        (self.status(), Json(answer)).into_response()
+    }
+}
+
+/// Reads a webhook request's body up to `limit` bytes, before anything
+/// else looks at the request: a `Content-Length` above the limit is refused
+/// unread, and a body that passes the limit while streaming is refused as
+/// soon as it does. Give it the gate's [`body_limit`](WebhookGate::body_limit),
+/// so that every body read can be stored with its claim.
+pub async fn read_bounded_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, BodyRefusal> {
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse::<u64>().ok());
+    if declared.is_some_and(|declared| declared > limit as u64) {
+        return Err(BodyRefusal::TooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => Err(BodyRefusal::TooLarge { limit }),
+        Err(_) => Err(BodyRefusal::Unreadable),
+    }
+}
+
 fn refusal(status: StatusCode, reason: &str) -> Response {
     (status, Json(json!({ "error": reason }))).into_response()
 }
@@ -111,4 +189,77 @@ pub fn ack_response(ack: &Ack) -> Response {
         Ack::Retry(_) => json!({"ack": "retry"}),
     };
     (status, Json(body)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use futures_util::StreamExt;
+
+    use super::*;
+
+    /// A body of `chunks` pieces of `chunk` bytes with no length it
+    /// declares, pulled only when read, counting the bytes it gave.
+    fn streamed(chunks: usize, chunk: usize, pulled: &Arc<AtomicUsize>) -> Body {
+        let pulled = pulled.clone();
+        Body::from_stream(futures_util::stream::iter(0..chunks).map(move |_| {
+            pulled.fetch_add(chunk, Ordering::SeqCst);
+            Ok::<_, std::io::Error>(Bytes::from(vec![b'a'; chunk]))
+        }))
+    }
+
+    fn declaring(length: u64) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(axum::http::header::CONTENT_LENGTH, length.into());
+        headers
+    }
+
+    #[tokio::test]
+    async fn a_body_at_the_limit_is_read_whole_and_one_above_it_is_refused_having_read_about_the_limit() {
+        let (limit, chunk) = (64 * 1024, 4 * 1024);
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let whole = read_bounded_body(&HeaderMap::new(), streamed(16, chunk, &pulled), limit).await;
+        assert_eq!(whole.map(|body| body.len()), Ok(limit));
+
+        // 400 MiB on offer, no Content-Length: refused once past the limit.
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let refused = read_bounded_body(&HeaderMap::new(), streamed(100 * 1024, chunk, &pulled), limit).await;
+        assert_eq!(refused, Err(BodyRefusal::TooLarge { limit }));
+        assert!(pulled.load(Ordering::SeqCst) <= limit + chunk, "stopped at once: {pulled:?}");
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_above_the_limit_is_refused_unread_and_a_broken_body_is_unreadable() {
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let refused = read_bounded_body(&declaring(1025), streamed(1, 1025, &pulled), 1024).await;
+        assert_eq!(refused, Err(BodyRefusal::TooLarge { limit: 1024 }));
+        assert_eq!(pulled.load(Ordering::SeqCst), 0, "not a byte read");
+        let at_limit = read_bounded_body(&declaring(1024), streamed(1, 1024, &pulled), 1024).await;
+        assert_eq!(at_limit.map(|body| body.len()), Ok(1024));
+
+        let broken = Body::from_stream(futures_util::stream::iter([
+            Ok(Bytes::from_static(b"{\"id\":")),
+            Err(std::io::Error::other("connection reset")),
+        ]));
+        assert_eq!(read_bounded_body(&HeaderMap::new(), broken, 1024).await, Err(BodyRefusal::Unreadable));
+    }
+
+    #[tokio::test]
+    async fn a_refusal_answers_as_the_typescript_handler_does() {
+        let response = BodyRefusal::TooLarge { limit: 262_144 }.into_response();
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let body = axum::body::to_bytes(response.into_body(), 1024).await.unwrap();
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            answer,
+            json!({
+                "ack": "rejected",
+                "reason": "body_too_large",
+                "error": "the body is larger than this endpoint reads (262144 bytes)",
+            })
+        );
+        assert_eq!(BodyRefusal::Unreadable.into_response().status(), StatusCode::BAD_REQUEST);
+    }
 }

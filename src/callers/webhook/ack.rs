@@ -53,11 +53,12 @@ pub enum RetryReason {
     /// asking in the background, and processes the event if the claim was
     /// made).
     PlaneUnavailable,
-    /// The delivery is larger (or nests deeper) than its scope's
-    /// `max_request_bytes` lets a claim carry. It is never acknowledged
-    /// without its body stored (no worker could finish it after this one
-    /// died): answered 413, so the vendor records the failure and keeps the
-    /// event for a resend once the scope's limit is raised.
+    /// The delivery's body is above the gate's body limit (refused before
+    /// anything else, unclaimed), or larger (or nested deeper) than its
+    /// scope's `max_request_bytes` lets a claim carry. It is never
+    /// acknowledged without its body stored (no worker could finish it after
+    /// this one died): answered 413, so the vendor records the failure and
+    /// keeps the event for a resend once the limits are raised.
     DeliveryTooLarge,
 }
 
@@ -141,6 +142,18 @@ pub(super) fn drop_delivery(counters: &DropCounters, reason: DropReason) -> Ack 
 /// claim: not acknowledged (413), so the vendor keeps the event.
 pub(super) fn too_large(error: &Error) -> Ack {
     tracing::error!(%error, "the delivery is above its scope's max_request_bytes; not acknowledged (413) so the vendor keeps it");
+    Ack::Retry(RetryReason::DeliveryTooLarge)
+}
+
+/// The body is above the gate's body limit: refused before anything else
+/// (no lookup, no claim), not acknowledged (413), so the vendor keeps it.
+pub(super) fn body_above_limit(scope: &str, body_bytes: usize, limit: usize) -> Ack {
+    tracing::warn!(
+        scope,
+        body_bytes,
+        limit_bytes = limit,
+        "the delivery's body is above the gate's body limit; not acknowledged (413) so the vendor keeps it"
+    );
     Ack::Retry(RetryReason::DeliveryTooLarge)
 }
 

@@ -12,11 +12,11 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::ack::{drop_delivery, unavailable, Ack, DropCounters, DropReason, RetryReason};
+use super::ack::{body_above_limit, drop_delivery, unavailable, Ack, DropCounters, DropReason, RetryReason};
 use super::carry::Carried;
 use super::delivery::{Delivery, ProcessingError, ProviderCallback};
 use super::jobs::{ProviderJob, ProviderJobs};
-use super::stored::stored_body;
+use super::stored::{stored_body, DEFAULT_WEBHOOK_BODY_LIMIT};
 use crate::error::InvalidInput;
 use crate::repo::{IdempotencyRepository, ProviderJobRepository};
 use crate::service::{
@@ -50,6 +50,7 @@ pub struct WebhookGate<R, J> {
     timing: Timing,
     horizon: RetryHorizon,
     deadline: Option<Duration>,
+    body_limit: usize,
     drops: Arc<DropCounters>,
 }
 
@@ -84,8 +85,8 @@ async fn within<T>(deadline: Option<Instant>, future: impl Future<Output = T>) -
 impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R, J> {
     /// A gate over `service`, resolving provider callbacks through `jobs`,
     /// with [`DEFAULT_PROCESSING_TIMEOUT`], [`DEFAULT_JOURNAL_DEADLINE`],
-    /// [`LEASE_MARGIN`] (a 30 s lease), [`DEFAULT_GATE_DEADLINE`] and
-    /// [`DEFAULT_VENDOR_HORIZON`].
+    /// [`LEASE_MARGIN`] (a 30 s lease), [`DEFAULT_GATE_DEADLINE`],
+    /// [`DEFAULT_VENDOR_HORIZON`] and [`DEFAULT_WEBHOOK_BODY_LIMIT`].
     pub fn new(service: IdempotencyService<R>, jobs: ProviderJobs<J>) -> Self {
         WebhookGate {
             driver: EffectDriver::new(service),
@@ -93,6 +94,7 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
             timing: default_timing(),
             horizon: DEFAULT_VENDOR_HORIZON,
             deadline: Some(DEFAULT_GATE_DEADLINE),
+            body_limit: DEFAULT_WEBHOOK_BODY_LIMIT,
             drops: Arc::new(DropCounters::default()),
         }
     }
@@ -116,6 +118,26 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
     /// The deadline of the answer, if any.
     pub fn deadline(&self) -> Option<Duration> {
         self.deadline
+    }
+
+    /// Sets the largest body the gate takes, in bytes (default
+    /// [`DEFAULT_WEBHOOK_BODY_LIMIT`], 256 KiB): a larger one is answered
+    /// 413 ([`RetryReason::DeliveryTooLarge`]) before anything else, never
+    /// looked up or claimed, and the axum route
+    /// ([`callers::http`](crate::callers::http)) refuses it before reading
+    /// past the limit or verifying its signature. Keep the scope's
+    /// `max_request_bytes` at least
+    /// [`stored_body_bound`](super::stored_body_bound)`(bytes)`, so that
+    /// every body the gate takes can be stored with its claim (`idem doctor`
+    /// checks it, told the limit by `IDEM_WEBHOOK_BODY_LIMIT_BYTES`).
+    pub fn with_body_limit(mut self, bytes: usize) -> Self {
+        self.body_limit = bytes;
+        self
+    }
+
+    /// The largest body the gate takes, in bytes.
+    pub fn body_limit(&self) -> usize {
+        self.body_limit
     }
 
     /// Sets how long processing one delivery may take, in-process retries
@@ -184,13 +206,22 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
     /// answer; every duplicate ending is an ACK with its reason. Answers
     /// within the deadline; the work goes on after it when it must (see the
     /// module docs), so `process` is `'static`, and called again after a
-    /// retryable failure.
+    /// retryable failure. A body above the [body limit](Self::with_body_limit)
+    /// is answered 413 first, unclaimed.
     pub async fn handle<F, Fut>(&self, delivery: Delivery<'_>, process: F) -> Ack
     where
         F: Fn() -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Value, ProcessingError>> + Send + 'static,
     {
+        if let Some(refused) = self.refuse_above_limit(delivery.scope, delivery.body) {
+            return refused;
+        }
         self.handle_by(self.answer_deadline(), delivery, process).await
+    }
+
+    /// The 413 a body above the body limit gets, before anything else.
+    fn refuse_above_limit(&self, scope: &str, body: &[u8]) -> Option<Ack> {
+        (body.len() > self.body_limit).then(|| body_above_limit(scope, body.len(), self.body_limit))
     }
 
     fn answer_deadline(&self) -> Option<Instant> {
@@ -242,7 +273,9 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
 
     /// Resolves the callback's tenant from `agent.provider_jobs`, checks the
     /// body names the same job, then handles it under `webhook.<provider>`.
-    /// `process` receives the job it belongs to.
+    /// `process` receives the job it belongs to. A body above the
+    /// [body limit](Self::with_body_limit) is answered 413 first, before
+    /// the lookup.
     pub async fn handle_provider_callback<F, Fut>(&self, callback: ProviderCallback<'_>, process: F) -> Ack
     where
         F: Fn(ProviderJob) -> Fut + Send + Sync + 'static,
@@ -255,12 +288,15 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
             delivery_id = callback.delivery_id,
             drop_reason = tracing::field::Empty
         );
+        let scope = format!("webhook.{}", callback.provider);
+        if let Some(refused) = span.in_scope(|| self.refuse_above_limit(&scope, callback.body)) {
+            return refused;
+        }
         let answer_by = self.answer_deadline();
         let job = match self.resolve_job(&callback, answer_by).instrument(span.clone()).await {
             Ok(job) => job,
             Err(ack) => return ack,
         };
-        let scope = format!("webhook.{}", callback.provider);
         let delivery = Delivery {
             organization_id: job.organization_id,
             scope: &scope,

@@ -42,8 +42,8 @@
 //!
 //! **The work outlives the worker.** Every delivery is claimed together
 //! with its body, in the same statement, losslessly (`body_text`, or
-//! `body_base64` for bytes that are not UTF-8 text), bounded by the scope's
-//! `max_request_bytes`. A delivery above that limit is never acknowledged
+//! `body_base64` for bytes that are not UTF-8 text or whose JSON text would
+//! be longer), bounded by the scope's `max_request_bytes`. A delivery above that limit is never acknowledged
 //! unstored: it is answered 413 and not claimed, so the vendor records the
 //! failure and keeps the event for a resend once the limit is raised. A
 //! worker that dies holding a claim (killed, out of memory, at a platform's
@@ -58,6 +58,16 @@
 //! processing runs, so a dead worker's event is re-driven within seconds.
 //! The invariant then holds whatever happens to the worker, as long as
 //! something re-drives.
+//!
+//! **One body limit.** So that the store never refuses a delivery the gate
+//! took, the gate takes bodies up to its body limit
+//! ([`DEFAULT_WEBHOOK_BODY_LIMIT`], 256 KiB; [`WebhookGate::with_body_limit`])
+//! and answers a larger one 413 before anything else (the axum route before
+//! it checks the signature). A body of `n` bytes is stored in at most
+//! [`stored_body_bound`]`(n)` = `4 × ⌈n / 3⌉ + 18` bytes whatever its bytes,
+//! and `webhook.*` keeps [`WEBHOOK_SCOPE_MAX_REQUEST_BYTES`] (384 KiB), which
+//! holds every body up to the default limit; `idem doctor` checks a
+//! deployment's scopes against its handler's limit.
 //!
 //! The lease is the processing timeout plus the journal's deadline plus
 //! [`LEASE_MARGIN`]: 15 + 10 + 5 = the spec's 30 s for `webhook.nylas`.
@@ -90,3 +100,7 @@ pub use gate::{
 };
 pub use jobs::{ProviderJob, ProviderJobs};
 pub use redrive::{Redelivery, RedriveReport};
+pub use stored::{
+    largest_storable_body, stored_body_bound, DEFAULT_WEBHOOK_BODY_LIMIT, WEBHOOK_BODY_LIMIT_VAR,
+    WEBHOOK_SCOPE_MAX_REQUEST_BYTES, WEBHOOK_SCOPE_VAR,
+};

@@ -81,7 +81,9 @@ impl Default for MemoryRepository {
 impl MemoryRepository {
     /// An empty plane with the seeded policies (`tool.*` 30 days,
     /// `webhook.*`, `surface.saved_search.start` and `http.*` 24 hours, `queue.*` 7 days,
-    /// 64 KiB each) and a row cap of 1000 for bounded reads.
+    /// 64 KiB each, except the 384 KiB of work `webhook.*` keeps,
+    /// [`WEBHOOK_SCOPE_MAX_REQUEST_BYTES`](crate::callers::webhook::WEBHOOK_SCOPE_MAX_REQUEST_BYTES))
+    /// and a row cap of 1000 for bounded reads.
     pub fn new() -> Self {
         let policy = |scope: &str, days| Policy {
             scope: scope.to_owned(),
@@ -90,9 +92,13 @@ impl MemoryRepository {
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
         };
+        let webhooks = Policy {
+            max_request_bytes: crate::callers::webhook::WEBHOOK_SCOPE_MAX_REQUEST_BYTES,
+            ..policy("webhook.*", 1)
+        };
         let policies = vec![
             policy("tool.*", 30),
-            policy("webhook.*", 1),
+            webhooks,
             policy("surface.saved_search.start", 1),
             policy("http.*", 1),
             policy("queue.*", 7),

@@ -9,9 +9,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use idempotency_plane::callers::webhook::{
-    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, Redelivery, RedriveReport, WebhookGate,
+    Ack, Delivery, DropReason, ProcessingError, ProviderCallback, ProviderJobs, Redelivery, RedriveReport, RetryReason,
+    WebhookGate, DEFAULT_WEBHOOK_BODY_LIMIT,
 };
 use idempotency_plane::repo::ClaimStatus;
+use idempotency_plane::IdempotencyRepository;
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
@@ -369,7 +371,94 @@ async fn the_first_delivery_is_answered_as_every_redelivery_is<P: Plane>(plane: 
     }
 }
 
+/// A JSON event of exactly `size` bytes, as a vendor signs one.
+fn event_of(id: &str, size: usize) -> Vec<u8> {
+    let head = format!("{{\"id\":\"{id}\",\"type\":\"message.created\",\"data\":\"");
+    let mut event = head.into_bytes();
+    event.resize(size - 2, b'x');
+    event.extend_from_slice(b"\"}");
+    event
+}
+
+/// The issue's event (104 KB) and bodies of exactly the default limit, in
+/// the forms that store largest: JSON text, bytes that are not text, text
+/// whose JSON escapes are six times its size. Each is taken, stored with
+/// its claim whole, and handed back byte for byte by a re-drive.
+async fn an_event_up_to_the_default_body_limit_is_stored_with_its_claim_and_re_driven_byte_for_byte<P: Plane>(
+    plane: &P,
+) {
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(150)).unwrap();
+    assert_eq!(gate.body_limit(), DEFAULT_WEBHOOK_BODY_LIMIT);
+    assert_eq!(DEFAULT_WEBHOOK_BODY_LIMIT, 256 * 1024);
+    let org = org();
+    let bodies: Vec<(&str, Vec<u8>)> = vec![
+        ("evt-104kb", event_of("evt-104kb", 104_000)),
+        ("evt-at-limit", event_of("evt-at-limit", DEFAULT_WEBHOOK_BODY_LIMIT)),
+        ("bytes-at-limit", vec![0xff; DEFAULT_WEBHOOK_BODY_LIMIT]),
+        ("controls-at-limit", vec![0x01; DEFAULT_WEBHOOK_BODY_LIMIT]),
+    ];
+    let failing = || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) };
+    for (id, body) in &bodies {
+        let ack = gate.handle(delivery(org, id, body), failing).await;
+        assert_eq!(ack, Ack::Accepted, "{id}: held by the plane with its body, left for a re-drive");
+        plane.pass_lease(row(plane, org, "webhook.nylas", id).await.id).await;
+    }
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let process = {
+        let seen = seen.clone();
+        move |redelivery: Redelivery| {
+            seen.lock().unwrap().push((redelivery.delivery_id, redelivery.body));
+            async { Ok::<_, ProcessingError>(json!("done")) }
+        }
+    };
+    let report = gate.redrive("webhook.nylas", 10, process).await.unwrap();
+    assert_eq!(report, RedriveReport { redriven: 4, journaled: 4, dead_lettered: 0, left: 0 });
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    let mut expected: Vec<(String, Vec<u8>)> =
+        bodies.iter().map(|(id, body)| ((*id).to_owned(), body.clone())).collect();
+    expected.sort();
+    assert!(seen == expected, "every body handed back byte for byte");
+    for (id, body) in &bodies {
+        let again = gate.handle(delivery(org, id, body), || async { panic!("processed once") }).await;
+        assert_eq!(again, Ack::Dropped(DropReason::Duplicate), "{id}: replayed, not processed again");
+    }
+}
+
+/// A body above the gate's limit is answered 413 before anything else: no
+/// claim, no job lookup, no processing; one at the limit is processed.
+async fn a_body_above_the_gate_limit_is_refused_413_before_any_lookup_or_claim<P: Plane>(plane: &P) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let org = org();
+    let over = vec![b'x'; DEFAULT_WEBHOOK_BODY_LIMIT + 1];
+    let ack = gate(plane).handle(delivery(org, "d-over", &over), counted(&runs, json!(1))).await;
+    assert_eq!((ack.clone(), ack.status()), (Ack::Retry(RetryReason::DeliveryTooLarge), 413));
+    assert!(plane.repository().get(org, "webhook.nylas", "d-over").await.unwrap().is_none(), "never claimed");
+    // A callback for a job nobody registered: refused for its size, before
+    // the lookup that would have dropped it as an unknown job.
+    let callback = ProviderCallback {
+        provider: "transcribe",
+        path_job_id: "job-nobody-holds",
+        body_job_id: None,
+        delivery_id: "d-over-callback",
+        body: &over,
+    };
+    let ack = gate(plane).handle_provider_callback(callback, move |_| async { Ok(json!(1)) }).await;
+    assert_eq!(ack, Ack::Retry(RetryReason::DeliveryTooLarge));
+
+    let small = gate(plane).with_body_limit(1024);
+    assert_eq!(small.body_limit(), 1024);
+    let ack = small.handle(delivery(org, "d-1025", &[b'y'; 1025]), counted(&runs, json!(1))).await;
+    assert_eq!(ack, Ack::Retry(RetryReason::DeliveryTooLarge));
+    let ack = small.handle(delivery(org, "d-1024", &[b'y'; 1024]), counted(&runs, json!(1))).await;
+    assert_eq!(ack, Ack::Processed, "a body at the limit is taken");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "only the body at the limit was processed");
+    assert_eq!(small.drops().get(DropReason::UnknownJob), 0);
+}
+
 crate::support::on_every_plane!(
+    an_event_up_to_the_default_body_limit_is_stored_with_its_claim_and_re_driven_byte_for_byte,
+    a_body_above_the_gate_limit_is_refused_413_before_any_lookup_or_claim,
     the_first_delivery_is_answered_as_every_redelivery_is,
     a_redelivery_of_a_handled_delivery_is_acked_as_a_duplicate_and_performs_nothing,
     a_concurrent_redelivery_while_the_first_is_processing_is_acked_as_a_duplicate,

@@ -4,7 +4,8 @@
 //! public API (`readme`, its stack half with feature `local`), and the
 //! request hash and a tool call's keys against the vectors the TypeScript
 //! client checks too (`request_hash`, `keys`), and the Idempotency-Key
-//! layer's credential headers against the TypeScript middleware's list
+//! layer's credential headers against the TypeScript middleware's list and
+//! the webhook gates' body limits against the TypeScript gate's
 //! (`typescript`, feature `axum`).
 //! Runs under default features.
 

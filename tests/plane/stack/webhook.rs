@@ -71,3 +71,83 @@ async fn the_axum_route_answers_a_redelivery_with_2xx_and_performs_nothing() {
     server.abort();
     stack.stop().await.unwrap();
 }
+
+/// The route reads the body first, up to the gate's limit, before the
+/// signature is checked: a correctly signed event just under the default
+/// limit is taken and stored whole with its claim; a body above it is 413
+/// whatever its signature (a forged one too: refused for its size, never
+/// verified), by its Content-Length, unread.
+#[tokio::test]
+async fn the_axum_route_refuses_a_body_above_the_gate_limit_413_before_checking_its_signature() {
+    use idempotency_plane::callers::webhook::DEFAULT_WEBHOOK_BODY_LIMIT;
+    let stack = stack().await;
+    let org = org();
+    ProviderJobs::new(idempotency_plane::PostgrestRepository::new(client(&stack)))
+        .register(org, "transcribe", "job-big")
+        .await
+        .unwrap();
+    let verified = Arc::new(AtomicUsize::new(0));
+    let verify = {
+        let verified = verified.clone();
+        move |_provider: &str, headers: &axum::http::HeaderMap, _body: &axum::body::Bytes| {
+            verified.fetch_add(1, Ordering::SeqCst);
+            headers.get("x-signature").is_some_and(|v| v == "valid")
+        }
+    };
+    let gate = gate(&stack);
+    assert_eq!(gate.body_limit(), DEFAULT_WEBHOOK_BODY_LIMIT);
+    let router = provider_callback_router(gate, verify, |_job, body: axum::body::Bytes| async move {
+        Ok(json!({"bytes": body.len()}))
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/callbacks/transcribe/job-big", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+    let http = reqwest::Client::new();
+    let send = |id: &str, signature: &str, body: Vec<u8>| {
+        http.post(&url).header("webhook-id", id).header("x-signature", signature).body(body).send()
+    };
+
+    // Just under the limit (and above the 104 KB that 64 KiB refused).
+    let mut event = br#"{"job_id":"job-big","text":""#.to_vec();
+    event.resize(DEFAULT_WEBHOOK_BODY_LIMIT - 2, b'w');
+    event.extend_from_slice(br#""}"#);
+    assert_eq!(event.len(), DEFAULT_WEBHOOK_BODY_LIMIT);
+    let taken = send("evt-big-1", "valid", event.clone()).await.unwrap();
+    assert_eq!(taken.status(), 200);
+    assert_eq!(taken.json::<Value>().await.unwrap(), json!({"ack": "processed"}));
+    let (stored, stored_bytes): (Value, i64) = sqlx::query_as(
+        "select request, octet_length(request::text)::int8 from agent.idempotency_keys where key = 'evt-big-1'",
+    )
+    .fetch_one(stack.db())
+    .await
+    .unwrap();
+    let text = stored["body_text"].as_str().expect("JSON text is stored as text");
+    assert_eq!(text.as_bytes(), event.as_slice(), "the very bytes, stored with the claim");
+    assert!(stored_bytes > 256 * 1024, "the whole body: {stored_bytes} bytes");
+    let again = send("evt-big-1", "valid", event.clone()).await.unwrap();
+    assert_eq!(again.json::<Value>().await.unwrap(), json!({"ack": "dropped", "drop_reason": "duplicate"}));
+    assert_eq!(verified.load(Ordering::SeqCst), 2);
+
+    // One byte over, signed or forged: 413 for its size, the signature unchecked.
+    let rows = count_rows(&stack).await;
+    let mut over = event.clone();
+    over.insert(30, b'w');
+    for (id, signature) in [("evt-big-2", "valid"), ("evt-big-3", "forged")] {
+        let refused = send(id, signature, over.clone()).await.unwrap();
+        assert_eq!(refused.status(), 413, "{signature}: refused before its signature is checked (not 401)");
+        let answer = refused.json::<Value>().await.unwrap();
+        assert_eq!(answer["ack"], "rejected");
+        assert_eq!(answer["reason"], "body_too_large");
+        assert_eq!(
+            answer["error"],
+            format!("the body is larger than this endpoint reads ({DEFAULT_WEBHOOK_BODY_LIMIT} bytes)")
+        );
+    }
+    assert_eq!(verified.load(Ordering::SeqCst), 2, "no body above the limit reached the verifier");
+    assert_eq!(count_rows(&stack).await, rows, "and none was claimed");
+    // A forged body within the limit is still 401.
+    let forged = send("evt-big-4", "forged", b"{}".to_vec()).await.unwrap();
+    assert_eq!(forged.status(), 401);
+    server.abort();
+    stack.stop().await.unwrap();
+}

@@ -105,8 +105,9 @@ async fn an_event_acked_by_a_worker_that_stopped_mid_processing_is_re_driven_onc
     stack.stop().await.unwrap();
 }
 
-/// A delivery above the 384 KiB webhook.* keeps: the store refuses the
-/// work, and the delivery is answered 413, never claimed.
+/// A gate told to take more than its scope stores (1 MiB against the
+/// 384 KiB webhook.* keeps): the store refuses the work, and the delivery
+/// is answered 413, never claimed. (`idem doctor` names such a deployment.)
 #[tokio::test]
 async fn a_delivery_too_large_to_store_with_its_claim_is_never_acked_and_never_claimed() {
     let stack = stack().await;
@@ -116,6 +117,7 @@ async fn a_delivery_too_large_to_store_with_its_claim_is_never_acked_and_never_c
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
     let ack = gate(&stack)
+        .with_body_limit(1024 * 1024)
         .without_deadline()
         .handle(delivery, move || {
             counter.fetch_add(1, Ordering::SeqCst);

@@ -18,7 +18,7 @@ use super::report::Figure;
 use crate::BoxError;
 
 /// The scope the work scenarios claim in: a member of the seeded
-/// `webhook.*` family (64 KiB of work at most).
+/// `webhook.*` family (384 KiB of work at most).
 const SCOPE: &str = "webhook.bench";
 
 /// The request a claim carries in the payload scenarios: 4 KiB of text, as a
