@@ -2,11 +2,15 @@
 //! and a non-zero exit when any fails. Reads and writes none of the plane's
 //! data: the probes are the repository's ([`PostgrestRepository::probe_reachable`],
 //! [`PostgrestRepository::deployed_functions`] from the catalog,
-//! [`PostgrestRepository::probe_row_cap`] with synthetic rows).
+//! [`PostgrestRepository::probe_row_cap`] with synthetic rows,
+//! [`PostgrestRepository::policies`] for the webhook scopes' limits).
 
 use std::process::ExitCode;
 use std::time::Instant;
 
+use idempotency_plane::callers::webhook::{
+    largest_storable_body, stored_body_bound, DEFAULT_WEBHOOK_BODY_LIMIT, WEBHOOK_BODY_LIMIT_VAR, WEBHOOK_SCOPE_VAR,
+};
 use idempotency_plane::postgrest::{codes, ClientError};
 use idempotency_plane::repo::probes::{DeployedFunction, RowCapProbe};
 use idempotency_plane::repo::{SqlFunction, SQL_SURFACE};
@@ -21,6 +25,17 @@ pub(crate) struct DoctorArgs {
     /// Print the result as one JSON object: `{"ok", "url", "checks": [{"check", "ok", "detail"}]}`.
     #[arg(long)]
     json: bool,
+    /// The largest body the deployment's webhook handler takes, in bytes:
+    /// every policy row under --webhook-scope must store a body this large
+    /// with its claim (at most 4 × ⌈bytes / 3⌉ + 18 bytes of work). Default:
+    /// IDEM_WEBHOOK_BODY_LIMIT_BYTES, which the example handlers read too,
+    /// else the gates' default, 262144 (256 KiB).
+    #[arg(long, value_name = "BYTES", env = WEBHOOK_BODY_LIMIT_VAR, default_value_t = DEFAULT_WEBHOOK_BODY_LIMIT as u64)]
+    webhook_body_limit: u64,
+    /// The scope or family the webhook handler claims deliveries under.
+    /// Default: IDEM_WEBHOOK_SCOPE, else webhook.*.
+    #[arg(long, value_name = "SCOPE", env = WEBHOOK_SCOPE_VAR, default_value = "webhook.*")]
+    webhook_scope: String,
     #[command(flatten)]
     target: crate::remote::Target,
 }
@@ -94,7 +109,56 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
     let server_cap = check_row_cap(&repo, &mut report).await;
     check_plane_row_cap(&repo, server_cap, &mut report).await;
     check_orphans(&repo, &mut report).await;
+    check_webhook_body_limit(&repo, args.webhook_body_limit, &args.webhook_scope, &mut report).await;
     report.finish(&url)
+}
+
+/// Whether every policy row that governs the webhook handler's scope (or
+/// lies under its family) stores a body as large as the handler takes: a
+/// row that keeps less refuses such a delivery's work (`IDEM5`), and the
+/// gate answers it 413 on every delivery, forever.
+async fn check_webhook_body_limit(repo: &PostgrestRepository, limit: u64, scope: &str, report: &mut Report) {
+    const CHECK: &str = "webhook body limit";
+    let policies = match repo.policies(scope).await {
+        Ok(policies) => policies,
+        Err(error) => return report.line(false, CHECK, diagnose(&error)),
+    };
+    let needed = stored_body_bound(limit);
+    let listed = |rows: &[&idempotency_plane::repo::probes::ScopePolicy]| {
+        rows.iter().map(|p| format!("{} keeps {}", p.scope, p.max_request_bytes)).collect::<Vec<_>>().join(", ")
+    };
+    if policies.is_empty() {
+        return report.line(
+            false,
+            CHECK,
+            format!("no policy row governs {scope}: every delivery is refused (IDEM1); add one in a migration"),
+        );
+    }
+    let short: Vec<_> = policies.iter().filter(|p| p.max_request_bytes < needed).collect();
+    let Some(least) = short.iter().map(|p| p.max_request_bytes).min() else {
+        let all: Vec<_> = policies.iter().collect();
+        return report.line(
+            true,
+            CHECK,
+            format!(
+                "the handler takes bodies up to {limit} bytes ({WEBHOOK_BODY_LIMIT_VAR}), stored as at most \
+                 {needed} bytes of work; {}",
+                listed(&all)
+            ),
+        );
+    };
+    report.line(
+        false,
+        CHECK,
+        format!(
+            "the handler takes bodies up to {limit} bytes ({WEBHOOK_BODY_LIMIT_VAR}), stored as up to {needed} \
+             bytes of work, but {}: a signed delivery above {} bytes may be answered 413 on every delivery. \
+             Raise max_request_bytes to at least {needed} in a migration, or lower the handler's limit to {}",
+            listed(&short),
+            largest_storable_body(least),
+            largest_storable_body(least)
+        ),
+    );
 }
 
 /// How long orphaned work may wait before the check says nothing re-drives

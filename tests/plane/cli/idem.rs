@@ -54,12 +54,27 @@ fn idem_demo_remote_without_a_deployment_names_what_to_set() {
 /// Runs `idem <args>` against the plane at `url` with `key`, told the row cap
 /// `max_rows` when given; killed if it runs past two minutes.
 async fn idem(url: &str, key: &str, max_rows: Option<u32>, args: &[&str]) -> std::process::Output {
+    idem_with(url, key, max_rows, &[], args).await
+}
+
+/// [`idem`] with the variables `env` set besides (no webhook handler's
+/// variable is inherited from the test's environment).
+async fn idem_with(
+    url: &str,
+    key: &str,
+    max_rows: Option<u32>,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> std::process::Output {
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
     command
         .args(args)
         .env_remove("SUPABASE_URL")
+        .env_remove("IDEM_WEBHOOK_BODY_LIMIT_BYTES")
+        .env_remove("IDEM_WEBHOOK_SCOPE")
         .env("IDEM_POSTGREST_URL", url)
         .env("IDEM_SERVICE_KEY", key)
+        .envs(env.iter().copied())
         .kill_on_drop(true);
     match max_rows {
         Some(rows) => command.env("IDEM_MAX_ROWS", rows.to_string()),
@@ -224,6 +239,77 @@ async fn idem_doctor_names_a_function_public_may_execute_and_its_owner() {
     let out = stdout(&private);
     assert!(private.status.success(), "{out}");
     assert!(out.contains("ok    public functions"), "{out}");
+    stack.stop().await.unwrap();
+}
+
+/// One body limit: the webhook handler takes bodies up to its limit
+/// (`IDEM_WEBHOOK_BODY_LIMIT_BYTES`, default 256 KiB), and every policy
+/// row under its scope must store one that large with its claim (at most
+/// 4 × ⌈n / 3⌉ + 18 bytes); a row that keeps less answers such a delivery
+/// 413 on every delivery, forever, and the doctor names it.
+#[tokio::test]
+async fn idem_doctor_fails_when_a_webhook_scope_cannot_store_what_the_handler_takes() {
+    use sqlx::Executor;
+    let stack = crate::support::harness::stack().await;
+    let (url, key) = (stack.url(), stack.service_key());
+    let check = |out: &str| -> String {
+        out.lines().find(|line| line.contains("webhook body limit:")).unwrap_or_default().to_owned()
+    };
+
+    // As shipped: webhook.* keeps 384 KiB, the default 256 KiB fits.
+    let shipped = idem(url, key, None, &["doctor"]).await;
+    let out = stdout(&shipped);
+    assert!(shipped.status.success(), "{out}");
+    assert_eq!(
+        check(&out),
+        "ok    webhook body limit: the handler takes bodies up to 262144 bytes (IDEM_WEBHOOK_BODY_LIMIT_BYTES), \
+         stored as at most 349546 bytes of work; webhook.* keeps 393216",
+        "{out}"
+    );
+
+    // A handler told 1 MiB: the scope cannot store what it takes.
+    let raised = idem_with(url, key, None, &[("IDEM_WEBHOOK_BODY_LIMIT_BYTES", "1048576")], &["doctor"]).await;
+    let out = stdout(&raised);
+    assert!(!raised.status.success(), "{out}");
+    assert_eq!(
+        check(&out),
+        "FAIL  webhook body limit: the handler takes bodies up to 1048576 bytes (IDEM_WEBHOOK_BODY_LIMIT_BYTES), \
+         stored as up to 1398122 bytes of work, but webhook.* keeps 393216: a signed delivery above 294897 bytes \
+         may be answered 413 on every delivery. Raise max_request_bytes to at least 1398122 in a migration, or \
+         lower the handler's limit to 294897",
+        "{out}"
+    );
+
+    // A scope under the family that keeps the old 64 KiB: named, alone.
+    stack
+        .db()
+        .execute("insert into agent.idempotency_scopes values ('webhook.github', interval '1 day', 65536, 65536, 5)")
+        .await
+        .unwrap();
+    let narrow = idem(url, key, None, &["doctor", "--json"]).await;
+    let report: serde_json::Value = serde_json::from_str(stdout(&narrow).trim()).expect("one JSON object");
+    assert_eq!(report["ok"], false);
+    let line = report["checks"]
+        .as_array()
+        .and_then(|checks| checks.iter().find(|c| c["check"] == "webhook body limit"))
+        .expect("the check")
+        .clone();
+    assert_eq!(line["ok"], false);
+    let detail = line["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("but webhook.github keeps 65536: a signed delivery above 49137 bytes"), "{detail}");
+    assert!(!detail.contains("webhook.* keeps"), "the family stores it: {detail}");
+
+    // The handler of that scope told its own, smaller limit, by flags.
+    let agreed =
+        idem(url, key, None, &["doctor", "--webhook-scope", "webhook.github", "--webhook-body-limit", "49137"]).await;
+    let out = stdout(&agreed);
+    assert!(agreed.status.success(), "{out}");
+    assert_eq!(
+        check(&out),
+        "ok    webhook body limit: the handler takes bodies up to 49137 bytes (IDEM_WEBHOOK_BODY_LIMIT_BYTES), \
+         stored as at most 65534 bytes of work; webhook.github keeps 65536",
+        "{out}"
+    );
     stack.stop().await.unwrap();
 }
 

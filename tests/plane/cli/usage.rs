@@ -182,6 +182,17 @@ fn the_help_of_every_remote_command_names_the_environment_it_reads() {
     for (command, _) in remote_commands() {
         assert_help_names(command, PLANE_VARIABLES);
     }
+    assert_help_names("doctor", &["IDEM_WEBHOOK_BODY_LIMIT_BYTES", "IDEM_WEBHOOK_SCOPE"]);
+}
+
+#[test]
+fn a_webhook_body_limit_that_is_not_a_number_exits_2_before_any_request() {
+    let plane = Silent::new();
+    let url = plane.url();
+    let target = ["doctor", "--url", url.as_str(), "--service-key", SERVICE_JWT];
+    assert_usage_error(&target, &[("IDEM_WEBHOOK_BODY_LIMIT_BYTES", "256k")], "", &plane);
+    let flagged: Vec<&str> = target.iter().copied().chain(["--webhook-body-limit", "-1"]).collect();
+    assert_usage_error(&flagged, &[], "", &plane);
 }
 
 #[cfg(feature = "local")]
