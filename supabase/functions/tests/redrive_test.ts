@@ -17,6 +17,7 @@ import {
   sha256HexOfBytes,
   silent,
   storedBody,
+  storedBodyBound,
   success,
   Timing,
   WebhookGate,
@@ -385,8 +386,9 @@ Deno.test("an event a worker ACKed and then lost its plane on is re-driven by an
 Deno.test("a delivery too large to store with its claim is answered 413 unclaimed; a closing gate claims nothing", async () => {
   const p = plane();
   const org = organization();
-  // Above the 384 KiB webhook.* keeps: the store refuses the work, 413, unclaimed.
-  const gate = new WebhookGate(p, { closeOnBeforeUnload: false, log: silent });
+  // A gate told to take more than its scope stores (1 MiB against the
+  // 384 KiB webhook.* keeps): the store refuses the work, 413, unclaimed.
+  const gate = new WebhookGate(p, { closeOnBeforeUnload: false, log: silent, bodyLimitBytes: 1024 * 1024 });
   const key = uniqueKey("evt");
   const big = new Uint8Array(400_000).fill(120);
   let runs = 0;
@@ -426,4 +428,20 @@ Deno.test("a stored body comes back byte for byte, text or not", () => {
   assert.deepEqual(storedBody(new TextEncoder().encode('{"a":1}')), { body_text: '{"a":1}' });
   assert.equal(bodyOf({ id: 1 }), undefined);
   assert.equal(bodyOf({ body_text: "a", body_base64: "" }), undefined);
+});
+
+Deno.test("every shared stored-body vector is stored as the Rust gate stores it: the shorter form, within the bound", async () => {
+  const vectors: {
+    bodies: Array<{ about: string; body_base64: string; stored: unknown; stored_bytes: number }>;
+  } = JSON.parse(await Deno.readTextFile(new URL("../../../tests/vectors/stored_bodies.json", import.meta.url)));
+  assert.ok(vectors.bodies.length >= 10);
+  for (const vector of vectors.bodies) {
+    const bytes = Uint8Array.from(atob(vector.body_base64), (char) => char.charCodeAt(0));
+    const stored = storedBody(bytes);
+    assert.deepEqual(stored, vector.stored, vector.about);
+    const size = new TextEncoder().encode(JSON.stringify(stored)).length;
+    assert.equal(size, vector.stored_bytes, vector.about);
+    assert.ok(size <= storedBodyBound(bytes.length), vector.about);
+    assert.deepEqual(bodyOf(stored), bytes, vector.about);
+  }
 });

@@ -4,11 +4,16 @@
 
 import assert from "node:assert/strict";
 import {
+  largestStorableBody,
   type PlaneEvent,
   ProcessingError,
   type Redelivery,
   type RedriveReport,
   sha256HexOfBytes,
+  silent,
+  storedBody,
+  storedBodyBound,
+  WEBHOOK_SCOPE_MAX_REQUEST_BYTES,
   WebhookGate,
   webhookHandler,
 } from "../_shared/idempotency/mod.ts";
@@ -387,8 +392,9 @@ Deno.test("webhookHandler refuses a streamed body 413 once it passes the limit, 
   assert.deepEqual(calls, { organizationOf: 0, deliveryIdOf: 0, process: 0 });
 });
 
-Deno.test("webhookHandler over a real server: a body at the limit is processed, one byte more is 413; 1 MiB by default", async () => {
-  assert.equal(DEFAULT_WEBHOOK_BODY_LIMIT_BYTES, 1024 * 1024);
+Deno.test("webhookHandler over a real server: a body at the limit is processed, one byte more is 413; 256 KiB by default", async () => {
+  assert.equal(DEFAULT_WEBHOOK_BODY_LIMIT_BYTES, 256 * 1024);
+  assert.equal(new WebhookGate(plane(), { closeOnBeforeUnload: false }).bodyLimitBytes, 256 * 1024);
   const limit = 32 * 1024;
   const { handler, calls, org } = countedEndpoint({ bodyLimitBytes: limit });
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, handler);
@@ -480,4 +486,98 @@ Deno.test("webhookHandler verifies first: a bad signature is 401 and never claim
   const good = await send({ "webhook-id": uniqueKey("evt"), "webhook-signature": "good" });
   assert.deepEqual([good.status, await good.json()], [200, { ack: "processed" }]);
   assert.equal(calls.process, 1);
+});
+
+/** A JSON event of exactly `size` bytes. */
+function eventOf(id: string, size: number): Uint8Array {
+  const head = JSON.stringify({ type: "message", id, text: "" }).slice(0, -2);
+  return new TextEncoder().encode(head + "w".repeat(size - head.length - 2) + '"}');
+}
+
+Deno.test("one body limit: the webhook.* scope stores every body up to the gate's default, whatever its bytes", () => {
+  assert.equal(WEBHOOK_SCOPE_MAX_REQUEST_BYTES, 384 * 1024);
+  assert.equal(storedBodyBound(DEFAULT_WEBHOOK_BODY_LIMIT_BYTES), 349_546);
+  assert.ok(storedBodyBound(DEFAULT_WEBHOOK_BODY_LIMIT_BYTES) <= WEBHOOK_SCOPE_MAX_REQUEST_BYTES);
+  assert.equal(largestStorableBody(64 * 1024), 49_137);
+  assert.equal(largestStorableBody(WEBHOOK_SCOPE_MAX_REQUEST_BYTES), 294_897);
+  for (const limit of [1024, 65_536, 65_537, 65_538, 65_539, 393_216, 4_194_304]) {
+    assert.ok(storedBodyBound(largestStorableBody(limit)) <= limit, String(limit));
+    assert.ok(storedBodyBound(largestStorableBody(limit) + 1) > limit, String(limit));
+  }
+  // Whatever the bytes, the stored form is never above the bound.
+  for (const fill of [0x01, 0x22, 0x0a, 0x78, 0xff]) {
+    for (let n = 0; n < 40; n++) {
+      const stored = JSON.stringify(storedBody(new Uint8Array(n).fill(fill)));
+      assert.ok(new TextEncoder().encode(stored).length <= storedBodyBound(n), `${n} × ${fill}: ${stored}`);
+    }
+  }
+});
+
+Deno.test("webhookHandler over a real server: a signed event at the default limit is taken, stored whole and re-driven; one byte more is 413 before verify", async () => {
+  const org = organization();
+  const limit = DEFAULT_WEBHOOK_BODY_LIMIT_BYTES;
+  // Processing keeps failing, so the event is left, with its body, for a re-drive.
+  const gate = new WebhookGate(plane(), {
+    processingTimeoutMs: 300,
+    heartbeatLeaseMs: 3_000,
+    closeOnBeforeUnload: false,
+    log: silent,
+  });
+  let verified = 0;
+  const handler = webhookHandler({
+    gate,
+    scope: SCOPE,
+    verify: (request) => (verified += 1, request.headers.get("webhook-signature") === "good"),
+    organizationOf: () => org,
+    deliveryIdOf: (request) => request.headers.get("webhook-id") ?? "",
+    process: () => Promise.reject(ProcessingError.retryable("downstream 503")),
+  });
+  const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, handler);
+  try {
+    const post = (id: string, signature: string, body: Uint8Array) =>
+      fetch(`http://127.0.0.1:${server.addr.port}/slack`, {
+        method: "POST",
+        headers: { "webhook-id": id, "webhook-signature": signature },
+        body: body as BodyInit,
+      });
+    const events = [
+      [uniqueKey("Ev"), eventOf("evt-104kb", 104_000)],
+      [uniqueKey("Ev"), eventOf("evt-at-limit", limit)],
+      // Text whose JSON escapes are six times its size: stored as base64.
+      [uniqueKey("Ev"), new Uint8Array(limit).fill(0x01)],
+    ] as const;
+    for (const [id, body] of events) {
+      const taken = await post(id, "good", body);
+      assert.deepEqual([taken.status, await taken.json()], [200, { ack: "accepted" }], `${body.length} bytes`);
+    }
+
+    for (const signature of ["good", "forged"]) {
+      const over = eventOf("evt-over", limit + 1);
+      await rejection(await post(uniqueKey("Ev"), signature, over), 413, "body_too_large");
+    }
+    assert.equal(verified, events.length, "no body above the limit reached verify");
+
+    const seen: Redelivery[] = [];
+    let report: RedriveReport = { redriven: 0, journaled: 0, deadLettered: 0, left: 0 };
+    await eventually("the three events are re-driven once their lease passed", async () => {
+      await sleep(200);
+      const pass = await gate.redrive({ scope: SCOPE, limit: 10, organizationId: org }, (redelivery) => {
+        seen.push(redelivery);
+        return Promise.resolve({ done: true });
+      });
+      report = { ...report, redriven: report.redriven + pass.redriven, journaled: report.journaled + pass.journaled };
+      return report.journaled === events.length;
+    }, 20_000);
+    assert.equal(report.redriven, events.length);
+    assert.equal(seen.length, events.length);
+    for (const [id, body] of events) {
+      const redriven = seen.find((r) => r.deliveryId === id);
+      assert.ok(redriven !== undefined && redriven.attempt === 2, id);
+      assert.deepEqual(redriven.body, body, "the very bytes the vendor sent");
+      const again = await post(id, "good", body);
+      assert.deepEqual(await again.json(), { ack: "dropped", drop_reason: "duplicate" });
+    }
+  } finally {
+    await server.shutdown();
+  }
 });

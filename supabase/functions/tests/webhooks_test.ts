@@ -2,11 +2,14 @@
 // against the local plane: Standard Webhooks signatures checked before any
 // claim, the re-drive route behind the service key, and an event whose worker
 // is killed with SIGKILL after it was acknowledged, finished by the next
-// worker's re-drive, once at the downstream service.
+// worker's re-drive, once at the downstream service. With the Rust gate
+// (examples/webhook_gate.rs) beside it: one body limit, enforced before the
+// signature, the same in both.
 
 import assert from "node:assert/strict";
 import { Webhook } from "standardwebhooks";
-import { idemRedrive, KEY, killHard as kill, serve, sleep, uniqueKey, URL_ } from "./support.ts";
+import { DEFAULT_WEBHOOK_BODY_LIMIT_BYTES, sha256HexOfBytes } from "../_shared/idempotency/mod.ts";
+import { idemRedrive, KEY, killHard as kill, plane, serve, sleep, uniqueKey, URL_ } from "./support.ts";
 
 const SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const signer = new Webhook(SECRET);
@@ -202,3 +205,89 @@ Deno.test("an event acknowledged by a worker killed with SIGKILL mid-processing 
     await service.close();
   }
 });
+
+/** Both example receivers: the Edge Function under Deno and the Rust gate's process. */
+function receivers(): { name: string; command: string; args: string[] }[] {
+  const gate = Deno.env.get("WEBHOOK_GATE_BIN");
+  if (!gate) throw new Error("WEBHOOK_GATE_BIN is not set: run the tests through tests/run.sh");
+  return [
+    {
+      name: "Edge Function (Deno)",
+      command: Deno.execPath(),
+      args: ["run", "--frozen", "--allow-net", "--allow-env", "webhooks/index.ts"],
+    },
+    { name: "Rust gate", command: gate, args: [] },
+  ];
+}
+
+/** A JSON event of exactly `size` bytes. */
+function eventOf(id: string, size: number): string {
+  const head = JSON.stringify({ type: "message.created", id, text: "" }).slice(0, -2);
+  return head + "w".repeat(size - head.length - 2) + '"}';
+}
+
+for (const receiver of receivers()) {
+  Deno.test(`${receiver.name}: one body limit, 256 KiB by default: a signed event at it is taken and stored; one byte more is 413 before its signature is checked`, async () => {
+    assert.equal(DEFAULT_WEBHOOK_BODY_LIMIT_BYTES, 256 * 1024);
+    const service = downstream();
+    const organizationId = crypto.randomUUID();
+    const env = (extra: Record<string, string> = {}) => ({
+      IDEM_POSTGREST_URL: URL_,
+      IDEM_SERVICE_KEY: KEY,
+      IDEM_MAX_ROWS: Deno.env.get("IDEM_MAX_ROWS") ?? "1000",
+      PORT: "0",
+      WEBHOOK_SECRET: SECRET,
+      PROCESS_URL: service.url,
+      ORGANIZATION_ID: organizationId,
+      HEARTBEAT_LEASE_MS: "3000",
+      ...extra,
+    });
+    const fn = await serve(receiver.command, receiver.args, env());
+    let narrow: Awaited<ReturnType<typeof serve>> | undefined;
+    try {
+      // At the limit (and far above the 104 KB event 64 KiB of work refused).
+      const id = uniqueKey("msg");
+      const body = eventOf(id, DEFAULT_WEBHOOK_BODY_LIMIT_BYTES);
+      assert.equal(new TextEncoder().encode(body).length, DEFAULT_WEBHOOK_BODY_LIMIT_BYTES);
+      const taken = await fetch(fn.url, signed(id, body));
+      assert.deepEqual([taken.status, await taken.json()], [200, { ack: "processed" }]);
+      const read = await plane().read({
+        organizationId,
+        scope: "webhook.standard",
+        key: id,
+        requestHash: await sha256HexOfBytes(new TextEncoder().encode(body)),
+      });
+      assert.equal(read.outcome, "completed", JSON.stringify(read));
+      const again = await fetch(fn.url, signed(id, body));
+      assert.deepEqual(await again.json(), { ack: "dropped", drop_reason: "duplicate" });
+
+      // One byte more: refused for its size whatever its signature, so a
+      // forged one is 413 too, not 401: nothing else was done with it.
+      const over = eventOf(id, DEFAULT_WEBHOOK_BODY_LIMIT_BYTES + 1);
+      const forgedHeaders = { "webhook-signature": "v1,Zm9yZ2Vk" };
+      for (const init of [signed(uniqueKey("msg"), over), signed(uniqueKey("msg"), over, forgedHeaders)]) {
+        const refused = await fetch(fn.url, init);
+        assert.equal(refused.status, 413);
+        assert.deepEqual(await refused.json(), {
+          ack: "rejected",
+          reason: "body_too_large",
+          error: `the body is larger than this endpoint reads (${DEFAULT_WEBHOOK_BODY_LIMIT_BYTES} bytes)`,
+        });
+      }
+      assert.equal(service.seen.size, 1, "nothing refused reached processing");
+
+      // The deployment's variable sets the limit (the one idem doctor checks).
+      narrow = await serve(receiver.command, receiver.args, env({ IDEM_WEBHOOK_BODY_LIMIT_BYTES: "1024" }));
+      const small = eventOf(uniqueKey("msg"), 1024);
+      const fits = await fetch(narrow.url, signed(uniqueKey("msg"), small));
+      assert.deepEqual([fits.status, await fits.json()], [200, { ack: "processed" }]);
+      const above = await fetch(narrow.url, signed(uniqueKey("msg"), eventOf(uniqueKey("msg"), 1025)));
+      assert.equal(above.status, 413);
+      assert.equal((await above.json()).error, "the body is larger than this endpoint reads (1024 bytes)");
+    } finally {
+      await kill(fn.child);
+      if (narrow) await kill(narrow.child);
+      await service.close();
+    }
+  });
+}

@@ -3,8 +3,11 @@
 // `webhook-id`, `webhook-timestamp` and `webhook-signature` headers, as
 // Supabase's Auth hooks and Svix send them):
 //
-//   POST /           a signed delivery: verified (401 when unsigned, wrongly
-//                    signed or stale, and never claimed), claimed with its
+//   POST /           a signed delivery: its body read up to the gate's limit
+//                    (IDEM_WEBHOOK_BODY_LIMIT_BYTES, default 262144 bytes,
+//                    what the webhook.* scope always stores; 413 above it,
+//                    the signature unchecked), verified (401 when unsigned,
+//                    wrongly signed or stale, and never claimed), claimed with its
 //                    body under its `webhook-id`, answered within 2.5 s, and
 //                    processed once: its body is forwarded to PROCESS_URL
 //                    (POST, with the tenant's vendor key as `Idempotency-Key`)
@@ -19,8 +22,10 @@
 // The plane comes from the environment as in `orders` (SUPABASE_URL and the
 // service key on Supabase; `idem up --env-file` writes IDEM_POSTGREST_URL and
 // IDEM_SERVICE_KEY). Also: WEBHOOK_SECRET (`whsec_…`), PROCESS_URL, and
-// optionally ORGANIZATION_ID (the tenant these deliveries belong to) and
-// HEARTBEAT_LEASE_MS (default 10 000). Locally:
+// optionally ORGANIZATION_ID (the tenant these deliveries belong to),
+// HEARTBEAT_LEASE_MS (default 10 000) and IDEM_WEBHOOK_BODY_LIMIT_BYTES
+// (default 262 144; `idem doctor` reads the same variable and checks the
+// scope stores a body that large). Locally:
 //
 //   idem up --env-file plane.env &
 //   set -a; . ./plane.env; set +a
@@ -42,7 +47,7 @@ import {
   webhookHandler,
 } from "../_shared/idempotency/mod.ts";
 
-/** The scope of these deliveries: under `webhook.*` (24 h retention, 64 KiB, 5 attempts). */
+/** The scope of these deliveries: under `webhook.*` (24 h retention, 384 KiB of work, 5 attempts). */
 export const SCOPE = "webhook.standard";
 
 /** The tenant of deliveries when ORGANIZATION_ID is not set. */
@@ -63,7 +68,11 @@ export function receiver(plane: IdempotencyPlane, env: (name: string) => string 
   const processUrl = env("PROCESS_URL") ?? required("PROCESS_URL");
   const organizationId = env("ORGANIZATION_ID") ?? DEMO_ORGANIZATION;
   const serviceKey = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
-  const gate = new WebhookGate(plane, { heartbeatLeaseMs: Number(env("HEARTBEAT_LEASE_MS") ?? 10_000) });
+  const bodyLimit = env("IDEM_WEBHOOK_BODY_LIMIT_BYTES");
+  const gate = new WebhookGate(plane, {
+    heartbeatLeaseMs: Number(env("HEARTBEAT_LEASE_MS") ?? 10_000),
+    bodyLimitBytes: bodyLimit ? Number(bodyLimit) : undefined,
+  });
 
   /** Forwards one event downstream; done on 2xx. Stops when `signal` aborts (the gate cut it). */
   const forward = async (deliveryId: string, body: Uint8Array, signal: AbortSignal): Promise<unknown> => {

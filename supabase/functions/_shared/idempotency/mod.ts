@@ -100,9 +100,12 @@ export {
   DEFAULT_PROCESSING_TIMEOUT_MS,
   DEFAULT_VENDOR_HORIZON_MS,
   DEFAULT_WEBHOOK_BODY_LIMIT_BYTES,
+  largestStorableBody,
   ProcessingError,
   storedBody,
+  storedBodyBound,
   WEBHOOK_LEASE_MARGIN_MS,
+  WEBHOOK_SCOPE_MAX_REQUEST_BYTES,
   WebhookGate,
   webhookHandler,
 } from "./webhook.ts";

@@ -37,25 +37,36 @@
 //
 // The only non-2xx answers are `retry`: 503 when the gate holds no claim
 // (the plane could not decide, or the gate is closing), 413 when the delivery
-// is too large to store with its claim (below).
+// is above the gate's body limit or too large to store with its claim
+// (below).
 //
 // The work outlives the worker. Every delivery is claimed together with its
 // body, in the same statement, losslessly (`body_text`, or `body_base64` for
-// bytes that are not UTF-8 text), bounded by the scope's `max_request_bytes`.
-// A delivery above it is never acknowledged unstored: 413, unclaimed, so the
-// vendor keeps the event for a resend once the limit is raised. A worker
-// stopped while holding a claim (wall-clock, CPU or memory limit, early drop)
-// leaves the event in the plane: `redrive()`, called from anything on a
-// schedule (a pg_cron job calling the function's re-drive route), takes such
-// orphans over once their lease passes, with a fresh fence, and runs them
-// through the same `process` with the same endings; an event handed out as
-// often as its scope's `max_attempts` allows is journaled as `dead_lettered`.
-// With `heartbeatLeaseMs` the claim is made for a short lease kept alive by
+// bytes that are not UTF-8 text, or whose JSON text would be longer),
+// bounded by the scope's `max_request_bytes`. A delivery above it is never
+// acknowledged unstored: 413, unclaimed, so the vendor keeps the event for a
+// resend once the limit is raised. A worker stopped while holding a claim
+// (wall-clock, CPU or memory limit, early drop) leaves the event in the
+// plane: `redrive()`, called from anything on a schedule (a pg_cron job
+// calling the function's re-drive route), takes such orphans over once their
+// lease passes, with a fresh fence, and runs them through the same `process`
+// with the same endings; an event handed out as often as its scope's
+// `max_attempts` allows is journaled as `dead_lettered`. With
+// `heartbeatLeaseMs` the claim is made for a short lease kept alive by
 // heartbeats while processing runs, so a stopped worker's event is re-driven
 // within seconds; processing on a worker whose beats no longer reach the
 // plane is aborted before its lease can pass, and the event left to
 // re-drive. On `beforeunload` the gate stops claiming new deliveries (503)
 // and leaves what it holds to re-drive.
+//
+// One body limit. So that the store never refuses a delivery the gate took,
+// a body of n bytes is stored in at most 4 * ceil(n / 3) + 18 bytes of work
+// (`storedBodyBound`), whatever its bytes; the gate takes bodies up to
+// `bodyLimitBytes` (default 256 KiB) and refuses a larger one 413 before
+// anything else (`webhookHandler`: before the signature is checked); and the
+// `webhook.*` scope keeps 384 KiB of work, which holds every such body.
+// Raise the two together (`idem doctor` checks they agree): the numbers are
+// shared with the Rust gate through `webhook_limits.json`.
 
 import { failure, success } from "./answer.ts";
 import { readBody } from "./body.ts";
@@ -68,6 +79,7 @@ import { Held, type Settle } from "./held.ts";
 import { Attempt, type Begun, EffectDriver, type EffectSpec } from "./driver.ts";
 import type { IdempotencyPlane } from "./plane.ts";
 import { consoleLogger, type Logger } from "./log.ts";
+import limits from "./webhook_limits.json" with { type: "json" };
 
 /** How long processing one delivery may take, in-process retries included. */
 export const DEFAULT_PROCESSING_TIMEOUT_MS = 15_000;
@@ -79,14 +91,48 @@ export const WEBHOOK_LEASE_MARGIN_MS = 5_000;
 export const DEFAULT_VENDOR_HORIZON_MS = 6 * 60_000;
 
 /**
- * The largest body `webhookHandler` reads, unless told otherwise: 1 MiB.
- * Vendors' event payloads are typically a few KiB (Stripe's, Slack's, those
- * sent through Svix), so this leaves them room many times over while a
- * worker never buffers more than a megabyte of one request. GitHub caps its
- * payloads at 25 MB, and a large push event can pass 1 MiB: raise
- * `bodyLimitBytes` for such a sender.
+ * The largest body a gate (and `webhookHandler`) takes, unless told
+ * otherwise: 256 KiB (262,144 bytes), the Rust gate's too
+ * (`webhook_limits.json`). Vendors' event payloads are typically a few KiB
+ * (Stripe's, Slack's, those sent through Svix), so this leaves a large one
+ * room many times over, and every body up to it fits the `webhook.*`
+ * scope's `WEBHOOK_SCOPE_MAX_REQUEST_BYTES` as its claim stores it, so none
+ * is refused for good by the store after the gate took it. A sender whose
+ * events can be larger (GitHub's reach 25 MB, Nylas's 1 MB) needs both
+ * raised together: `bodyLimitBytes` and the scope's `max_request_bytes`
+ * (at least `storedBodyBound(bodyLimitBytes)`, in a migration).
  */
-export const DEFAULT_WEBHOOK_BODY_LIMIT_BYTES = 1024 * 1024;
+export const DEFAULT_WEBHOOK_BODY_LIMIT_BYTES: number = limits.body_limit_bytes;
+
+/**
+ * The `max_request_bytes` of the `webhook.*` scope the plane ships: 384 KiB
+ * (393,216 bytes), enough for any body up to DEFAULT_WEBHOOK_BODY_LIMIT_BYTES
+ * as its claim stores it (at most 349,546 bytes).
+ */
+export const WEBHOOK_SCOPE_MAX_REQUEST_BYTES: number = limits.webhook_scope_max_request_bytes;
+
+/** The bytes `{"body_base64":""}` adds to a body's base64. */
+const BASE64_WRAPPER_BYTES = 18;
+/** The bytes `{"body_text":""}` adds to a body's escaped text. */
+const TEXT_WRAPPER_BYTES = 16;
+
+/**
+ * The most bytes a body of `bodyBytes` bytes takes as its claim stores it,
+ * counted as the plane counts work (compact JSON): its base64 and the
+ * wrapper, 4 * ceil(n / 3) + 18. The text form is used only when no longer.
+ */
+export function storedBodyBound(bodyBytes: number): number {
+  return 4 * Math.ceil(bodyBytes / 3) + BASE64_WRAPPER_BYTES;
+}
+
+/**
+ * The largest body every one of whose byte strings a scope keeping
+ * `maxRequestBytes` of work stores: 3 * floor((maxRequestBytes - 18) / 4)
+ * (49,137 bytes for 64 KiB, 294,897 for 384 KiB).
+ */
+export function largestStorableBody(maxRequestBytes: number): number {
+  return 3 * Math.floor(Math.max(0, maxRequestBytes - BASE64_WRAPPER_BYTES) / 4);
+}
 
 const FIRST_PROCESSING_BACKOFF_MS = 100;
 const MAX_PROCESSING_BACKOFF_MS = 2_000;
@@ -215,6 +261,15 @@ export interface GateOptions {
   /** When the vendor redelivers for the last time; the lease must pass before. Default 6 min. */
   vendorHorizonMs?: number;
   /**
+   * The largest body the gate takes, in bytes (default 256 KiB,
+   * DEFAULT_WEBHOOK_BODY_LIMIT_BYTES): a larger one is answered 413
+   * (`delivery_too_large`) before anything else, never looked up or claimed,
+   * and `webhookHandler` refuses it before reading past the limit or
+   * verifying its signature. Keep the scope's `max_request_bytes` at least
+   * `storedBodyBound(bodyLimitBytes)` so every body taken can be stored.
+   */
+  bodyLimitBytes?: number;
+  /**
    * Claims for this short lease (at least 3 s) kept alive by heartbeats while
    * processing and its journal run, instead of the whole processing timeout:
    * a worker that is stopped is re-driven after it, while a live one keeps
@@ -244,6 +299,8 @@ export class WebhookGate {
   readonly driver: EffectDriver;
   readonly timing: Timing;
   readonly deadlineMs: number;
+  /** The largest body the gate takes, in bytes. */
+  readonly bodyLimitBytes: number;
   readonly #waitUntil?: (work: Promise<unknown>) => void;
   readonly #log: Logger;
   readonly #drops = new Map<DropReason, number>();
@@ -265,6 +322,7 @@ export class WebhookGate {
     }
     this.deadlineMs = options.deadlineMs ?? DEFAULT_GATE_DEADLINE_MS;
     if (!(this.deadlineMs > 0)) throw PlaneError.invalid("zero_duration", "the gate's deadline must be above zero");
+    this.bodyLimitBytes = checkedBodyLimit(options.bodyLimitBytes ?? DEFAULT_WEBHOOK_BODY_LIMIT_BYTES);
     this.#waitUntil = options.waitUntil ?? edgeRuntimeWaitUntil();
   }
 
@@ -294,21 +352,40 @@ export class WebhookGate {
    * answer (as JSON). Its `signal` aborts at the processing timeout, and with
    * heartbeats when a beat finds the claim taken over or none could confirm
    * the lease in time (pass it to fetch): what it gives after that is never
-   * journaled.
+   * journaled. A body above `bodyLimitBytes` is answered 413 first, unclaimed.
    */
   async handle(delivery: Delivery, process: (signal: AbortSignal) => Promise<unknown>): Promise<Ack> {
+    const refused = this.#refuseAboveLimit(delivery.scope, delivery.body);
+    if (refused) return refused;
     return await this.#handleBy(monotonicNow() + this.deadlineMs, delivery, process);
+  }
+
+  /** The 413 a body above the body limit gets, before anything else. */
+  #refuseAboveLimit(scope: string, body: Uint8Array | string): Ack | undefined {
+    const bytes = typeof body === "string" ? new TextEncoder().encode(body).length : body.length;
+    if (bytes <= this.bodyLimitBytes) return undefined;
+    this.#log({
+      event: "webhook.body_too_large",
+      level: "warn",
+      scope,
+      body_bytes: bytes,
+      limit_bytes: this.bodyLimitBytes,
+    });
+    return { ack: "retry", status: 413, reason: "delivery_too_large" };
   }
 
   /**
    * A provider's callback: its tenant is the one `agent.provider_jobs` holds
    * for the job (an unknown job is dropped, a body naming another job too),
-   * in scope `webhook.<provider>`.
+   * in scope `webhook.<provider>`. A body above `bodyLimitBytes` is answered
+   * 413 first, before the lookup.
    */
   async handleProviderCallback(
     callback: ProviderCallback,
     process: (job: ProviderJob, signal: AbortSignal) => Promise<unknown>,
   ): Promise<Ack> {
+    const refused = this.#refuseAboveLimit(`webhook.${callback.provider}`, callback.body);
+    if (refused) return refused;
     const answerBy = monotonicNow() + this.deadlineMs;
     let job: ProviderJob | undefined;
     try {
@@ -708,9 +785,11 @@ export interface WebhookRoute {
    */
   process: (event: { request: Request; body: Uint8Array; signal: AbortSignal }) => Promise<unknown>;
   /**
-   * The largest body read, in bytes (default 1 MiB,
-   * DEFAULT_WEBHOOK_BODY_LIMIT_BYTES): a larger one is refused 413 before
-   * anything else sees it.
+   * The largest body read, in bytes (default the gate's `bodyLimitBytes`,
+   * 256 KiB unless set there): a larger one is refused 413 before anything
+   * else sees it, the signature unchecked. Set the limit on the gate
+   * (`GateOptions.bodyLimitBytes`), which holds it for every route; one
+   * above the gate's is still refused 413 by the gate, after `verify`.
    */
   bodyLimitBytes?: number;
 }
@@ -737,21 +816,17 @@ function rejected(reason: Rejection, limit: number): Response {
  * `{"ack": …, "drop_reason"?: …}` for every ending the gate holds a claim on
  * or drops, 503 with `Retry-After` when the plane could not decide.
  *
- * The body is read up to `bodyLimitBytes` first: one whose Content-Length
- * is above it is refused 413 unread, and one that passes it while streaming
- * is refused 413 as soon as it does, its stream cancelled. What the
+ * The body is read up to the limit first (the gate's `bodyLimitBytes`,
+ * 256 KiB by default, what the `webhook.*` scope always stores), before the
+ * signature is checked: one whose Content-Length is above it is refused 413
+ * unread, and one that passes it while streaming is refused 413 as soon as
+ * it does, its stream cancelled. What the
  * application's `organizationOf` or `deliveryIdOf` throws is refused 400
  * with a fixed message: its text (which may say what the sender should not
  * learn) goes to the gate's log only, as a `webhook.rejected` event.
  */
 export function webhookHandler(route: WebhookRoute): (request: Request) => Promise<Response> {
-  const limit = route.bodyLimitBytes ?? DEFAULT_WEBHOOK_BODY_LIMIT_BYTES;
-  if (!Number.isSafeInteger(limit) || limit < 0) {
-    throw PlaneError.invalid(
-      "bad_configuration",
-      `the webhook body limit must be a whole number of bytes, got ${limit}`,
-    );
-  }
+  const limit = checkedBodyLimit(route.bodyLimitBytes ?? route.gate.bodyLimitBytes);
   const log = route.gate.driver.log;
   const reject = (reason: Rejection, fields: Record<string, unknown> = {}): Response => {
     log({ event: "webhook.rejected", level: "warn", scope: route.scope, reason, limit_bytes: limit, ...fields });
@@ -803,6 +878,17 @@ export function webhookHandler(route: WebhookRoute): (request: Request) => Promi
   };
 }
 
+/** The body limit, refused unless a whole number of bytes. */
+function checkedBodyLimit(limit: number): number {
+  if (!Number.isSafeInteger(limit) || limit < 0) {
+    throw PlaneError.invalid(
+      "bad_configuration",
+      `the webhook body limit must be a whole number of bytes, got ${limit}`,
+    );
+  }
+  return limit;
+}
+
 /** The Content-Length a request declares, when it declares a well-formed one. */
 function declaredLength(headers: Headers): number | undefined {
   const value = headers.get("content-length")?.trim();
@@ -822,8 +908,10 @@ function edgeRuntimeWaitUntil(): ((work: Promise<unknown>) => void) | undefined 
 
 /**
  * A delivery's body as its claim stores it, losslessly: `{"body_text": …}`
- * for UTF-8 without U+0000 (which `jsonb` cannot hold), `{"body_base64": …}`
- * for anything else. The Rust gate's keys, so either re-drives the other's.
+ * for UTF-8 without U+0000 (which `jsonb` cannot hold) whose JSON text is no
+ * longer than its base64 would be, `{"body_base64": …}` for anything else,
+ * so it never takes more than `storedBodyBound(bytes.length)`. The Rust
+ * gate's keys and choice, so either re-drives the other's.
  */
 export function storedBody(bytes: Uint8Array): { body_text: string } | { body_base64: string } {
   let text: string | undefined;
@@ -832,10 +920,27 @@ export function storedBody(bytes: Uint8Array): { body_text: string } | { body_ba
   } catch {
     text = undefined;
   }
-  if (text !== undefined && !text.includes("\0")) return { body_text: text };
+  if (text !== undefined && !text.includes("\0") && textStoredBytes(bytes) <= storedBodyBound(bytes.length)) {
+    return { body_text: text };
+  }
   let binary = "";
   for (const byte of bytes) binary += String.fromCharCode(byte);
   return { body_base64: btoa(binary) };
+}
+
+/** The bytes escaped in two in JSON text: `"`, `\`, and the control characters with a short escape (`\n`). */
+const SHORT_ESCAPES = new Set([0x22, 0x5c, 0x08, 0x0c, 0x0a, 0x0d, 0x09]);
+
+/**
+ * The bytes `{"body_text": …}` of a UTF-8 body takes as compact JSON, as
+ * PostgreSQL writes `jsonb` (and `JSON.stringify`): `"` and `\` and the
+ * control characters with a short escape take two bytes, the other control
+ * characters six (`\u001f`), every other byte one.
+ */
+function textStoredBytes(bytes: Uint8Array): number {
+  let size = TEXT_WRAPPER_BYTES;
+  for (const byte of bytes) size += SHORT_ESCAPES.has(byte) ? 2 : byte < 0x20 ? 6 : 1;
+  return size;
 }
 
 /** The bytes a stored body holds; undefined for anything a gate did not store. */
