@@ -244,7 +244,12 @@ struct RedriveArgs<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     p_organization_id: Option<Uuid>,
     p_row_cap: u64,
+    p_max_bytes: u64,
 }
+
+/// What a re-drive's answer may hold besides the work, per row: every other
+/// column, as JSON, with room to spare.
+const REDRIVE_ROW_OVERHEAD_BYTES: u64 = 1024;
 
 /// A re-drive is repeated after a lost answer (the shared retry table marks
 /// it safe): the caller's tokens make the repeat answer the claims the
@@ -262,6 +267,11 @@ impl OrphanedWork for PostgrestRepository {
             p_lease_ms: millis(call.lease),
             p_organization_id: call.organization_id,
             p_row_cap: OrphanedWork::max_bound(self),
+            // The work handed out must fit the answer this client reads
+            // whole; orphans beyond it stay orphans, no attempt spent.
+            p_max_bytes: (self.client.config().max_response_bytes as u64)
+                .saturating_sub(bound * REDRIVE_ROW_OVERHEAD_BYTES)
+                .max(1),
         };
         if bound == 0 {
             return Ok(Vec::new());

@@ -59,7 +59,8 @@ pub(crate) const EXTEND: SqlFunction =
     function("idempotency_extend", "p_claim_id uuid, p_lease_token uuid, p_lease_ms bigint, p_organization_id uuid");
 pub(crate) const REDRIVE: SqlFunction = function(
     "idempotency_redrive",
-    "p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer",
+    "p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer, \
+     p_max_bytes bigint",
 );
 pub(crate) const ORPHANS: SqlFunction = function("idempotency_orphans", "p_limit integer");
 pub(crate) const POLICIES: SqlFunction = function("idempotency_policies", "p_scope text");

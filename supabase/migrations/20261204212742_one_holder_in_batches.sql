@@ -259,7 +259,7 @@ declare
   v_lease interval := p_lease_ms * interval '1 millisecond';
   v_at timestamptz;
   v_firsts boolean[];
-  v_won uuid[];
+  v_rows agent.idempotency_keys[];
   v_answered integer;
 begin
   if p_organization_id is null then
@@ -318,16 +318,15 @@ begin
     perform agent.idempotency_item_uuid(v_item, v_index, 'lease_token');
     raise exception 'p_items[%] is malformed', v_index using errcode = '22023';
   end if;
-  select pg_catalog.array_agg(e.value ->> 'key' order by e.ordinality),
-         pg_catalog.array_agg(e.value ->> 'request_hash' order by e.ordinality),
-         pg_catalog.array_agg((e.value ->> 'lease_token')::uuid order by e.ordinality),
-         pg_catalog.array_agg(nullif(e.value -> 'request', 'null'::jsonb) order by e.ordinality)
-    into v_keys, v_hashes, v_tokens, v_requests
-    from pg_catalog.jsonb_array_elements(p_items) with ordinality e;
-  -- Whether each item is its key's first occurrence in the batch.
-  select pg_catalog.array_agg(t.first order by t.i) into v_firsts
-    from (select i, pg_catalog.row_number() over (partition by v_keys[i] order by i) = 1 as first
-            from pg_catalog.generate_subscripts(v_keys, 1) i) t;
+  -- The items' fields, and whether each is its key's first occurrence.
+  select pg_catalog.array_agg(t.key order by t.n), pg_catalog.array_agg(t.hash order by t.n),
+         pg_catalog.array_agg(t.token order by t.n), pg_catalog.array_agg(t.request order by t.n),
+         pg_catalog.array_agg(t.first order by t.n)
+    into v_keys, v_hashes, v_tokens, v_requests, v_firsts
+    from (select e.ordinality as n, e.value ->> 'key' as key, e.value ->> 'request_hash' as hash,
+                 (e.value ->> 'lease_token')::uuid as token, nullif(e.value -> 'request', 'null'::jsonb) as request,
+                 pg_catalog.row_number() over (partition by e.value ->> 'key' order by e.ordinality) = 1 as first
+            from pg_catalog.jsonb_array_elements(p_items) with ordinality e) t;
   -- The first item whose token an earlier item named, and that item.
   select t.first - 1, t.i - 1 into v_earlier, v_index
     from (select i, pg_catalog.min(i) over (partition by v_tokens[i]) as first
@@ -343,17 +342,19 @@ begin
   end if;
   -- The work each key's first occurrence stores, measured as a single
   -- claim's is; later occurrences store nothing.
-  begin
-    for i in 1 .. pg_catalog.cardinality(v_keys) loop
-      v_index := i - 1;
-      if v_firsts[i] and v_requests[i] is not null then
-        perform agent.idempotency_check_work(p_scope, v_requests[i]);
-      end if;
-    end loop;
-  exception when others then
-    get stacked diagnostics v_state = returned_sqlstate, v_message = message_text, v_hint = pg_exception_hint;
-    raise exception 'p_items[%]: %', v_index, v_message using errcode = v_state, hint = v_hint;
-  end;
+  if pg_catalog.array_length(pg_catalog.array_remove(v_requests, null), 1) is not null then
+    begin
+      for i in 1 .. pg_catalog.cardinality(v_keys) loop
+        v_index := i - 1;
+        if v_firsts[i] and v_requests[i] is not null then
+          perform agent.idempotency_check_work(p_scope, v_requests[i]);
+        end if;
+      end loop;
+    exception when others then
+      get stacked diagnostics v_state = returned_sqlstate, v_message = message_text, v_hint = pg_exception_hint;
+      raise exception 'p_items[%]: %', v_index, v_message using errcode = v_state, hint = v_hint;
+    end;
+  end if;
 
   -- Each key is decided once, by its first occurrence, in one statement
   -- that visits the keys in key order: a free key is inserted; a taken one
@@ -388,28 +389,39 @@ begin
      where k.status = 'processing'
        and k.request_hash = excluded.request_hash
        and k.lease_expires_at <= pg_catalog.clock_timestamp()
-    returning k.id
+    returning k.*
   )
-  select pg_catalog.array_agg(decided.id) into v_won from decided;
+  select pg_catalog.array_agg(row(decided.*)::agent.idempotency_keys) into v_rows from decided;
 
   -- The leases won are timed from the end of the batch, when the answer
   -- is made: time spent waiting on other transactions' rows is not taken
   -- out of them. The retention, counted from the lease's end, moves with it.
-  if v_won is not null and pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' then
+  if v_rows is not null and pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' then
     v_at := pg_catalog.clock_timestamp();
-    update agent.idempotency_keys as k
-       set claimed_at = v_at,
-           lease_expires_at = v_at + v_lease,
-           retain_until = greatest(k.retain_until, v_at + v_lease + (k.retain_until - k.lease_expires_at)),
-           redrive_at = case when k.redrive_at is not null then v_at + v_lease end
-     where k.organization_id = p_organization_id
-       and k.id = any (v_won);
+    with moved as (
+      update agent.idempotency_keys as k
+         set claimed_at = v_at,
+             lease_expires_at = v_at + v_lease,
+             retain_until = greatest(k.retain_until, v_at + v_lease + (k.retain_until - k.lease_expires_at)),
+             redrive_at = case when k.redrive_at is not null then v_at + v_lease end
+        from pg_catalog.unnest(v_rows) w
+       where k.organization_id = p_organization_id and k.id = w.id
+      returning k.*
+    )
+    select pg_catalog.array_agg(row(moved.*)::agent.idempotency_keys) into v_rows from moved;
+  end if;
+  -- The rows of the keys the batch did not win, which it holds all the same.
+  if coalesce(pg_catalog.cardinality(v_rows), 0) < pg_catalog.cardinality(v_keys) then
+    select coalesce(v_rows, '{}') || coalesce(pg_catalog.array_agg(k), '{}') into v_rows
+      from agent.idempotency_keys k
+     where k.organization_id = p_organization_id and k.scope = p_scope
+       and k.key = any (v_keys)
+       and k.id <> all (select w.id from pg_catalog.unnest(coalesce(v_rows, '{}')) w);
   end if;
 
-  -- Every item answered from its key's row, which this transaction holds:
-  -- the first occurrence what it decided, a later one what a single claim
-  -- would answer it now (the key is its batch's first occurrence's, so
-  -- never claimed a second time).
+  -- Every item answered from its key's row: the first occurrence what it
+  -- decided, a later one what a single claim would answer it now (the key
+  -- is its batch's first occurrence's, so never claimed a second time).
   return query
     select (i - 1)::integer, o.outcome, k.id, k.organization_id, k.scope, k.key,
            case when o.outcome = 'conflict' then null else k.request_hash end,
@@ -421,8 +433,7 @@ begin
            k.claimed_at, k.lease_expires_at, k.retain_until,
            k.status = 'processing' and k.lease_expires_at > pg_catalog.clock_timestamp()
       from pg_catalog.generate_subscripts(v_keys, 1) i
-      join agent.idempotency_keys k
-        on k.organization_id = p_organization_id and k.scope = p_scope and k.key = v_keys[i]
+      join pg_catalog.unnest(v_rows) k on k.key = v_keys[i]
      cross join lateral (
        select case when k.request_hash <> v_hashes[i] then 'conflict'
                    when k.status = 'completed' then 'completed'

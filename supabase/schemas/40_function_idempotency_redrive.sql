@@ -5,11 +5,14 @@
 -- so concurrent re-drivers split them, one per lease token the caller
 -- supplies (at most the row cap). A repeat with the same tokens after a
 -- lost answer answers again what the tokens still hold, at the same
--- attempt, and takes over more only with tokens that hold nothing. One
--- whose work was handed out max_attempts times is journaled as
--- dead-lettered instead.
+-- attempt, and takes over more only with tokens that hold nothing. With
+-- p_max_bytes, the work it hands out (with what the tokens already hold)
+-- stays within that many bytes, and never less than one orphan: a caller
+-- that can read answers of so many bytes is never handed more. One whose
+-- work was handed out max_attempts times is journaled as dead-lettered
+-- instead.
 
-CREATE FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid DEFAULT NULL::uuid, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_work
+CREATE FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid DEFAULT NULL::uuid, p_row_cap integer DEFAULT NULL::integer, p_max_bytes bigint DEFAULT NULL::bigint) RETURNS SETOF agent.idempotency_work
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO ''
     SET lock_timeout TO '5s'
@@ -47,6 +50,9 @@ begin
     raise exception 'p_lease_tokens must hold between 1 and the row cap % tokens, got %', v_cap, v_count
       using errcode = '22023',
             hint = 'a re-drive answers every claim it takes over; more than the row cap would be cut from the answer';
+  end if;
+  if p_max_bytes is not null and p_max_bytes < 1 then
+    raise exception 'p_max_bytes must be at least 1, got %', p_max_bytes using errcode = '22023';
   end if;
   if pg_catalog.array_position(p_lease_tokens, null) is not null then
     raise exception 'p_lease_tokens[%] is NULL', pg_catalog.array_position(p_lease_tokens, null) - 1
@@ -92,7 +98,7 @@ begin
         from pg_catalog.unnest(p_lease_tokens) with ordinality t(token, n)
        where not exists (select 1 from mine m where m.lease_token = t.token)
     ), orphans as (
-      select k.id, k.organization_id, k.scope, k.redrive_at
+      select k.id, k.organization_id, k.scope, k.redrive_at, pg_catalog.octet_length(k.request::text) as size
         from agent.idempotency_keys k
        where k.redrive_at <= v_at
          and k.status = 'processing'
@@ -104,13 +110,17 @@ begin
        limit (select pg_catalog.count(*) from unused)
          for update of k skip locked
     ), numbered as (
-      select o.id, o.organization_id, o.scope, pg_catalog.row_number() over (order by o.redrive_at, o.id) as n
+      select o.id, o.organization_id, o.scope, pg_catalog.row_number() over (order by o.redrive_at, o.id) as n,
+             pg_catalog.sum(o.size) over (order by o.redrive_at, o.id)
+               + (select coalesce(pg_catalog.sum(pg_catalog.octet_length(m.request::text)), 0) from mine m) as bytes
         from orphans o
     ), decided as (
+      -- Orphans locked beyond the byte budget stay orphans, for the next call.
       select o.id, o.organization_id, p.max_attempts, u.token
         from numbered o
         join unused u on u.n = o.n
        cross join lateral agent.idempotency_policy(o.scope) p
+       where p_max_bytes is null or o.bytes <= p_max_bytes or (o.n = 1 and not exists (select 1 from mine))
     ), taken as (
       update agent.idempotency_keys as k
          set status = case when k.reclaims + 1 >= d.max_attempts then 'completed' else 'processing' end,
@@ -147,4 +157,4 @@ begin
 end
 $_$;
 
-ALTER FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer) OWNER TO idempotency_owner;
+ALTER FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer, p_max_bytes bigint) OWNER TO idempotency_owner;

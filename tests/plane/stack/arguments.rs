@@ -93,13 +93,15 @@ fn surface() -> Vec<Call> {
             ],
         },
         Call {
-            sql: "select * from agent.idempotency_redrive($1, $2::uuid[], $3::bigint, $4::uuid, $5::integer)",
+            sql:
+                "select * from agent.idempotency_redrive($1, $2::uuid[], $3::bigint, $4::uuid, $5::integer, $6::bigint)",
             arguments: vec![
                 ("p_scope", "webhook.*".to_owned(), true),
                 ("p_lease_tokens", format!("{{{TOKEN}}}"), true),
                 ("p_lease_ms", "60000".to_owned(), true),
                 ("p_organization_id", ORG.to_owned(), false),
                 ("p_row_cap", "1000".to_owned(), false),
+                ("p_max_bytes", "8388608".to_owned(), false),
             ],
         },
         Call {

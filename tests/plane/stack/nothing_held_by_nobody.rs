@@ -149,3 +149,42 @@ async fn a_row_cap_above_the_planes_is_refused_by_every_function_that_answers_ro
     assert_eq!(told_five.redrive(&within).await.expect("within the cap").len(), 3);
     stack.stop().await.unwrap();
 }
+
+/// A re-drive never hands a caller more work than it reads in one answer:
+/// the orphans beyond the client's response limit stay orphans, no
+/// attempt spent, for its next call.
+#[tokio::test]
+async fn a_redrive_hands_out_no_more_work_than_the_client_reads_in_one_answer() {
+    let stack = stack().await;
+    let org = org();
+    let repo = PostgrestRepository::new(client(&stack));
+    let h = hash("big work").as_str().to_owned();
+    let work = json!({"body": "x".repeat(20_000)});
+    let keys: Vec<String> = (0..6).map(|i| format!("big-{i}")).collect();
+    let items: Vec<ClaimItem<'_>> = keys
+        .iter()
+        .map(|key| ClaimItem { key, request_hash: &h, lease_token: Uuid::new_v4(), request: Some(&work) })
+        .collect();
+    let call = ClaimManyCall { organization_id: org, scope: SCOPE, lease: LEASE, items: &items };
+    for row in repo.claim_many(&call).await.expect("the claims") {
+        pass_lease(&stack, row.id).await;
+    }
+    // A client that reads answers of at most 64 KiB: 10 tokens leave
+    // 54 KiB of work, two orphans of 20 KB each.
+    let small = PostgrestRepository::new(
+        idempotency_plane::PostgrestClient::new(
+            stack.client_config().expect("a config").with_max_response_bytes(64 * 1024).expect("a limit"),
+        )
+        .expect("a client"),
+    );
+    let tokens = crate::support::lease_tokens(10);
+    let redrive = RedriveCall { scope: SCOPE, lease_tokens: tokens, lease: LEASE, organization_id: Some(org) };
+    let first = small.redrive(&redrive).await.expect("a re-drive that fits");
+    assert_eq!(first.len(), 2, "as much work as fits the answer");
+    let attempts: Vec<i32> = held(&stack, org).await.into_iter().map(|(_, _, reclaims)| reclaims).collect();
+    assert_eq!(attempts.iter().filter(|reclaims| **reclaims == 0).count(), 4, "the rest spent no attempt");
+    // Its next call, with fresh tokens, takes the next two.
+    let next = RedriveCall { lease_tokens: crate::support::lease_tokens(10), ..redrive };
+    assert_eq!(small.redrive(&next).await.expect("the next").len(), 2);
+    stack.stop().await.unwrap();
+}

@@ -21,7 +21,7 @@ const SURFACE: &[(&str, &str)] = &[
     ("idempotency_complete", "p_claim_id,p_lease_token,p_resource_type,p_resource_id,p_response,p_organization_id"),
     ("idempotency_release", "p_claim_id,p_lease_token,p_organization_id"),
     ("idempotency_extend", "p_claim_id,p_lease_token,p_lease_ms,p_organization_id"),
-    ("idempotency_redrive", "p_scope,p_lease_tokens,p_lease_ms,p_organization_id,p_row_cap"),
+    ("idempotency_redrive", "p_scope,p_lease_tokens,p_lease_ms,p_organization_id,p_row_cap,p_max_bytes"),
     ("idempotency_orphans", "p_limit"),
     ("idempotency_expired", "p_limit"),
     ("idempotency_delete_expired", "p_ids"),
