@@ -30,9 +30,7 @@ pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
     "20261130000019_many_claims_in_one_round_trip.sql",
     "20261130000020_queue_scopes.sql",
     "20261204151330_surface_reports_owners.sql",
-    "20261204212742_one_holder_in_batches.sql",
-    "20261204214314_nothing_held_by_nobody.sql",
-    "20261204215555_the_sweep_keeps_unfinished_work.sql",
+    "20261204212742_one_holder_in_every_path.sql",
     "20261204230500_webhook_body_limit.sql",
 ];
 

@@ -200,10 +200,11 @@ impl KeepAlive {
     }
 
     /// A beat sent at `sent`, asking for `ask`, was answered: the lease is
-    /// ours until at least `sent + ask`.
+    /// ours until at least `sent + ask`, and no longer than the database
+    /// said (a beat near the whole lease's end asks less, and shortens it).
+    /// Beats go one at a time, so the last answered is the lease's end.
     fn confirmed(&self, sent: Instant, ask: Duration) {
-        let mut end = self.confirmed_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        *end = (*end).max(sent + ask);
+        *self.confirmed_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = sent + ask;
     }
 
     fn lost(&self) -> bool {

@@ -1,28 +1,64 @@
--- Nothing held by nobody: the plane owns its row cap, and a re-drive can be
--- repeated after a lost answer.
+-- One holder in every path, and nothing held by nobody.
 --
--- 1. The row cap was whatever the caller said (p_row_cap, up to 100,000).
---    Behind a server that cuts answers at 1,000 rows, a batch or a re-drive
---    of more rows still claimed or took over the rows cut from the answer,
---    with tokens nobody received. The cap is now the plane's:
+-- The single claim keeps the plane's first promise, one worker at a time
+-- holds a key; the paths built since did not, and this migration makes
+-- them:
+--
+-- 1. A batch decides each key once, in key order.
+--    agent.idempotency_claim_many decided a batch in two passes: a bulk
+--    insert of free keys in key order, then agent.idempotency_decide for
+--    every other item in input order. A key's later occurrence was decided
+--    again with its own token, so a batch that waited on another
+--    transaction's row past its lease took over its own claim (two items,
+--    one key, both lease_live); and the second pass, in input order, let
+--    two batches over the same keys wait for each other in a cycle
+--    (40P01). Now each key is decided once, by its first occurrence, in one
+--    INSERT ... ON CONFLICT DO UPDATE that visits the keys in key order: a
+--    free key is inserted, a taken one is locked (ON CONFLICT DO UPDATE
+--    locks the row it finds, whether or not it updates it) and taken over
+--    when its lease has passed and the request is the same. Every item is
+--    answered from its key's row, which the batch holds: a later
+--    occurrence what a single claim would answer it now (processing while
+--    the batch holds the key). The leases won are timed from the end of
+--    the batch. The work a first occurrence stores is measured before
+--    anything is written by agent.idempotency_check_work, which
+--    agent.idempotency_decide now calls too. agent.idempotency_complete_many
+--    and agent.idempotency_release_many lock their rows in (organization,
+--    scope, key) order before writing any.
+-- 2. The plane owns its row cap. It was whatever the caller said (p_row_cap,
+--    up to 100,000): behind a server that cuts answers at 1,000 rows, a
+--    batch or a re-drive of more still claimed or took over the rows cut
+--    from the answer, with tokens nobody received. The cap is now
 --    agent.idempotency_settings.max_rows (one row, default 1000: Supabase's
 --    api.max_rows), set to the server's db-max-rows where that is set.
---    agent.idempotency_row_cap(p_row_cap) answers it, and refuses (22023) a
---    caller's cap above it; every function that answers rows asks it:
---    the batches (through agent.idempotency_check_batch), the re-drives,
---    the failures (through agent.idempotency_failures_scope), the sweep,
---    the sweeper's read (agent.idempotency_expired) and
---    agent.idempotency_orphans. p_row_cap now defaults to the plane's cap.
--- 2. agent.idempotency_redrive minted the new lease tokens itself, so an
---    answer lost or cut on its way left claims taken over that nobody
---    held, each costing an attempt toward the dead letter. It now takes
---    the tokens from its caller, one per orphan it may take over
---    (p_lease_tokens replaces p_limit): a repeat with the same tokens
---    answers again what they still hold, at the same attempt, and takes
---    over more only with the tokens that hold nothing. With p_max_bytes it
---    hands out no more work than a caller can read in one answer (never
---    less than one orphan). A new argument list is a new function: the old
---    one is dropped.
+--    agent.idempotency_row_cap(p_row_cap) answers it and refuses (22023) a
+--    caller's cap above it; every function that answers rows asks it (the
+--    batches through agent.idempotency_check_batch, the failures through
+--    agent.idempotency_failures_scope, the re-drive, the sweep, the
+--    sweeper's read, the orphans). p_row_cap defaults to the plane's cap.
+-- 3. A re-drive can be repeated after a lost answer.
+--    agent.idempotency_redrive minted the new lease tokens itself, so a
+--    lost or cut answer left claims taken over that nobody held, each
+--    costing an attempt toward the dead letter. It now takes one token
+--    per orphan from its caller (p_lease_tokens replaces p_limit): a repeat
+--    with the same tokens answers again what they still hold, at the same
+--    attempt, and takes over more only with the tokens that hold nothing.
+--    With p_max_bytes it hands out no more work than the caller reads in
+--    one answer. A new argument list is a new function: the old one is
+--    dropped.
+-- 4. The sweep never deletes unfinished work. A claim still processing that
+--    carries its request is work a worker acknowledged; when nothing
+--    re-drove it before its retention passed, the sweep deleted it without
+--    a trace. agent.idempotency_retire_expired retires the sweeper's
+--    expired claims: it deletes the finished ones and journals each
+--    unfinished one as a dead letter ({"ok": false, "error":
+--    "swept_unredriven", ...}, kept for its scope's retention, with its
+--    work, so idem failures lists it and idem redrive --failed can send it
+--    back after a fix), and answers how many of each.
+--    agent.idempotency_delete_expired answers through it (the deleted
+--    count), and agent.idempotency_sweep reports both (its report type
+--    gains dead_lettered). The sweep skips rows another transaction holds,
+--    so it never waits on a claim.
 
 CREATE TABLE agent.idempotency_settings (
     id boolean DEFAULT true NOT NULL,
@@ -44,9 +80,58 @@ REVOKE ALL ON TABLE agent.idempotency_settings FROM PUBLIC, anon, authenticated,
 
 INSERT INTO agent.idempotency_settings (id, max_rows) VALUES (true, 1000);
 
+CREATE TYPE agent.idempotency_retired AS (
+	deleted integer,
+	dead_lettered integer
+);
+
+ALTER TYPE agent.idempotency_retired OWNER TO idempotency_owner;
+
+ALTER TYPE agent.idempotency_sweep_report ADD ATTRIBUTE dead_lettered integer;
+
 DROP FUNCTION agent.idempotency_redrive(text, integer, bigint, uuid, integer);
 
 SET local check_function_bodies = off;
+
+CREATE FUNCTION agent.idempotency_check_work(p_scope text, p_request jsonb) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO ''
+    AS $$
+declare
+  v_size bigint := octet_length(p_request::text);
+  v_limit integer;
+begin
+  -- No text under the smallest limit a policy may set (1024) can be above
+  -- one, or 64 levels deep under 130 bytes.
+  if v_size >= 130
+     and jsonb_path_exists(p_request, 'strict $.**{64} ? (@.type() == "array" || @.type() == "object")') then
+    raise exception 'the request nests arrays and objects deeper than 64 levels, more than every client reads back'
+      using errcode = 'IDEM6',
+            hint = 'flatten the request, or store it as its JSON text ({"$json": "<text>"})';
+  end if;
+  if v_size > 1024 then
+    select p.max_request_bytes into v_limit from agent.idempotency_policy(p_scope) p;
+    if v_limit is null then
+      raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', p_scope
+        using errcode = 'IDEM1',
+              hint = 'add the scope (or its family, e.g. tool.*) to agent.idempotency_scopes in a migration';
+    end if;
+    if v_size > v_limit then
+      v_size := agent.idempotency_json_size(p_request);
+      if v_size > v_limit then
+        raise exception 'the request is % bytes as compact JSON, above the % bytes scope % keeps',
+                        v_size, v_limit, p_scope
+          using errcode = 'IDEM5',
+                hint = 'store the work elsewhere and claim with a reference to it, '
+                       'or raise max_request_bytes for the scope';
+      end if;
+    end if;
+  end if;
+end
+$$;
+
+ALTER FUNCTION agent.idempotency_check_work(p_scope text, p_request jsonb) OWNER TO idempotency_owner;
+REVOKE ALL ON FUNCTION agent.idempotency_check_work(p_scope text, p_request jsonb) FROM PUBLIC;
 
 CREATE FUNCTION agent.idempotency_row_cap(p_row_cap integer DEFAULT NULL::integer) RETURNS integer
     LANGUAGE plpgsql STABLE SECURITY DEFINER
@@ -72,6 +157,68 @@ $$;
 
 ALTER FUNCTION agent.idempotency_row_cap(p_row_cap integer) OWNER TO idempotency_owner;
 REVOKE ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) FROM PUBLIC;
+
+CREATE FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) RETURNS SETOF agent.idempotency_retired
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO ''
+    SET lock_timeout TO '5s'
+    AS $$
+declare
+  v_deleted integer;
+  v_dead integer;
+begin
+  if p_ids is null then
+    raise exception 'p_ids is required' using errcode = '22023';
+  end if;
+  if pg_catalog.cardinality(p_ids) > agent.idempotency_row_cap() then
+    raise exception 'p_ids holds % ids; at most the plane''s row cap % per call',
+                    pg_catalog.cardinality(p_ids), agent.idempotency_row_cap()
+      using errcode = '22023';
+  end if;
+  if pg_catalog.array_position(p_ids, null) is not null then
+    raise exception 'p_ids holds a NULL at position %', pg_catalog.array_position(p_ids, null) using errcode = '22023';
+  end if;
+  -- A row another transaction holds is left for the next pass: the sweep
+  -- never waits on a claim, so it never takes part in a cycle of waits.
+  -- Unfinished work (still processing, carrying its request: acknowledged,
+  -- and nobody re-drove it) is never deleted: it is journaled as a dead
+  -- letter, kept for its scope's retention from now, and listed among the
+  -- failures, which an operator can send back after a fix.
+  with expired as (
+    select x.id, x.organization_id, x.scope, x.status = 'processing' and x.request is not null as unfinished
+      from agent.idempotency_keys x
+     where x.id = any (p_ids)
+       and x.retain_until < pg_catalog.now()
+       for update of x skip locked
+  ), dead as (
+    update agent.idempotency_keys as k
+       set status = 'completed',
+           response = pg_catalog.jsonb_build_object('ok', false, 'error', 'swept_unredriven',
+                                                    'output', pg_catalog.jsonb_build_object('attempts', k.reclaims + 1)),
+           lease_expires_at = least(k.lease_expires_at, pg_catalog.now()),
+           retain_until = pg_catalog.now() + coalesce((select p.retain from agent.idempotency_policy(k.scope) p),
+                                                      interval '1 day'),
+           redrive_at = null
+      from expired e
+     where e.unfinished and k.id = e.id and k.organization_id = e.organization_id
+    returning k.id
+  ), deleted as (
+    delete from agent.idempotency_keys k
+     using expired e
+     where not e.unfinished and k.id = e.id and k.organization_id = e.organization_id
+    returning k.id
+  )
+  select (select pg_catalog.count(*) from deleted), (select pg_catalog.count(*) from dead) into v_deleted, v_dead;
+  if v_dead > 0 then
+    raise warning 'idempotency sweep: % unfinished claims carrying work passed their retention unredriven; journaled as dead letters (swept_unredriven)', v_dead
+      using hint = 'schedule a re-drive for their scopes (idem redrive), then send them back: idem redrive --failed';
+  end if;
+  return next (v_deleted, v_dead)::agent.idempotency_retired;
+end
+$$;
+
+ALTER FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) OWNER TO idempotency_owner;
+REVOKE ALL ON FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) FROM PUBLIC;
 
 CREATE FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid DEFAULT NULL::uuid, p_row_cap integer DEFAULT NULL::integer, p_max_bytes bigint DEFAULT NULL::bigint) RETURNS SETOF agent.idempotency_work
     LANGUAGE plpgsql SECURITY DEFINER
@@ -221,6 +368,170 @@ $_$;
 ALTER FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer, p_max_bytes bigint) OWNER TO idempotency_owner;
 REVOKE ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer, p_max_bytes bigint) FROM PUBLIC;
 
+CREATE OR REPLACE FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb DEFAULT NULL::jsonb) RETURNS SETOF agent.idempotency_claim_outcome
+    LANGUAGE plpgsql
+    SET search_path TO ''
+    AS $_$
+declare
+  v_policy_retain interval;
+  v_lease interval;
+  v_retain interval;
+  v_at timestamptz;
+  v_won boolean := false;
+  v_outcome text;
+  v_request jsonb := nullif(p_request, 'null'::jsonb);
+  r agent.idempotency_keys;
+begin
+  -- One test on the way in; the messages are built only for a refusal.
+  if p_organization_id is null or p_scope is null
+     or char_length(p_scope) not between 1 and 128 or p_scope ~ '[^a-z0-9._-]'
+     or p_key is null or char_length(p_key) not between 1 and 512
+     or p_request_hash is null or octet_length(p_request_hash) <> 64 or p_request_hash ~ '[^0-9a-f]'
+     or p_lease_token is null
+     or p_lease_ms is null or p_lease_ms not between 1000 and 86400000
+     or p_retain_ms not between 1 and 31622400000
+     or p_may_insert is null or p_may_take_over is null then
+    perform agent.idempotency_check_key(p_organization_id, p_scope, p_key);
+    if p_request_hash is null then
+      raise exception 'p_request_hash is required' using errcode = '22023';
+    elsif octet_length(p_request_hash) <> 64 or p_request_hash ~ '[^0-9a-f]' then
+      raise exception 'p_request_hash must be 64 lowercase hex digits (a SHA-256), got %',
+                      pg_catalog.left(p_request_hash, 80)
+        using errcode = '22023';
+    elsif p_lease_token is null then
+      raise exception 'p_lease_token is required' using errcode = '22023';
+    elsif p_lease_ms is null or p_lease_ms not between 1000 and 86400000 then
+      raise exception 'p_lease_ms must be between 1000 (one second) and 86400000 (one day), got %', p_lease_ms
+        using errcode = '22023';
+    elsif p_retain_ms not between 1 and 31622400000 then
+      raise exception 'p_retain_ms must be between 1 and 31622400000 (366 days), got %', p_retain_ms
+        using errcode = '22023';
+    else
+      raise exception 'p_may_insert and p_may_take_over are required' using errcode = '22023';
+    end if;
+  end if;
+
+  -- The work is measured before anything is locked, as a completion's
+  -- answer is (see 0014).
+  if v_request is not null then
+    perform agent.idempotency_check_work(p_scope, v_request);
+  end if;
+
+  v_lease := p_lease_ms * interval '1 millisecond';
+  -- What the caller asks for; the scope's policy is the floor of it.
+  v_retain := greatest(coalesce(p_retain_ms, 0) * interval '1 millisecond', v_lease);
+
+  -- Each pass decides, or sees the row change under it (released, taken
+  -- over by someone else) and looks again; a key that keeps changing hands
+  -- gives up with a serialization failure, which is safe to retry.
+  for pass in 1..4 loop
+    if p_may_insert then
+      v_at := pg_catalog.clock_timestamp();
+      -- The first claim, the hot path, reads its scope's policy in the
+      -- same statement: no policy row, no insert.
+      insert into agent.idempotency_keys as k
+        (organization_id, scope, key, request_hash, status, lease_token,
+         claimed_at, lease_expires_at, retain_until, request, redrive_at)
+      select p_organization_id, p_scope, p_key, p_request_hash, 'processing', p_lease_token,
+             v_at, v_at + v_lease, v_at + v_lease + greatest(s.retain, v_retain),
+             v_request, case when v_request is not null then v_at + v_lease end
+        from agent.idempotency_scopes s
+       where s.scope = p_scope
+          or (s.scope like '%.*'
+              and char_length(p_scope) > char_length(s.scope) - 1
+              and left(p_scope, char_length(s.scope) - 1) = left(s.scope, -1))
+       order by s.scope = p_scope desc, char_length(s.scope) desc
+       limit 1
+      on conflict (organization_id, scope, key) do nothing
+      returning k.* into r;
+      if found then
+        v_outcome := 'claimed';
+        v_won := true;
+        exit;
+      end if;
+    end if;
+    if v_policy_retain is null then
+      select p.retain into v_policy_retain from agent.idempotency_policy(p_scope) p;
+      if v_policy_retain is null then
+        raise exception 'unknown scope %: no row of agent.idempotency_scopes names it or a family of it', p_scope
+          using errcode = 'IDEM1',
+                hint = 'add the scope (or its family, e.g. tool.*) to agent.idempotency_scopes in a migration';
+      end if;
+      v_retain := greatest(v_retain, v_policy_retain);
+    end if;
+
+    select k.* into r
+      from agent.idempotency_keys k
+     where k.organization_id = p_organization_id and k.scope = p_scope and k.key = p_key;
+    if not found then
+      -- Released since our insert: insert again; or nothing to take over.
+      continue when p_may_insert;
+      return;
+    end if;
+    if r.request_hash <> p_request_hash then
+      v_outcome := 'conflict';
+    elsif r.status = 'completed' then
+      v_outcome := 'completed';
+    elsif r.lease_expires_at > pg_catalog.clock_timestamp() then
+      v_outcome := case when r.lease_token <> p_lease_token then 'processing'
+                        when r.reclaims > 0 then 'reclaimed'
+                        else 'claimed' end;
+    elsif not p_may_take_over then
+      v_outcome := 'reclaimable';
+    end if;
+    exit when v_outcome is not null;
+
+    v_at := pg_catalog.clock_timestamp();
+    update agent.idempotency_keys as k
+       set lease_token = p_lease_token,
+           claimed_at = v_at,
+           lease_expires_at = v_at + v_lease,
+           retain_until = greatest(k.retain_until, v_at + v_lease + v_retain),
+           reclaims = k.reclaims + 1,
+           request = coalesce(k.request, v_request),
+           redrive_at = case when coalesce(k.request, v_request) is not null then v_at + v_lease end
+     where k.id = r.id
+       and k.lease_token = r.lease_token
+       and k.status = 'processing'
+       and k.lease_expires_at <= pg_catalog.clock_timestamp()
+    returning k.* into r;
+    if found then
+      v_outcome := 'reclaimed';
+      v_won := true;
+      exit;
+    end if;
+  end loop;
+  if v_outcome is null then
+    raise exception 'the key %/% kept changing hands; try again', p_scope, p_key using errcode = '40001';
+  end if;
+
+  -- A win that waited: the lease starts now, and the retention, counted
+  -- from the lease's end, moves with it.
+  if v_won and pg_catalog.clock_timestamp() - v_at > interval '10 milliseconds' then
+    v_at := pg_catalog.clock_timestamp();
+    update agent.idempotency_keys as k
+       set claimed_at = v_at,
+           lease_expires_at = v_at + v_lease,
+           retain_until = greatest(k.retain_until, v_at + v_lease + (k.retain_until - k.lease_expires_at)),
+           redrive_at = case when k.redrive_at is not null then v_at + v_lease end
+     where k.id = r.id
+    returning k.* into r;
+  end if;
+
+  return next (
+    v_outcome, r.id, r.organization_id, r.scope, r.key,
+    case when v_outcome = 'conflict' then null else r.request_hash end,
+    r.status,
+    case when v_outcome in ('claimed', 'reclaimed') then r.lease_token end,
+    case when v_outcome = 'completed' then r.resource_type end,
+    case when v_outcome = 'completed' then r.resource_id end,
+    case when v_outcome = 'completed' then r.response end,
+    r.claimed_at, r.lease_expires_at, r.retain_until,
+    r.status = 'processing' and r.lease_expires_at > pg_catalog.clock_timestamp()
+  )::agent.idempotency_claim_outcome;
+end
+$_$;
+
 CREATE OR REPLACE FUNCTION agent.idempotency_check_batch(p_items jsonb, p_row_cap integer) RETURNS void
     LANGUAGE plpgsql STABLE
     SET search_path TO ''
@@ -278,91 +589,6 @@ begin
   return v_prefix;
 end
 $_$;
-
-CREATE OR REPLACE FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_sweep_report
-    LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO ''
-    SET lock_timeout TO '5s'
-    AS $$
-declare
-  v_ids uuid[];
-  v_read integer;
-  v_deleted integer;
-  v_cap integer;
-begin
-  if p_bound is null then
-    raise exception 'p_bound is required: the most expired claims one sweep reads' using errcode = '22023';
-  end if;
-  v_cap := agent.idempotency_row_cap(p_row_cap);
-  if p_bound < 1 then
-    raise exception 'p_bound must be at least 1, got %', p_bound using errcode = '22023';
-  end if;
-  if p_bound > v_cap then
-    raise exception 'p_bound % is above the row cap %: a sweep reads at most the row cap',
-                    p_bound, v_cap
-      using errcode = '22023',
-            hint = 'lower p_bound to the row cap or below; a larger backlog is swept by sweeping more often';
-  end if;
-
-  select coalesce(pg_catalog.array_agg(e.id), '{}') into v_ids
-    from agent.idempotency_expired(p_bound) e;
-  v_read := pg_catalog.cardinality(v_ids);
-  v_deleted := agent.idempotency_delete_expired(v_ids);
-
-  if v_read >= p_bound then
-    raise warning 'idempotency sweep read % expired claims, its whole bound: the backlog may be larger', v_read
-      using hint = 'sweep more often or raise the bound (up to the row cap)';
-  end if;
-  return next (v_read, v_deleted, p_bound, v_read >= p_bound)::agent.idempotency_sweep_report;
-end
-$$;
-
-CREATE OR REPLACE FUNCTION agent.idempotency_expired(p_limit integer) RETURNS SETOF agent.idempotency_rows
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
-    SET search_path TO ''
-    AS $$
-declare
-  v_row agent.idempotency_rows;
-begin
-  if p_limit is null or p_limit not between 1 and agent.idempotency_row_cap() then
-    raise exception 'p_limit must be between 1 and the plane''s row cap %, got %', agent.idempotency_row_cap(), p_limit
-      using errcode = '22023';
-  end if;
-  for v_row in
-    select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status, null::uuid,
-           k.resource_type, k.resource_id, k.response, k.claimed_at, k.lease_expires_at,
-           k.retain_until, k.reclaims
-      from agent.idempotency_keys k
-     where k.retain_until < now()
-     order by k.retain_until, k.id
-     limit p_limit
-  loop
-    return next v_row;
-  end loop;
-end
-$$;
-
-CREATE OR REPLACE FUNCTION agent.idempotency_orphans(p_limit integer DEFAULT 100) RETURNS SETOF agent.idempotency_orphaned_scope
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
-    SET search_path TO ''
-    AS $$
-begin
-  if p_limit is null or p_limit not between 1 and least(1000, agent.idempotency_row_cap()) then
-    raise exception 'p_limit must be between 1 and % scopes (1000, or the plane''s row cap when lower), got %',
-                    least(1000, agent.idempotency_row_cap()), p_limit
-      using errcode = '22023';
-  end if;
-  return query
-    select k.scope, count(*), min(k.redrive_at),
-           (extract(epoch from pg_catalog.clock_timestamp() - min(k.redrive_at)) * 1000)::bigint
-      from agent.idempotency_keys k
-     where k.redrive_at <= pg_catalog.clock_timestamp()
-       and k.status = 'processing'
-     group by k.scope
-     order by count(*) desc, k.scope
-     limit p_limit;
-end
-$$;
 
 CREATE OR REPLACE FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_claim_item
     LANGUAGE plpgsql SECURITY DEFINER
@@ -697,6 +923,102 @@ begin
 end
 $$;
 
+CREATE OR REPLACE FUNCTION agent.idempotency_delete_expired(p_ids uuid[]) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO ''
+    SET lock_timeout TO '5s'
+    AS $$
+begin
+  return (select r.deleted from agent.idempotency_retire_expired(p_ids) r);
+end
+$$;
+
+CREATE OR REPLACE FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_sweep_report
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO ''
+    SET lock_timeout TO '5s'
+    AS $$
+declare
+  v_ids uuid[];
+  v_read integer;
+  v_retired agent.idempotency_retired;
+  v_cap integer;
+begin
+  if p_bound is null then
+    raise exception 'p_bound is required: the most expired claims one sweep reads' using errcode = '22023';
+  end if;
+  v_cap := agent.idempotency_row_cap(p_row_cap);
+  if p_bound < 1 then
+    raise exception 'p_bound must be at least 1, got %', p_bound using errcode = '22023';
+  end if;
+  if p_bound > v_cap then
+    raise exception 'p_bound % is above the row cap %: a sweep reads at most the row cap',
+                    p_bound, v_cap
+      using errcode = '22023',
+            hint = 'lower p_bound to the row cap or below; a larger backlog is swept by sweeping more often';
+  end if;
+
+  select coalesce(pg_catalog.array_agg(e.id), '{}') into v_ids
+    from agent.idempotency_expired(p_bound) e;
+  v_read := pg_catalog.cardinality(v_ids);
+  select * into v_retired from agent.idempotency_retire_expired(v_ids);
+
+  if v_read >= p_bound then
+    raise warning 'idempotency sweep read % expired claims, its whole bound: the backlog may be larger', v_read
+      using hint = 'sweep more often or raise the bound (up to the row cap)';
+  end if;
+  return next (v_read, v_retired.deleted, p_bound, v_read >= p_bound, v_retired.dead_lettered)
+    ::agent.idempotency_sweep_report;
+end
+$$;
+
+CREATE OR REPLACE FUNCTION agent.idempotency_expired(p_limit integer) RETURNS SETOF agent.idempotency_rows
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path TO ''
+    AS $$
+declare
+  v_row agent.idempotency_rows;
+begin
+  if p_limit is null or p_limit not between 1 and agent.idempotency_row_cap() then
+    raise exception 'p_limit must be between 1 and the plane''s row cap %, got %', agent.idempotency_row_cap(), p_limit
+      using errcode = '22023';
+  end if;
+  for v_row in
+    select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status, null::uuid,
+           k.resource_type, k.resource_id, k.response, k.claimed_at, k.lease_expires_at,
+           k.retain_until, k.reclaims
+      from agent.idempotency_keys k
+     where k.retain_until < now()
+     order by k.retain_until, k.id
+     limit p_limit
+  loop
+    return next v_row;
+  end loop;
+end
+$$;
+
+CREATE OR REPLACE FUNCTION agent.idempotency_orphans(p_limit integer DEFAULT 100) RETURNS SETOF agent.idempotency_orphaned_scope
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path TO ''
+    AS $$
+begin
+  if p_limit is null or p_limit not between 1 and least(1000, agent.idempotency_row_cap()) then
+    raise exception 'p_limit must be between 1 and % scopes (1000, or the plane''s row cap when lower), got %',
+                    least(1000, agent.idempotency_row_cap()), p_limit
+      using errcode = '22023';
+  end if;
+  return query
+    select k.scope, count(*), min(k.redrive_at),
+           (extract(epoch from pg_catalog.clock_timestamp() - min(k.redrive_at)) * 1000)::bigint
+      from agent.idempotency_keys k
+     where k.redrive_at <= pg_catalog.clock_timestamp()
+       and k.status = 'processing'
+     group by k.scope
+     order by count(*) desc, k.scope
+     limit p_limit;
+end
+$$;
+
 CREATE OR REPLACE FUNCTION agent.idempotency_failures(p_scope text, p_limit integer, p_organization_id uuid DEFAULT NULL::uuid, p_since timestamp with time zone DEFAULT NULL::timestamp with time zone, p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_failure
     LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path TO ''
@@ -806,4 +1128,5 @@ end
 $$;
 
 GRANT ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) TO service_role;
+GRANT ALL ON FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) TO service_role;
 GRANT ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer, p_max_bytes bigint) TO service_role;
