@@ -516,9 +516,11 @@ Deno.test("one body limit: the webhook.* scope stores every body up to the gate'
 Deno.test("webhookHandler over a real server: a signed event at the default limit is taken, stored whole and re-driven; one byte more is 413 before verify", async () => {
   const org = organization();
   const limit = DEFAULT_WEBHOOK_BODY_LIMIT_BYTES;
-  // Processing keeps failing, so the event is left, with its body, for a re-drive.
+  // Processing keeps failing, so the event is left, with its body, for a
+  // re-drive. The timeout counts from before the claim, which carries the
+  // whole body: long enough that a busy machine still reaches processing.
   const gate = new WebhookGate(plane(), {
-    processingTimeoutMs: 300,
+    processingTimeoutMs: 2_000,
     heartbeatLeaseMs: 3_000,
     closeOnBeforeUnload: false,
     log: silent,

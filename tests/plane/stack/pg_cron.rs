@@ -240,7 +240,7 @@ async fn the_recipe_sweeps_through_pg_cron(mode: Mode, test: &str) {
     assert_eq!((user.as_str(), status.as_str()), ("scheduler", "succeeded"), "{message}; runs: {runs:?}");
     let (_, _, status, message) = run_of("idempotency-sweep-above-cap");
     assert_eq!(status, "failed", "{message}");
-    assert!(message.contains("p_bound 1001 is above the row cap p_row_cap 1000"), "{message}");
+    assert!(message.contains("p_bound 1001 is above the row cap 1000"), "{message}");
     let left: Vec<String> = sqlx::query_scalar("select key from agent.idempotency_keys order by key")
         .fetch_all(&mut admin)
         .await
