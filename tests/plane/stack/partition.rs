@@ -208,62 +208,72 @@ async fn a_tool_cut_off_from_its_plane_is_told_to_stop_and_left_to_its_lease() {
     stack.stop().await.unwrap();
 }
 
-/// Fifty workers cut off together, each holding a key of its own under
-/// heartbeats, while fifty others reach the plane directly and take each
-/// key over as soon as the plane lets them: every first effect is told to
-/// stop before the effect that replaces it starts, none is journaled, and
-/// every key keeps its second worker's answer.
+/// Four partitions of fifty workers each: in every round fifty workers,
+/// each holding a key of its own under heartbeats, are cut off together
+/// while fifty others reach the plane directly and take each key over as
+/// soon as the plane lets them. Over the two hundred races every first
+/// effect is told to stop before the effect that replaces it starts, none
+/// is journaled, and every key keeps its second worker's answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn fifty_effects_cut_off_together_each_stop_before_their_key_is_taken_over() {
+async fn two_hundred_effects_cut_off_in_four_partitions_each_stop_before_their_key_is_taken_over() {
+    const ROUNDS: usize = 4;
     const KEYS: usize = 50;
     let stack = stack().await;
-    let plane = Partitionable::start(&stack).await;
-    let first = Arc::new(EffectDriver::new(IdempotencyService::new(plane.repository(&stack))));
-    let (org, h) = (org(), hash("fifty"));
-    let keys: Vec<String> = (0..KEYS).map(|i| format!("evt-{i:02}")).collect();
-    let effect = |key: &'static str| Effect {
-        organization_id: org,
-        scope: "webhook.partition",
-        key,
-        request_hash: &h,
-        timing: beating(),
-        request: None,
-    };
-    let keys: &'static [String] = Box::leak(keys.into_boxed_slice());
-    let mut held = Vec::new();
-    for key in keys {
-        let Begun::Held(one) = first.begin(&effect(key)).await.expect("a first claim") else { panic!("claimed") };
-        held.push(one);
-    }
-    let seen: Vec<Arc<Mutex<Seen>>> = (0..KEYS).map(|_| Arc::new(Mutex::new(Seen::default()))).collect();
-    let runs = futures_util::future::join_all(
-        held.iter().zip(&seen).map(|(one, seen)| one.run(stubborn_effect(seen.clone()))),
-    );
-    let takeovers = async {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        plane.forward.stall();
-        let started = futures_util::future::join_all(keys.iter().map(|key| {
-            let stack = &stack;
-            let effect = effect(key);
-            async move { take_over(stack, &effect).await.0 }
-        }))
-        .await;
-        started
-    };
-    let (ran, started) = tokio::join!(runs, takeovers);
-    for (i, ran) in ran.into_iter().enumerate() {
-        assert_eq!(ran, Err(Cut::LeaseUnconfirmed), "key {i}");
-        let stopped = seen[i].lock().unwrap().stopped.expect("told to stop");
-        assert!(stopped < started[i], "key {i}: told to stop {:?} after its takeover started", stopped - started[i]);
-    }
-    for one in held {
-        assert_eq!(one.settle(Settle::Unknown("the lease could not be confirmed")).await.as_str(), "left_to_lease");
-    }
+    let h = hash("fifty");
     let service = service(&stack);
-    for key in keys {
-        let kept = service.read(org, "webhook.partition", key, &h).await.expect("read");
-        let ReadOutcome::Completed { response: Some(response), .. } = &kept else { panic!("{key}: {kept:?}") };
-        assert_eq!(response["output"], json!("the second worker's effect"), "{key}");
+    for round in 0..ROUNDS {
+        let org = org();
+        let plane = Partitionable::start(&stack).await;
+        let first = EffectDriver::new(IdempotencyService::new(plane.repository(&stack)));
+        let keys: Vec<String> = (0..KEYS).map(|i| format!("evt-{i:02}")).collect();
+        let effect = |key: &'static str| Effect {
+            organization_id: org,
+            scope: "webhook.partition",
+            key,
+            request_hash: &h,
+            timing: beating(),
+            request: None,
+        };
+        let keys: &'static [String] = Box::leak(keys.into_boxed_slice());
+        let mut held = Vec::new();
+        for key in keys {
+            let Begun::Held(one) = first.begin(&effect(key)).await.expect("a first claim") else { panic!("claimed") };
+            held.push(one);
+        }
+        let seen: Vec<Arc<Mutex<Seen>>> = (0..KEYS).map(|_| Arc::new(Mutex::new(Seen::default()))).collect();
+        let runs = futures_util::future::join_all(
+            held.iter().zip(&seen).map(|(one, seen)| one.run(stubborn_effect(seen.clone()))),
+        );
+        let takeovers = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            plane.forward.stall();
+            futures_util::future::join_all(keys.iter().map(|key| {
+                let stack = &stack;
+                let effect = effect(key);
+                async move { take_over(stack, &effect).await.0 }
+            }))
+            .await
+        };
+        let (ran, started) = tokio::join!(runs, takeovers);
+        for (i, ran) in ran.into_iter().enumerate() {
+            assert_eq!(ran, Err(Cut::LeaseUnconfirmed), "round {round}, key {i}");
+            let stopped = seen[i].lock().unwrap().stopped.expect("told to stop");
+            assert!(
+                stopped < started[i],
+                "round {round}, key {i}: told to stop {:?} after its takeover started",
+                stopped - started[i]
+            );
+        }
+        for one in held {
+            assert_eq!(one.settle(Settle::Unknown("the lease could not be confirmed")).await.as_str(), "left_to_lease");
+        }
+        for key in keys {
+            let kept = service.read(org, "webhook.partition", key, &h).await.expect("read");
+            let ReadOutcome::Completed { response: Some(response), .. } = &kept else {
+                panic!("round {round}, {key}: {kept:?}")
+            };
+            assert_eq!(response["output"], json!("the second worker's effect"), "round {round}, {key}");
+        }
     }
     stack.stop().await.unwrap();
 }
