@@ -32,6 +32,7 @@ pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
     "20261204151330_surface_reports_owners.sql",
     "20261204212742_one_holder_in_every_path.sql",
     "20261204230500_webhook_body_limit.sql",
+    "20261205013000_queue_in_one_transaction.sql",
 ];
 
 /// The optional layout that hash-partitions the claim table by

@@ -23,6 +23,7 @@ CREATE TABLE agent.idempotency_keys (
     request jsonb,
     redrive_at timestamp with time zone,
     replaced jsonb,
+    dead_lettered_at timestamp with time zone,
     CONSTRAINT idempotency_keys_completed_has_answer CHECK (((status <> 'completed'::text) OR (NULLIF(response, 'null'::jsonb) IS NOT NULL) OR (resource_id IS NOT NULL))),
     CONSTRAINT idempotency_keys_key_length CHECK (((char_length(key) >= 1) AND (char_length(key) <= 512))),
     CONSTRAINT idempotency_keys_redrive_carries_work CHECK (((redrive_at IS NULL) OR ((status = 'processing'::text) AND (request IS NOT NULL)))),
@@ -43,6 +44,8 @@ COMMENT ON TABLE agent.idempotency_keys IS 'Idempotency claims and the replay jo
 COMMENT ON COLUMN agent.idempotency_keys.request IS 'The work the claim carries, as its claimant stored it; handed out only by agent.idempotency_redrive.';
 
 COMMENT ON COLUMN agent.idempotency_keys.redrive_at IS 'When a claim carrying work may be re-driven: its lease end while processing, NULL otherwise.';
+
+COMMENT ON COLUMN agent.idempotency_keys.dead_lettered_at IS 'When the failure journaled for this key was sent to a dead-letter queue: a copy of the command that failed is archived beside that letter, never sent again.';
 
 COMMENT ON COLUMN agent.idempotency_keys.replaced IS 'What agent.idempotency_redrive_failed replaced, oldest first (at most 20): the audit of failures sent back.';
 

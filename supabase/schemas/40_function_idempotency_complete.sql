@@ -2,7 +2,8 @@
 --
 -- Journals the answer (public): completes the claim when p_lease_token is
 -- still its fence, and answers the completed row; nothing when the fence
--- moved on.
+-- moved on. The work the claim carries is kept with a failure (an operator
+-- may send it back to run again after a fix) and dropped with a success.
 
 CREATE FUNCTION agent.idempotency_complete(p_claim_id uuid, p_lease_token uuid, p_resource_type text DEFAULT NULL::text, p_resource_id text DEFAULT NULL::text, p_response jsonb DEFAULT NULL::jsonb, p_organization_id uuid DEFAULT NULL::uuid) RETURNS SETOF agent.idempotency_claim
     LANGUAGE plpgsql SECURITY DEFINER
@@ -82,6 +83,9 @@ begin
          resource_type = v_resource_type,
          resource_id = v_resource_id,
          response = v_response,
+         -- The work a claim carries is kept for a failure, which a fix may
+         -- send back to run again; a success needs it no more.
+         request = case when v_response -> 'ok' = 'false'::jsonb then k.request end,
          retain_until = greatest(k.retain_until,
                                  pg_catalog.clock_timestamp() + (k.retain_until - k.lease_expires_at)),
          redrive_at = null

@@ -25,6 +25,15 @@ GRANT ALL ON TYPE agent.idempotency_claim_outcome TO service_role;
 REVOKE ALL ON TYPE agent.idempotency_completion_item FROM PUBLIC;
 GRANT ALL ON TYPE agent.idempotency_completion_item TO service_role;
 
+REVOKE ALL ON TYPE agent.idempotency_queue_extended FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_queue_extended TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_queue_item FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_queue_item TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_queue_settled FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_queue_settled TO service_role;
+
 REVOKE ALL ON TYPE agent.idempotency_release_item FROM PUBLIC;
 GRANT ALL ON TYPE agent.idempotency_release_item TO service_role;
 
@@ -32,6 +41,8 @@ REVOKE ALL ON TYPE agent.run_admission FROM PUBLIC;
 GRANT ALL ON TYPE agent.run_admission TO service_role;
 
 GRANT SELECT ON TABLE agent.idempotency_rows TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_canonical_json(p_value jsonb) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION agent.idempotency_cap_probe(p_rows integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_cap_probe(p_rows integer) TO service_role;
@@ -81,6 +92,8 @@ REVOKE ALL ON FUNCTION agent.idempotency_item_text(p_item jsonb, p_index integer
 
 REVOKE ALL ON FUNCTION agent.idempotency_item_uuid(p_item jsonb, p_index integer, p_field text) FROM PUBLIC;
 
+REVOKE ALL ON FUNCTION agent.idempotency_json_number(p_number numeric) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION agent.idempotency_json_size(p_value jsonb) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION agent.idempotency_orphans(p_limit integer) FROM PUBLIC;
@@ -92,6 +105,25 @@ GRANT ALL ON FUNCTION agent.idempotency_policies(p_scope text) TO service_role;
 REVOKE ALL ON FUNCTION agent.idempotency_policy(p_scope text, OUT retain interval, OUT max_response_bytes integer, OUT max_request_bytes integer, OUT max_attempts integer) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION agent.idempotency_private_functions() FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_queue_check(p_name text, p_argument text) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_queue_extend(p_queue text, p_lease_ms bigint, p_items jsonb, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_queue_extend(p_queue text, p_lease_ms bigint, p_items jsonb, p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_queue_items(p_items jsonb, p_row_cap integer, p_endings boolean) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_queue_letter(p_queue text, p_dead_letter_queue text, p_msg_id bigint, p_read_ct integer, p_message jsonb, p_failure jsonb) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_queue_lock(p_queue text, p_msg_ids bigint[], p_organizations uuid[], p_claim_ids uuid[]) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_queue_privileges(p_queue text, p_dead_letter_queue text) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION agent.idempotency_queue_settle(p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_queue_settle(p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) TO service_role;
@@ -110,6 +142,9 @@ GRANT ALL ON FUNCTION agent.idempotency_release(p_claim_id uuid, p_lease_token u
 REVOKE ALL ON FUNCTION agent.idempotency_release_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_release_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) TO service_role;
 
+REVOKE ALL ON FUNCTION agent.idempotency_request_hash(p_value jsonb) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_request_hash(p_value jsonb) TO service_role;
+
 REVOKE ALL ON FUNCTION agent.idempotency_surface() FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_surface() TO service_role;
 
@@ -124,6 +159,8 @@ GRANT ALL ON FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer
 
 REVOKE ALL ON FUNCTION agent.idempotency_try_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_try_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_utf16_order(p_key text) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION agent.provider_job_lookup(p_provider text, p_job_id text) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.provider_job_lookup(p_provider text, p_job_id text) TO service_role;
