@@ -2,7 +2,10 @@
 //! installed from the `pgmq` crate (which embeds the extension's scripts,
 //! so no extension files are needed on the server), then the `pgmq_public`
 //! wrappers Supabase creates when queues are exposed through its Data API
-//! (`sql/queues/pgmq_public.sql`), then the queues asked for.
+//! (`sql/queues/pgmq_public.sql`), then the queues asked for, each with the
+//! privileges the plane's own queue functions need on it
+//! (`agent.idempotency_queue_privileges`), as a queue and as a dead-letter
+//! queue.
 
 use sqlx::{AssertSqlSafe, PgPool};
 use url::Url;
@@ -46,6 +49,19 @@ pub(super) async fn install(db: &PgPool, db_url: &Url, queues: &[String]) -> Res
                 .execute(db)
                 .await
                 .map_err(|error| failed(&format!("creating queue {queue}"), &error))?;
+        }
+        // Any local queue may be read, or take another's dead letters: the
+        // grants of both, as an operator runs them for each pair.
+        let grants: Vec<String> = sqlx::query_scalar("select g from agent.idempotency_queue_privileges($1, $1) g")
+            .bind(queue)
+            .fetch_all(db)
+            .await
+            .map_err(|error| failed(&format!("listing the privileges of queue {queue}"), &error))?;
+        for grant in grants {
+            sqlx::raw_sql(AssertSqlSafe(grant.as_str()))
+                .execute(db)
+                .await
+                .map_err(|error| failed(&format!("granting the plane queue {queue}: {grant}"), &error))?;
         }
     }
     Ok(())

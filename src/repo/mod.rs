@@ -17,6 +17,7 @@ mod batch;
 mod memory;
 mod postgrest;
 pub mod probes;
+mod queue;
 mod record;
 mod routed;
 mod surface;
@@ -31,6 +32,7 @@ use crate::error::Error;
 pub use self::postgrest::PostgrestRepository;
 pub use batch::{BatchClaims, ClaimItem, ClaimManyCall, CompletionItem};
 pub use memory::MemoryRepository;
+pub use queue::{PlaneQueues, QueueClaim, QueueEnding, QueueSettled, QueueTakeCall, TakeOutcome, TakenItem};
 pub use record::{
     AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, FailureRow, IdempotencyRecord, ProviderJob,
     WorkRow,

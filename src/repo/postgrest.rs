@@ -1,6 +1,7 @@
 //! The repository over PostgREST: one RPC per operation.
 
 mod batch;
+mod queue;
 
 use serde::Serialize;
 use uuid::Uuid;

@@ -98,6 +98,18 @@ pub(crate) const PROVIDER_JOB_LOOKUP: SqlFunction = function("provider_job_looku
 pub(crate) const CAP_PROBE: SqlFunction = function("idempotency_cap_probe", "p_rows integer");
 pub(crate) const ROW_CAP: SqlFunction = function("idempotency_row_cap", "p_row_cap integer");
 pub(crate) const SURFACE: SqlFunction = function("idempotency_surface", "");
+pub(crate) const REQUEST_HASH: SqlFunction = function("idempotency_request_hash", "p_value jsonb");
+pub(crate) const QUEUE_TAKE: SqlFunction = function(
+    "idempotency_queue_take",
+    "p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], \
+     p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer",
+);
+pub(crate) const QUEUE_SETTLE: SqlFunction = function(
+    "idempotency_queue_settle",
+    "p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer",
+);
+pub(crate) const QUEUE_EXTEND: SqlFunction =
+    function("idempotency_queue_extend", "p_queue text, p_lease_ms bigint, p_items jsonb, p_row_cap integer");
 
 /// Every function of the SQL surface.
 pub const SQL_SURFACE: &[SqlFunction] = &[
@@ -127,6 +139,10 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     CAP_PROBE,
     ROW_CAP,
     SURFACE,
+    REQUEST_HASH,
+    QUEUE_TAKE,
+    QUEUE_SETTLE,
+    QUEUE_EXTEND,
 ];
 
 #[cfg(test)]

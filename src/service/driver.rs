@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::answer::Answer;
 use super::hash::RequestHash;
-use super::held::{Held, KeepAlive, FIRST_ENDING_BACKOFF, MAX_ENDING_BACKOFF};
+use super::held::{Beater, Held, KeepAlive, FIRST_ENDING_BACKOFF, MAX_ENDING_BACKOFF};
 use super::idempotency::IdempotencyService;
 use super::outcome::Claim;
 use super::outcome::ClaimOutcome;
@@ -137,9 +137,16 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
     /// The claim held, with its deadlines counted from `started` (just
     /// before the claim was asked for) and its heartbeat, if `timing` has one.
     fn hold(&self, claim: Claim, timing: Timing, started: Instant) -> Held<R> {
+        self.hold_with(claim, timing, started, None)
+    }
+
+    /// [`hold`](Self::hold), its heartbeat (if `timing` has one) made by
+    /// `beater` when given.
+    pub(crate) fn hold_with(&self, claim: Claim, timing: Timing, started: Instant, beater: Option<Beater>) -> Held<R> {
         let ending_deadline = started + timing.effect() + timing.journal();
         let keep_alive = timing.heartbeat().map(|lease| {
             KeepAlive::new(lease, started, ending_deadline, ending_deadline + timing.margin(), timing.margin())
+                .beating_with(beater)
         });
         Held {
             service: self.service.clone(),

@@ -137,6 +137,27 @@ impl Cut {
     }
 }
 
+/// One heartbeat of a claim whose lease is kept by another call than the
+/// plane's `extend`: given the lease to ask for, it answers the lease's new
+/// end, or `None` when the claim is no longer this worker's (as `extend`
+/// does). A queue's heartbeat extends the claim and hides its messages in
+/// one call.
+#[derive(Clone)]
+pub(crate) struct Beater(pub(crate) BeatFn);
+
+/// The function a [`Beater`] calls.
+pub(crate) type BeatFn = Arc<
+    dyn Fn(Duration) -> futures_util::future::BoxFuture<'static, Result<Option<chrono::DateTime<chrono::Utc>>, Error>>
+        + Send
+        + Sync,
+>;
+
+impl std::fmt::Debug for Beater {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Beater")
+    }
+}
+
 /// A claim's heartbeat: while the effect runs ([`Held::run`]) and while
 /// its ending is written ([`Held::settle`]), the lease is extended every
 /// third of `lease`, never to end after `lease_end` (the end the whole
@@ -151,6 +172,9 @@ impl Cut {
 /// worker's clock can only stop it early, never keep it going longer.
 #[derive(Debug)]
 pub(super) struct KeepAlive {
+    /// What extends the lease when it is not the plane's `extend` alone (a
+    /// queue's heartbeat also keeps the claim's messages hidden).
+    beater: Option<Beater>,
     lease: Duration,
     last_beat: Instant,
     lease_end: Instant,
@@ -177,6 +201,7 @@ impl KeepAlive {
         margin: Duration,
     ) -> Self {
         KeepAlive {
+            beater: None,
             lease,
             last_beat,
             lease_end,
@@ -185,6 +210,12 @@ impl KeepAlive {
             confirmed_end: std::sync::Mutex::new(claimed + lease),
             lost: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// This heartbeat extends the lease through `beater`.
+    pub(super) fn beating_with(mut self, beater: Option<Beater>) -> Self {
+        self.beater = beater;
+        self
     }
 
     /// When an effect that could not confirm its lease is told to stop:
@@ -391,8 +422,11 @@ impl<R: IdempotencyRepository> Held<R> {
     async fn beat(&self, keep_alive: &KeepAlive, now: Instant) -> Beat {
         let claim = &self.claim;
         let ask = keep_alive.lease.min(keep_alive.lease_end.saturating_duration_since(now)).max(super::MIN_LEASE);
-        let repo = self.service.repository();
-        match repo.extend(claim.organization_id, claim.id, claim.lease_token, ask).await {
+        let extended = match &keep_alive.beater {
+            Some(beater) => (beater.0)(ask).await,
+            None => self.service.repository().extend(claim.organization_id, claim.id, claim.lease_token, ask).await,
+        };
+        match extended {
             Ok(Some(_)) => {
                 keep_alive.beat_at(now);
                 keep_alive.confirmed(now, ask);

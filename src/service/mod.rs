@@ -30,11 +30,13 @@ pub(crate) mod validate;
 #[cfg(feature = "axum")]
 pub(crate) use answer::stored_size;
 pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
+pub(crate) use answer::{store as store_answer, StoredAnswer};
 pub use batch::{Batch, BatchItem, BatchReport, ItemEnding};
 pub use caller_key::caller_scoped_key;
 pub(crate) use driver::asking_cut;
 pub use driver::{may_have_written, Attempt, Begun, Effect, EffectDriver, Redriven};
 pub use hash::{canonical_json, RequestHash};
+pub(crate) use held::Beater;
 pub use held::{effect_stop, Cut, Held, LeftToLease, Refused, Settle, Settled};
 pub use idempotency::{IdempotencyService, DEFAULT_RESPONSE_LIMIT, MAX_REPLAY_CACHE_TTL};
 pub use journal::Elided;

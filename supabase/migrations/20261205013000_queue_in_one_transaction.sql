@@ -51,7 +51,8 @@ CREATE TYPE agent.idempotency_queue_item AS (
 	response jsonb,
 	archived boolean,
 	dead_lettered boolean,
-	reason text
+	reason text,
+	taken integer
 );
 
 ALTER TYPE agent.idempotency_queue_item OWNER TO idempotency_owner;
@@ -501,7 +502,7 @@ begin
                case when v_reason is null then 'unclaimed' else 'malformed' end,
                null, null, null, null, null, null, null,
                case when v_reason is null then coalesce(v_body -> 'payload', 'null'::jsonb) end,
-               null, false, false, v_reason)::agent.idempotency_queue_item;
+               null, false, false, v_reason, null)::agent.idempotency_queue_item;
     v_items := v_items || v_item;
     v_hashes := v_hashes || case when v_reason is null
                                  then agent.idempotency_request_hash(coalesce(v_body -> 'payload', 'null'::jsonb)) end;
@@ -641,7 +642,7 @@ begin
                                case when v_work.status = 'processing' then 'redriven' else 'completed' end,
                                null, v_work.id, v_work.lease_token, v_work.lease_expires_at, v_work.retain_until,
                                v_work.status = 'processing', v_work.attempt, v_work.request, v_work.response,
-                               false, false, null)::agent.idempotency_queue_item;
+                               false, false, null, null)::agent.idempotency_queue_item;
         if v_work.status = 'completed' and v_work.response -> 'ok' = 'false'::jsonb then
           -- Re-driven as often as its scope allows: journaled as dead_lettered.
           update agent.idempotency_keys k
@@ -661,6 +662,19 @@ begin
     end loop;
   end if;
 
+  -- The answer carries what its reader needs: the message of a message to
+  -- run (its payload inside), the payload of re-driven work, the
+  -- answer of one replayed; and how many rows it holds, so a cut answer is
+  -- told from a whole one.
+  for i in 1 .. coalesce(pg_catalog.cardinality(v_items), 0) loop
+    if v_items[i].outcome not in ('claimed', 'reclaimed') then
+      v_items[i].message := null;
+    end if;
+    if v_items[i].outcome <> 'redriven' then
+      v_items[i].payload := null;
+    end if;
+    v_items[i].taken := pg_catalog.cardinality(v_items);
+  end loop;
   return query select t.* from pg_catalog.unnest(v_items) t;
 end
 $_$;

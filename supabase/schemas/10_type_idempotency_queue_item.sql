@@ -21,7 +21,8 @@ CREATE TYPE agent.idempotency_queue_item AS (
 	response jsonb,
 	archived boolean,
 	dead_lettered boolean,
-	reason text
+	reason text,
+	taken integer
 );
 
 ALTER TYPE agent.idempotency_queue_item OWNER TO idempotency_owner;

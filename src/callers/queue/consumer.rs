@@ -8,7 +8,8 @@ use uuid::Uuid;
 use super::pgmq::{QueueMessage, Queues};
 use crate::callers::tool::vendor_key;
 use crate::error::Error;
-use crate::repo::{BatchClaims, IdempotencyRepository};
+use crate::postgrest::codes;
+use crate::repo::{BatchClaims, IdempotencyRepository, PlaneQueues};
 use crate::service::{
     Answer, Batch, BatchItem, BatchReport, Claim, EffectDriver, ItemEnding, RequestHash, Settle, Timing, MAX_KEY_CHARS,
 };
@@ -38,6 +39,33 @@ pub struct ConsumerOptions {
     pub batch_size: u32,
     /// Effects run at once.
     pub concurrency: usize,
+    /// For a queue shared by tenants: the organizations whose messages
+    /// this consumer takes (each message names its own `organization_id`;
+    /// one that names none is `organization_id`'s). `None`: that one alone.
+    /// Only the plane's queue functions read it ([`QueuePath::Plane`]).
+    pub organizations: Option<Vec<Uuid>>,
+    /// Which functions drain the queue.
+    pub path: QueuePath,
+}
+
+/// Which functions a consumer drains its queue through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueuePath {
+    /// The plane's own queue functions when the plane has them, else
+    /// Supabase's `pgmq_public` (decided by the first drain).
+    #[default]
+    Auto,
+    /// The plane's queue functions (`agent.idempotency_queue_take` and
+    /// `_settle`): a batch is read and claimed in one transaction and
+    /// settled in another, two round trips plus the effects; a message is
+    /// archived if and only if its ending is journaled; a failed command is
+    /// one dead letter; failures can be sent back after a fix. They need
+    /// the privileges `agent.idempotency_queue_privileges` lists.
+    Plane,
+    /// Supabase's `pgmq_public` functions through the Data API, for a
+    /// plane without its queue functions: a read, a claim, a journal and an
+    /// archive per message, each its own request.
+    DataApi,
 }
 
 impl ConsumerOptions {
@@ -60,6 +88,8 @@ impl ConsumerOptions {
             max_reads: 5,
             batch_size: 10,
             concurrency: 10,
+            organizations: None,
+            path: QueuePath::Auto,
         }
     }
 }
@@ -67,8 +97,10 @@ impl ConsumerOptions {
 /// What one message's effect is given.
 #[derive(Debug, Clone)]
 pub struct MessageContext {
-    /// The message as read.
-    pub message: QueueMessage,
+    /// The message as read; `None` for work re-driven from the plane (its
+    /// worker stopped, or an operator sent its failure back after a fix),
+    /// whose message was archived or is still hidden.
+    pub message: Option<QueueMessage>,
     /// The claim: its key is the message's idempotency key.
     pub claim: Claim,
     /// The tenant's key for this message, to send downstream as
@@ -94,6 +126,9 @@ pub struct Drained {
     pub dead_lettered: usize,
     /// Messages left in the queue: they come back when their visibility passes.
     pub left: usize,
+    /// Claims run again from the plane without a message: their worker
+    /// stopped, or an operator sent their failure back after a fix.
+    pub redriven: usize,
 }
 
 /// A message's idempotency key and payload: the producer's key when it
@@ -114,12 +149,15 @@ fn key_and_payload(message: &QueueMessage) -> Option<(String, Value)> {
 /// A Supabase Queues consumer whose effects happen once per idempotency key.
 #[derive(Debug)]
 pub struct QueueConsumer<R> {
-    driver: EffectDriver<R>,
+    pub(super) driver: EffectDriver<R>,
     queues: Queues,
-    options: ConsumerOptions,
+    pub(super) options: ConsumerOptions,
+    /// Under [`QueuePath::Auto`]: whether the plane has its queue
+    /// functions, once a drain found out.
+    in_plane: std::sync::OnceLock<bool>,
 }
 
-impl<R: IdempotencyRepository + BatchClaims> QueueConsumer<R> {
+impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsumer<R> {
     /// A consumer of `options.queue`, claiming through `driver`.
     pub fn new(driver: EffectDriver<R>, queues: Queues, options: ConsumerOptions) -> Result<Self, Error> {
         let cap = driver.service().repository().max_batch();
@@ -129,7 +167,7 @@ impl<R: IdempotencyRepository + BatchClaims> QueueConsumer<R> {
                 cap,
             }));
         }
-        Ok(QueueConsumer { driver, queues, options })
+        Ok(QueueConsumer { driver, queues, options, in_plane: std::sync::OnceLock::new() })
     }
 
     /// Drains one batch: reads up to `batch_size` messages, hidden for the
@@ -145,6 +183,38 @@ impl<R: IdempotencyRepository + BatchClaims> QueueConsumer<R> {
     /// visibility passes. An error only when the batch could not be read or
     /// claimed at all.
     pub async fn drain<F, Fut>(&self, process: F) -> Result<Drained, Error>
+    where
+        F: Fn(Value, MessageContext) -> Fut,
+        Fut: Future<Output = Settle>,
+    {
+        let in_plane = match self.options.path {
+            QueuePath::Plane => true,
+            QueuePath::DataApi => false,
+            QueuePath::Auto => match self.in_plane.get() {
+                Some(in_plane) => *in_plane,
+                None => match self.drain_in_plane(&process).await {
+                    Err(Error::Store(error)) if error.code() == Some(codes::PGRST202) => {
+                        tracing::info!(queue = %self.options.queue, "the plane has no queue functions; draining through pgmq_public");
+                        let _ = self.in_plane.set(false);
+                        false
+                    }
+                    drained => {
+                        if drained.is_ok() {
+                            let _ = self.in_plane.set(true);
+                        }
+                        return drained;
+                    }
+                },
+            },
+        };
+        if in_plane {
+            return self.drain_in_plane(&process).await;
+        }
+        self.drain_through_data_api(process).await
+    }
+
+    /// [`drain`](Self::drain) through Supabase's `pgmq_public`.
+    async fn drain_through_data_api<F, Fut>(&self, process: F) -> Result<Drained, Error>
     where
         F: Fn(Value, MessageContext) -> Fut,
         Fut: Future<Output = Settle>,
@@ -193,7 +263,7 @@ impl<R: IdempotencyRepository + BatchClaims> QueueConsumer<R> {
                     return Settle::Journal(Answer::failure("dead_lettered", reads));
                 }
                 let vendor_key = vendor_key(claim.organization_id(), claim.scope(), claim.key());
-                let context = MessageContext { message: message.clone(), claim, vendor_key };
+                let context = MessageContext { message: Some(message.clone()), claim, vendor_key };
                 process(payload.clone(), context).await
             })
             .await?;

@@ -16,7 +16,8 @@
 //! functions of its Data API ([`Queues`]), with the service role.
 
 mod consumer;
+mod in_plane;
 mod pgmq;
 
-pub use consumer::{ConsumerOptions, Drained, MessageContext, QueueConsumer};
+pub use consumer::{ConsumerOptions, Drained, MessageContext, QueueConsumer, QueuePath};
 pub use pgmq::{QueueMessage, Queues, QUEUES_SCHEMA};

@@ -85,7 +85,7 @@ impl PostgrestRepository {
     /// request above the row cap; an answer of other than `count` rows is
     /// [`ClientError::Truncated`] (fewer) or a decode error (more), and rows
     /// out of input order are [`Error::Inconsistent`].
-    async fn batch<T: serde::de::DeserializeOwned>(
+    pub(super) async fn batch<T: serde::de::DeserializeOwned>(
         &self,
         function: SqlFunction,
         args: &impl Serialize,
@@ -106,7 +106,7 @@ impl PostgrestRepository {
         Ok(rows)
     }
 
-    fn row_cap(&self) -> u64 {
+    pub(super) fn row_cap(&self) -> u64 {
         u64::from(self.client.config().max_rows())
     }
 }

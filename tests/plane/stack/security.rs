@@ -42,7 +42,10 @@ async fn the_schema_passes_the_linter_checks() {
                                       'idempotency_surface', 'idempotency_private_functions',
                                       'idempotency_failures_scope', 'idempotency_check_batch',
                                       'idempotency_check_item', 'idempotency_item_text', 'idempotency_item_uuid',
-                                      'idempotency_check_work')
+                                      'idempotency_check_work', 'idempotency_json_number', 'idempotency_utf16_order',
+                                      'idempotency_canonical_json', 'idempotency_request_hash',
+                                      'idempotency_queue_check', 'idempotency_queue_letter', 'idempotency_queue_items',
+                                      'idempotency_queue_lock', 'idempotency_queue_privileges')
                 and not (p.prosecdef and p.proowner = 'idempotency_owner'::regrole)",
         ),
         (
@@ -65,7 +68,10 @@ async fn the_schema_passes_the_linter_checks() {
                cross join (select rolname from pg_roles where rolname in ('anon', 'authenticated', 'service_role')) r
               where p.pronamespace = 'agent'::regnamespace
                 and p.proname in ('idempotency_decide', 'idempotency_policy', 'idempotency_claim_of',
-                                  'idempotency_json_size', 'idempotency_check_key', 'idempotency_private_functions')
+                                  'idempotency_json_size', 'idempotency_check_key', 'idempotency_private_functions',
+                                  'idempotency_json_number', 'idempotency_utf16_order', 'idempotency_canonical_json',
+                                  'idempotency_queue_check', 'idempotency_queue_letter', 'idempotency_queue_items',
+                                  'idempotency_queue_lock', 'idempotency_queue_privileges')
                 and has_function_privilege(r.rolname, p.oid, 'execute')",
         ),
         (
@@ -85,7 +91,7 @@ async fn the_schema_passes_the_linter_checks() {
             "select 'columns differ' where
                (select string_agg(a.attname || ' ' || a.atttypid::regtype, ', ' order by a.attnum) from pg_attribute a
                  where a.attrelid = 'agent.idempotency_keys'::regclass and a.attnum > 0 and not a.attisdropped
-                   and a.attname not in ('request', 'redrive_at', 'replaced'))
+                   and a.attname not in ('request', 'redrive_at', 'replaced', 'dead_lettered_at'))
                is distinct from
                (select string_agg(a.attname || ' ' || a.atttypid::regtype, ', ' order by a.attnum) from pg_attribute a
                  where a.attrelid = 'agent.idempotency_rows'::regclass and a.attnum > 0 and not a.attisdropped)",
@@ -110,8 +116,9 @@ fn arguments(identity: &str) -> Value {
         let (name, kind) = argument.split_once(' ').expect("name type");
         let value = match kind {
             "uuid" => json!("00000000-0000-0000-0000-000000000000"),
-            "uuid[]" => json!([]),
-            "bigint" | "integer" => json!(1000),
+            "uuid[]" | "bigint[]" => json!([]),
+            "bigint" | "integer" | "numeric" => json!(1000),
+            "boolean" => json!(false),
             "jsonb" => json!({}),
             _ => json!("x"),
         };
@@ -130,6 +137,14 @@ const INTERNAL_HELPERS: &[&str] = &[
     "idempotency_json_size",
     "idempotency_check_key",
     "idempotency_private_functions",
+    "idempotency_json_number",
+    "idempotency_utf16_order",
+    "idempotency_canonical_json",
+    "idempotency_queue_check",
+    "idempotency_queue_letter",
+    "idempotency_queue_items",
+    "idempotency_queue_lock",
+    "idempotency_queue_privileges",
 ];
 
 #[tokio::test]
