@@ -104,10 +104,8 @@ pub(crate) const QUEUE_TAKE: SqlFunction = function(
     "p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], \
      p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer",
 );
-pub(crate) const QUEUE_SETTLE: SqlFunction = function(
-    "idempotency_queue_settle",
-    "p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer",
-);
+pub(crate) const QUEUE_SETTLE: SqlFunction =
+    function("idempotency_queue_settle", "p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer");
 pub(crate) const QUEUE_EXTEND: SqlFunction =
     function("idempotency_queue_extend", "p_queue text, p_lease_ms bigint, p_items jsonb, p_row_cap integer");
 

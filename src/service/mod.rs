@@ -29,8 +29,8 @@ pub(crate) mod validate;
 
 #[cfg(feature = "axum")]
 pub(crate) use answer::stored_size;
-pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
 pub(crate) use answer::{store as store_answer, StoredAnswer};
+pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
 pub use batch::{Batch, BatchItem, BatchReport, ItemEnding};
 pub use caller_key::caller_scoped_key;
 pub(crate) use driver::asking_cut;

@@ -5,7 +5,7 @@ use std::future::Future;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use super::pgmq::{QueueMessage, Queues};
+use super::pgmq::{QueueMessage, Queues, ReadBatch};
 use crate::callers::tool::vendor_key;
 use crate::error::Error;
 use crate::postgrest::codes;
@@ -224,8 +224,19 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
         // consumer hides it.
         let lease_seconds = options.timing.lease().as_millis().div_ceil(1000) + 1;
         let visibility = u32::try_from(lease_seconds).unwrap_or(u32::MAX);
-        let messages = self.queues.read(&options.queue, visibility, options.batch_size).await?;
-        let mut drained = Drained { read: messages.len(), ..Drained::default() };
+        let ReadBatch { messages, unreadable } =
+            self.queues.read(&options.queue, visibility, options.batch_size).await?;
+        let mut drained = Drained { read: messages.len() + unreadable.len(), ..Drained::default() };
+        // A message no client can read is dead-lettered alone, as its text;
+        // the rest of its batch runs.
+        for message in &unreadable {
+            let letter = json!({"dead_letter": {
+                "queue": options.queue, "msg_id": message.msg_id, "reads": message.read_ct,
+                "message_text": message.text,
+                "failure": {"ok": false, "error": "malformed_message", "output": {"reason": message.reason}},
+            }});
+            self.send_letter(message.msg_id, &letter, "malformed_message", &mut drained).await;
+        }
         let mut malformed = Vec::new();
         let mut batch = Vec::new();
         for message in messages {
@@ -279,7 +290,7 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
                 ItemEnding::InFlight { .. } | ItemEnding::Conflict => {}
             }
             match (item.answer(), item) {
-                (Some(answer), _) if answer.ok => self.archive(message, &mut drained).await,
+                (Some(answer), _) if answer.ok => self.archive(message.msg_id, &mut drained).await,
                 (Some(answer), _) => self.dead_letter(message, answer, &mut drained).await,
                 (None, ItemEnding::Conflict) => {
                     let failure = Answer::failure("conflict", json!({"key": key}));
@@ -298,14 +309,14 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
 
     /// Archives `message`; one that fails to archive is left, and comes back
     /// to replay its answer.
-    async fn archive(&self, message: &QueueMessage, drained: &mut Drained) {
-        match self.queues.archive(&self.options.queue, message.msg_id).await {
+    async fn archive(&self, msg_id: i64, drained: &mut Drained) {
+        match self.queues.archive(&self.options.queue, msg_id).await {
             Ok(true) => drained.archived += 1,
             // Not in the queue any more: another consumer archived it.
             Ok(false) => {}
             Err(error) => {
                 drained.left += 1;
-                tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, %error, "archiving failed; the message comes back and replays");
+                tracing::warn!(queue = %self.options.queue, msg_id, %error, "archiving failed; the message comes back and replays");
             }
         }
     }
@@ -325,13 +336,20 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
                    "message": message.message,
                    "failure": {"ok": failure.ok, "error": failure.error, "output": failure.output}}),
         );
-        if let Err(error) = self.queues.send(&self.options.dead_letter_queue, &Value::Object(letter)).await {
+        let reason = failure.error.as_deref().unwrap_or("failed");
+        self.send_letter(message.msg_id, &Value::Object(letter), reason, drained).await;
+    }
+
+    /// Sends `letter` for message `msg_id` to the dead-letter queue, then
+    /// archives the message; one whose letter could not be sent is left.
+    async fn send_letter(&self, msg_id: i64, letter: &Value, reason: &str, drained: &mut Drained) {
+        if let Err(error) = self.queues.send(&self.options.dead_letter_queue, letter).await {
             drained.left += 1;
-            tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, %error, "sending to the dead-letter queue failed; the message comes back");
+            tracing::warn!(queue = %self.options.queue, msg_id, %error, "sending to the dead-letter queue failed; the message comes back");
             return;
         }
         drained.dead_lettered += 1;
-        tracing::warn!(queue = %self.options.queue, msg_id = message.msg_id, drop_reason = failure.error.as_deref().unwrap_or("failed"), "dead-lettered");
-        self.archive(message, drained).await;
+        tracing::warn!(queue = %self.options.queue, msg_id, drop_reason = reason, "dead-lettered");
+        self.archive(msg_id, drained).await;
     }
 }

@@ -54,7 +54,8 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
             max_reads: options.max_reads,
         };
         let items = repo.queue_take(&call).await?;
-        let mut drained = Drained { read: items.iter().filter(|item| item.msg_id.is_some()).count(), ..Drained::default() };
+        let mut drained =
+            Drained { read: items.iter().filter(|item| item.msg_id.is_some()).count(), ..Drained::default() };
         let mut runs = Vec::new();
         for item in &items {
             drained.archived += usize::from(item.archived);
@@ -134,7 +135,11 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
         let settled = if sent.is_empty() {
             Ok(Vec::new())
         } else {
-            match tokio::time::timeout_at(deadline, repo.queue_settle(&options.queue, &options.dead_letter_queue, &sent)).await
+            match tokio::time::timeout_at(
+                deadline,
+                repo.queue_settle(&options.queue, &options.dead_letter_queue, &sent),
+            )
+            .await
             {
                 Ok(settled) => settled,
                 Err(_cut) => Err(Error::Inconsistent("the settle did not answer before the ending deadline".into())),

@@ -20,4 +20,4 @@ mod in_plane;
 mod pgmq;
 
 pub use consumer::{ConsumerOptions, Drained, MessageContext, QueueConsumer, QueuePath};
-pub use pgmq::{QueueMessage, Queues, QUEUES_SCHEMA};
+pub use pgmq::{QueueMessage, Queues, ReadBatch, UnreadableMessage, QUEUES_SCHEMA};

@@ -1,16 +1,20 @@
 //! The Rust queue consumer against real pgmq (installed from the pgmq
-//! crate by the local stack) and the real plane: a message's effect happens
-//! once per idempotency key however often it is sent or delivered; a
-//! message is archived only once its answer is journaled; failures for good,
-//! conflicts and messages read too often go to the dead-letter queue with
-//! their failure journaled; concurrent consumers split a queue and run each
-//! effect once.
+//! crate by the local stack) and the real plane, on both of its paths (the
+//! plane's own queue functions, and Supabase's `pgmq_public` for a plane
+//! without them): a message's effect happens once per idempotency key
+//! however often it is sent or delivered; a message is archived only once
+//! its answer is journaled; failures for good, conflicts and messages read
+//! too often go to the dead-letter queue with their failure journaled;
+//! concurrent consumers split a queue and run each effect once.
+//! `in_plane` holds what only the plane's functions do.
+
+mod in_plane;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotency_plane::callers::queue::{ConsumerOptions, Drained, QueueConsumer, Queues};
+use idempotency_plane::callers::queue::{ConsumerOptions, Drained, QueueConsumer, QueuePath, Queues};
 use idempotency_plane::local::{LocalStack, LocalStackConfig};
 use idempotency_plane::service::{Answer, EffectDriver, Settle, Timing};
 use idempotency_plane::{PostgrestRepository, ReadOutcome, RequestHash};
@@ -38,12 +42,14 @@ struct Fixture {
     org: Uuid,
     /// Effects applied, by vendor key.
     effects: Arc<Mutex<HashMap<String, u32>>>,
+    /// Which functions the consumers drain through.
+    path: QueuePath,
 }
 
-async fn fixture() -> Fixture {
+async fn fixture(path: QueuePath) -> Fixture {
     let stack = stack_with(LocalStackConfig::default().with_queues([QUEUE, DLQ])).await;
     let queues = Queues::new(stack.client_config().expect("a config")).expect("queues");
-    Fixture { stack, queues, org: Uuid::new_v4(), effects: Arc::default() }
+    Fixture { stack, queues, org: Uuid::new_v4(), effects: Arc::default(), path }
 }
 
 impl Fixture {
@@ -57,6 +63,7 @@ impl Fixture {
         let mut options = ConsumerOptions::new(QUEUE, DLQ, self.org, timing());
         options.max_reads = max_reads;
         options.batch_size = 20;
+        options.path = self.path;
         QueueConsumer::new(driver, queues, options).expect("a consumer")
     }
 
@@ -105,8 +112,8 @@ impl Fixture {
 }
 
 #[tokio::test]
-async fn a_message_sent_twice_and_delivered_again_has_its_effect_once() {
-    let f = fixture().await;
+async fn through_pgmq_public_a_message_sent_twice_and_delivered_again_has_its_effect_once() {
+    let f = fixture(QueuePath::DataApi).await;
     let consumer = f.consumer(5);
     f.send(json!({"idempotency_key": "order-1", "payload": {"sku": 7}})).await;
     f.send(json!({"idempotency_key": "order-1", "payload": {"sku": 7}})).await;
@@ -128,8 +135,17 @@ async fn a_message_sent_twice_and_delivered_again_has_its_effect_once() {
 }
 
 #[tokio::test]
-async fn failures_conflicts_and_malformed_messages_go_to_the_dead_letter_queue() {
-    let f = fixture().await;
+async fn in_the_plane_failures_conflicts_and_malformed_messages_go_to_the_dead_letter_queue() {
+    failures_conflicts_and_malformed_messages_go_to_the_dead_letter_queue(QueuePath::Plane).await;
+}
+
+#[tokio::test]
+async fn through_pgmq_public_failures_conflicts_and_malformed_messages_go_to_the_dead_letter_queue() {
+    failures_conflicts_and_malformed_messages_go_to_the_dead_letter_queue(QueuePath::DataApi).await;
+}
+
+async fn failures_conflicts_and_malformed_messages_go_to_the_dead_letter_queue(path: QueuePath) {
+    let f = fixture(path).await;
     let consumer = f.consumer(5);
     f.send(json!({"idempotency_key": "refund-1", "payload": {"status": 422}})).await;
     f.send(json!("not an object")).await;
@@ -163,8 +179,17 @@ async fn failures_conflicts_and_malformed_messages_go_to_the_dead_letter_queue()
 }
 
 #[tokio::test]
-async fn a_message_that_keeps_failing_is_dead_lettered_after_max_reads() {
-    let f = fixture().await;
+async fn in_the_plane_a_message_that_keeps_failing_is_dead_lettered_after_max_reads() {
+    a_message_that_keeps_failing_is_dead_lettered_after_max_reads(QueuePath::Plane).await;
+}
+
+#[tokio::test]
+async fn through_pgmq_public_a_message_that_keeps_failing_is_dead_lettered_after_max_reads() {
+    a_message_that_keeps_failing_is_dead_lettered_after_max_reads(QueuePath::DataApi).await;
+}
+
+async fn a_message_that_keeps_failing_is_dead_lettered_after_max_reads(path: QueuePath) {
+    let f = fixture(path).await;
     let consumer = f.consumer(2);
     f.send(json!({"idempotency_key": "flaky-1", "payload": {"status": 503}})).await;
     for read in 1..=2 {
@@ -181,8 +206,8 @@ async fn a_message_that_keeps_failing_is_dead_lettered_after_max_reads() {
 }
 
 #[tokio::test]
-async fn an_archive_or_a_dead_letter_send_that_fails_leaves_the_message_for_its_next_delivery() {
-    let f = fixture().await;
+async fn through_pgmq_public_an_archive_or_a_dead_letter_send_that_fails_leaves_the_message_for_its_next_delivery() {
+    let f = fixture(QueuePath::DataApi).await;
     // The consumer reaches pgmq_public through a proxy that closes chosen
     // calls before they are forwarded: pgmq never sees them.
     let proxy = RpcProxy::start(f.stack.url()).await;
@@ -217,8 +242,17 @@ async fn an_archive_or_a_dead_letter_send_that_fails_leaves_the_message_for_its_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn four_consumers_split_a_queue_and_run_each_effect_once() {
-    let f = fixture().await;
+async fn in_the_plane_four_consumers_split_a_queue_and_run_each_effect_once() {
+    four_consumers_split_a_queue_and_run_each_effect_once(QueuePath::Plane).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn through_pgmq_public_four_consumers_split_a_queue_and_run_each_effect_once() {
+    four_consumers_split_a_queue_and_run_each_effect_once(QueuePath::DataApi).await;
+}
+
+async fn four_consumers_split_a_queue_and_run_each_effect_once(path: QueuePath) {
+    let f = fixture(path).await;
     let keys = 200;
     for n in 0..keys {
         f.send(json!({"idempotency_key": format!("order-{n}"), "payload": {"n": n}})).await;
