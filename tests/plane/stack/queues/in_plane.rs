@@ -9,6 +9,7 @@
 use std::time::Duration;
 
 use idempotency_plane::callers::queue::{ConsumerOptions, QueueConsumer, QueuePath, Queues};
+use idempotency_plane::postgrest::RetryConfig;
 use idempotency_plane::repo::{FailuresCall, JournaledFailures};
 use idempotency_plane::service::{Answer, EffectDriver, IdempotencyService, Settle, Timing};
 use idempotency_plane::{PostgrestRepository, ReadOutcome, RequestHash};
@@ -49,6 +50,13 @@ impl Fixture {
 
     fn repository(&self) -> PostgrestRepository {
         PostgrestRepository::new(client(&self.stack))
+    }
+
+    /// A repository that never retries: a deadlock (40P01) or a lock
+    /// timeout is an error the test sees, not one retried out of sight.
+    fn unretried(&self) -> PostgrestRepository {
+        let config = self.stack.client_config().expect("a config").with_retry(RetryConfig::disabled());
+        PostgrestRepository::new(idempotency_plane::PostgrestClient::new(config).expect("a client"))
     }
 
     /// How many messages of the archive, and how often each was read.
@@ -344,5 +352,136 @@ async fn a_take_whose_answer_is_lost_leaves_its_messages_to_come_back_once() {
     let drained = f.drain(&consumer).await;
     assert_eq!((drained.read, drained.ran, drained.archived), (3, 3, 3), "{drained:?}");
     assert_eq!(f.applied(), 3, "each once");
+    f.stack.stop().await.unwrap();
+}
+
+/// A settle that comes after its messages came back races the take that
+/// read them again: the take holds the messages and waits for the claims,
+/// the settle would hold the claims and wait for the messages, unless every
+/// queue function locks messages before claims, as they do. Round after
+/// round, two hundred late settles race takes of their own messages, with
+/// retries off: none fails (a deadlock would be 40P01), a settle that lost
+/// its claim to the take archives nothing, and every message is archived
+/// and every key ended once its new holder settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn late_settles_racing_takes_of_their_messages_never_deadlock_and_archive_only_what_they_journal() {
+    use idempotency_plane::repo::{CompletionArgs, PlaneQueues, QueueClaim, QueueEnding, QueueTakeCall, TakeOutcome};
+    const ROUNDS: usize = 5;
+    const BATCHES: usize = 20;
+    const PER_BATCH: usize = 10;
+    let f = fixture(QueuePath::Plane).await;
+    let done = json!({"ok": true, "output": {}});
+    for round in 0..ROUNDS {
+        for n in 0..BATCHES * PER_BATCH {
+            f.send(json!({"idempotency_key": format!("r{round}-{n}"), "payload": {"n": n}})).await;
+        }
+        let take = |repo: PostgrestRepository| {
+            let org = f.org;
+            async move {
+                let tokens: Vec<Uuid> = (0..PER_BATCH).map(|_| Uuid::new_v4()).collect();
+                let call = QueueTakeCall {
+                    queue: QUEUE,
+                    dead_letter_queue: DLQ,
+                    organization_id: Some(org),
+                    organizations: None,
+                    scope: SCOPE,
+                    lease: Duration::from_secs(1),
+                    lease_tokens: &tokens,
+                    max_reads: 10,
+                };
+                repo.queue_take(&call).await
+            }
+        };
+        let settle = |repo: PostgrestRepository, items: Vec<idempotency_plane::repo::TakenItem>| {
+            let done = done.clone();
+            async move {
+                // A take with slots its read did not fill re-drives claims
+                // whose lease passed: those come without a message.
+                let ids: Vec<Vec<i64>> = items.iter().map(|item| item.msg_id.into_iter().collect()).collect();
+                let endings: Vec<(QueueClaim<'_>, QueueEnding<'_>)> = items
+                    .iter()
+                    .zip(&ids)
+                    .filter(|(item, _)| {
+                        matches!(item.outcome, TakeOutcome::Claimed | TakeOutcome::Reclaimed | TakeOutcome::Redriven)
+                    })
+                    .map(|(item, ids)| {
+                        let claim = QueueClaim {
+                            organization_id: item.organization_id.expect("an organization"),
+                            claim_id: item.id.expect("a claim"),
+                            lease_token: item.lease_token.expect("a token"),
+                            msg_ids: ids,
+                        };
+                        (claim, QueueEnding::Journal(CompletionArgs { response: Some(&done), ..Default::default() }))
+                    })
+                    .collect();
+                repo.queue_settle(QUEUE, DLQ, &endings).await.map(|settled| (endings.len(), settled))
+            }
+        };
+        // The first consumer takes everything, then stalls past the leases.
+        let mut taken = Vec::new();
+        for _ in 0..BATCHES {
+            taken.push(take(f.unretried()).await.expect("a take"));
+        }
+        tokio::time::sleep(Duration::from_millis(2_100)).await;
+        // Its settles arrive late, while a second consumer takes the same
+        // messages again.
+        let late = futures_util::future::join_all(taken.into_iter().map(|items| settle(f.unretried(), items)));
+        let again = futures_util::future::join_all((0..BATCHES).map(|_| take(f.unretried())));
+        let (late, again) = tokio::join!(late, again);
+        let mut retaken = Vec::new();
+        for answer in again {
+            let items = answer.unwrap_or_else(|error| panic!("round {round}: a take failed: {error}"));
+            retaken.push(items);
+        }
+        for answer in late {
+            let (sent, settled) = answer.unwrap_or_else(|error| panic!("round {round}: a late settle failed: {error}"));
+            assert_eq!(settled.len(), sent);
+            for one in settled {
+                assert!(one.journaled || one.archived == 0, "round {round}: archived only what it journaled");
+            }
+        }
+        // The second consumer settles what it took over.
+        for items in retaken {
+            let (_, settled) = settle(f.unretried(), items).await.expect("a settle");
+            assert!(settled.iter().all(|one| one.journaled), "round {round}: the new holder journals");
+        }
+        // A message whose claim a take re-drove (a slot its read did not
+        // fill) while another take read it was left, hidden: it comes back
+        // and is replayed, archived without running.
+        for _ in 0..3 {
+            let left: i64 = sqlx::query_scalar("select count(*) from pgmq.q_rust_queue")
+                .fetch_one(f.stack.db())
+                .await
+                .expect("the queue");
+            if left == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2_100)).await;
+            for _ in 0..BATCHES {
+                let items = take(f.unretried()).await.expect("a take");
+                assert!(
+                    items.iter().all(|item| item.outcome == TakeOutcome::Completed),
+                    "round {round}: every key ended before: {items:?}"
+                );
+            }
+        }
+        let (unarchived, unended): (i64, i64) = sqlx::query_as(
+            "select (select count(*) from pgmq.q_rust_queue),
+                    (select count(*) from agent.idempotency_keys where organization_id = $1 and status <> 'completed')",
+        )
+        .bind(f.org)
+        .fetch_one(f.stack.db())
+        .await
+        .expect("the state");
+        assert_eq!((unarchived, unended), (0, 0), "round {round}: every message archived, every key ended");
+    }
+    let (archived, keys): (i64, i64) = sqlx::query_as(
+        "select (select count(*) from pgmq.a_rust_queue), (select count(*) from agent.idempotency_keys where organization_id = $1)",
+    )
+    .bind(f.org)
+    .fetch_one(f.stack.db())
+    .await
+    .expect("the archive");
+    assert_eq!((archived, keys), ((ROUNDS * BATCHES * PER_BATCH) as i64, (ROUNDS * BATCHES * PER_BATCH) as i64));
     f.stack.stop().await.unwrap();
 }
