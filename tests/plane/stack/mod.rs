@@ -33,6 +33,7 @@ mod partition;
 mod pg_cron;
 mod queues;
 mod redrive;
+mod request_hash;
 mod saved_search;
 mod security;
 mod server_version;

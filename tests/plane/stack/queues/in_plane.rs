@@ -485,3 +485,95 @@ async fn late_settles_racing_takes_of_their_messages_never_deadlock_and_archive_
     assert_eq!((archived, keys), ((ROUNDS * BATCHES * PER_BATCH) as i64, (ROUNDS * BATCHES * PER_BATCH) as i64));
     f.stack.stop().await.unwrap();
 }
+
+/// The queue functions refuse each required argument given as SQL NULL
+/// (what PostgREST binds for a JSON `null`; the embedded server sends `''`)
+/// with 22023 naming it, as the service role; with every argument given,
+/// each runs.
+#[tokio::test]
+async fn the_queue_functions_refuse_each_required_argument_as_sql_null_by_name() {
+    let f = fixture(QueuePath::Plane).await;
+    let token = Uuid::new_v4().to_string();
+    let org = f.org.to_string();
+    let items = json!([{"organization_id": f.org, "claim_id": Uuid::new_v4(), "lease_token": Uuid::new_v4(),
+                        "msg_ids": [1], "ending": "journal", "response": {"ok": true}}])
+    .to_string();
+    let calls: [(&str, Vec<(&str, String, bool)>); 3] = [
+        (
+            "select * from agent.idempotency_queue_take($1, $2, $3::uuid, $4::bigint, $5::uuid[], $6::integer, $7, \
+             $8::uuid[], $9::integer)",
+            vec![
+                ("p_queue", QUEUE.to_owned(), true),
+                ("p_dead_letter_queue", DLQ.to_owned(), true),
+                // Either names the organizations taken: one alone is enough.
+                ("p_organization_id", org.clone(), false),
+                ("p_lease_ms", "5000".to_owned(), true),
+                ("p_lease_tokens", format!("{{{token}}}"), true),
+                ("p_max_reads", "5".to_owned(), true),
+                ("p_scope", SCOPE.to_owned(), false),
+                ("p_organizations", format!("{{{org}}}"), false),
+                ("p_row_cap", "1000".to_owned(), false),
+            ],
+        ),
+        (
+            "select * from agent.idempotency_queue_settle($1, $2, $3::jsonb, $4::integer)",
+            vec![
+                ("p_queue", QUEUE.to_owned(), true),
+                ("p_dead_letter_queue", DLQ.to_owned(), true),
+                ("p_items", items.clone(), true),
+                ("p_row_cap", "1000".to_owned(), false),
+            ],
+        ),
+        (
+            "select * from agent.idempotency_queue_extend($1, $2::bigint, $3::jsonb, $4::integer)",
+            vec![
+                ("p_queue", QUEUE.to_owned(), true),
+                ("p_lease_ms", "5000".to_owned(), true),
+                ("p_items", items, true),
+                ("p_row_cap", "1000".to_owned(), false),
+            ],
+        ),
+    ];
+    let mut conn = f.stack.db().acquire().await.expect("a connection");
+    let mut wrong = Vec::new();
+    for (sql, arguments) in &calls {
+        for null in std::iter::once(None).chain((0..arguments.len()).map(Some)) {
+            sqlx::query("begin").execute(&mut *conn).await.expect("begin");
+            sqlx::query("set local role service_role").execute(&mut *conn).await.expect("the API role");
+            let mut query = sqlx::query(*sql);
+            for (i, (_, value, _)) in arguments.iter().enumerate() {
+                query = query.bind((Some(i) != null).then_some(value.as_str()));
+            }
+            let result = query.execute(&mut *conn).await;
+            sqlx::query("rollback").execute(&mut *conn).await.expect("rollback");
+            let refused = result.err().map(|error| match error.as_database_error() {
+                Some(db) => (db.code().map(|code| code.into_owned()).unwrap_or_default(), db.message().to_owned()),
+                None => ("?".to_owned(), error.to_string()),
+            });
+            match (null.map(|i| &arguments[i]), refused) {
+                (None | Some((_, _, false)), None) => {}
+                (Some((name, _, true)), Some((code, message))) if code == "22023" && message.contains(name) => {}
+                (argument, refused) => wrong.push(format!("{sql} with {argument:?} NULL: {refused:?}")),
+            }
+        }
+    }
+    drop(conn);
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    let neither = sqlx::query(
+        "select * from agent.idempotency_queue_take($1, $2, null::uuid, 5000, array[gen_random_uuid()], 5, null, null::uuid[])",
+    )
+    .bind(QUEUE)
+    .bind(DLQ)
+    .execute(f.stack.db())
+    .await
+    .expect_err("no organization at all");
+    let refused = neither.as_database_error().expect("a database error");
+    assert_eq!(refused.code().as_deref(), Some("22023"));
+    assert!(refused.message().contains("p_organization_id or p_organizations"), "{}", refused.message());
+    let hash: Option<String> = sqlx::query_scalar("select agent.idempotency_request_hash(null)")
+        .fetch_one(f.stack.db())
+        .await
+        .expect("a hash of NULL");
+    assert_eq!(hash, None, "no hash of nothing");
+    f.stack.stop().await.unwrap();
+}
