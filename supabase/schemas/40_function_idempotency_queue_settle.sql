@@ -21,7 +21,7 @@ declare
   v_claims uuid[];
   v_locked bigint[];
   v_row agent.idempotency_claim;
-  v_archive bigint[] := '{}';
+  v_archive bigint[] := '{}'::bigint[];
   v_body jsonb;
   v_reads integer;
   v_request jsonb;

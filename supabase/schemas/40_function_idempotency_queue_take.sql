@@ -36,9 +36,9 @@ declare
   v_accepted uuid[];
   v_visible integer;
   v_max_work integer;
-  v_items agent.idempotency_queue_item[] := '{}';
+  v_items agent.idempotency_queue_item[] := '{}'::agent.idempotency_queue_item[];
   v_item agent.idempotency_queue_item;
-  v_hashes text[] := '{}';
+  v_hashes text[] := '{}'::text[];
   v_message record;
   v_body jsonb;
   v_key text;
@@ -49,11 +49,11 @@ declare
   v_orgs uuid[];
   v_first integer;
   v_failure jsonb;
-  v_archive bigint[] := '{}';
+  v_archive bigint[] := '{}'::bigint[];
   v_work record;
   -- 2^1024 - 2^970: from here on the nearest IEEE 754 double is infinity,
   -- which no JSON reader of a client can hash or hand on.
-  c_beyond constant jsonb := '{"max": 179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792}';
+  c_beyond constant jsonb := pg_catalog.jsonb_build_object('max', 179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792::numeric);
 begin
   perform agent.idempotency_queue_check(p_queue, 'p_queue');
   perform agent.idempotency_queue_check(p_dead_letter_queue, 'p_dead_letter_queue');
