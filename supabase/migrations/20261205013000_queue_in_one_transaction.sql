@@ -26,11 +26,25 @@
 -- agent.idempotency_keys gains dead_lettered_at (when a failure was sent
 -- to a dead-letter queue), and agent.idempotency_complete drops the work a
 -- claim carries when it journals a success: only a failure may be sent
--- back to run again.
+-- back to run again. The work and answer columns take lz4 where the server
+-- has it.
 
 ALTER TABLE agent.idempotency_keys ADD COLUMN dead_lettered_at timestamp with time zone;
 
 COMMENT ON COLUMN agent.idempotency_keys.dead_lettered_at IS 'When the failure journaled for this key was sent to a dead-letter queue: a copy of the command that failed is archived beside that letter, never sent again.';
+
+-- The work a claim carries and its answer take lz4 where the server was
+-- built with it (quicker than pglz, as compact on JSON); pglz, PostgreSQL's
+-- default, where it was not.
+DO $$
+begin
+  alter table agent.idempotency_keys
+    alter column request set compression lz4,
+    alter column response set compression lz4;
+exception when feature_not_supported then
+  null;
+end
+$$;
 
 CREATE TYPE agent.idempotency_queue_item AS (
 	msg_id bigint,

@@ -92,6 +92,11 @@ impl Queues {
         Ok(Queues { client: PostgrestClient::new(config.with_schema(QUEUES_SCHEMA))? })
     }
 
+    /// HTTP requests sent so far, retries included.
+    pub fn requests_sent(&self) -> u64 {
+        self.client.requests_sent()
+    }
+
     /// Up to `n` messages of `queue`, each hidden from other readers for
     /// `visibility_seconds`.
     /// A message whose JSON no client can read is answered apart, as its

@@ -1,16 +1,11 @@
 //! What batches buy: claims per second and round trips for batches of 1, 10
-//! and 100 first claims, through the crate and from a bare HTTP client; and
-//! a queue drained end to end (read, claim, effect, journal, archive) by
-//! the Rust consumer over real pgmq.
+//! and 100 first claims, through the crate and from a bare HTTP client.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use idempotency_plane::callers::queue::{ConsumerOptions, QueueConsumer, Queues};
-use idempotency_plane::local::{LocalStack, LocalStackConfig};
+use idempotency_plane::local::LocalStack;
 use idempotency_plane::repo::{BatchClaims, ClaimItem, ClaimManyCall};
-use idempotency_plane::service::{Answer, EffectDriver, Settle, Timing};
 use idempotency_plane::{PostgrestClient, PostgrestRepository, RequestHash};
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -21,10 +16,6 @@ use crate::BoxError;
 
 /// The batch sizes compared.
 pub(super) const SIZES: [usize; 3] = [1, 10, 100];
-
-/// The queue the end-to-end scenario drains, and its dead-letter queue.
-const QUEUE: &str = "bench";
-const DLQ: &str = "bench_dlq";
 
 /// For each of [`SIZES`]: first claims per second in batches of that size,
 /// through the crate and from a bare HTTP client, and the HTTP requests
@@ -115,57 +106,4 @@ async fn bare_http(
     })
     .await?;
     Ok(latencies.len() as f64 * size as f64 / elapsed.as_secs_f64())
-}
-
-/// A queue of `messages` drained end to end by four Rust consumers in
-/// batches of 50 on a stack of its own with pgmq: messages per second from
-/// the first read to the last archive, the effect an in-process no-op.
-pub(super) async fn queue_end_to_end(messages: usize) -> Result<Vec<Measure>, BoxError> {
-    let stack = LocalStack::start(LocalStackConfig::default().with_queues([QUEUE, DLQ])).await?;
-    let result = drain_queue(&stack, messages).await;
-    stack.stop().await?;
-    result
-}
-
-async fn drain_queue(stack: &LocalStack, messages: usize) -> Result<Vec<Measure>, BoxError> {
-    let org = Uuid::new_v4();
-    let batch: Vec<Value> =
-        (0..messages).map(|n| json!({"idempotency_key": format!("order-{n}"), "payload": {"n": n}})).collect();
-    for chunk in batch.chunks(1000) {
-        sqlx::query("select pgmq.send_batch($1, $2::jsonb[])").bind(QUEUE).bind(chunk).execute(stack.db()).await?;
-    }
-    let timing = Timing::new(Duration::from_secs(10), Duration::from_secs(5), Duration::from_secs(2))?;
-    let archived = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let mut consumers = Vec::new();
-    for _ in 0..4 {
-        let config = stack.client_config()?;
-        let driver = EffectDriver::new(idempotency_plane::IdempotencyService::new(PostgrestRepository::new(
-            PostgrestClient::new(config.clone())?,
-        )));
-        let mut options = ConsumerOptions::new(QUEUE, DLQ, org, timing);
-        options.batch_size = 50;
-        let consumer = QueueConsumer::new(driver, Queues::new(config)?, options)?;
-        let archived = archived.clone();
-        consumers.push(tokio::spawn(async move {
-            let mut empty = 0;
-            while empty < 3 {
-                let drained =
-                    consumer.drain(|_, _| async { Settle::Journal(Answer::success(json!({"ok": true}))) }).await?;
-                archived.fetch_add(drained.archived as u64, Ordering::Relaxed);
-                empty = if drained.read == 0 { empty + 1 } else { 0 };
-            }
-            Ok::<_, idempotency_plane::Error>(())
-        }));
-    }
-    for consumer in consumers {
-        consumer.await??;
-    }
-    let done = archived.load(Ordering::Relaxed);
-    if done != messages as u64 {
-        return Err(format!("the consumers archived {done} of {messages} messages").into());
-    }
-    // The last drains found the queue empty: stop the clock at the last archive.
-    let elapsed = started.elapsed().as_secs_f64();
-    Ok(vec![measure("queue end to end, 4 Rust consumers, batches of 50", messages as f64 / elapsed, "msg/s")])
 }

@@ -12,8 +12,9 @@
 //! per million claims, HOT completions, and completions by organization on
 //! the partitioned layout; `work`: claims carrying work, heartbeats, re-drive
 //! and the WAL and disk of work; `batches`: first claims in batches of 1,
-//! 10 and 100 through the crate and from a bare HTTP client, and a queue
-//! drained end to end over pgmq), `drive` to run them, `rows` for the rows
+//! 10 and 100 through the crate and from a bare HTTP client; `queue`: one
+//! queue drained four ways, pgmq alone to the plane's consumer), `drive` to
+//! run them, `rows` for the rows
 //! they set up directly, and `report` for the figures and ratios.
 //!
 //! The first stack has the single-table layout (or the one `IDEM_LAYOUT`
@@ -26,6 +27,7 @@ mod drive;
 mod floor;
 mod http;
 mod layout;
+mod queue;
 mod replays;
 mod report;
 mod rows;
@@ -42,10 +44,11 @@ use idempotency_plane::local::{LocalStack, LocalStackConfig};
 use idempotency_plane::migrations::Layout;
 use idempotency_plane::{IdempotencyService, PostgrestClient, PostgrestRepository};
 
-use self::batches::{batch_claims, queue_end_to_end};
+use self::batches::batch_claims;
 use self::claims::{claims, claims_during_sweep};
 use self::http::{pairs_bare_http, pairs_through_crate};
 use self::layout::{completion_addressing, hot_updates, size_per_million};
+use self::queue::queue_paths;
 use self::replays::replays_and_conflicts;
 use self::report::{print, Results};
 use self::rows::fill_table;
@@ -96,6 +99,9 @@ pub(crate) struct BenchArgs {
     /// instead of half an hour).
     #[arg(long, requires = "also_on")]
     servers_only: bool,
+    /// Run only the queue scenarios (a minute instead of half an hour).
+    #[arg(long, conflicts_with = "servers_only")]
+    queue_only: bool,
 }
 
 /// Starts a local stack, runs every scenario on it, prints the figures and
@@ -104,6 +110,14 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, BoxError> {
     if let Some(url) = &args.also_on {
         // Before half an hour of scenarios, not after.
         servers::reachable(url).await?;
+    }
+    if args.queue_only {
+        eprintln!("a queue of {} messages drained four ways…", args.queue_messages);
+        let measures = queue_paths(args.queue_messages).await?;
+        report::print_queue(&measures);
+        std::fs::write(&args.out, serde_json::to_vec_pretty(&measures)?)?;
+        println!("\nraw figures: {}", args.out.display());
+        return Ok(crate::exit::ok());
     }
     if args.servers_only {
         let servers = compare_servers(&args).await?;
@@ -227,8 +241,12 @@ async fn bench(stack: &LocalStack, args: &BenchArgs, layout: &str) -> Result<Run
     work.extend(wal_and_disk(stack.db()).await?);
     eprintln!("first claims in batches of 1, 10 and 100, through the crate and from a bare HTTP client…");
     work.extend(batch_claims(stack, &client, args.workers, duration).await?);
-    eprintln!("a queue of {} messages drained end to end by four Rust consumers…", args.queue_messages);
-    work.extend(queue_end_to_end(args.queue_messages).await?);
+    eprintln!(
+        "a queue of {} messages drained by four workers in batches of 50: pgmq alone, through the Data API, and the \
+         consumer both ways…",
+        args.queue_messages
+    );
+    work.extend(queue_paths(args.queue_messages).await?);
 
     eprintln!("claim latency idle, then while a sweep deletes {} expired rows…", args.sweep_rows);
     figures.push(claims(service.clone(), args.workers, duration, "claim idle").await?);

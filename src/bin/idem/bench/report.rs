@@ -212,8 +212,47 @@ fn ratios(
             let v = measured("round trips per batch of 100, crate");
             ratio("round trips: batch of 100 claims", v, "1", v == 1.0)
         },
+        {
+            let v = measured("queue: consumer through the plane's queue functions");
+            ratio("queue: consumer msg/s, 4 × batches of 50", v, "≥ 5000", v >= 5000.0)
+        },
+        {
+            let v = measured("queue: consumer through the plane's queue functions")
+                / measured("queue: pgmq alone, direct SQL (the floor)");
+            ratio("queue: consumer ÷ pgmq direct SQL floor", v, "≥ 0.50", v >= 0.50)
+        },
+        {
+            let v = measured("queue: consumer through the plane's queue functions")
+                / measured("queue: consumer through the pgmq_public");
+            ratio("queue: consumer, plane ÷ pgmq_public path", v, "(info)", true)
+        },
+        {
+            let v = measured("queue: round trips per batch, consumer, plane's queue functions");
+            ratio("queue: round trips per batch of 50", v, "2", v == 2.0)
+        },
     ];
     Ok(ratios)
+}
+
+/// The queue scenarios alone (`idem bench --queue-only`), with their ratios.
+pub(super) fn print_queue(measures: &[Measure]) {
+    println!();
+    println!("  one queue drained four ways: four workers, batches of 50");
+    println!("  {:-<58} {:->12}", "", "");
+    for m in measures {
+        println!("  {:<58} {:>8.1} {}", m.name, m.value, m.unit);
+    }
+    let measured = |name: &str| measures.iter().find(|m| m.name == name).map_or(f64::NAN, |m| m.value);
+    let plane = measured("queue: consumer through the plane's queue functions");
+    println!();
+    println!(
+        "  consumer ÷ pgmq direct SQL floor   {:>6.2}  (target ≥ 0.50)",
+        plane / measured("queue: pgmq alone, direct SQL (the floor)")
+    );
+    println!(
+        "  consumer, plane ÷ pgmq_public path {:>6.2}",
+        plane / measured("queue: consumer through the pgmq_public")
+    );
 }
 
 pub(super) fn print(results: &Results) {

@@ -21,10 +21,62 @@ use crate::BoxError;
 /// `webhook.*` family (384 KiB of work at most).
 const SCOPE: &str = "webhook.bench";
 
-/// The request a claim carries in the payload scenarios: 4 KiB of text, as a
-/// webhook gate stores a delivery's body.
-fn four_kib_request() -> Value {
-    json!({"body_text": "x".repeat(4096)})
+/// The request a claim carries in the payload scenarios: a webhook
+/// delivery's body of about 4 KiB, as a gate stores it (`body_text`): a
+/// payment provider's invoice event with its lines, `n` making each one's
+/// ids its own. Realistic JSON, which compresses as real deliveries do
+/// (random hex would not).
+pub(super) fn four_kib_request(n: u64) -> Value {
+    let lines: Vec<Value> = (0..8u64)
+        .map(|line| {
+            json!({
+                "id": format!("il_1Pq{n:08}L{line:02}xYzAbCdEf"),
+                "object": "line_item",
+                "amount": 1200 + line * 350,
+                "currency": "usd",
+                "description": format!("1 x Team plan seat (at $12.00 / month), line {line}"),
+                "discountable": true,
+                "livemode": false,
+                "metadata": {"seat": format!("seat-{line}"), "workspace": format!("ws_{n:08}")},
+                "period": {"end": 1_735_689_600 + line, "start": 1_733_011_200 + line},
+                "plan": {"id": "price_1PqTeamMonthly", "interval": "month", "product": "prod_TeamPlan"},
+                "proration": false,
+                "quantity": 1,
+                "type": "subscription"
+            })
+        })
+        .collect();
+    let event = json!({
+        "id": format!("evt_1Pq{n:08}AbCdEfGhIjKl"),
+        "object": "event",
+        "api_version": "2024-06-20",
+        "created": 1_733_011_200 + n,
+        "type": "invoice.payment_succeeded",
+        "livemode": false,
+        "pending_webhooks": 1,
+        "request": {"id": format!("req_{n:012}"), "idempotency_key": format!("inv-{n}")},
+        "data": {"object": {
+            "id": format!("in_1Pq{n:08}MnOpQrSt"),
+            "object": "invoice",
+            "account_country": "US",
+            "account_name": "Acme Analytics, Inc.",
+            "amount_due": 12_400,
+            "amount_paid": 12_400,
+            "billing_reason": "subscription_cycle",
+            "collection_method": "charge_automatically",
+            "currency": "usd",
+            "customer": format!("cus_{n:010}"),
+            "customer_email": format!("billing+{n}@example.com"),
+            "customer_name": "Example Customer",
+            "hosted_invoice_url": format!("https://invoice.example.com/i/acct_1Pq/test_{n:016}"),
+            "lines": {"object": "list", "data": lines, "has_more": false, "total_count": 8},
+            "paid": true,
+            "status": "paid",
+            "subscription": format!("sub_1Pq{n:08}"),
+            "total": 12_400
+        }}
+    });
+    json!({"body_text": event.to_string()})
 }
 
 /// One measurement of the work scenarios that is not a latency.
@@ -48,7 +100,7 @@ pub(super) async fn claims_with_work(
 ) -> Result<(Figure, Figure), BoxError> {
     let org = Uuid::new_v4();
     let hash = RequestHash::of_json(&json!({"bench": "work"})).as_str().to_owned();
-    let request = Arc::new(four_kib_request());
+    let request = Arc::new(four_kib_request(1));
     let segment = duration / SEGMENTS;
     let (with, without) = alternating(|carries, round| {
         let (repo, hash, request) = (repo.clone(), hash.clone(), request.clone());
@@ -206,16 +258,14 @@ pub(super) async fn wal_and_disk(db: &PgPool) -> Result<Vec<Measure>, BoxError> 
                 let pool = pool.clone();
                 tokio::spawn(async move {
                     for i in 0..per_worker {
+                        let n = (worker as u64) * 1_000_000 + i as u64;
                         sqlx::query(
-                            "select agent.idempotency_claim($1, $2, $3, repeat('d', 64), gen_random_uuid(), 60000,
-                                      case when $4 then jsonb_build_object('body_text',
-                                        (select string_agg(md5(random()::text || g), '') from generate_series(1, 128) g))
-                                      end)",
+                            "select agent.idempotency_claim($1, $2, $3, repeat('d', 64), gen_random_uuid(), 60000, $4)",
                         )
                         .bind(org)
                         .bind(SCOPE)
                         .bind(format!("written-{worker}-{i}"))
-                        .bind(carries)
+                        .bind(carries.then(|| four_kib_request(n)))
                         .execute(&pool)
                         .await?;
                     }
