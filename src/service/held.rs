@@ -106,11 +106,12 @@ pub enum Cut {
     /// new holder's ending is the one that counts.
     #[error("the claim was taken over by another worker; the effect was stopped")]
     FenceLost,
-    /// With a heartbeat, the lease could not be confirmed (every beat
-    /// failed) before the effect's deadline, or before the confirmed lease
-    /// end less the stop margin: the effect never started. Nothing
+    /// The effect never started: its deadline had passed before it could
+    /// (a claim that answered late), or, with a heartbeat, the lease could
+    /// not be confirmed (every beat failed) before the effect's deadline or
+    /// before the confirmed lease end less the stop margin. Nothing
     /// happened, but the claim may still be held: leave it to its lease.
-    #[error("the lease could not be confirmed before the deadline; the effect never started")]
+    #[error("the effect never started: its deadline passed, or the lease could not be confirmed before it")]
     NotStarted,
     /// With a heartbeat, no beat confirmed the lease before its last
     /// confirmed end less the stop margin (the plane was unreachable: a
@@ -292,9 +293,10 @@ impl<R: IdempotencyRepository> Held<R> {
     /// ([`Cut::LeaseUnconfirmed`]).
     pub async fn run<T>(&self, effect: impl Future<Output = T>) -> Result<T, Cut> {
         // A deadline already past (a claim that answered late) never starts
-        // the effect: a first poll could begin it.
+        // the effect: a first poll could begin it. Nothing ran, which is
+        // not what a timeout says (what a cut effect did is unknown).
         if Instant::now() >= self.effect_deadline {
-            return Err(Cut::TimedOut);
+            return Err(Cut::NotStarted);
         }
         if self.stop.is_cancelled() {
             return Err(if self.fence_lost() { Cut::FenceLost } else { Cut::LeaseUnconfirmed });

@@ -262,12 +262,11 @@ where
                 return (Settle::Unknown("the lease could not be confirmed; processing was stopped"), None);
             }
             Err(Cut::NotStarted) => {
-                // Nothing ran: the event and its body wait for a re-drive.
-                tracing::warn!(
-                    outcome = "left_for_redrive",
-                    "the lease could not be confirmed; processing never started"
-                );
-                return (Settle::Unknown("the lease could not be confirmed; processing never started"), None);
+                // Nothing ran (the claim answered after the timeout, or the
+                // lease could not be confirmed): the event and its body wait
+                // for a re-drive.
+                tracing::warn!(outcome = "left_for_redrive", "processing never started");
+                return (Settle::Unknown("processing never started"), None);
             }
             Err(cut) => {
                 tracing::error!(%cut, "processing was cut; what it did is unknown, and that is journaled");

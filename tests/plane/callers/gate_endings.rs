@@ -152,3 +152,36 @@ async fn beats_that_fail_until_the_deadline_never_start_the_effect_and_leave_the
     let row = faulty.get(org, "webhook.nylas", "k").await.expect("read").expect("the claim");
     assert_eq!((row.status, row.response), (ClaimStatus::Processing, None), "nothing written: left to its lease");
 }
+
+/// A claim that answers after the processing timeout has passed (a busy
+/// plane): processing never starts, and the event is left to its lease with
+/// the body its claim stored, for a re-drive, not journaled as a
+/// processing that timed out (nothing ran, which is no timeout's "what it
+/// did is unknown"). Its redelivery meanwhile is a duplicate.
+#[tokio::test]
+async fn a_claim_answered_after_the_processing_timeout_never_starts_and_leaves_the_event_for_a_redrive() {
+    let faulty = Faulty::new(MemoryRepository::new());
+    let gate = gate(&faulty);
+    let org = Uuid::new_v4();
+    let runs = Arc::new(AtomicUsize::new(0));
+    // Counted when the processing runs (is polled), not when its future is made.
+    let process = {
+        let runs = runs.clone();
+        move || {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<Value, ProcessingError>(json!("stored"))
+            }
+        }
+    };
+    faulty.once(Op::Claim, Fault::DelayAfter(PROCESSING_TIMEOUT + Duration::from_millis(100)));
+    let ack = gate.handle(delivery(org), process.clone()).await;
+    assert_eq!(ack, Ack::Accepted, "held by the plane with its body");
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "processing never started");
+    assert_eq!(gate.drops().get(DropReason::ProcessingAborted), 0, "nothing journaled as aborted");
+    let row = faulty.get(org, "webhook.nylas", "d-1").await.expect("read").expect("the claim");
+    assert_eq!((row.status, row.response), (ClaimStatus::Processing, None), "left to its lease");
+    assert_eq!(gate.handle(delivery(org), process.clone()).await, Ack::Dropped(DropReason::Duplicate));
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "a duplicate runs nothing");
+}

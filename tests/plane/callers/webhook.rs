@@ -121,7 +121,7 @@ async fn a_retryable_processing_failure_is_tried_again_in_process_and_never_rele
 }
 
 async fn processing_that_keeps_failing_until_its_timeout_is_left_for_a_redrive_which_finishes_it<P: Plane>(plane: &P) {
-    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(400)).unwrap();
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_secs(2)).unwrap();
     let org = org();
     let failing = || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) };
     let ack = gate.handle(delivery(org, "d-4b", b"{\"n\":4}"), failing).await;
@@ -151,7 +151,7 @@ async fn processing_that_keeps_failing_until_its_timeout_is_left_for_a_redrive_w
 }
 
 async fn an_event_whose_processing_keeps_failing_on_every_redrive_becomes_a_dead_letter<P: Plane>(plane: &P) {
-    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(150)).unwrap();
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_secs(2)).unwrap();
     let org = org();
     let failing = || async { Err::<Value, _>(ProcessingError::retryable("downstream 503")) };
     assert_eq!(gate.handle(delivery(org, "d-4c", b"{}"), failing).await, Ack::Accepted);
@@ -261,7 +261,7 @@ async fn a_delivery_that_can_never_be_claimed_is_acked_as_invalid<P: Plane>(plan
 }
 
 async fn processing_that_panics_or_overruns_is_journaled_as_aborted_never_released<P: Plane>(plane: &P) {
-    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_millis(300)).unwrap();
+    let gate = gate(plane).with_processing_timeout(std::time::Duration::from_secs(2)).unwrap();
     let org = org();
     let panicked = gate.handle(delivery(org, "d-6", b"{}"), || async { panic!("a bug in the handler") }).await;
     assert_eq!(panicked, Ack::Dropped(DropReason::ProcessingAborted));
