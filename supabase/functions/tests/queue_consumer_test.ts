@@ -18,6 +18,7 @@ import {
   IdempotencyPlane,
   type MessageContext,
   PlaneError,
+  type PlaneEvent,
   QueueConsumer,
   type QueuePath,
   Queues,
@@ -589,6 +590,103 @@ Deno.test("plane path: a heartbeat keeps a long effect's message hidden: another
   const beats = calls.count("idempotency_queue_extend");
   assert.ok(beats >= 5, `${beats} heartbeats`);
   assert.equal(calls.count("idempotency_extend"), 0, "every beat kept the message hidden too");
+});
+
+Deno.test("plane path: a heartbeat that finds the claim taken over stops the effect; nothing of it is journaled, the message is left", async () => {
+  const org = organization();
+  const events: PlaneEvent[] = [];
+  const worker = new QueueConsumer(
+    new EffectDriver(IdempotencyPlane.connect({ url: URL_, key: KEY }), { log: (event) => events.push(event) }),
+    Queues.connect({ url: URL_, key: KEY }),
+    {
+      queue: QUEUE,
+      deadLetterQueue: DLQ,
+      organizationId: org,
+      timing: new Timing(20_000, 3_000, 2_000).withHeartbeats(3_000),
+      batchSize: 1,
+      path: "plane",
+    },
+  );
+  await empty();
+  const key = uniqueKey("taken");
+  const msgId = await worker.queues.send(QUEUE, { idempotency_key: key, payload: { n: 1 } });
+  const started = Promise.withResolvers<void>();
+  let reason: unknown;
+  const drain = worker.drain(async (_payload, { signal }) => {
+    started.resolve();
+    await new Promise<void>((resolve) => {
+      const timer = setTimeout(resolve, 15_000);
+      signal.addEventListener("abort", () => {
+        reason = signal.reason;
+        clearTimeout(timer);
+        resolve();
+      }, { once: true });
+    });
+    return { journal: success("the first worker's late answer") };
+  });
+  await started.promise;
+  // The lease passes (as a database clock step would move it) and another
+  // worker takes the key over, in one transaction: no beat of the first
+  // worker's lands in between.
+  const rows = await superuserSql(
+    `update agent.idempotency_keys set lease_expires_at = clock_timestamp() - interval '1 second'
+      where organization_id = '${org}' and scope = '${SCOPE}' and key = '${key}';
+     select outcome from agent.idempotency_claim(p_organization_id => '${org}', p_scope => '${SCOPE}',
+       p_key => '${key}', p_request_hash => '${await requestHash({ n: 1 })}',
+       p_lease_token => '${crypto.randomUUID()}', p_lease_ms => 60000)`,
+  );
+  assert.deepEqual(rows.at(-1), ["reclaimed"], JSON.stringify(rows));
+  const drained = await drain;
+  assert.ok(reason instanceof PlaneError && /taken over/.test(reason.message), String(reason));
+  assert.deepEqual(counts(drained, "read", "ran", "failed", "archived", "left"), {
+    read: 1,
+    ran: 1,
+    failed: 1,
+    archived: 0,
+    left: 1,
+  });
+  const settled = events.find((event) => event.event === "idempotency.settle");
+  assert.equal(settled?.ending, "left_to_lease");
+  assert.match(String(settled?.why), /fence_lost/);
+  assert.equal((await archived([msgId])).size, 0, "not archived");
+  const read = await worker.driver.plane.read({
+    organizationId: org,
+    scope: SCOPE,
+    key,
+    requestHash: await requestHash({ n: 1 }),
+  });
+  assert.equal(read.outcome, "processing", "the new holder's, nothing of the first worker's journaled");
+  await empty();
+});
+
+Deno.test("both paths store an answer as the batch journal stores it: an output above the limit and one the store cannot hold read back alike", async () => {
+  const answers = [success("x".repeat(70_000)), success({ text: "a\u0000b" })];
+  const stored: Record<string, unknown[]> = {};
+  for (const path of PATHS) {
+    const org = organization();
+    const consumer = direct(org, { path });
+    await empty();
+    const keys = answers.map(() => uniqueKey(path));
+    for (const [n, key] of keys.entries()) await consumer.queues.send(QUEUE, { idempotency_key: key, payload: { n } });
+    const drained = await consumer.drain((payload) => ({ journal: answers[(payload as { n: number }).n] }));
+    assert.deepEqual(counts(drained, "ran", "failed", "archived"), { ran: 2, failed: 0, archived: 2 });
+    stored[path] = await Promise.all(keys.map(async (key, n) => {
+      const read = await consumer.driver.plane.read({
+        organizationId: org,
+        scope: SCOPE,
+        key,
+        requestHash: await requestHash({ n }),
+      });
+      assert.equal(read.outcome, "completed");
+      return read.outcome === "completed" ? read.answer : undefined;
+    }));
+  }
+  assert.deepEqual(stored.plane, stored.data_api);
+  assert.ok(
+    JSON.stringify(stored.plane[0]).includes('"$elided"'),
+    "the output above the limit is a stand-in",
+  );
+  assert.deepEqual(stored.plane[1], answers[1], "the NUL is kept, as text");
 });
 
 Deno.test("plane path: a settle that cannot be sent leaves the batch: nothing journaled, nothing archived; it comes back and runs again", async () => {
