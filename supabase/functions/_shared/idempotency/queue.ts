@@ -483,7 +483,12 @@ export class QueueConsumer {
       [...groups].map(([organization, batch]) =>
         driveMany(
           this.driver,
-          { organizationId: organization, scope, timing, items: batch.map(({ item }) => item) },
+          {
+            organizationId: organization,
+            scope,
+            timing,
+            items: batch.map(({ item }) => ({ key: item.key, requestHash: item.requestHash })),
+          },
           async (index, claim, signal): Promise<Settle> => {
             const { message, item } = batch[index];
             if (message.readCount > maxReads) {
