@@ -4,7 +4,7 @@
 //   POST /   `Authorization: Bearer <service key>`: drains one batch (up to
 //            BATCH messages, default 10) of the queue QUEUE_NAME and answers
 //            the counts `{"read", "ran", "replayed", "failed", "archived",
-//            "dead_lettered", "left"}`; anything else gets 401
+//            "dead_lettered", "left", "redriven"}`; anything else gets 401
 //
 // A message is JSON `{"idempotency_key": "…", "payload": …}`: the producer's
 // key names the command, so a producer that sends the same command twice
@@ -12,17 +12,28 @@
 // Processing forwards `payload` to PROCESS_URL (POST, with the tenant's vendor
 // key as `Idempotency-Key`) and is done when that answers 2xx; a 4xx (other
 // than 408, 409 and 429) is a failure for good, journaled and sent with the
-// message to DEAD_LETTER_QUEUE (default QUEUE_NAME_dlq); anything else leaves
-// the message to come back when its visibility passes, until MAX_READS
-// (default 5) reads dead-letter it.
+// message to DEAD_LETTER_QUEUE (default QUEUE_NAME_dlq), once per command;
+// anything else leaves the message to come back when its visibility passes,
+// until MAX_READS (default 5) reads dead-letter it. A message no client can
+// read (not an object, a key that is not a string, a number beyond every
+// double) is dead-lettered alone, as its text; the rest of its batch runs.
+// Where the plane has its queue functions, a batch is read and claimed in
+// one transaction and settled in another, and failures sent back after a fix
+// (`idem redrive --failed --scope queue.<QUEUE_NAME> ...`) run again on a
+// later drain, without their message.
 //
 // The plane and the queues come from the environment (SUPABASE_URL and the
 // service key on Supabase; `idem up --env-file` writes IDEM_POSTGREST_URL and
 // IDEM_SERVICE_KEY). Also ORGANIZATION_ID (the tenant of the queue's
-// messages), and the timing: EFFECT_TIMEOUT_MS (default 10 000),
-// JOURNAL_DEADLINE_MS (10 000) and LEASE_MARGIN_MS (5 000), whose sum is each
-// claim's lease; a message read stays hidden for the lease and a second
-// more. Locally:
+// messages), ORGANIZATIONS (for a queue shared by tenants: the organizations,
+// comma-separated, whose messages this consumer takes, each message naming
+// its own `organization_id`; ORGANIZATION_ID's by default), QUEUE_PATH (auto,
+// the default, plane or data_api: see `QueuePath`), and the timing:
+// EFFECT_TIMEOUT_MS (default 10 000), JOURNAL_DEADLINE_MS (10 000) and
+// LEASE_MARGIN_MS (5 000), whose sum is each claim's lease; a message read
+// stays hidden for the lease and a second more. With HEARTBEAT_LEASE_MS
+// (at least 3 000), claims take that short lease instead, kept alive by
+// heartbeats (which keep the messages hidden too) while effects run. Locally:
 //
 //   idem up --with-pgmq --queue orders --queue orders_dlq --env-file plane.env &
 //   set -a; . ./plane.env; set +a
@@ -40,6 +51,7 @@ import {
   failure,
   IdempotencyPlane,
   QueueConsumer,
+  type QueuePath,
   Queues,
   type Settle,
   success,
@@ -71,13 +83,19 @@ export function consumer(
   const processUrl = required(env, "PROCESS_URL");
   const serviceKey = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
   const effectMs = whole(env, "EFFECT_TIMEOUT_MS", 10_000);
+  const timing = new Timing(effectMs, whole(env, "JOURNAL_DEADLINE_MS", 10_000), whole(env, "LEASE_MARGIN_MS", 5_000));
+  const path = env("QUEUE_PATH") || "auto";
+  if (!["auto", "plane", "data_api"].includes(path)) throw new Error("QUEUE_PATH must be auto, plane or data_api");
+  const organizations = env("ORGANIZATIONS")?.split(",").map((id) => id.trim()).filter((id) => id !== "");
   const drainer = new QueueConsumer(new EffectDriver(plane), queues, {
     queue,
     organizationId: env("ORGANIZATION_ID") ?? DEMO_ORGANIZATION,
+    ...(organizations?.length ? { organizations } : {}),
     deadLetterQueue: env("DEAD_LETTER_QUEUE") ?? `${queue}_dlq`,
     batchSize: whole(env, "BATCH", 10),
     maxReads: whole(env, "MAX_READS", 5),
-    timing: new Timing(effectMs, whole(env, "JOURNAL_DEADLINE_MS", 10_000), whole(env, "LEASE_MARGIN_MS", 5_000)),
+    timing: env("HEARTBEAT_LEASE_MS") ? timing.withHeartbeats(whole(env, "HEARTBEAT_LEASE_MS", 0)) : timing,
+    path: path as QueuePath,
   });
 
   /** Forwards one message's payload downstream; done on 2xx. */

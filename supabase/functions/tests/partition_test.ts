@@ -332,64 +332,95 @@ Deno.test("partition: the webhook gate stops processing before a re-drive takes 
   });
 });
 
-Deno.test("partition: the queue consumer stops a message's effect before another consumer takes it over, and leaves it", async () => {
-  const queue = "partition_test";
-  const deadLetterQueue = "partition_test_dlq";
-  const direct = Queues.connect({ url: URL_, key: KEY });
-  for (const name of [queue, deadLetterQueue]) {
-    for (const message of await direct.read(name, 60, 100)) await direct.delete(name, message.msgId);
-  }
-  await partitioned(async ({ proxy, proxied, timeline }) => {
-    const { log, events } = kept();
-    const organizationId = organization();
-    const key = uniqueKey("msg");
-    await direct.send(queue, { idempotency_key: key, payload: { to: "a@example.com" } });
-    // Worker A reaches the plane and the queue through the proxy.
-    const consumerA = new QueueConsumer(
-      new EffectDriver(proxied, { log }),
-      Queues.connect({ url: proxy.url, key: KEY }),
-      {
+for (const path of ["plane", "data_api"] as const) {
+  Deno.test(`partition (${path} path): the queue consumer stops a message's effect before another consumer takes it over, and leaves it`, async () => {
+    const queue = "partition_test";
+    const deadLetterQueue = "partition_test_dlq";
+    const direct = Queues.connect({ url: URL_, key: KEY });
+    for (const name of [queue, deadLetterQueue]) {
+      for (const message of await direct.read(name, 60, 100)) await direct.delete(name, message.msgId);
+    }
+    await partitioned(async ({ proxy, proxied, timeline }) => {
+      const { log, events } = kept();
+      const organizationId = organization();
+      const key = uniqueKey("msg");
+      await direct.send(queue, { idempotency_key: key, payload: { to: "a@example.com" } });
+      // Worker A reaches the plane and the queue through the proxy; on the
+      // plane's path its heartbeats also keep the message hidden.
+      const consumerA = new QueueConsumer(
+        new EffectDriver(proxied, { log }),
+        Queues.connect({ url: proxy.url, key: KEY }),
+        {
+          queue,
+          deadLetterQueue,
+          organizationId,
+          timing: new Timing(LONG_TIMEOUT_MS).withHeartbeats(HEARTBEAT_LEASE_MS),
+          batchSize: 1,
+          path,
+        },
+      );
+      const a = consumerA.drain((_payload, context) =>
+        timeline.a(context.signal, { journal: success("A's late answer") })
+      );
+      await partitionMidEffect(proxy, timeline);
+      // Worker B takes the key over once A's lease passed: by reading the
+      // message again once its visibility passes, or (on the plane's path)
+      // by re-driving A's claim from the plane before that.
+      const consumerB = new QueueConsumer(new EffectDriver(plane(), { log: silent }), direct, {
         queue,
         deadLetterQueue,
         organizationId,
-        timing: new Timing(LONG_TIMEOUT_MS).withHeartbeats(HEARTBEAT_LEASE_MS),
+        timing: new Timing(1_000, 1_000, 1_000),
         batchSize: 1,
-      },
-    );
-    const a = consumerA.drain((_payload, context) =>
-      timeline.a(context.signal, { journal: success("A's late answer") })
-    );
-    await partitionMidEffect(proxy, timeline);
-    // Worker B reads the message again once its visibility passes, and runs it
-    // once the key is free.
-    const consumerB = new QueueConsumer(new EffectDriver(plane(), { log: silent }), direct, {
-      queue,
-      deadLetterQueue,
-      organizationId,
-      timing: new Timing(1_000, 1_000, 1_000),
-      batchSize: 1,
-    });
-    const b = await takeOver("worker B's queue consumer", async () => {
-      const drained = await consumerB.drain(() => (timeline.b(), { journal: success("B's answer") }));
-      return drained.ran > 0 ? drained : undefined;
-    });
-    assert.equal(b.archived, 1, JSON.stringify(b));
-    timeline.check();
+        path,
+      });
+      const runB = () => consumerB.drain(() => (timeline.b(), { journal: success("B's answer") }));
+      const b = await takeOver("worker B's queue consumer", async () => {
+        const drained = await runB();
+        return drained.ran > 0 ? drained : undefined;
+      });
+      assert.equal(b.ran, 1, JSON.stringify(b));
+      if (b.redriven === 1) {
+        assert.equal(path, "plane", "only the plane re-drives");
+        // Its message, still hidden then, comes back once its visibility
+        // passes: it replays B's answer and is archived, never run again.
+        const replay = await takeOver("the message coming back", async () => {
+          const drained = await runB();
+          return drained.read > 0 ? drained : undefined;
+        });
+        assert.deepEqual(
+          { read: replay.read, ran: replay.ran, replayed: replay.replayed, archived: replay.archived },
+          { read: 1, ran: 0, replayed: 1, archived: 1 },
+        );
+      } else {
+        assert.equal(b.archived, 1, JSON.stringify(b));
+      }
+      timeline.check();
 
-    const first: Drained = await within("worker A's drain", a, GIVE_UP_MS);
-    assert.deepEqual(first, { read: 1, ran: 1, replayed: 0, failed: 1, archived: 0, dead_lettered: 0, left: 1 });
-    const settled = events.find((event) => event.event === "idempotency.settle");
-    assert.equal(settled?.ending, "left_to_lease");
-    assert.match(String(settled?.why), /lease_unconfirmed/);
-    assertLogged(events, key);
-    const stored = await plane().read({
-      organizationId,
-      scope: `queue.${queue}`,
-      key,
-      requestHash: await hashOf({ to: "a@example.com" }),
+      const first: Drained = await within("worker A's drain", a, GIVE_UP_MS);
+      assert.deepEqual(first, {
+        read: 1,
+        ran: 1,
+        replayed: 0,
+        failed: 1,
+        archived: 0,
+        dead_lettered: 0,
+        left: 1,
+        redriven: 0,
+      });
+      const settled = events.find((event) => event.event === "idempotency.settle");
+      assert.equal(settled?.ending, "left_to_lease");
+      assert.match(String(settled?.why), /lease_unconfirmed/);
+      assertLogged(events, key);
+      const stored = await plane().read({
+        organizationId,
+        scope: `queue.${queue}`,
+        key,
+        requestHash: await hashOf({ to: "a@example.com" }),
+      });
+      assert.equal(stored.outcome, "completed");
+      if (stored.outcome !== "completed") return;
+      assert.deepEqual(stored.answer.output, "B's answer", "the message's answer is B's");
     });
-    assert.equal(stored.outcome, "completed");
-    if (stored.outcome !== "completed") return;
-    assert.deepEqual(stored.answer.output, "B's answer", "the message's answer is B's");
   });
-});
+}

@@ -203,10 +203,15 @@ export async function killHard(child: Deno.ChildProcess): Promise<void> {
 
 /** `idem redrive --to <route> --json ...` against the local plane: its exit code and output. */
 export async function idemRedrive(route: string, ...args: string[]) {
+  return await idem("redrive", "--to", route, "--json", ...args);
+}
+
+/** The `idem` CLI (IDEM_BIN) with `args`, against the local plane: its exit code and output. */
+export async function idem(...args: string[]): Promise<{ code: number; stdout: string; stderr: string }> {
   const bin = Deno.env.get("IDEM_BIN");
   if (!bin) throw new Error("IDEM_BIN is not set: run this through .ci/with-local-plane.sh");
   const output = await new Deno.Command(bin, {
-    args: ["redrive", "--to", route, "--json", ...args],
+    args,
     env: { IDEM_POSTGREST_URL: URL_, IDEM_SERVICE_KEY: KEY },
     stdout: "piped",
     stderr: "piped",

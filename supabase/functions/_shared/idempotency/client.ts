@@ -101,8 +101,15 @@ export class FetchTransport implements Transport {
   readonly #base: string;
   readonly #headers: Record<string, string>;
   readonly #fetch: typeof fetch;
+  readonly #readJson: (text: string) => unknown;
 
-  constructor(options: ConnectOptions) {
+  /**
+   * Over `options`. `readJson` reads a success's body (default
+   * `JSON.parse`): the queues' transport keeps what JSON.parse cannot read
+   * faithfully (see `Queues.connect`).
+   */
+  constructor(options: ConnectOptions, readJson: (text: string) => unknown = JSON.parse) {
+    this.#readJson = readJson;
     let base: URL;
     try {
       base = new URL(options.url);
@@ -150,7 +157,7 @@ export class FetchTransport implements Transport {
     const retryAfterMs = retryAfter(response.headers.get("retry-after"));
     if (response.status >= 200 && response.status < 300) {
       try {
-        return { status: response.status, data: text === "" ? null : JSON.parse(text) };
+        return { status: response.status, data: text === "" ? null : this.#readJson(text) };
       } catch {
         throw new PlaneError("decode", `${fn} answered ${response.status} with a body that is not JSON`, {
           fn,

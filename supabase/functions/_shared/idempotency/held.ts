@@ -29,7 +29,7 @@ import { type Answer, answerFromStored, replayable, store, storedSize } from "./
 import { sleep } from "./client.ts";
 import { monotonicNow } from "./clock.ts";
 import { PlaneError } from "./errors.ts";
-import { type Claim, type IdempotencyPlane, MIN_LEASE_MS } from "./plane.ts";
+import { type CallOptions, type Claim, type IdempotencyPlane, MIN_LEASE_MS } from "./plane.ts";
 import type { Logger } from "./log.ts";
 import type { Timing } from "./timing.ts";
 
@@ -89,6 +89,15 @@ export type Cut =
    */
   | { cut: "not_started" };
 
+/**
+ * One heartbeat of a claim whose lease is kept by another call than the
+ * plane's `extend`: asks for `leaseMs` more and answers the lease's new end,
+ * or null when the claim is no longer this worker's, as `extend` does. A
+ * queue claim's beat (`agent.idempotency_queue_extend`) also keeps its
+ * messages hidden as long, in the same call.
+ */
+export type Beat = (leaseMs: number, call: CallOptions) => Promise<string | null>;
+
 /** A held claim's heartbeat: its lease, the whole lease's end, and the stop margin. */
 interface Heartbeat {
   /** The lease each beat asks for. */
@@ -124,6 +133,8 @@ export class Held {
   readonly lateDeadline: number;
   readonly #driver: { readonly plane: IdempotencyPlane; readonly log: Logger };
   readonly #heartbeat?: Heartbeat;
+  /** What a heartbeat calls, when not the plane's `extend`. */
+  readonly #extendBy?: Beat;
   #beat?: ReturnType<typeof setTimeout>;
   /**
    * When the request that last confirmed the lease was sent (monotonic ms):
@@ -157,15 +168,20 @@ export class Held {
    * Made by `EffectDriver.begin` (driver.ts) for the claim it made: `driver`
    * is the plane the claim ends on and where its events go (an EffectDriver),
    * and the effect's clock started at `attempt.startedAt` (monotonic ms).
+   * `options.beat`, when given, is what each heartbeat calls instead of the
+   * plane's `extend` (a queue claim's, which keeps its messages hidden too);
+   * every other rule of the heartbeat is the same.
    */
   constructor(
     driver: { readonly plane: IdempotencyPlane; readonly log: Logger },
     claim: Claim,
     attempt: { readonly startedAt: number },
     timing: Timing,
+    options: { beat?: Beat } = {},
   ) {
     this.#driver = driver;
     this.claim = claim;
+    this.#extendBy = options.beat;
     this.effectDeadline = attempt.startedAt + timing.effectMs;
     this.endingDeadline = this.effectDeadline + timing.journalMs;
     this.lateDeadline = this.endingDeadline - Math.min(timing.journalMs / 2, LATE_JOURNAL_RESERVE_MS);
@@ -253,7 +269,10 @@ export class Held {
   async #extend(heartbeat: Heartbeat, now: number): Promise<"extended" | "lost" | "failed"> {
     const ask = Math.max(MIN_LEASE_MS, Math.min(heartbeat.leaseMs, heartbeat.leaseEnd - now));
     try {
-      const end = await this.#driver.plane.extend(this.claim, ask, { deadlineMs: heartbeat.leaseMs / 3 });
+      const call = { deadlineMs: heartbeat.leaseMs / 3 };
+      const end = this.#extendBy
+        ? await this.#extendBy(ask, call)
+        : await this.#driver.plane.extend(this.claim, ask, call);
       if (end === null) return "lost";
       this.#confirmedAt = Math.max(this.#confirmedAt, now);
       this.#confirmedEnd = Math.max(this.#confirmedEnd, now + ask);

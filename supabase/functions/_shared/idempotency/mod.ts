@@ -66,13 +66,22 @@ export {
 } from "./timing.ts";
 export { monotonicNow } from "./clock.ts";
 export { Held, LATE_JOURNAL_RESERVE_MS } from "./held.ts";
-export type { Cut, Settle, Settled } from "./held.ts";
+export type { Beat, Cut, Settle, Settled } from "./held.ts";
 export { Attempt, EffectDriver } from "./driver.ts";
 export type { Begun, EffectSpec } from "./driver.ts";
 export { beginMany, driveMany, endingName, isDone, settleMany } from "./batch.ts";
 export type { BatchItem, BatchReport, BatchSpec, ItemEnding } from "./batch.ts";
 export { QueueConsumer, Queues, QUEUES_SCHEMA } from "./queue.ts";
-export type { ConsumerOptions, Drained, MessageContext, QueueMessage } from "./queue.ts";
+export type {
+  ConsumerOptions,
+  Drained,
+  MessageContext,
+  QueueMessage,
+  QueuePath,
+  ResolvedConsumerOptions,
+} from "./queue.ts";
+export { queueExtend, queueSettle, queueTake } from "./queue_plane.ts";
+export type { QueueClaim, QueueEnding, QueueSettled, QueueTake, TakenItem, TakeOutcome } from "./queue_plane.ts";
 export { idempotent, makeIdempotent } from "./idempotent.ts";
 export type { IdempotentOptions, IdempotentResult } from "./idempotent.ts";
 export { NothingHappened, runAndEnd } from "./run_effect.ts";
