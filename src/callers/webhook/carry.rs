@@ -106,9 +106,9 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
     async fn ask(&self, effect: &Effect<'_>, say: &mut impl FnMut(Ack) -> bool) -> (Result<Begun<R>, Error>, bool) {
         let attempt = Attempt::new();
         // Ask while an answer could still be journaled before the lease
-        // passes: a claim confirmed after the processing timeout is
-        // journaled as aborted rather than left for a redelivery that was
-        // already ACKed.
+        // passes: a claim confirmed after the processing timeout never
+        // starts processing (Cut::NotStarted), and the event waits, with
+        // the body its claim stored, for a re-drive.
         let ask_until = attempt.started() + self.timing.effect() + self.timing.journal() / 2;
         let begun = match tokio::time::timeout_at(ask_until, self.driver.begin_as(effect, &attempt)).await {
             Ok(begun) => begun,
