@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use idempotency_plane::callers::http::provider_callback_router;
-use idempotency_plane::callers::webhook::ProviderJobs;
+use idempotency_plane::callers::webhook::{ProcessingError, ProviderJobs};
 use serde_json::{json, Value};
 
 use crate::callers::webhook::gate;
@@ -96,8 +96,22 @@ async fn the_axum_route_refuses_a_body_above_the_gate_limit_413_before_checking_
     };
     let gate = gate(&stack);
     assert_eq!(gate.body_limit(), DEFAULT_WEBHOOK_BODY_LIMIT);
-    let router = provider_callback_router(gate, verify, |_job, body: axum::body::Bytes| async move {
-        Ok(json!({"bytes": body.len()}))
+    // While its processing runs, the claim carries the body as its work
+    // (a success drops it; a failure keeps it for a re-run after a fix).
+    let seen_work: Arc<std::sync::Mutex<Option<(Value, i64)>>> = Arc::default();
+    let (db, seen) = (stack.db().clone(), seen_work.clone());
+    let router = provider_callback_router(gate, verify, move |_job, body: axum::body::Bytes| {
+        let (db, seen) = (db.clone(), seen.clone());
+        async move {
+            let stored: (Value, i64) = sqlx::query_as(
+                "select request, octet_length(request::text)::int8 from agent.idempotency_keys where key = 'evt-big-1'",
+            )
+            .fetch_one(&db)
+            .await
+            .map_err(|error| ProcessingError::retryable(error.to_string()))?;
+            *seen.lock().unwrap() = Some(stored);
+            Ok(json!({"bytes": body.len()}))
+        }
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/callbacks/transcribe/job-big", listener.local_addr().unwrap());
@@ -115,15 +129,15 @@ async fn the_axum_route_refuses_a_body_above_the_gate_limit_413_before_checking_
     let taken = send("evt-big-1", "valid", event.clone()).await.unwrap();
     assert_eq!(taken.status(), 200);
     assert_eq!(taken.json::<Value>().await.unwrap(), json!({"ack": "processed"}));
-    let (stored, stored_bytes): (Value, i64) = sqlx::query_as(
-        "select request, octet_length(request::text)::int8 from agent.idempotency_keys where key = 'evt-big-1'",
-    )
-    .fetch_one(stack.db())
-    .await
-    .unwrap();
+    let (stored, stored_bytes) = seen_work.lock().unwrap().take().expect("the work, read while processing ran");
     let text = stored["body_text"].as_str().expect("JSON text is stored as text");
     assert_eq!(text.as_bytes(), event.as_slice(), "the very bytes, stored with the claim");
     assert!(stored_bytes > 256 * 1024, "the whole body: {stored_bytes} bytes");
+    let kept: Option<Value> = sqlx::query_scalar("select request from agent.idempotency_keys where key = 'evt-big-1'")
+        .fetch_one(stack.db())
+        .await
+        .unwrap();
+    assert_eq!(kept, None, "the work is dropped once the success is journaled");
     let again = send("evt-big-1", "valid", event.clone()).await.unwrap();
     assert_eq!(again.json::<Value>().await.unwrap(), json!({"ack": "dropped", "drop_reason": "duplicate"}));
     assert_eq!(verified.load(Ordering::SeqCst), 2);

@@ -38,6 +38,7 @@ pub(super) const FLOOR_CLAIM: &str = "with p as (select s.retain from agent.idem
 /// tests below hold it against the migrations' completion.
 pub(super) const FLOOR_COMPLETE: &str = "update agent.idempotency_keys as k
     set status = 'completed', response = $4,
+        request = case when $4 -> 'ok' = 'false'::jsonb then k.request end,
         retain_until = greatest(k.retain_until, clock_timestamp() + (k.retain_until - k.lease_expires_at)),
         redrive_at = null
   where k.organization_id = $3 and k.id = $1 and k.lease_token = $2 and k.status = 'processing'
@@ -196,8 +197,15 @@ mod tests {
         assert!(creates, "{file} drops {kind} agent.{name} after its latest definition");
         let rest = &sql[at..];
         let end = if kind == "function" {
-            let body = rest.find("$$").map(|start| start + 2).expect("a function body");
-            body + rest[body..].find("$$").expect("the end of the body") + 2
+            // The body's dollar quote: `$$`, or `$_$` as pg_dump writes one
+            // whose body holds `$$` (a declared-schema file copied whole).
+            let quote = ["$$", "$_$"]
+                .into_iter()
+                .filter_map(|quote| rest.find(quote).map(|at| (at, quote)))
+                .min()
+                .expect("a function body");
+            let body = quote.0 + quote.1.len();
+            body + rest[body..].find(quote.1).expect("the end of the body") + quote.1.len()
         } else {
             rest.find(");").expect("the end of the type") + 2
         };
