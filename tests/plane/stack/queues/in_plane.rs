@@ -486,6 +486,9 @@ async fn late_settles_racing_takes_of_their_messages_never_deadlock_and_archive_
     f.stack.stop().await.unwrap();
 }
 
+/// An argument of a call: its name, a good value, whether it is required.
+type Argument = (&'static str, String, bool);
+
 /// The queue functions refuse each required argument given as SQL NULL
 /// (what PostgREST binds for a JSON `null`; the embedded server sends `''`)
 /// with 22023 naming it, as the service role; with every argument given,
@@ -498,7 +501,7 @@ async fn the_queue_functions_refuse_each_required_argument_as_sql_null_by_name()
     let items = json!([{"organization_id": f.org, "claim_id": Uuid::new_v4(), "lease_token": Uuid::new_v4(),
                         "msg_ids": [1], "ending": "journal", "response": {"ok": true}}])
     .to_string();
-    let calls: [(&str, Vec<(&str, String, bool)>); 3] = [
+    let calls: [(&str, Vec<Argument>); 3] = [
         (
             "select * from agent.idempotency_queue_take($1, $2, $3::uuid, $4::bigint, $5::uuid[], $6::integer, $7, \
              $8::uuid[], $9::integer)",
