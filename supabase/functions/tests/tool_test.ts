@@ -328,7 +328,7 @@ Deno.test("a checkpoint that throws is raised as checkpoint_failed, retryable, a
 
 Deno.test("a second run under one claim that never starts leaves nothing to wait for, not the first run's ending", async () => {
   // A reclaimed call runs its reconciler, then its tool, under one claim: a
-  // tool that cannot start (the deadline passed) must be timed out, never
+  // tool that cannot start (the deadline passed) never starts, and is never
   // answered by the reconciler's ending.
   const p = plane();
   const driver = new EffectDriver(p, { log: silent });
@@ -343,7 +343,7 @@ Deno.test("a second run under one claim that never starts leaves nothing to wait
   const held = (begun as { held: Held }).held;
   assert.deepEqual(await held.run(() => undefined), { value: undefined });
   await sleep(400);
-  assert.deepEqual(await held.run(() => success({})), { cut: "timed_out" });
+  assert.deepEqual(await held.run(() => success({})), { cut: "not_started" });
   assert.equal(await held.late(held.lateDeadline), undefined, "nothing of this run is running");
   await held.settle({ unknown: "test" });
 });

@@ -256,6 +256,38 @@ Deno.test("a claim answer lost after the commit is asked again with the same tok
   assert.equal((await journaled(org, id)).outcome, "completed");
 });
 
+Deno.test("a claim answered after the processing timeout never starts processing and leaves the event for a re-drive", async () => {
+  // The claim lands, and its answer arrives 1.3 s on: past the processing
+  // timeout (1 s) but within the time the gate asks for. Nothing ran, so
+  // nothing may be journaled as processing_timed_out (a failure the event
+  // never had): the claim is left to its lease, with its body, for a re-drive.
+  const lossy = new Lossy().delay("idempotency_claim", 1_300);
+  const gate = new WebhookGate(plane({ fetch: lossy.fetch }), {
+    processingTimeoutMs: 1_000,
+    journalDeadlineMs: 2_000,
+    marginMs: 1_000,
+    deadlineMs: 5_000,
+  });
+  const org = organization();
+  const id = uniqueKey("Ev");
+  let runs = 0;
+  const process = () => {
+    runs += 1;
+    return Promise.resolve("stored");
+  };
+  assert.deepEqual(await gate.handle(delivery(org, id), process), { ack: "accepted", status: 200 });
+  assert.equal(runs, 0, "processing never started");
+  assert.equal(gate.drops("processing_aborted"), 0, "nothing journaled as aborted");
+  const read = await journaled(org, id);
+  assert.equal(read.outcome, "processing", `left to its lease: ${JSON.stringify(read)}`);
+  assert.deepEqual(await new WebhookGate(plane()).handle(delivery(org, id), process), {
+    ack: "dropped",
+    status: 200,
+    reason: "duplicate",
+  });
+  assert.equal(runs, 0, "a duplicate runs nothing");
+});
+
 Deno.test("an unreachable plane is a 503; an unclaimable delivery id is a counted drop", async () => {
   const down = new WebhookGate(plane({ fetch: new Lossy().refuseAll().fetch, retry: { maxRetries: 0 } }), {
     deadlineMs: 500,

@@ -83,9 +83,9 @@ export type Cut =
    */
   | { cut: "lease_unconfirmed" }
   /**
-   * With a heartbeat, the lease could not be confirmed (every beat failed)
-   * before the effect's deadline: the effect never started. Leave the claim
-   * to its lease.
+   * The effect never started: its deadline had passed when it was to start
+   * (a claim answered late), or, with a heartbeat, the lease could not be
+   * confirmed (every beat failed) before it. Leave the claim to its lease.
    */
   | { cut: "not_started" };
 
@@ -357,7 +357,10 @@ export class Held {
     const confirmed = await this.#confirm();
     if (confirmed) return confirmed;
     const remaining = this.effectDeadline - monotonicNow();
-    if (remaining <= 0) return { cut: "timed_out" };
+    // A claim answered after the effect's deadline (or a second run of one
+    // claim that comes too late) never starts: nothing ran, so nothing may
+    // be journaled as if it had timed out.
+    if (remaining <= 0) return { cut: "not_started" };
     if (this.#lost) return { cut: "fence_lost" };
     const controller = new AbortController();
     let timer: ReturnType<typeof setTimeout> | undefined;

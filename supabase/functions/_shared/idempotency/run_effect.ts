@@ -107,10 +107,10 @@ export async function runAndEnd(
   if ("cut" in ran && ran.cut === "not_started") {
     const error = new PlaneError(
       "deadline",
-      "the lease could not be confirmed before the deadline; the effect never started",
+      "the effect's deadline passed before its lease was confirmed or its claim answered; it never started",
     );
     return await failed("not_started", error, {
-      unknown: "the lease could not be confirmed; the effect never started",
+      unknown: "the effect never started: its deadline passed first",
     });
   }
   if ("cut" in ran && ran.cut === "fence_lost") {

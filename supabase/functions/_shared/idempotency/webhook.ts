@@ -689,9 +689,9 @@ export class WebhookGate {
           scope: held.claim.scope,
           delivery_id: held.claim.key,
           outcome: "left_for_redrive",
-          error: "the lease could not be confirmed; processing never started",
+          error: "processing never started: its timeout passed before the claim was answered or its lease confirmed",
         });
-        return [{ unknown: "the lease could not be confirmed; processing never started" }, undefined];
+        return [{ unknown: "processing never started: its timeout passed first" }, undefined];
       }
       if (ran.cut === "timed_out") {
         this.#log({
