@@ -11,7 +11,8 @@ CREATE FUNCTION agent.idempotency_queue_extend(p_queue text, p_lease_ms bigint, 
     SET lock_timeout TO '5s'
     AS $_$
 declare
-  v_item record;
+  v_items agent.idempotency_queue_ending[];
+  v_item agent.idempotency_queue_ending;
   v_orgs uuid[];
   v_claims uuid[];
   v_locked bigint[];
@@ -24,13 +25,15 @@ begin
       using errcode = '22023';
   end if;
   v_visible := (p_lease_ms + 999) / 1000 + 1;
-  select pg_catalog.array_agg(i.organization_id order by i.item), pg_catalog.array_agg(i.claim_id order by i.item),
-         coalesce(pg_catalog.array_agg(distinct m order by m) filter (where m is not null), '{}')
-    into v_orgs, v_claims, v_locked
-    from agent.idempotency_queue_items(p_items, p_row_cap, false) i
-    left join lateral pg_catalog.unnest(i.msg_ids) m on true;
+  v_items := agent.idempotency_queue_items(p_items, p_row_cap, false);
+  select pg_catalog.array_agg(i.organization_id order by i.item), pg_catalog.array_agg(i.claim_id order by i.item)
+    into v_orgs, v_claims
+    from pg_catalog.unnest(v_items) i;
+  select coalesce(pg_catalog.array_agg(distinct m order by m), '{}') into v_locked
+    from pg_catalog.unnest(v_items) i
+   cross join lateral pg_catalog.unnest(i.msg_ids) m;
   perform agent.idempotency_queue_lock(p_queue, v_locked, v_orgs, v_claims);
-  for v_item in select * from agent.idempotency_queue_items(p_items, p_row_cap, false) order by item loop
+  foreach v_item in array v_items loop
     v_end := agent.idempotency_extend(v_item.claim_id, v_item.lease_token, p_lease_ms, v_item.organization_id);
     if v_end is not null then
       for i in 1 .. coalesce(pg_catalog.cardinality(v_item.msg_ids), 0) loop

@@ -16,7 +16,8 @@ CREATE FUNCTION agent.idempotency_queue_settle(p_queue text, p_dead_letter_queue
     SET lock_timeout TO '5s'
     AS $_$
 declare
-  v_item record;
+  v_items agent.idempotency_queue_ending[];
+  v_item agent.idempotency_queue_ending;
   v_orgs uuid[];
   v_claims uuid[];
   v_locked bigint[];
@@ -35,17 +36,18 @@ declare
 begin
   perform agent.idempotency_queue_check(p_queue, 'p_queue');
   perform agent.idempotency_queue_check(p_dead_letter_queue, 'p_dead_letter_queue');
+  v_items := agent.idempotency_queue_items(p_items, p_row_cap, true);
   select pg_catalog.array_agg(i.organization_id order by i.item), pg_catalog.array_agg(i.claim_id order by i.item)
     into v_orgs, v_claims
-    from agent.idempotency_queue_items(p_items, p_row_cap, true) i;
+    from pg_catalog.unnest(v_items) i;
   select coalesce(pg_catalog.array_agg(distinct m order by m), '{}') into v_locked
-    from agent.idempotency_queue_items(p_items, p_row_cap, true) i
+    from pg_catalog.unnest(v_items) i
    cross join lateral pg_catalog.unnest(i.msg_ids) m
    where i.ending = 'journal';
   perform agent.idempotency_queue_lock(p_queue, v_locked, v_orgs, v_claims);
 
   begin
-    for v_item in select * from agent.idempotency_queue_items(p_items, p_row_cap, true) order by item loop
+    foreach v_item in array v_items loop
       v_index := v_item.item;
       v_lettered := false;
       if v_item.ending = 'journal' then
@@ -75,7 +77,8 @@ begin
             end if;
             perform agent.idempotency_queue_letter(
                       p_queue, p_dead_letter_queue, v_item.msg_ids[1], v_reads,
-                      coalesce(v_body, pg_catalog.jsonb_build_object('idempotency_key', v_key, 'payload', v_request)),
+                      coalesce(v_body, pg_catalog.jsonb_build_object('idempotency_key', v_key, 'organization_id', v_item.organization_id,
+                                                                 'payload', v_request)),
                       v_row.response);
             v_lettered := true;
           end if;

@@ -48,6 +48,7 @@ declare
   v_claim record;
   v_orgs uuid[];
   v_first integer;
+  v_firsts integer[];
   v_failure jsonb;
   v_archive bigint[] := '{}'::bigint[];
   v_work record;
@@ -197,6 +198,12 @@ begin
   select pg_catalog.array_agg(distinct t.organization_id order by t.organization_id) into v_orgs
     from pg_catalog.unnest(v_items) t
    where t.outcome = 'unclaimed';
+  -- Each message to claim, and the first message of its key.
+  select pg_catalog.array_agg(f.first order by f.n) into v_firsts
+    from (select n, case when v_items[n].outcome = 'unclaimed'
+                         then pg_catalog.min(n) over (partition by v_items[n].outcome, v_items[n].organization_id,
+                                                                   v_items[n].key) end as first
+            from pg_catalog.generate_subscripts(v_items, 1) n) f;
   for v_org in select pg_catalog.unnest(coalesce(v_orgs, '{}')) loop
     select pg_catalog.jsonb_agg(pg_catalog.jsonb_build_object(
              'key', v_items[i].key, 'request_hash', v_hashes[i], 'lease_token', p_lease_tokens[i],
@@ -217,10 +224,7 @@ begin
       v_items[v_index].lease_expires_at := v_claim.lease_expires_at;
       v_items[v_index].retain_until := v_claim.retain_until;
       v_items[v_index].lease_live := v_claim.lease_live;
-      select pg_catalog.min(j) into v_first
-        from pg_catalog.generate_subscripts(v_items, 1) j
-       where j < v_index and v_items[j].organization_id = v_org and v_items[j].key = v_items[v_index].key
-         and v_items[j].id is not null;
+      v_first := nullif(v_firsts[v_index], v_index);
       if v_first is not null and v_hashes[v_first] = v_hashes[v_index] then
         v_items[v_index].outcome := 'copy';
         v_items[v_index].copy_of := v_items[v_first].msg_id;
@@ -277,7 +281,7 @@ begin
   -- Copies follow their first message: archived with an answer it found.
   for i in 1 .. coalesce(pg_catalog.cardinality(v_items), 0) loop
     if v_items[i].outcome = 'copy' then
-      select j into v_first from pg_catalog.generate_subscripts(v_items, 1) j where v_items[j].msg_id = v_items[i].copy_of;
+      v_first := v_firsts[i];
       if v_items[v_first].archived then
         v_items[i].response := v_items[v_first].response;
         v_items[i].archived := true;
@@ -322,7 +326,8 @@ begin
           if found then
             perform agent.idempotency_queue_letter(
                       p_queue, p_dead_letter_queue, null, null,
-                      pg_catalog.jsonb_build_object('idempotency_key', v_work.key, 'payload', v_body),
+                      pg_catalog.jsonb_build_object('idempotency_key', v_work.key, 'organization_id', v_work.organization_id,
+                                                    'payload', v_body),
                       v_work.response);
             v_items[pg_catalog.cardinality(v_items)].dead_lettered := true;
           end if;

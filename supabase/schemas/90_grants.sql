@@ -25,6 +25,8 @@ GRANT ALL ON TYPE agent.idempotency_claim_outcome TO service_role;
 REVOKE ALL ON TYPE agent.idempotency_completion_item FROM PUBLIC;
 GRANT ALL ON TYPE agent.idempotency_completion_item TO service_role;
 
+REVOKE ALL ON TYPE agent.idempotency_queue_ending FROM PUBLIC;
+
 REVOKE ALL ON TYPE agent.idempotency_queue_extended FROM PUBLIC;
 GRANT ALL ON TYPE agent.idempotency_queue_extended TO service_role;
 

@@ -300,6 +300,54 @@ async fn messages_of_tenants_sharing_a_queue_are_claimed_under_their_own_organiz
     f.stack.stop().await.unwrap();
 }
 
+/// A tenant's job whose consumer stopped runs again from the plane, where
+/// its claim keeps its payload but not its message; when it fails there,
+/// its dead letter still names its organization, so a letter sent back to
+/// the queue after a fix is claimed under that tenant again (it answers the
+/// journaled failure) and never under the consumer's own organization as
+/// a new command. Before, such a letter held only the key and the payload.
+#[tokio::test]
+async fn a_failure_of_work_run_from_the_plane_is_lettered_under_its_organization() {
+    let f = fixture(QueuePath::Plane).await;
+    let other = Uuid::new_v4();
+    let proxy = RpcProxy::start(f.stack.url()).await;
+    let repo = PostgrestRepository::new(proxy.client(f.stack.service_key(), Default::default()));
+    let consumer = f.consumer_in_plane(repo, |options| options.organizations = Some(vec![f.org, other]));
+    f.send(json!({"idempotency_key": "tenant-job", "organization_id": other, "payload": {"status": 422}})).await;
+    proxy.drop_next("idempotency_queue_take", 1);
+    assert!(consumer.drain(|_, _| async { Settle::Unknown("never run") }).await.is_err(), "the take's answer is lost");
+    // The message stays hidden; only the claim's stored work can run it.
+    sqlx::query("select pgmq.set_vt($1, msg_id, 600) from pgmq.q_rust_queue")
+        .bind(QUEUE)
+        .execute(f.stack.db())
+        .await
+        .expect("the message hidden");
+    tokio::time::sleep(super::timing().lease() + Duration::from_millis(500)).await;
+    let drained = f.drain(&consumer).await;
+    assert_eq!((drained.read, drained.redriven, drained.failed, drained.dead_lettered), (0, 1, 1, 1), "{drained:?}");
+    let letters = f.dead_letters().await;
+    assert_eq!(letters.len(), 1, "{letters:#?}");
+    assert_eq!(letters[0]["organization_id"], json!(other), "{letters:#?}");
+    assert_eq!(letters[0]["idempotency_key"], "tenant-job");
+
+    let mut resent = letters[0].clone();
+    resent.as_object_mut().expect("a letter is an object").remove("dead_letter");
+    f.send(resent).await;
+    sqlx::query("delete from pgmq.q_rust_queue where message ->> 'idempotency_key' = 'tenant-job' and read_ct > 0")
+        .execute(f.stack.db())
+        .await
+        .expect("the first message gone");
+    let again = f.drain(&consumer).await;
+    assert_eq!((again.read, again.ran, again.replayed, again.dead_lettered), (1, 0, 1, 0), "{again:?}");
+    let owners: Vec<Uuid> =
+        sqlx::query_scalar("select organization_id from agent.idempotency_keys where key = 'tenant-job'")
+            .fetch_all(f.stack.db())
+            .await
+            .expect("the claims");
+    assert_eq!(owners, vec![other], "one claim, the tenant's");
+    f.stack.stop().await.unwrap();
+}
+
 /// A settle whose answer is lost after the database acted is asked again
 /// (it is safe to repeat): the effect ran once, its message is archived
 /// once, and its failure is one dead letter.
@@ -578,5 +626,105 @@ async fn the_queue_functions_refuse_each_required_argument_as_sql_null_by_name()
         .await
         .expect("a hash of NULL");
     assert_eq!(hash, None, "no hash of nothing");
+    f.stack.stop().await.unwrap();
+}
+
+/// A settle or an extend with one malformed item anywhere is refused whole
+/// with 22023 naming the item and what is wrong with it, and changes
+/// nothing: no claim journaled or extended, no message archived or
+/// dead-lettered. The same items, well formed, then settle.
+#[tokio::test]
+async fn a_malformed_item_refuses_the_whole_settle_or_extend_naming_it_and_changes_nothing() {
+    let f = fixture(QueuePath::Plane).await;
+    for n in 0..3 {
+        f.send(json!({"idempotency_key": format!("item-{n}"), "payload": {"n": n}})).await;
+    }
+    let taken: Vec<(i64, Uuid, Uuid)> = sqlx::query_as(
+        "select msg_id, id, lease_token from agent.idempotency_queue_take($1, $2, $3, 60000,
+           array[gen_random_uuid(), gen_random_uuid(), gen_random_uuid()]) order by msg_id",
+    )
+    .bind(QUEUE)
+    .bind(DLQ)
+    .bind(f.org)
+    .fetch_all(f.stack.db())
+    .await
+    .expect("a take");
+    assert_eq!(taken.len(), 3);
+    let good: Vec<Value> = taken
+        .iter()
+        .map(|(msg_id, id, token)| {
+            json!({"organization_id": f.org, "claim_id": id, "lease_token": token, "msg_ids": [msg_id],
+                   "ending": "journal", "response": {"ok": true}})
+        })
+        .collect();
+    let with = |change: &dyn Fn(&mut Value)| {
+        let mut items = good.clone();
+        change(&mut items[2]);
+        Value::Array(items)
+    };
+
+    // Each case: item 2 bad in one way, whether extend checks it too, and
+    // what the refusal must name.
+    let mut cases: Vec<(Value, bool, String)> = Vec::new();
+    for field in ["organization_id", "claim_id", "lease_token"] {
+        for bad in [Value::Null, json!("not-a-uuid"), json!(7)] {
+            cases.push((with(&|item| item[field] = bad.clone()), true, format!("p_items[2].{field}")));
+        }
+        let absent = |item: &mut Value| {
+            if let Some(item) = item.as_object_mut() {
+                item.remove(field);
+            }
+        };
+        cases.push((with(&absent), true, format!("p_items[2].{field}")));
+    }
+    for bad in [Value::Null, json!("1"), json!([0]), json!([1.5]), json!(["1"]), json!([-3])] {
+        cases.push((with(&|item| item["msg_ids"] = bad.clone()), true, "p_items[2].msg_ids".into()));
+    }
+    for bad in [Value::Null, json!("finish"), json!(1)] {
+        cases.push((with(&|item| item["ending"] = bad.clone()), false, "p_items[2].ending".into()));
+    }
+    cases.push((with(&|item| item["response"] = Value::Null), false, "p_items[2] is journaled with neither".into()));
+    cases.push((with(&|item| item["resource_type"] = json!(7)), false, "p_items[2].resource_type".into()));
+    cases.push((with(&|item| *item = Value::Null), true, "p_items[2]".into()));
+    cases.push((with(&|item| *item = json!("item-2")), true, "p_items[2]".into()));
+
+    let leases = "select status, lease_expires_at from agent.idempotency_keys where organization_id = $1 order by key";
+    let before: Vec<(String, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as(leases).bind(f.org).fetch_all(f.stack.db()).await.expect("the claims");
+    // Each function with its second argument: the dead-letter queue, or the lease.
+    let settle = ("select * from agent.idempotency_queue_settle($1, $2, $3::jsonb)", DLQ);
+    let extend = ("select * from agent.idempotency_queue_extend($1, $2::bigint, $3::jsonb)", "60000");
+    let mut conn = f.stack.db().acquire().await.expect("a connection");
+    let mut wrong = Vec::new();
+    for (items, extend_checks, named) in &cases {
+        for (sql, second) in std::iter::once(settle).chain(extend_checks.then_some(extend)) {
+            sqlx::query("begin").execute(&mut *conn).await.expect("begin");
+            sqlx::query("set local role service_role").execute(&mut *conn).await.expect("the API role");
+            let result = sqlx::query(sql).bind(QUEUE).bind(second).bind(items).execute(&mut *conn).await;
+            sqlx::query("commit").execute(&mut *conn).await.expect("commit");
+            match result.err().as_ref().and_then(|error| error.as_database_error()) {
+                Some(db) if db.code().as_deref() == Some("22023") && db.message().contains(named.as_str()) => {}
+                other => wrong.push(format!("{sql} with {items}: expected 22023 naming {named}, got {other:?}")),
+            }
+        }
+    }
+    drop(conn);
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    let after: Vec<(String, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as(leases).bind(f.org).fetch_all(f.stack.db()).await.expect("the claims");
+    assert_eq!(after, before, "no claim journaled or extended");
+    assert!(after.iter().all(|(status, _)| status == "processing"), "{after:?}");
+    assert_eq!((f.archived().await, f.dead_letters().await.len()), (0, 0), "no message archived or dead-lettered");
+
+    let settled: Vec<(bool, i32)> =
+        sqlx::query_as("select journaled, archived from agent.idempotency_queue_settle($1, $2, $3::jsonb)")
+            .bind(QUEUE)
+            .bind(DLQ)
+            .bind(Value::Array(good))
+            .fetch_all(f.stack.db())
+            .await
+            .expect("a settle");
+    assert_eq!(settled, vec![(true, 1); 3]);
+    assert_eq!(f.archived().await, 3);
     f.stack.stop().await.unwrap();
 }
