@@ -135,6 +135,7 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
         let settled = if sent.is_empty() {
             Ok(Vec::new())
         } else {
+            let asked = Instant::now();
             match tokio::time::timeout_at(
                 deadline,
                 repo.queue_settle(&options.queue, &options.dead_letter_queue, &sent),
@@ -142,7 +143,16 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
             .await
             {
                 Ok(settled) => settled,
-                Err(_cut) => Err(Error::Inconsistent("the settle did not answer before the ending deadline".into())),
+                // Cut in flight: the settle may have run (it is safe to ask
+                // again; the messages come back and find what it journaled).
+                Err(_cut) => Err(Error::Store(crate::postgrest::ClientError::DeadlineExceeded {
+                    function: "idempotency_queue_settle",
+                    deadline: deadline.saturating_duration_since(asked),
+                    elapsed: asked.elapsed(),
+                    attempts: 1,
+                    in_flight: true,
+                    last_error: None,
+                })),
             }
         };
         let mut journaled = vec![None; ran.len()];
