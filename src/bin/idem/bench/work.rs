@@ -238,8 +238,9 @@ pub(super) async fn redrive_throughput(db: &PgPool, client: &PostgrestClient) ->
 const WRITTEN_CLAIMS: i64 = 20_000;
 
 /// The WAL written and the disk taken (table, TOAST and indexes) per
-/// million first claims, carrying a 4 KiB request (random hex text, which
-/// compresses little, as a delivery's body does) and carrying none; each
+/// million first claims, carrying a 4 KiB request (a webhook delivery's
+/// JSON, [`four_kib_request`], compressed as the server compresses the work
+/// column: lz4 where it has it) and carrying none; each
 /// claim its own statement and transaction, as the plane receives them.
 /// The WAL is the cluster's: measure on a quiet one.
 pub(super) async fn wal_and_disk(db: &PgPool) -> Result<Vec<Measure>, BoxError> {
