@@ -6,7 +6,13 @@
 //
 //   npx -y supabase@3.1.0 functions deploy create-order   # verify_jwt stays on: the gateway checks the JWT
 //   curl -X POST https://<ref>.supabase.co/functions/v1/create-order -H "authorization: Bearer $USER_JWT" \
+//     -H 'x-region: <the database's region>' \
 //     -H 'idempotency-key: k1' -H 'content-type: application/json' -d '{"sku":"A","qty":1}'
+//
+// `x-region` runs the function next to the database: every claim and journal
+// is a round trip to it, and Supabase otherwise runs a function nearest its
+// caller (docs/deploying.md, "Run the functions that claim in the database's
+// region").
 
 import { IdempotencyPlane, withIdempotencyKey } from "../_shared/idempotency/mod.ts";
 

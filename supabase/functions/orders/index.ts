@@ -15,7 +15,9 @@
 // The plane comes from the environment, as a deployed Edge Function has it:
 // SUPABASE_URL and SUPABASE_SERVICE_ROLE_KEY (or SUPABASE_SECRET_KEY) are set
 // by Supabase; IDEM_POSTGREST_URL and IDEM_SERVICE_KEY (what `idem up
-// --env-file` writes), when set, are used first. Locally:
+// --env-file` writes), when set, are used first. Deployed, callers pin it to
+// the database's region (`x-region`; docs/deploying.md), since each claim and
+// journal is a round trip to the database. Locally:
 //
 //   idem up --env-file plane.env &
 //   set -a; . ./plane.env; set +a

@@ -33,7 +33,10 @@
 // LEASE_MARGIN_MS (5 000), whose sum is each claim's lease; a message read
 // stays hidden for the lease and a second more. With HEARTBEAT_LEASE_MS
 // (at least 3 000), claims take that short lease instead, kept alive by
-// heartbeats (which keep the messages hidden too) while effects run. Locally:
+// heartbeats (which keep the messages hidden too) while effects run. Deployed,
+// the schedule that calls it names the database's region in its URL
+// (`?forceFunctionRegion=<region>`; docs/deploying.md): every take, settle
+// and heartbeat is a round trip to the database. Locally:
 //
 //   idem up --with-pgmq --queue orders --queue orders_dlq --env-file plane.env &
 //   set -a; . ./plane.env; set +a

@@ -25,7 +25,10 @@
 // optionally ORGANIZATION_ID (the tenant these deliveries belong to),
 // HEARTBEAT_LEASE_MS (default 10 000) and IDEM_WEBHOOK_BODY_LIMIT_BYTES
 // (default 262 144; `idem doctor` reads the same variable and checks the
-// scope stores a body that large). Locally:
+// scope stores a body that large). Deployed, give the vendor the URL with the
+// database's region pinned (`?forceFunctionRegion=<region>`; a vendor cannot
+// send `x-region`; docs/deploying.md): each claim, journal and heartbeat is a
+// round trip to the database. Locally:
 //
 //   idem up --env-file plane.env &
 //   set -a; . ./plane.env; set +a
