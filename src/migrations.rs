@@ -34,6 +34,7 @@ pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
     "20261204230500_webhook_body_limit.sql",
     "20261205013000_queue_in_one_transaction.sql",
     "20261205053426_queue_letters_and_items_read_once.sql",
+    "20261205062447_operators_told_why.sql",
 ];
 
 /// The optional layout that hash-partitions the claim table by

@@ -35,7 +35,7 @@ pub use memory::MemoryRepository;
 pub use queue::{PlaneQueues, QueueClaim, QueueEnding, QueueSettled, QueueTakeCall, TakeOutcome, TakenItem};
 pub use record::{
     AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, FailureRow, IdempotencyRecord, ProviderJob,
-    WorkRow,
+    Redrivability, RedrivableRow, WorkRow,
 };
 pub use routed::{RouterConfigError, TenantRouter, TenantRouterBuilder};
 pub use surface::{SqlFunction, SQL_SURFACE};
@@ -206,10 +206,14 @@ pub trait OrphanedWork: Send + Sync {
     fn redrive(&self, call: &RedriveCall<'_>) -> impl Future<Output = Result<Vec<WorkRow>, Error>> + Send;
 }
 
+/// The scope pattern of a [`FailuresCall`] that names every scope.
+pub const EVERY_SCOPE: &str = "*";
+
 /// Which journaled failures to list, or to send back to re-drive.
 #[derive(Debug, Clone, Copy)]
 pub struct FailuresCall<'a> {
-    /// A scope (`webhook.stripe`) or a family (`webhook.*`).
+    /// A scope (`webhook.stripe`), a family (`webhook.*`), or every scope
+    /// ([`EVERY_SCOPE`], `*`).
     pub scope: &'a str,
     /// The most failures to answer; at most [`JournaledFailures::max_bound`].
     pub bound: u64,
@@ -248,6 +252,14 @@ pub trait JournaledFailures: Send + Sync {
     /// policy row, sends nothing back. Answers the rows sent back, each
     /// with the answer it replaced.
     fn redrive_failed(&self, call: &FailuresCall<'_>) -> impl Future<Output = Result<Vec<FailureRow>, Error>> + Send;
+
+    /// Whether each of `call.claim_ids` can be sent back to re-drive, and
+    /// why not: one row per id, in their order, read with `call`'s scope,
+    /// organization and `since` as [`redrive_failed`](Self::redrive_failed)
+    /// reads them (`call.bound` is not used). Read-only. Nothing to ask
+    /// (no ids) answers nothing; more ids than
+    /// [`max_bound`](Self::max_bound) are refused before any request.
+    fn redrivable(&self, call: &FailuresCall<'_>) -> impl Future<Output = Result<Vec<RedrivableRow>, Error>> + Send;
 }
 
 /// The plane's own refusal (HTTP 400) of a fenced Run admission whose claim

@@ -8,12 +8,12 @@ use uuid::Uuid;
 
 use super::surface::{
     SqlFunction, CLAIM, COMPLETE, EXPIRED, EXTEND, FAILURES, GET, PROVIDER_JOB_LOOKUP, PROVIDER_JOB_REGISTER, RECLAIM,
-    REDRIVE, REDRIVE_FAILED, RELEASE, RETIRE_EXPIRED, RUN_ADMIT, RUN_GET, TRY_CLAIM,
+    REDRIVABLE, REDRIVE, REDRIVE_FAILED, RELEASE, RETIRE_EXPIRED, RUN_ADMIT, RUN_GET, TRY_CLAIM,
 };
 use super::{
     AdmittedRun, ClaimCall, ClaimFence, ClaimRequest, ClaimRow, CompletionArgs, ExpiredClaim, ExpiredClaims,
     FailureRow, FailuresCall, IdempotencyRecord, IdempotencyRepository, JournaledFailures, OrphanedWork, ProviderJob,
-    ProviderJobRepository, RedriveCall, Retired, RunRepository, WorkRow, FENCE_LOST,
+    ProviderJobRepository, RedrivableRow, RedriveCall, Retired, RunRepository, WorkRow, FENCE_LOST,
 };
 use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
@@ -323,6 +323,49 @@ impl JournaledFailures for PostgrestRepository {
     async fn redrive_failed(&self, call: &FailuresCall<'_>) -> Result<Vec<FailureRow>, Error> {
         self.failures_of(REDRIVE_FAILED, *call).await
     }
+
+    async fn redrivable(&self, call: &FailuresCall<'_>) -> Result<Vec<RedrivableRow>, Error> {
+        let Some(ids) = call.claim_ids.filter(|ids| !ids.is_empty()) else { return Ok(Vec::new()) };
+        let args = RedrivableArgs {
+            p_claim_ids: ids,
+            p_scope: call.scope,
+            p_organization_id: call.organization_id,
+            p_since: call.since,
+            p_row_cap: JournaledFailures::max_bound(self),
+        };
+        let bound = u64::try_from(ids.len()).unwrap_or(u64::MAX);
+        if bound > args.p_row_cap {
+            return Err(ClientError::BoundAboveCap { bound, cap: args.p_row_cap }.into());
+        }
+        // One row per id, at most the row cap: a cut answer is told by its
+        // length, checked below.
+        let rows: Vec<RedrivableRow> = self
+            .client
+            .rpc(REDRIVABLE.name, &args, Repeat::of(REDRIVABLE.name))
+            .await
+            .map_err(|error| unknown_scope(error.into(), call.scope))?;
+        if rows.len() != ids.len() || rows.iter().zip(ids).any(|(row, id)| row.claim_id != *id) {
+            return Err(Error::Inconsistent(format!(
+                "{} answered {} rows for {} claim ids, not one per id in their order",
+                REDRIVABLE.name,
+                rows.len(),
+                ids.len()
+            )));
+        }
+        Ok(rows)
+    }
+}
+
+/// The arguments of `idempotency_redrivable`; what is not given is omitted.
+#[derive(Serialize)]
+struct RedrivableArgs<'a> {
+    p_claim_ids: &'a [Uuid],
+    p_scope: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_organization_id: Option<Uuid>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_since: Option<chrono::DateTime<chrono::Utc>>,
+    p_row_cap: u64,
 }
 
 impl PostgrestRepository {

@@ -195,6 +195,81 @@ impl WorkRow {
     }
 }
 
+/// Whether a named claim can be sent back to re-drive, and why not, as
+/// [`JournaledFailures::redrivable`](super::JournaledFailures::redrivable)
+/// answers it (`agent.idempotency_redrivable`'s `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Redrivability {
+    /// A journaled failure that carries its work: a send-back takes it.
+    Redrivable,
+    /// No claim has this id: never made, released, or swept.
+    Absent,
+    /// It belongs to another organization than the one named.
+    OtherOrganization,
+    /// It is in another scope than the one (or the family) named.
+    OtherScope,
+    /// A worker holds a live lease on it: in flight.
+    InFlight,
+    /// Processing with its lease passed: waiting for a re-drive, which takes
+    /// it as it is (a failure sent back already included).
+    Orphaned,
+    /// It journaled a success: there is nothing to run again.
+    Succeeded,
+    /// A failure whose work is not kept: nothing can run it again.
+    NoWork,
+    /// Its scope runs work once (`max_attempts` 1), or has lost its policy.
+    SingleAttempt,
+    /// Its last attempt was claimed before the instant named.
+    BeforeSince,
+}
+
+impl Redrivability {
+    /// What it means for an operator, in a few words.
+    pub fn explain(self) -> &'static str {
+        match self {
+            Redrivability::Redrivable => "a failure that keeps its work: it can be sent back",
+            Redrivability::Absent => "no claim has this id (never made, released, or swept)",
+            Redrivability::OtherOrganization => "it belongs to another organization than --org",
+            Redrivability::OtherScope => "it is in another scope than --scope",
+            Redrivability::InFlight => "still processing: a worker holds its lease",
+            Redrivability::Orphaned => {
+                "processing with its lease passed: the next re-drive takes it as it is (sent back already?)"
+            }
+            Redrivability::Succeeded => "it succeeded: there is nothing to run again",
+            Redrivability::NoWork => "its work was not kept (the caller stored none): nothing can run it again",
+            Redrivability::SingleAttempt => "its scope runs work once (max_attempts 1), or has lost its policy",
+            Redrivability::BeforeSince => "its last attempt was claimed before --since",
+        }
+    }
+}
+
+/// A named claim and whether it can be sent back to re-drive
+/// ([`JournaledFailures::redrivable`](super::JournaledFailures::redrivable)).
+/// Everything but the id and the verdict is `None` for an absent claim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RedrivableRow {
+    /// The claim id asked about.
+    pub claim_id: Uuid,
+    /// The tenant.
+    pub organization_id: Option<Uuid>,
+    /// The scope.
+    pub scope: Option<String>,
+    /// The key within the scope.
+    pub key: Option<String>,
+    /// Its status.
+    pub status: Option<ClaimStatus>,
+    /// The journaled answer's `error`, for a failure.
+    pub error: Option<String>,
+    /// How many attempts it took (or takes, while processing).
+    pub attempts: Option<u32>,
+    /// When its last attempt claimed it (database clock).
+    pub claimed_at: Option<DateTime<Utc>>,
+    /// Whether it can be sent back, and why not.
+    pub reason: Redrivability,
+}
+
 /// A journaled failure, as [`JournaledFailures`](super::JournaledFailures)
 /// lists it or answers it sent back to re-drive.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

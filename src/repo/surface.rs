@@ -73,6 +73,10 @@ pub(crate) const REDRIVE_FAILED: SqlFunction = function(
     "p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_claim_ids uuid[], \
      p_row_cap integer",
 );
+pub(crate) const REDRIVABLE: SqlFunction = function(
+    "idempotency_redrivable",
+    "p_claim_ids uuid[], p_scope text, p_organization_id uuid, p_since timestamp with time zone, p_row_cap integer",
+);
 pub(crate) const CLAIM_MANY: SqlFunction = function(
     "idempotency_claim_many",
     "p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer",
@@ -126,6 +130,7 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     POLICIES,
     FAILURES,
     REDRIVE_FAILED,
+    REDRIVABLE,
     EXPIRED,
     DELETE_EXPIRED,
     RETIRE_EXPIRED,

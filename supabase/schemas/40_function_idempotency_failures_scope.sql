@@ -2,8 +2,8 @@
 --
 -- Checks the scope, limit and row cap of agent.idempotency_failures and
 -- agent.idempotency_redrive_failed, refusing an unknown scope (IDEM1);
--- answers a family's prefix (webhook. for webhook.*), or null for one scope.
--- Private.
+-- answers a family's prefix (webhook. for webhook.*; the empty prefix for *,
+-- every scope), or null for one scope. Private.
 
 CREATE FUNCTION agent.idempotency_failures_scope(p_scope text, p_limit integer, p_row_cap integer) RETURNS text
     LANGUAGE plpgsql STABLE
@@ -16,8 +16,10 @@ begin
   if p_scope is null then
     raise exception 'p_scope is required' using errcode = '22023';
   end if;
-  if char_length(p_scope) > 128 or p_scope !~ '^[a-z0-9_-]+(\.[a-z0-9_-]+)*(\.\*)?$' then
-    raise exception 'p_scope must be a scope (webhook.stripe) or a family (webhook.*) of a-z, 0-9, "_" and "-", got %',
+  if p_scope = '*' then
+    v_prefix := '';
+  elsif char_length(p_scope) > 128 or p_scope !~ '^[a-z0-9_-]+(\.[a-z0-9_-]+)*(\.\*)?$' then
+    raise exception 'p_scope must be a scope (webhook.stripe), a family (webhook.*) or every scope (*), of a-z, 0-9, "_" and "-", got %',
                     pg_catalog.left(p_scope, 128)
       using errcode = '22023';
   end if;
@@ -27,7 +29,9 @@ begin
       using errcode = '22023',
             hint = 'every failure is answered; more than the row cap would be cut from the answer';
   end if;
-  v_prefix := case when right(p_scope, 2) = '.*' then left(p_scope, -1) end;
+  if p_scope <> '*' then
+    v_prefix := case when right(p_scope, 2) = '.*' then left(p_scope, -1) end;
+  end if;
   if (select p.retain from agent.idempotency_policy(p_scope) p) is null
      and not (v_prefix is not null and exists (select 1 from agent.idempotency_scopes s
                                                where left(s.scope, char_length(v_prefix)) = v_prefix)) then

@@ -135,6 +135,9 @@ GRANT SELECT ON TABLE agent.idempotency_work TO service_role;
 REVOKE ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer, p_max_bytes bigint) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_lease_ms bigint, p_organization_id uuid, p_row_cap integer, p_max_bytes bigint) TO service_role;
 
+REVOKE ALL ON FUNCTION agent.idempotency_redrivable(p_claim_ids uuid[], p_scope text, p_organization_id uuid, p_since timestamp with time zone, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_redrivable(p_claim_ids uuid[], p_scope text, p_organization_id uuid, p_since timestamp with time zone, p_row_cap integer) TO service_role;
+
 REVOKE ALL ON FUNCTION agent.idempotency_redrive_failed(p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_claim_ids uuid[], p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_redrive_failed(p_scope text, p_limit integer, p_organization_id uuid, p_since timestamp with time zone, p_claim_ids uuid[], p_row_cap integer) TO service_role;
 

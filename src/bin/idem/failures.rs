@@ -9,7 +9,7 @@
 use std::process::ExitCode;
 
 use chrono::{DateTime, Utc};
-use idempotency_plane::repo::{FailureRow, FailuresCall, JournaledFailures};
+use idempotency_plane::repo::{FailureRow, FailuresCall, JournaledFailures, EVERY_SCOPE};
 use idempotency_plane::PostgrestRepository;
 use uuid::Uuid;
 
@@ -61,8 +61,9 @@ impl Filter {
 /// Options of `idem failures`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct FailuresArgs {
-    /// The scope (webhook.stripe) or family (webhook.*).
-    #[arg(long)]
+    /// The scope (webhook.stripe) or family (webhook.*); without it, every
+    /// scope's failures (`*`).
+    #[arg(long, default_value = EVERY_SCOPE)]
     scope: String,
     #[command(flatten)]
     filter: Filter,
@@ -80,7 +81,8 @@ pub(crate) async fn run(args: FailuresArgs) -> Result<ExitCode, BoxError> {
     print(&failures, args.json)?;
     if !args.json {
         let note = if failures.is_empty() { "no journaled failure" } else { "journaled failures" };
-        println!("{} {note} of {} (bound {})", failures.len(), args.scope, call.bound);
+        let of = if args.scope == EVERY_SCOPE { "every scope".to_owned() } else { args.scope.clone() };
+        println!("{} {note} of {of} (bound {})", failures.len(), call.bound);
     }
     Ok(filled(failures.len(), call.bound))
 }

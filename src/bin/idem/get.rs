@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use idempotency_plane::repo::ClaimStatus;
+use idempotency_plane::repo::{ClaimStatus, FailuresCall, JournaledFailures, Redrivability, RedrivableRow};
 use idempotency_plane::{IdempotencyRecord, IdempotencyService, PostgrestRepository};
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -39,7 +39,8 @@ pub(crate) struct GetArgs {
 }
 
 pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
-    let service = IdempotencyService::new(PostgrestRepository::new(remote::client(&args.target)?));
+    let repo = PostgrestRepository::new(remote::client(&args.target)?);
+    let service = IdempotencyService::new(repo.clone());
     if args.principal.is_some() && args.key.contains('\u{a7}') {
         return Err(exit::usage_error(
             "--key already holds a stored key (it contains §): give it without --principal, or give the key as the caller sent it",
@@ -47,8 +48,23 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
     }
     let key = stored_key(&args.key, args.principal.as_deref());
     let record = service.record(args.org, &args.scope, &key).await.map_err(exit::refused_input)?;
+    // A failure: can it be sent back after a fix, and if not, why not.
+    let failure = match &record {
+        Some(record) if failed(record) => {
+            let ids = [record.id];
+            let call = FailuresCall {
+                scope: &args.scope,
+                bound: 1,
+                organization_id: Some(args.org),
+                since: None,
+                claim_ids: Some(&ids),
+            };
+            repo.redrivable(&call).await.map_err(exit::refused_input)?.into_iter().next()
+        }
+        _ => None,
+    };
     if args.json {
-        println!("{}", serde_json::to_string(&as_json(record.as_ref()))?);
+        println!("{}", serde_json::to_string(&as_json(record.as_ref(), failure.as_ref()))?);
         return Ok(exit::ok());
     }
     let Some(record) = record else {
@@ -70,6 +86,7 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
             "processing — a worker holds a live lease: the call is in flight"
         }
         ClaimStatus::Processing => "processing — the lease passed: its worker is gone; the next claim reclaims it",
+        ClaimStatus::Completed if failed(&record) => "failed — every repeat replays this failure",
         ClaimStatus::Completed => "completed — every repeat replays the stored answer",
     };
     println!("claim        {}", record.id);
@@ -77,6 +94,21 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
         println!("stored key   {}", printable(&key));
     }
     println!("status       {status}");
+    if let Some(failure) = &failure {
+        println!("error        {}", printable(failure.error.as_deref().unwrap_or("—")));
+        if let Some(attempts) = failure.attempts {
+            println!("attempts     {attempts}");
+        }
+        match failure.reason {
+            Redrivability::Redrivable => println!(
+                "send back    yes, once the cause is fixed: idem redrive --failed --scope {} --id {} \
+                 (the next re-drive runs it once more)",
+                printable(&args.scope),
+                record.id
+            ),
+            reason => println!("send back    no: {}", reason.explain()),
+        }
+    }
     match record.status {
         ClaimStatus::Completed => println!("lease        — (completed: no lease is held)"),
         _ => {
@@ -119,14 +151,15 @@ pub(crate) fn stored_key(key: &str, principal: Option<&str>) -> String {
 /// (it is JSON already). No lease token: the plane answers a read without
 /// it, since whoever holds it can record an ending; `lease_live` says
 /// whether a worker holds the claim.
-fn as_json(record: Option<&IdempotencyRecord>) -> Value {
+fn as_json(record: Option<&IdempotencyRecord>, failure: Option<&RedrivableRow>) -> Value {
     let Some(record) = record else { return json!({"state": "absent"}) };
     let state = match record.status {
         ClaimStatus::Processing if record.lease_live => "processing",
         ClaimStatus::Processing => "lease_passed",
+        ClaimStatus::Completed if failed(record) => "failed",
         ClaimStatus::Completed => "completed",
     };
-    json!({
+    let mut claim = json!({
         "state": state,
         "id": record.id,
         "organization_id": record.organization_id,
@@ -140,7 +173,20 @@ fn as_json(record: Option<&IdempotencyRecord>) -> Value {
         "resource_type": record.resource_type,
         "resource_id": record.resource_id,
         "response": record.response,
-    })
+    });
+    if let (Some(failure), Some(fields)) = (failure, claim.as_object_mut()) {
+        fields.insert("error".into(), json!(failure.error));
+        fields.insert("attempts".into(), json!(failure.attempts));
+        fields.insert("redrivable".into(), json!(failure.reason == Redrivability::Redrivable));
+        fields.insert("redrive_verdict".into(), json!(failure.reason));
+    }
+    claim
+}
+
+/// Whether `record` journaled a failure (`"ok": false`).
+fn failed(record: &IdempotencyRecord) -> bool {
+    record.status == ClaimStatus::Completed
+        && record.response.as_ref().and_then(|response| response.get("ok")) == Some(&Value::Bool(false))
 }
 
 /// `text` without control characters, so a stored value cannot drive the

@@ -14,17 +14,19 @@
 //!
 //! Exit codes: 0 the pass took fewer orphans than its bound, 3 it filled the
 //! bound (more may be waiting), 1 an error (the route refused, failed or
-//! answered something that is not a report), 2 a usage error.
+//! answered something that is not a report; or a failure named with
+//! `--failed --id` was not sent back, each such one named with why), 2 a
+//! usage error.
 
 use std::process::ExitCode;
 
 use serde::{Deserialize, Serialize};
 use tracing::Instrument;
 
-use idempotency_plane::repo::{FailuresCall, JournaledFailures};
+use idempotency_plane::repo::{FailuresCall, JournaledFailures, Redrivability, RedrivableRow, EVERY_SCOPE};
 use idempotency_plane::{PostgrestClient, PostgrestRepository};
 
-use crate::{exit, failures, remote, schedule, BoxError};
+use crate::{exit, failures, get, remote, schedule, BoxError};
 
 /// How many orphans one pass asks for by default: the example function's
 /// batch.
@@ -40,10 +42,11 @@ pub(crate) struct RedriveArgs {
     #[arg(long, value_name = "URL", required_unless_present = "failed")]
     to: Option<String>,
     /// The scope (or family, webhook.*) to re-drive, when the route serves
-    /// more than one; without it, the route's own. With --failed (where it
-    /// is required) it names the failures' scope, and the route is asked
-    /// for its own.
-    #[arg(long, required_if_eq("failed", "true"))]
+    /// more than one; without it, the route's own. With --failed it names
+    /// the failures' scope, family, or every scope ('*'; the default with
+    /// --id, whose claim ids name the failures exactly), and the route is
+    /// asked for its own.
+    #[arg(long)]
     scope: Option<String>,
     /// Orphans one pass takes over (with --failed: failures sent back): at
     /// most the server's row cap (IDEM_MAX_ROWS, default 1000). A larger
@@ -59,7 +62,9 @@ pub(crate) struct RedriveArgs {
     #[arg(long, conflicts_with = "every")]
     failed: bool,
     /// With --failed: a failure to send back, by its claim id (repeat the
-    /// flag for more).
+    /// flag for more). Each one not sent back is named with the reason
+    /// (succeeded, no work kept, in flight, absent, …), and the command
+    /// then exits 1.
     #[arg(long = "id", value_name = "CLAIM_ID", requires = "failed")]
     ids: Vec<uuid::Uuid>,
     /// With --failed: only this organization's failures.
@@ -146,6 +151,7 @@ pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
         None => {
             let routed = pass().await;
             Ok(match sent_back {
+                Some(code) if code == exit::failure() => code,
                 Some(code) if code == exit::backlog() && routed == exit::ok() => code,
                 _ => routed,
             })
@@ -154,15 +160,22 @@ pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
     }
 }
 
-/// `--failed`: sends the chosen failures back to re-drive and prints them;
-/// exit 3 when the call filled its bound (more may wait).
+/// `--failed`: sends the chosen failures back to re-drive and prints them,
+/// then names each `--id` not sent back and why; exit 1 when one was not,
+/// else 3 when the call filled its bound (more may wait).
 async fn send_back(args: &RedriveArgs, client: &PostgrestClient) -> Result<ExitCode, BoxError> {
-    let scope = args.scope.as_deref().ok_or_else(|| exit::usage_error("--failed needs --scope"))?;
     if args.ids.is_empty() && args.since.is_none() {
         return Err(exit::usage_error(
             "--failed needs --id (the chosen failures, from `idem failures`) or --since (every one claimed since)",
         ));
     }
+    let scope = match (args.scope.as_deref(), args.ids.is_empty()) {
+        (Some(scope), _) => scope,
+        (None, false) => EVERY_SCOPE,
+        (None, true) => {
+            return Err(exit::usage_error("--failed --since needs --scope (a scope, a family, or '*' for every scope)"))
+        }
+    };
     let ids = (!args.ids.is_empty()).then_some(args.ids.as_slice());
     let call = FailuresCall { scope, bound: args.bound, organization_id: args.org, since: args.since, claim_ids: ids };
     let repo = PostgrestRepository::new(client.clone());
@@ -172,7 +185,41 @@ async fn send_back(args: &RedriveArgs, client: &PostgrestClient) -> Result<ExitC
     if !args.json {
         println!("{} failure(s) sent back to re-drive (bound {})", sent.len(), args.bound);
     }
-    Ok(failures::filled(sent.len(), args.bound))
+    let skipped: Vec<uuid::Uuid> =
+        args.ids.iter().filter(|id| !sent.iter().any(|row| row.id == **id)).copied().collect();
+    if skipped.is_empty() {
+        return Ok(failures::filled(sent.len(), args.bound));
+    }
+    let why =
+        repo.redrivable(&FailuresCall { claim_ids: Some(&skipped), ..call }).await.map_err(exit::refused_input)?;
+    for row in &why {
+        tracing::warn!(claim_id = %row.claim_id, reason = ?row.reason, "a named failure was not sent back");
+        print_skipped(row, args.json)?;
+    }
+    Ok(exit::failure())
+}
+
+/// One `--id` that was not sent back, and why: a JSON line, or a line on
+/// stderr.
+fn print_skipped(row: &RedrivableRow, json: bool) -> Result<(), BoxError> {
+    if json {
+        println!("{}", serde_json::to_string(&serde_json::json!({"skipped": row}))?);
+        return Ok(());
+    }
+    let what = match (&row.scope, &row.key) {
+        (Some(scope), Some(key)) => format!(" ({}/{})", get::printable(scope), get::printable(key)),
+        _ => String::new(),
+    };
+    let why = match row.reason {
+        // Sendable, yet this call did not take it: its bound was filled, or
+        // another send-back held it at that moment.
+        Redrivability::Redrivable => {
+            "not taken by this call (its bound was filled, or another send-back held it): run it again"
+        }
+        reason => reason.explain(),
+    };
+    eprintln!("not sent back: {}{what}: {why}", row.claim_id);
+    Ok(())
 }
 
 fn print(report: &Report, bound: u64, json: bool) {

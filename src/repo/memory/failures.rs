@@ -7,7 +7,9 @@ use super::claims::in_scope;
 use super::{refused, MemoryRepository, Row, MAX_BOUND};
 use crate::error::Error;
 use crate::postgrest::{codes, ClientError};
-use crate::repo::{ClaimStatus, FailureRow, FailuresCall, JournaledFailures};
+use crate::repo::{
+    ClaimStatus, FailureRow, FailuresCall, JournaledFailures, Redrivability, RedrivableRow, EVERY_SCOPE,
+};
 
 /// How many replaced answers a row keeps for the audit.
 const MAX_REPLACED: usize = 20;
@@ -52,7 +54,15 @@ impl MemoryRepository {
         if call.bound > MAX_BOUND {
             return Err(ClientError::BoundAboveCap { bound: call.bound, cap: MAX_BOUND }.into());
         }
-        self.lock().check_pattern(function, call.scope)
+        let state = self.lock();
+        if call.scope == EVERY_SCOPE {
+            // Every scope: known while the plane has a policy at all.
+            if state.policies.is_empty() {
+                return Err(Error::UnknownScope { scope: call.scope.to_owned() });
+            }
+            return Ok(());
+        }
+        state.check_pattern(function, call.scope)
     }
 }
 
@@ -129,5 +139,73 @@ impl JournaledFailures for MemoryRepository {
         }
         sent.sort_by_key(|row| row.id);
         Ok(sent)
+    }
+
+    async fn redrivable(&self, call: &FailuresCall<'_>) -> Result<Vec<RedrivableRow>, Error> {
+        const FUNCTION: &str = "idempotency_redrivable";
+        let Some(ids) = call.claim_ids.filter(|ids| !ids.is_empty()) else { return Ok(Vec::new()) };
+        let bound = u64::try_from(ids.len()).unwrap_or(u64::MAX);
+        if bound > MAX_BOUND {
+            return Err(ClientError::BoundAboveCap { bound, cap: MAX_BOUND }.into());
+        }
+        self.check_failures_call(FUNCTION, &FailuresCall { bound: 1, ..*call })?;
+        let state = self.lock();
+        let now = state.now();
+        let verdict = |row: &Row| {
+            let record = &row.record;
+            let failed = record.response.as_ref().and_then(|response| response.get("ok")) == Some(&Value::Bool(false));
+            if call.organization_id.is_some_and(|org| org != record.organization_id) {
+                Redrivability::OtherOrganization
+            } else if !in_scope(call.scope, &record.scope) {
+                Redrivability::OtherScope
+            } else if record.status == ClaimStatus::Processing && record.lease_expires_at > now {
+                Redrivability::InFlight
+            } else if record.status == ClaimStatus::Processing {
+                Redrivability::Orphaned
+            } else if !failed {
+                Redrivability::Succeeded
+            } else if row.request.is_none() {
+                Redrivability::NoWork
+            } else if state.policy(&record.scope).is_none_or(|policy| policy.max_attempts <= 1) {
+                Redrivability::SingleAttempt
+            } else if call.since.is_some_and(|since| record.claimed_at < since) {
+                Redrivability::BeforeSince
+            } else {
+                Redrivability::Redrivable
+            }
+        };
+        Ok(ids
+            .iter()
+            .map(|id| match state.claims.values().find(|row| row.record.id == *id) {
+                None => RedrivableRow {
+                    claim_id: *id,
+                    organization_id: None,
+                    scope: None,
+                    key: None,
+                    status: None,
+                    error: None,
+                    attempts: None,
+                    claimed_at: None,
+                    reason: Redrivability::Absent,
+                },
+                Some(row) => RedrivableRow {
+                    claim_id: *id,
+                    organization_id: Some(row.record.organization_id),
+                    scope: Some(row.record.scope.clone()),
+                    key: Some(row.record.key.clone()),
+                    status: Some(row.record.status),
+                    error: row
+                        .record
+                        .response
+                        .as_ref()
+                        .and_then(|response| response.get("error"))
+                        .and_then(Value::as_str)
+                        .map(str::to_owned),
+                    attempts: Some(row.reclaims + 1),
+                    claimed_at: Some(row.record.claimed_at),
+                    reason: verdict(row),
+                },
+            })
+            .collect())
     }
 }

@@ -384,11 +384,53 @@ async fn idem_failures_lists_journaled_failures_and_redrive_failed_sends_the_cho
             .unwrap(),
         0,
     );
-    journal("evt-2", r#"{"ok":false,"error":"dead_lettered","output":{"attempts":5}}"#, Some("{}")).await.unwrap();
-    journal("evt-3", r#"{"ok":false,"error":"bad","output":null}"#, None).await.unwrap();
-    journal("evt-4", r#"{"ok":true,"output":1}"#, Some("{}")).await.unwrap();
+    let id_of = |row: sqlx::postgres::PgRow| -> uuid::Uuid { sqlx::Row::get(&row, 0) };
+    let lettered = id_of(
+        journal("evt-2", r#"{"ok":false,"error":"dead_lettered","output":{"attempts":5}}"#, Some("{}")).await.unwrap(),
+    );
+    let workless = id_of(journal("evt-3", r#"{"ok":false,"error":"bad","output":null}"#, None).await.unwrap());
+    let succeeded = id_of(journal("evt-4", r#"{"ok":true,"output":1}"#, Some("{}")).await.unwrap());
 
+    // `idem get` on a failure says it failed, with its error and attempts,
+    // and whether it can be sent back: with the command, or why not.
     let org_text = org.to_string();
+    let get = |claim_key: &'static str, json: bool| {
+        let org_text = org_text.clone();
+        async move {
+            let mut args = vec!["get", "--org", &org_text, "--scope", "webhook.stripe", "--key", claim_key];
+            if json {
+                args.push("--json");
+            }
+            idem(url, key, None, &args).await
+        }
+    };
+    let sendable = get("evt-2", false).await;
+    assert_eq!(sendable.status.code(), Some(0), "{}", String::from_utf8_lossy(&sendable.stderr));
+    let said = stdout(&sendable);
+    assert!(said.contains("failed — every repeat replays this failure"), "{said}");
+    assert!(said.contains("error        dead_lettered") && said.contains("attempts     1"), "{said}");
+    assert!(
+        said.contains(&format!(
+            "send back    yes, once the cause is fixed: idem redrive --failed --scope webhook.stripe --id {lettered}"
+        )),
+        "{said}"
+    );
+    let stuck = stdout(&get("evt-3", false).await);
+    assert!(stuck.contains("send back    no: its work was not kept"), "{stuck}");
+    let as_json: serde_json::Value = serde_json::from_str(stdout(&get("evt-3", true).await).trim()).expect("JSON");
+    assert_eq!(
+        (&as_json["state"], &as_json["error"], &as_json["redrivable"], &as_json["redrive_verdict"]),
+        (
+            &serde_json::json!("failed"),
+            &serde_json::json!("bad"),
+            &serde_json::json!(false),
+            &serde_json::json!("no_work")
+        ),
+        "{as_json}"
+    );
+    let fine = stdout(&get("evt-4", false).await);
+    assert!(fine.contains("completed — every repeat replays") && !fine.contains("send back"), "{fine}");
+
     let listed = idem(url, key, None, &["failures", "--scope", "webhook.*", "--org", &org_text, "--json"]).await;
     assert_eq!(listed.status.code(), Some(0), "{}", String::from_utf8_lossy(&listed.stderr));
     let rows: Vec<serde_json::Value> =
@@ -403,6 +445,25 @@ async fn idem_failures_lists_journaled_failures_and_redrive_failed_sends_the_cho
         idem(url, key, None, &["failures", "--scope", "webhook.stripe", "--org", &org_text, "--bound", "2"]).await;
     assert_eq!(page.status.code(), Some(3), "a page that filled its bound: {}", stdout(&page));
     assert!(stdout(&page).contains("2 journaled failures of webhook.stripe (bound 2)"), "{}", stdout(&page));
+    // Without --scope: every scope's failures, a tool's beside the webhooks'.
+    sqlx::query(
+        "insert into agent.idempotency_keys
+           (organization_id, scope, key, request_hash, status, lease_token, lease_expires_at, retain_until, response)
+         values ($1, 'tool.x', 'step-1', repeat('a', 64), 'completed', gen_random_uuid(), now(),
+                 now() + interval '1 day', '{\"ok\":false,\"error\":\"tool failed\",\"output\":null}')",
+    )
+    .bind(org)
+    .execute(stack.db())
+    .await
+    .unwrap();
+    let every = idem(url, key, None, &["failures", "--org", &org_text]).await;
+    assert_eq!(every.status.code(), Some(0), "{}", String::from_utf8_lossy(&every.stderr));
+    assert!(stdout(&every).contains("4 journaled failures of every scope"), "{}", stdout(&every));
+    assert!(
+        stdout(&every).contains("tool.x/step-1") && stdout(&every).contains("webhook.stripe/evt-1"),
+        "{}",
+        stdout(&every)
+    );
 
     let failed_text = failed.to_string();
     let sent = idem(url, key, None, &["redrive", "--failed", "--scope", "webhook.stripe", "--id", &failed_text]).await;
@@ -411,6 +472,33 @@ async fn idem_failures_lists_journaled_failures_and_redrive_failed_sends_the_cho
     assert!(stdout(&sent).contains("downstream 500"), "it names what it replaced: {}", stdout(&sent));
     let again = idem(url, key, None, &["redrive", "--failed", "--scope", "webhook.stripe", "--id", &failed_text]).await;
     assert!(stdout(&again).contains("0 failure(s) sent back"), "once: {}", stdout(&again));
+    assert_eq!(again.status.code(), Some(1), "a named failure not sent back is an error");
+    let why = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        why.contains(&format!("not sent back: {failed} (webhook.stripe/evt-1): processing with its lease passed")),
+        "{why}"
+    );
+    // Every --id not sent back is named with its reason; no --scope is
+    // needed when the ids name the failures.
+    let absent = uuid::Uuid::new_v4();
+    let named: Vec<String> = [workless, succeeded, absent].iter().map(ToString::to_string).collect();
+    let mut args = vec!["redrive", "--failed"];
+    for id in &named {
+        args.extend(["--id", id.as_str()]);
+    }
+    let refused = idem(url, key, None, &args).await;
+    assert_eq!(refused.status.code(), Some(1), "{}", stdout(&refused));
+    let why = String::from_utf8_lossy(&refused.stderr);
+    for expected in [
+        format!("not sent back: {workless} (webhook.stripe/evt-3): its work was not kept"),
+        format!("not sent back: {succeeded} (webhook.stripe/evt-4): it succeeded"),
+        format!("not sent back: {absent}: no claim has this id"),
+    ] {
+        assert!(why.contains(&expected), "{expected:?} in {why}");
+    }
+    let outside = idem(url, key, None, &["redrive", "--failed", "--scope", "tool.*", "--id", &named[0]]).await;
+    assert_eq!(outside.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&outside.stderr).contains("it is in another scope than --scope"));
     let (status, replaced): (String, serde_json::Value) =
         sqlx::query_as("select status, replaced from agent.idempotency_keys where id = $1")
             .bind(failed)
@@ -429,12 +517,16 @@ async fn idem_failures_lists_journaled_failures_and_redrive_failed_sends_the_cho
     assert!(stdout(&all).contains("1 failure(s) sent back"), "{}", stdout(&all));
     let left = idem(url, key, None, &["failures", "--scope", "webhook.*", "--org", &org_text, "--json"]).await;
     assert_eq!(stdout(&left).lines().count(), 1, "{}", stdout(&left));
+    // And every scope's, sent back at once: the tool's has no work to run again.
+    let everywhere =
+        idem(url, key, None, &["redrive", "--failed", "--scope", "*", "--org", &org_text, "--since", &since]).await;
+    assert!(stdout(&everywhere).contains("0 failure(s) sent back"), "{}", stdout(&everywhere));
 
     // Refused before any request: nothing chosen, a schedule, a bound above the cap.
     for args in [
         vec!["redrive", "--failed", "--scope", "webhook.stripe"],
         vec!["redrive", "--failed", "--scope", "webhook.stripe", "--since", &since, "--every", "1m"],
-        vec!["redrive", "--failed", "--id", &failed_text],
+        vec!["redrive", "--failed", "--since", &since],
         vec!["failures", "--scope", "webhook.*", "--bound", "5000"],
         vec!["failures", "--scope", "webhook.*", "--since", "yesterday"],
     ] {

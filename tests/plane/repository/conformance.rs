@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use idempotency_plane::repo::{
     ClaimCall, ClaimDecision, ClaimFence, ClaimRequest, ClaimStatus, CompletionArgs, ExpiredClaims, FailuresCall,
-    JournaledFailures, OrphanedWork, RedriveCall, Retired,
+    JournaledFailures, OrphanedWork, Redrivability, RedriveCall, Retired, EVERY_SCOPE,
 };
 use idempotency_plane::{ClientError, Error};
 use serde_json::{json, Value};
@@ -524,6 +524,11 @@ async fn journaled_failures_are_listed_and_sent_back_to_redrive_once(repo: &impl
     assert_eq!(repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap(), vec![]);
 }
 
+/// What [`JournaledFailures::redrivable`] says of each claim `call` names.
+async fn verdicts(repo: &impl Backend, call: FailuresCall<'_>) -> Vec<Redrivability> {
+    repo.redrivable(&call).await.expect("a verdict").into_iter().map(|row| row.reason).collect()
+}
+
 /// Listing and sending back are bounded like every read; a call that
 /// names nothing to send back, an unknown or malformed scope, or an empty
 /// choice is refused, and changes nothing.
@@ -547,7 +552,7 @@ async fn failures_calls_are_bounded_and_bad_input_is_refused(repo: &impl Backend
         let refused = repo.failures(&failures_of(org, unknown, 10)).await;
         assert!(matches!(refused, Err(Error::UnknownScope { .. })), "{unknown}: {refused:?}");
     }
-    for malformed in ["Webhook.*", "webhook.", "*"] {
+    for malformed in ["Webhook.*", "webhook.", "**", ".*"] {
         assert_eq!(code(repo.failures(&failures_of(org, malformed, 10)).await), "22023", "{malformed}");
     }
     assert_eq!(code(repo.redrive_failed(&failures_of(org, "webhook.*", 10)).await), "22023", "names nothing");
@@ -555,6 +560,31 @@ async fn failures_calls_are_bounded_and_bad_input_is_refused(repo: &impl Backend
     let empty = FailuresCall { claim_ids: Some(&none), ..failures_of(org, "webhook.*", 10) };
     assert_eq!(code(repo.redrive_failed(&empty).await), "22023", "an empty choice");
     assert_eq!(repo.failures(&failures_of(org, "webhook.svix", 10)).await.unwrap().len(), 3, "nothing changed");
+    assert_eq!(repo.failures(&failures_of(org, EVERY_SCOPE, 10)).await.unwrap().len(), 3, "every scope: *");
+
+    // Why a named claim would not be sent back, read as a send-back reads it.
+    let listed = repo.failures(&failures_of(org, "webhook.svix", 10)).await.unwrap();
+    let ids = [listed[0].id, Uuid::new_v4()];
+    let named = FailuresCall { claim_ids: Some(&ids), ..failures_of(org, "webhook.*", 1) };
+    assert_eq!(verdicts(repo, named).await, [Redrivability::Redrivable, Redrivability::Absent]);
+    let one = FailuresCall { claim_ids: Some(&ids[..1]), ..named };
+    assert_eq!(verdicts(repo, FailuresCall { scope: "tool.*", ..one }).await, [Redrivability::OtherScope]);
+    let stranger = Some(Uuid::new_v4());
+    assert_eq!(
+        verdicts(repo, FailuresCall { organization_id: stranger, ..one }).await,
+        [Redrivability::OtherOrganization]
+    );
+    let future = Some(chrono::Utc::now() + chrono::TimeDelta::hours(1));
+    assert_eq!(verdicts(repo, FailuresCall { since: future, ..one }).await, [Redrivability::BeforeSince]);
+    assert_eq!(verdicts(repo, FailuresCall { scope: EVERY_SCOPE, ..one }).await, [Redrivability::Redrivable]);
+    let row = repo.redrivable(&one).await.unwrap().remove(0);
+    assert_eq!(
+        (row.scope.as_deref(), row.key.as_deref(), row.error.as_deref(), row.attempts),
+        (Some("webhook.svix"), Some("a"), Some("a"), Some(1))
+    );
+    let too_many = vec![Uuid::new_v4(); usize::try_from(JournaledFailures::max_bound(repo)).unwrap() + 1];
+    let refused = repo.redrivable(&FailuresCall { claim_ids: Some(&too_many), ..one }).await;
+    assert!(matches!(refused, Err(Error::Store(ClientError::BoundAboveCap { .. }))), "{refused:?}");
 
     // Since an instant: the two pages of a bound of 2 send back all three.
     let all = FailuresCall { since, ..failures_of(org, "webhook.svix", 2) };
@@ -564,6 +594,7 @@ async fn failures_calls_are_bounded_and_bad_input_is_refused(repo: &impl Backend
     assert_eq!(repo.redrive_failed(&all).await.unwrap().len(), 2);
     assert_eq!(repo.redrive_failed(&all).await.unwrap().len(), 1);
     assert_eq!(repo.redrive_failed(&all).await.unwrap(), vec![]);
+    assert_eq!(verdicts(repo, one).await, [Redrivability::Orphaned], "sent back: waiting for a re-drive");
     assert_eq!(JournaledFailures::max_bound(repo), OrphanedWork::max_bound(repo));
 }
 

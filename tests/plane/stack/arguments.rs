@@ -128,6 +128,16 @@ fn surface() -> Vec<Call> {
             ],
         },
         Call {
+            sql: "select * from agent.idempotency_redrivable($1::uuid[], $2, $3::uuid, $4::timestamptz, $5::integer)",
+            arguments: vec![
+                ("p_claim_ids", format!("{{{CLAIM_ID}}}"), true),
+                ("p_scope", "webhook.*".to_owned(), false),
+                ("p_organization_id", ORG.to_owned(), false),
+                ("p_since", "2026-01-01T00:00:00Z".to_owned(), false),
+                ("p_row_cap", "1000".to_owned(), false),
+            ],
+        },
+        Call {
             sql: "select * from agent.idempotency_claim_many($1::uuid, $2, $3::bigint, $4::jsonb, $5::integer)",
             arguments: vec![
                 ("p_organization_id", ORG.to_owned(), true),
@@ -305,7 +315,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 69, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 70, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 
