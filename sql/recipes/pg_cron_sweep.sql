@@ -2,7 +2,7 @@
 -- agent.idempotency_sweep (migration 0013) every hour, at minute 17 (UTC),
 -- reading at most 1000 expired claims, the default row cap. Not a migration:
 -- run it once, as postgres, in the SQL editor or with psql. Running it again
--- updates the job. See the README, "Sweeping with Supabase Cron".
+-- updates the job. See docs/deploying.md, "Sweeping with Supabase Cron".
 --
 -- The job runs as the role that scheduled it. Only service_role may execute
 -- the sweep, so the job's command switches to it first; postgres is a member

@@ -73,3 +73,10 @@ async fn the_readme_migration_that_adds_a_scope_applies_and_the_scope_claims() {
     assert!((7.0 * 86_400.0..7.0 * 86_400.0 + 35.0).contains(&retained), "retained {retained} s");
     stack.stop().await.expect("stop");
 }
+
+/// The README stays a front page: at most 400 lines, the detail in docs/.
+#[test]
+fn the_readme_stays_at_most_400_lines() {
+    let lines = include_str!("../../../README.md").lines().count();
+    assert!(lines <= 400, "the README has {lines} lines: move detail to docs/");
+}

@@ -1,4 +1,4 @@
-//! The README's Supabase Cron recipe (`sql/recipes/pg_cron_sweep.sql`), run
+//! The Supabase Cron recipe of docs/deploying.md (`sql/recipes/pg_cron_sweep.sql`), run
 //! by pg_cron itself.
 //!
 //! pg_cron needs `shared_preload_libraries = 'pg_cron'`, which the shared
@@ -29,11 +29,11 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 use crate::support::cluster::{Cluster, PG_BIN};
 
-/// The recipe, exactly as the README quotes it.
+/// The recipe, exactly as docs/deploying.md quotes it.
 const RECIPE: &str = include_str!("../../../sql/recipes/pg_cron_sweep.sql");
-/// The README's check of the last runs.
+/// The guide's check of the last runs.
 const CHECK: &str = "select * from cron.job_run_details order by start_time desc limit 5;";
-/// The README's way to stop the sweep.
+/// The guide's way to stop the sweep.
 const UNSCHEDULE: &str = "select cron.unschedule('idempotency-sweep');";
 
 /// The recipe's schedule, and the one the tests run it on.
@@ -65,18 +65,18 @@ fn recipe_statements() -> String {
 }
 
 #[test]
-fn the_readme_quotes_the_recipe_its_check_and_its_unschedule_exactly() {
-    let readme = include_str!("../../../README.md");
-    let section = readme
+fn the_deploying_guide_quotes_the_recipe_its_check_and_its_unschedule_exactly() {
+    let guide = include_str!("../../../docs/deploying.md");
+    let section = guide
         .split("**Sweeping with Supabase Cron.**")
         .nth(1)
         .and_then(|rest| rest.split("\n## ").next())
-        .expect("the README has a section \"Sweeping with Supabase Cron\"");
+        .expect("docs/deploying.md has a section \"Sweeping with Supabase Cron\"");
     let statements = recipe_statements();
     assert!(statements.starts_with("create extension if not exists pg_cron;"), "{statements}");
-    assert!(section.contains(&statements), "the README quotes sql/recipes/pg_cron_sweep.sql:\n{statements}");
+    assert!(section.contains(&statements), "docs/deploying.md quotes sql/recipes/pg_cron_sweep.sql:\n{statements}");
     for statement in [CHECK, UNSCHEDULE] {
-        assert!(section.contains(statement), "the README shows {statement}");
+        assert!(section.contains(statement), "docs/deploying.md shows {statement}");
     }
     // Hourly, at the default row cap (the bound the recipe's sweep may take).
     assert!(statements.contains(HOURLY) && statements.contains(SWEEP), "{statements}");
@@ -255,13 +255,13 @@ async fn the_recipe_sweeps_through_pg_cron(mode: Mode, test: &str) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // The README's check shows the run to the role that scheduled it, and
+    // The guide's check shows the run to the role that scheduled it, and
     // its unschedule stops the job.
-    let shown = sqlx::raw_sql(CHECK).fetch_all(&mut scheduler).await.expect("the README's check");
+    let shown = sqlx::raw_sql(CHECK).fetch_all(&mut scheduler).await.expect("the guide's check");
     assert!(!shown.is_empty(), "the check shows the run");
     assert!(shown.iter().all(|row| row.get::<String, _>("username") == "scheduler"), "only the role's own runs");
     let unscheduled: bool =
-        sqlx::raw_sql(UNSCHEDULE).fetch_one(&mut scheduler).await.expect("the README's unschedule").get(0);
+        sqlx::raw_sql(UNSCHEDULE).fetch_one(&mut scheduler).await.expect("the guide's unschedule").get(0);
     assert!(unscheduled);
     let jobs: Vec<String> = sqlx::query_scalar("select jobname from cron.job order by jobname")
         .fetch_all(&mut admin)
