@@ -277,7 +277,7 @@ fn print_banner(stack: &LocalStack) {
     println!("    -H 'Content-Profile: agent' \\");
     println!("    -H 'Authorization: Bearer {key}' \\");
     println!(
-        "    -d '{{\"p_organization_id\":\"00000000-0000-0000-0000-000000000001\",\"p_scope\":\"tool.email.send\",\"p_key\":\"run-1:step-3\"}}'"
+        "    -d '{{\"p_organization_id\":\"00000000-0000-4000-8000-000000000001\",\"p_scope\":\"tool.email.send\",\"p_key\":\"run-1:step-3\"}}'"
     );
     println!("  (supabase-js: createClient('{url}', key).schema('agent').rpc('idempotency_get', {{...}}))");
     println!();

@@ -38,7 +38,7 @@ function caller(req: Request): string | undefined {
 
 const idempotent = withIdempotencyKey(createOrder, {
   plane: IdempotencyPlane.fromEnv((name) => Deno.env.get(name)), // SUPABASE_URL and the service key
-  organizationId: Deno.env.get("ORGANIZATION_ID") ?? "00000000-0000-0000-0000-000000000001", // your tenant
+  organizationId: Deno.env.get("ORGANIZATION_ID") ?? "00000000-0000-4000-8000-000000000001", // your tenant
   principal: caller,
   route: "/create-order",
 });
@@ -48,4 +48,6 @@ export function handler(req: Request): Promise<Response> | Response {
   return req.method === "POST" ? idempotent(req) : new Response(null, { status: 405, headers: { allow: "POST" } });
 }
 
-if (import.meta.main) Deno.serve(handler);
+// Loopback unless HOST says otherwise: run locally, it is not reachable from
+// the network (on Supabase the runtime routes requests to it).
+if (import.meta.main) Deno.serve({ hostname: Deno.env.get("HOST") ?? "127.0.0.1" }, handler);

@@ -52,7 +52,7 @@ Deno.test("create-order: a sub of any length and script keys the caller as the R
     // The row is under SHA-256(sub) § key, the sub read as UTF-8: any other
     // hash under that key reads as a conflict, and an absent key as absent.
     const read = await plane.read({
-      organizationId: "00000000-0000-0000-0000-000000000001",
+      organizationId: "00000000-0000-4000-8000-000000000001",
       scope: "http.post.create-order",
       key: await planeKey(key, sub),
       requestHash: "0".repeat(64),
