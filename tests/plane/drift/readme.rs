@@ -80,3 +80,17 @@ fn the_readme_stays_at_most_400_lines() {
     let lines = include_str!("../../../README.md").lines().count();
     assert!(lines <= 400, "the README has {lines} lines: move detail to docs/");
 }
+
+/// Every problem type's URI lands on its slug: the README (the page the
+/// `type` URIs name) holds an anchor `idempotency-key-problems-<slug>` for
+/// each type of the catalogue, so a link from a problem body scrolls to it.
+#[cfg(feature = "axum")]
+#[test]
+fn every_problem_type_uri_has_its_anchor_in_the_readme() {
+    use idempotency_plane::callers::idempotency_key::ProblemType;
+    let readme = include_str!("../../../README.md");
+    for problem in ProblemType::ALL {
+        let anchor = format!("<a id=\"idempotency-key-problems-{}\"></a>", problem.slug());
+        assert_eq!(readme.matches(&anchor).count(), 1, "the README holds {anchor} once");
+    }
+}
