@@ -164,6 +164,7 @@ async fn deliveries(State(receiver): State<Arc<Receiver>>, headers: HeaderMap, b
     let status = StatusCode::from_u16(ack.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
     let answer = match &ack {
         Ack::Processed => json!({"ack": "processed"}),
+        Ack::Failed { error } => json!({"ack": "failed", "error": error}),
         Ack::Accepted => json!({"ack": "accepted"}),
         Ack::Dropped(reason) => json!({"ack": "dropped", "drop_reason": reason.as_str()}),
         Ack::Retry(RetryReason::DeliveryTooLarge) => json!({"ack": "retry", "reason": "delivery_too_large"}),

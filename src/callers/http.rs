@@ -183,6 +183,7 @@ pub fn ack_response(ack: &Ack) -> Response {
     let status = StatusCode::from_u16(ack.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
     let body = match ack {
         Ack::Processed => json!({"ack": "processed"}),
+        Ack::Failed { error } => json!({"ack": "failed", "error": error}),
         Ack::Accepted => json!({"ack": "accepted"}),
         Ack::Dropped(reason) => json!({"ack": "dropped", "drop_reason": reason.as_str()}),
         Ack::Retry(RetryReason::DeliveryTooLarge) => json!({"ack": "retry", "reason": "delivery_too_large"}),

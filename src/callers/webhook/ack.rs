@@ -62,12 +62,27 @@ pub enum RetryReason {
     DeliveryTooLarge,
 }
 
+/// The most characters of a failure an [`Ack::Failed`] carries (its whole
+/// text is journaled).
+pub const FAILED_ACK_ERROR_CHARS: usize = 200;
+
 /// The gate's answer to one delivery.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ack {
-    /// Processed and journaled (successfully, or with a failure that would
-    /// repeat).
+    /// Processed, and its success journaled.
     Processed,
+    /// Processed, and it failed for good (a [`ProcessingError`] that is not
+    /// retryable): the failure is journaled as the event's answer, and the
+    /// vendor is told it failed in a 2xx, so it does not deliver it again
+    /// (every redelivery would replay the failure). An operator can send it
+    /// back once the cause is fixed (`idem redrive --failed`).
+    ///
+    /// [`ProcessingError`]: super::ProcessingError
+    Failed {
+        /// The failure as journaled, cut to [`FAILED_ACK_ERROR_CHARS`]
+        /// characters.
+        error: String,
+    },
     /// Claimed and held by the plane with its body, not yet journaled:
     /// processing was still running when the deadline came (it goes on
     /// after the answer and is journaled, processed or failed with a drop
@@ -85,7 +100,7 @@ impl Ack {
     /// for a delivery too large to store with its claim.
     pub fn status(&self) -> u16 {
         match self {
-            Ack::Processed | Ack::Accepted | Ack::Dropped(_) => 200,
+            Ack::Processed | Ack::Failed { .. } | Ack::Accepted | Ack::Dropped(_) => 200,
             Ack::Retry(RetryReason::DeliveryTooLarge) => 413,
             Ack::Retry(_) => 503,
         }

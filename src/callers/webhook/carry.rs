@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::ack::{drop_delivery, too_large, unavailable, Ack, DropCounters, DropReason};
+use super::ack::{drop_delivery, too_large, unavailable, Ack, DropCounters, DropReason, FAILED_ACK_ERROR_CHARS};
 use super::delivery::ProcessingError;
 use crate::error::{Error, InvalidInput};
 use crate::postgrest::codes;
@@ -73,6 +73,12 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
         self.held.store(true, Ordering::SeqCst);
         let (settle, dropped) = process_to_an_answer(&held, &process).await;
         let left = matches!(settle, Settle::Unknown(_));
+        let failed = match &settle {
+            Settle::Journal(answer) if !answer.ok => {
+                Some(answer.error.as_deref().unwrap_or("failed").chars().take(FAILED_ACK_ERROR_CHARS).collect())
+            }
+            _ => None,
+        };
         let settled = held.settle(settle).await;
         if !settled.is_journaled() && !left {
             tracing::error!(
@@ -83,10 +89,11 @@ impl<R: IdempotencyRepository + 'static> Carried<R> {
         // A failure journaled with its reason is counted whether or not the
         // vendor still hears the answer: it is the event's record. An event
         // left for a re-drive is held by the plane with its body: accepted.
-        say(match dropped {
-            None if left => Ack::Accepted,
-            None => Ack::Processed,
-            Some(reason) => drop_delivery(&self.drops, reason),
+        say(match (dropped, failed) {
+            (None, _) if left => Ack::Accepted,
+            (None, Some(error)) => Ack::Failed { error },
+            (None, None) => Ack::Processed,
+            (Some(reason), _) => drop_delivery(&self.drops, reason),
         });
     }
 

@@ -361,6 +361,7 @@ fn ack(drops: &DropCounters, heard: Option<Result<Ack, oneshot::error::RecvError
 fn ack_name(ack: &Ack) -> &'static str {
     match ack {
         Ack::Processed => "processed",
+        Ack::Failed { .. } => "failed",
         Ack::Accepted => "accepted",
         Ack::Dropped(_) => "dropped",
         Ack::Retry(_) => "retry",

@@ -92,7 +92,7 @@ mod jobs;
 mod redrive;
 mod stored;
 
-pub use ack::{Ack, DropCounters, DropReason, RetryReason};
+pub use ack::{Ack, DropCounters, DropReason, RetryReason, FAILED_ACK_ERROR_CHARS};
 pub use delivery::{Delivery, ProcessingError, ProviderCallback};
 pub use gate::{
     GateConfigError, WebhookGate, DEFAULT_GATE_DEADLINE, DEFAULT_PROCESSING_TIMEOUT, DEFAULT_VENDOR_HORIZON,

@@ -4,6 +4,7 @@
 
 import assert from "node:assert/strict";
 import {
+  FAILED_ACK_ERROR_CHARS,
   largestStorableBody,
   type PlaneEvent,
   ProcessingError,
@@ -131,15 +132,18 @@ Deno.test("a retryable failure is retried in process; one that lasts to the time
   assert.equal(new TextDecoder().decode(seen[0].body), '{"event":"message"}');
   const read = await journaled(org, stuck);
   assert.ok(read.outcome === "completed" && read.answer.ok, JSON.stringify(read));
-  // A permanent failure is the event's answer, not a drop.
+  // A permanent failure is the event's answer, not a drop: acknowledged
+  // (2xx, so the vendor stops), saying that it failed.
   const permanent = uniqueKey("Ev");
   assert.deepEqual(
     await gate.handle(delivery(org, permanent), () => Promise.reject(ProcessingError.permanent("bad event"))),
-    {
-      ack: "processed",
-      status: 200,
-    },
+    { ack: "failed", status: 200, error: "bad event" },
   );
+  const long = uniqueKey("Ev");
+  const cut = await gate.handle(delivery(org, long), () => Promise.reject(ProcessingError.permanent("é".repeat(500))));
+  assert.deepEqual(cut, { ack: "failed", status: 200, error: "é".repeat(FAILED_ACK_ERROR_CHARS) });
+  const stored = await journaled(org, long);
+  assert.ok(stored.outcome === "completed" && stored.answer.error === "é".repeat(500), "journaled whole");
 });
 
 Deno.test("a wall clock stepped back an hour mid-processing does not stretch its retries past the timeout", async () => {

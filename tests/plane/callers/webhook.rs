@@ -190,7 +190,9 @@ async fn a_permanent_processing_failure_is_stored_and_acked<P: Plane>(plane: &P)
             Err::<Value, _>(ProcessingError::permanent("unknown event type"))
         })
         .await;
-    assert_eq!(failed, Ack::Processed);
+    // Acknowledged (2xx, so the vendor stops), saying it failed.
+    assert_eq!(failed, Ack::Failed { error: "unknown event type".to_owned() });
+    assert_eq!(failed.status(), 200);
     let response = row(plane, org, "webhook.nylas", "d-5").await.response;
     assert_eq!(response, Some(json!({"ok": false, "error": "unknown event type", "output": null})));
 }
@@ -361,7 +363,13 @@ async fn the_first_delivery_is_answered_as_every_redelivery_is<P: Plane>(plane: 
         let first = gate.handle(delivery(org, id, body.as_bytes()), process).await;
         let again =
             gate.handle(delivery(org, id, body.as_bytes()), || async { panic!("must not process twice") }).await;
-        assert_eq!((&first, &again), (&Ack::Processed, &Ack::Dropped(DropReason::Duplicate)), "{id}");
+        let answered = match id {
+            "long-error" => {
+                Ack::Failed { error: "e".repeat(idempotency_plane::callers::webhook::FAILED_ACK_ERROR_CHARS) }
+            }
+            _ => Ack::Processed,
+        };
+        assert_eq!((&first, &again), (&answered, &Ack::Dropped(DropReason::Duplicate)), "{id}");
         let stored = row(plane, org, "webhook.nylas", id).await;
         assert_eq!(stored.status, ClaimStatus::Completed, "{id}");
         // The event's record: the failure as a failure, whatever its size.

@@ -109,6 +109,7 @@ export {
   DEFAULT_PROCESSING_TIMEOUT_MS,
   DEFAULT_VENDOR_HORIZON_MS,
   DEFAULT_WEBHOOK_BODY_LIMIT_BYTES,
+  FAILED_ACK_ERROR_CHARS,
   largestStorableBody,
   ProcessingError,
   storedBody,

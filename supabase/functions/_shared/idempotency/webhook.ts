@@ -154,13 +154,25 @@ export type DropReason =
   /** A re-drive found the event handed out as often as its scope's `max_attempts` allows: journaled as a failure. */
   | "dead_lettered";
 
+/** The most characters of a failure a `failed` ack carries (its whole text is journaled). */
+export const FAILED_ACK_ERROR_CHARS = 200;
+
 /** Why a claim whose processing kept failing retryably is left to its lease. */
 const LEFT_FOR_REDRIVE = "processing kept failing; left for a re-drive";
 
 /** What the gate answers the vendor. */
 export type Ack =
-  /** Processed and journaled: 200. */
+  /** Processed, and its success journaled: 200. */
   | { ack: "processed"; status: 200 }
+  /**
+   * Processed, and it failed for good (a `ProcessingError` that is not
+   * retryable): the failure is journaled as the event's answer and the
+   * vendor is told it failed in a 2xx, so it stops delivering it (every
+   * redelivery would replay the failure); `idem redrive --failed` sends it
+   * back once the cause is fixed. `error` is the failure, cut to
+   * FAILED_ACK_ERROR_CHARS characters: 200.
+   */
+  | { ack: "failed"; status: 200; error: string }
   /**
    * Claimed and held by the plane with its body, not yet journaled: still
    * processing at the deadline (it goes on after the answer), or processing
@@ -578,7 +590,11 @@ export class WebhookGate {
     // vendor still hears the answer: it is the event's record. An event left
     // for a re-drive is held by the plane with its body: accepted.
     if (dropped) say(this.#drop(dropped));
-    else say(left ? { ack: "accepted", status: 200 } : { ack: "processed", status: 200 });
+    else if (left) say({ ack: "accepted", status: 200 });
+    else if (typeof settle === "object" && "journal" in settle && !settle.journal.ok) {
+      const error = [...(settle.journal.error ?? "failed")].slice(0, FAILED_ACK_ERROR_CHARS).join("");
+      say({ ack: "failed", status: 200, error });
+    } else say({ ack: "processed", status: 200 });
   }
 
   async #claim(spec: EffectSpec, say: (ack: Ack) => boolean): Promise<Held | undefined> {
@@ -870,6 +886,8 @@ export function webhookHandler(route: WebhookRoute): (request: Request) => Promi
     );
     const payload = ack.ack === "dropped"
       ? { ack: ack.ack, drop_reason: ack.reason }
+      : ack.ack === "failed"
+      ? { ack: ack.ack, error: ack.error }
       : ack.ack === "retry" && ack.reason !== "plane_unavailable"
       ? { ack: ack.ack, reason: ack.reason }
       : { ack: ack.ack };
