@@ -5,20 +5,26 @@
 import assert from "node:assert/strict";
 import {
   FAILED_ACK_ERROR_CHARS,
+  type GateOptions,
   largestStorableBody,
+  PlaneError,
   type PlaneEvent,
   ProcessingError,
+  type ProviderCallback,
+  type ProviderJob,
   type Redelivery,
   type RedriveReport,
   sha256HexOfBytes,
   silent,
   storedBody,
   storedBodyBound,
+  success,
   WEBHOOK_SCOPE_MAX_REQUEST_BYTES,
   WebhookGate,
   webhookHandler,
 } from "../_shared/idempotency/mod.ts";
 import { DEFAULT_WEBHOOK_BODY_LIMIT_BYTES, type WebhookRoute } from "../_shared/idempotency/webhook.ts";
+import { lookupProviderJob, registerProviderJob } from "../_shared/idempotency/provider_jobs.ts";
 import {
   eventually,
   HOUR_MS,
@@ -66,6 +72,189 @@ Deno.test("processed once; a redelivery is a counted duplicate; another body und
   assert.equal(gate.drops("hash_mismatch"), 1);
   const read = await journaled(org, id);
   assert.ok(read.outcome === "completed" && read.answer.ok, JSON.stringify(read));
+});
+
+// Provider callbacks, as the Rust gate's (tests/plane/callers/webhook.rs):
+// the tenant comes from `agent.provider_jobs` before the claim, and a
+// callback for a job the platform does not hold, or whose body names another
+// job, is ACKed with a counted, logged reason and claims nothing.
+
+const PROVIDER = "transcribe";
+const CALLBACK_SCOPE = `webhook.${PROVIDER}`;
+
+/** A gate whose events are kept, and the events. */
+function loggedGate(options: Partial<GateOptions> = {}): { gate: WebhookGate; events: PlaneEvent[] } {
+  const events: PlaneEvent[] = [];
+  return { gate: new WebhookGate(plane(), { ...options, log: (event) => void events.push(event) }), events };
+}
+
+/** What the plane holds for a callback's delivery under `org`. */
+async function callbackClaim(org: string, callback: ProviderCallback) {
+  const bytes = typeof callback.body === "string" ? new TextEncoder().encode(callback.body) : callback.body;
+  const requestHash = await sha256HexOfBytes(bytes);
+  return await plane().read({ organizationId: org, scope: CALLBACK_SCOPE, key: callback.deliveryId, requestHash });
+}
+
+/**
+ * Asserts the plane holds nothing for `callback` under `org` (an earlier drop
+ * claimed nothing), then that it is processed once, and its repeat is a duplicate.
+ */
+async function unclaimedThenProcessedOnce(gate: WebhookGate, org: string, callback: ProviderCallback): Promise<void> {
+  assert.equal((await callbackClaim(org, callback)).outcome, "absent", "nothing claimed");
+  let runs = 0;
+  const process = () => Promise.resolve(++runs);
+  assert.deepEqual(await gate.handleProviderCallback(callback, process), { ack: "processed", status: 200 });
+  assert.deepEqual(await gate.handleProviderCallback(callback, process), {
+    ack: "dropped",
+    status: 200,
+    reason: "duplicate",
+  });
+  assert.equal(runs, 1);
+}
+
+/** The drop reasons the gate logged, in order. */
+function droppedReasons(events: PlaneEvent[]): unknown[] {
+  return events.filter((event) => event.event === "webhook.dropped").map((event) => event.drop_reason);
+}
+
+Deno.test("a provider callback resolves its tenant from agent.provider_jobs before it claims; a redelivery is a duplicate", async () => {
+  const org = organization();
+  const jobId = uniqueKey("job");
+  assert.deepEqual(await registerProviderJob(plane(), { organizationId: org, provider: PROVIDER, jobId }), {
+    organizationId: org,
+    provider: PROVIDER,
+    jobId,
+  });
+  const { gate, events } = loggedGate();
+  const callback: ProviderCallback = {
+    provider: PROVIDER,
+    pathJobId: jobId,
+    bodyJobId: jobId,
+    deliveryId: uniqueKey("evt"),
+    body: JSON.stringify({ job_id: jobId, status: "done" }),
+  };
+  const seen: ProviderJob[] = [];
+  const process = (job: ProviderJob) => {
+    seen.push(job);
+    return Promise.resolve("stored transcript");
+  };
+  assert.deepEqual(await gate.handleProviderCallback(callback, process), { ack: "processed", status: 200 });
+  assert.deepEqual(seen, [{ organizationId: org, provider: PROVIDER, jobId }], "processed as the job's tenant's");
+  const claim = await callbackClaim(org, callback);
+  assert.ok(claim.outcome === "completed" && claim.answer.ok, JSON.stringify(claim));
+  assert.deepEqual(claim.answer, success("stored transcript"));
+  assert.equal((await callbackClaim(organization(), callback)).outcome, "absent", "claimed under the tenant only");
+  assert.deepEqual(await gate.handleProviderCallback(callback, process), {
+    ack: "dropped",
+    status: 200,
+    reason: "duplicate",
+  });
+  assert.equal(seen.length, 1, "the redelivery performed nothing");
+  assert.equal(gate.drops("duplicate"), 1);
+  assert.deepEqual(droppedReasons(events), ["duplicate"]);
+  // The job's tenant is the one registered: another organization cannot take it over.
+  await assert.rejects(
+    () => registerProviderJob(plane(), { organizationId: organization(), provider: PROVIDER, jobId }),
+    (error: unknown) => error instanceof PlaneError && error.code === "23505",
+  );
+  assert.equal((await lookupProviderJob(plane(), PROVIDER, jobId))?.organizationId, org);
+});
+
+Deno.test("a callback for a job the platform does not hold is ACKed as unknown_job, counted, and claims nothing", async () => {
+  const { gate, events } = loggedGate();
+  const jobId = uniqueKey("job");
+  const callback: ProviderCallback = {
+    provider: PROVIDER,
+    pathJobId: jobId,
+    deliveryId: uniqueKey("evt"),
+    body: "{}",
+  };
+  const never = () => Promise.reject(new Error("no tenant, no processing"));
+  const unknown = { ack: "dropped", status: 200, reason: "unknown_job" };
+  assert.deepEqual(await gate.handleProviderCallback(callback, never), unknown);
+  // Looked up before the body is compared: an unknown job naming another in its body is unknown.
+  assert.deepEqual(await gate.handleProviderCallback({ ...callback, bodyJobId: uniqueKey("job") }, never), unknown);
+  // The job another provider started under this id is not this provider's.
+  const org = organization();
+  await registerProviderJob(plane(), { organizationId: org, provider: "other-provider", jobId });
+  assert.deepEqual(await gate.handleProviderCallback(callback, never), unknown);
+  assert.equal(gate.drops("unknown_job"), 3);
+  assert.deepEqual(droppedReasons(events), ["unknown_job", "unknown_job", "unknown_job"]);
+  // Nothing was claimed: once the job is held, the same delivery is processed, not a duplicate.
+  await registerProviderJob(plane(), { organizationId: org, provider: PROVIDER, jobId });
+  await unclaimedThenProcessedOnce(gate, org, callback);
+});
+
+Deno.test("a callback whose body names another job than its path is ACKed as job_mismatch, counted, and claims nothing", async () => {
+  const org = organization();
+  const jobId = uniqueKey("job");
+  await registerProviderJob(plane(), { organizationId: org, provider: PROVIDER, jobId });
+  const { gate, events } = loggedGate();
+  const deliveryId = uniqueKey("evt");
+  const body = JSON.stringify({ job_id: jobId, status: "done" });
+  const never = () => Promise.reject(new Error("mismatched job"));
+  // Another job the platform holds too, of the same tenant: still not the path's.
+  const otherJob = uniqueKey("job");
+  await registerProviderJob(plane(), { organizationId: org, provider: PROVIDER, jobId: otherJob });
+  for (const named of [otherJob, "", jobId.toUpperCase()]) {
+    assert.deepEqual(
+      await gate.handleProviderCallback(
+        { provider: PROVIDER, pathJobId: jobId, bodyJobId: named, deliveryId, body },
+        never,
+      ),
+      { ack: "dropped", status: 200, reason: "job_mismatch" },
+      `the body names ${JSON.stringify(named)}`,
+    );
+  }
+  assert.equal(gate.drops("job_mismatch"), 3);
+  assert.deepEqual(droppedReasons(events), ["job_mismatch", "job_mismatch", "job_mismatch"]);
+  // The same delivery naming its own job is processed: the mismatches claimed nothing.
+  await unclaimedThenProcessedOnce(gate, org, {
+    provider: PROVIDER,
+    pathJobId: jobId,
+    bodyJobId: jobId,
+    deliveryId,
+    body,
+  });
+  // A body that names no job is taken on its path's word.
+  const unnamed: ProviderCallback = { provider: PROVIDER, pathJobId: jobId, deliveryId: uniqueKey("evt"), body };
+  assert.deepEqual(await gate.handleProviderCallback(unnamed, () => Promise.resolve("ok")), {
+    ack: "processed",
+    status: 200,
+  });
+});
+
+Deno.test("a provider callback whose lookup fails is a 503 and claims nothing; one above the body limit is a 413 before the lookup", async () => {
+  const org = organization();
+  const jobId = uniqueKey("job");
+  await registerProviderJob(plane(), { organizationId: org, provider: PROVIDER, jobId });
+  const lossy = new Lossy().refuseAll();
+  const down = new WebhookGate(plane({ fetch: lossy.fetch, retry: { maxRetries: 0 } }), {
+    deadlineMs: 500,
+    log: silent,
+  });
+  const callback: ProviderCallback = {
+    provider: PROVIDER,
+    pathJobId: jobId,
+    deliveryId: uniqueKey("evt"),
+    body: "{}",
+  };
+  const never = () => Promise.reject(new Error("never processed"));
+  assert.deepEqual(await down.handleProviderCallback(callback, never), {
+    ack: "retry",
+    status: 503,
+    reason: "plane_unavailable",
+  });
+  assert.deepEqual(lossy.calls, ["provider_job_lookup"], "no claim was tried");
+  const small = new WebhookGate(plane({ fetch: lossy.refuseAll(false).fetch }), { bodyLimitBytes: 2, log: silent });
+  assert.deepEqual(await small.handleProviderCallback({ ...callback, body: "{ }" }, never), {
+    ack: "retry",
+    status: 413,
+    reason: "delivery_too_large",
+  });
+  assert.deepEqual(lossy.calls, ["provider_job_lookup"], "refused before the lookup");
+  assert.equal(small.drops("unknown_job"), 0);
+  assert.equal((await callbackClaim(org, callback)).outcome, "absent");
 });
 
 Deno.test("slow processing is accepted at the deadline, carried through waitUntil, and journaled once", async () => {

@@ -78,6 +78,7 @@ import { DEFAULT_JOURNAL_DEADLINE_MS, Timing } from "./timing.ts";
 import { Held, type Settle } from "./held.ts";
 import { Attempt, type Begun, EffectDriver, type EffectSpec } from "./driver.ts";
 import type { IdempotencyPlane } from "./plane.ts";
+import { lookupProviderJob, type ProviderJob } from "./provider_jobs.ts";
 import { consoleLogger, type Logger } from "./log.ts";
 import limits from "./webhook_limits.json" with { type: "json" };
 
@@ -256,12 +257,7 @@ export interface ProviderCallback {
   body: Uint8Array | string;
 }
 
-/** A provider job: which tenant a vendor's job belongs to. */
-export interface ProviderJob {
-  organizationId: string;
-  provider: string;
-  jobId: string;
-}
+export type { ProviderJob } from "./provider_jobs.ts";
 
 /** Options of a gate. */
 export interface GateOptions {
@@ -486,16 +482,7 @@ export class WebhookGate {
   }
 
   async #lookup(provider: string, jobId: string, deadlineMs: number): Promise<ProviderJob | undefined> {
-    const data = await this.driver.plane.client.rpc("provider_job_lookup", { p_provider: provider, p_job_id: jobId }, {
-      deadlineMs: Math.max(1, deadlineMs),
-    });
-    if (!Array.isArray(data)) throw new PlaneError("decode", "provider_job_lookup answered something other than rows");
-    if (data.length === 0) return undefined;
-    const row = data[0] as Record<string, unknown>;
-    if (typeof row.organization_id !== "string") {
-      throw new PlaneError("decode", "provider_job_lookup: no organization_id");
-    }
-    return { organizationId: row.organization_id, provider, jobId };
+    return await lookupProviderJob(this.driver.plane, provider, jobId, { deadlineMs: Math.max(1, deadlineMs) });
   }
 
   async #handleBy(
