@@ -5,7 +5,7 @@
 // limit does. REPEAT is `vendor_key` (the vendor dedupes on the key) or
 // `reconcile` (the vendor takes none; the tool sends a reference instead).
 
-import { RetryHorizon, success, ToolGuard, toolSpec } from "../_shared/idempotency/mod.ts";
+import { RetryHorizon, success, ToolGuard, toolKey, toolSpec } from "../_shared/idempotency/mod.ts";
 import { plane } from "./support.ts";
 
 const env = (name: string) => {
@@ -15,6 +15,8 @@ const env = (name: string) => {
 };
 const repeat = env("REPEAT") === "reconcile" ? { reconcile: () => Promise.resolve(undefined) } : "vendor_key";
 const spec = toolSpec("tool.email.send", Number(env("TIMEOUT_MS")), repeat);
+// The key from the Run and the step, as the orchestrator's replay derives it again.
+const key = toolKey(env("RUN_ID"), env("STEP_ID"));
 const guard = new ToolGuard(plane(), {
   horizon: RetryHorizon.untilLastAttempt(60_000),
   journalDeadlineMs: 1_000,
@@ -23,7 +25,7 @@ const guard = new ToolGuard(plane(), {
 await guard.run({
   organizationId: env("ORGANIZATION_ID"),
   spec,
-  key: env("TOOL_KEY"),
+  key,
   arguments: JSON.parse(env("ARGUMENTS")),
   tool: async (call) => {
     const headers: Record<string, string> = { "content-type": "application/json" };
@@ -31,7 +33,7 @@ await guard.run({
     const response = await fetch(env("VENDOR_URL"), {
       method: "POST",
       headers,
-      body: JSON.stringify({ reference: env("TOOL_KEY"), to: "a@example.com" }),
+      body: JSON.stringify({ reference: key, to: "a@example.com" }),
     });
     const sent = await response.json();
     console.log("vendor answered");

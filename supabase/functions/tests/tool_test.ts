@@ -29,6 +29,7 @@ import {
   toolSpec,
   vendorKey,
 } from "../_shared/idempotency/mod.ts";
+import { isToolKey, type ToolKey } from "../_shared/idempotency/tool_key.ts";
 import { functionOf, hashOf, Lossy, organization, plane, readUntil, sleep } from "./support.ts";
 
 const SCOPE = "tool.email.send";
@@ -44,14 +45,19 @@ function guard(options: Partial<ToolGuardOptions> & { fetch?: typeof fetch } = {
   });
 }
 
+/** The orchestrator step of the calls below. */
+const STEP = "send-welcome";
+
 /** One call of a fresh Run's step, with `tool` counting its runs. */
-function invocation(extra: Partial<ToolInvocation> = {}): ToolInvocation & { runs: () => number } {
+function invocation(extra: Partial<ToolInvocation> = {}): ToolInvocation & { runs: () => number; runId: string } {
   let runs = 0;
   const tool = extra.tool ?? (() => success({ message_id: "m-1" }));
+  const runId = crypto.randomUUID();
   return {
     organizationId: organization(),
     spec: toolSpec(SCOPE, 1_000, "vendor_key"),
-    key: toolKey(crypto.randomUUID(), "send-welcome"),
+    key: toolKey(runId, STEP),
+    runId,
     arguments: { to: "a@example.com" },
     ...extra,
     tool: (call) => {
@@ -113,6 +119,77 @@ Deno.test("the vendor, step and caller keys are the ones the Rust client derives
   assert.throws(() => toolKey("", "s"), /empty/);
   assert.throws(() => toolCallKey("r", "s", -1), /call index/);
   await assert.rejects(() => vendorKey("not-a-uuid", SCOPE, "k"), /UUID/);
+});
+
+// A model's tool-call ids, as providers mint them: OpenAI's Chat Completions
+// and Responses, Anthropic's, Gemini's, Mistral's. A replayed agent segment
+// gets new ones, so none of them may key a call.
+const MODEL_TOOL_CALL_IDS = [
+  "call_abc123XYZ",
+  "call_0",
+  "fc_67ab12cd34ef",
+  "toolu_01A09q90qw90lq917835lq9",
+  "toolu_vrtx_01XYZ",
+  "srvtoolu_014hJH82Qum7Td6UV8gDXThB",
+  "tooluse_kZJMlvQmRJ6eAyJE5GIl7Q",
+  "a1b2c3d4e",
+  crypto.randomUUID(),
+];
+
+Deno.test("a call key is a ToolKey: the guard refuses a model's tool-call id, or any string toolKey or toolCallKey did not build, before the plane is asked", async () => {
+  // Compile time, as Rust's ToolKey has no constructor from a string: a plain string is not a ToolKey.
+  const typed: Pick<ToolInvocation, "key">[] = [
+    // @ts-expect-error a model's tool-call id is a string, not a ToolKey
+    { key: "call_abc123XYZ" },
+    // @ts-expect-error nor is any other string, however shaped
+    { key: `run:${crypto.randomUUID()}:step:${STEP}` },
+    { key: toolKey(crypto.randomUUID(), STEP) },
+    { key: toolCallKey(crypto.randomUUID(), STEP, 2) },
+  ];
+  assert.equal(typed.length, 4);
+  // Run time, for JavaScript callers and casts: only a key the builders would build passes.
+  const run = crypto.randomUUID();
+  const forged = [
+    ...MODEL_TOOL_CALL_IDS,
+    "",
+    `run:${run}`,
+    `run:${run}:step:a:b`, // a `:` the builder would have escaped
+    `run:${run}:step:a%`, // a `%` it would have escaped
+    `run:${run}:step:a%3a`, // an escape it never writes
+    `run:${run.toUpperCase()}:step:${STEP}`, // a UUID it writes in lowercase
+    `run:${run}:step:${STEP}:call:01`,
+    `run:${run}:step:${STEP}:call:4294967296`,
+    `run:${run}:step:${STEP}:call:`,
+    `run::step:${STEP}`,
+    ` run:${run}:step:${STEP}`,
+  ];
+  const lossy = new Lossy();
+  const g = guard({ fetch: lossy.fetch, log: silent });
+  for (const key of [...forged, undefined, 42]) {
+    assert.equal(isToolKey(key), false, JSON.stringify(key));
+    const call = invocation({ key: key as ToolKey });
+    const error = await raises(g.run(call), "bad_configuration");
+    assert.equal(error.retryable, false);
+    assert.match(error.message, /never by the model's tool-call id/);
+    assert.equal(call.runs(), 0, `${JSON.stringify(key)}: the tool never ran`);
+  }
+  assert.deepEqual(lossy.calls, [], "nothing was read or claimed under a foreign key");
+  // What the builders make passes, whatever the ids hold (a step id shaped like a tool-call id too, as in Rust).
+  const vectors = JSON.parse(
+    await Deno.readTextFile(new URL("../../../tests/vectors/keys.json", import.meta.url)),
+  );
+  for (const v of vectors.tool_key) assert.ok(isToolKey(v.key), v.key);
+  const ids = ["", "s", "a:b", "%", "%3A", "a%25:b", ":call:0", "ключ-😀", "call_abc123XYZ", "toolu_01A"];
+  for (const runId of [run, run.toUpperCase(), "01HZX3K4ZC9W8V7T6S5R4Q3P2N", "r:1", "%25"]) {
+    for (const stepId of ids) {
+      assert.ok(isToolKey(toolKey(runId, stepId)), `${runId} ${stepId}`);
+      assert.ok(isToolKey(toolCallKey(runId, stepId, 0)), `${runId} ${stepId} 0`);
+      assert.ok(isToolKey(toolCallKey(runId, stepId, 0xffff_ffff)), `${runId} ${stepId} max`);
+    }
+  }
+  const built = invocation();
+  assert.equal((await g.run(built)).status, "executed", "a built key is claimed");
+  assert.equal(built.runs(), 1);
 });
 
 Deno.test("a tool spec refuses non-tool scopes and timeouts above the step budget; a guard refuses margins out of range", () => {
@@ -397,7 +474,11 @@ function vendor() {
 }
 
 /** Runs tool_step_worker.ts and kills it with SIGKILL once its vendor applied the call. */
-async function killedAfterTheVendor(call: ToolInvocation, vendorUrl: string, repeat: string): Promise<void> {
+async function killedAfterTheVendor(
+  call: ToolInvocation & { runId: string },
+  vendorUrl: string,
+  repeat: string,
+): Promise<void> {
   const child = new Deno.Command(Deno.execPath(), {
     args: [
       "run",
@@ -409,7 +490,8 @@ async function killedAfterTheVendor(call: ToolInvocation, vendorUrl: string, rep
     ],
     env: {
       ORGANIZATION_ID: call.organizationId,
-      TOOL_KEY: call.key,
+      RUN_ID: call.runId,
+      STEP_ID: STEP,
       ARGUMENTS: JSON.stringify(call.arguments),
       VENDOR_URL: vendorUrl,
       REPEAT: repeat,

@@ -21,6 +21,7 @@ import { monotonicNow } from "./clock.ts";
 import { type EffectContext, runAndEnd } from "./run_effect.ts";
 import { DEFAULT_JOURNAL_DEADLINE_MS, type RetryHorizon, Timing, withHeartbeat } from "./timing.ts";
 import { ToolError } from "./tool_error.ts";
+import { isToolKey, type ToolKey } from "./tool_key.ts";
 import { vendorKey } from "./vendor_key.ts";
 
 /** The longest a tool call may run: the orchestrator's step budget. */
@@ -140,8 +141,13 @@ export interface ToolGuardOptions {
 export interface ToolInvocation {
   organizationId: string;
   spec: ToolSpec;
-  /** From `toolKey` or `toolCallKey`: never the model's tool-call id. */
-  key: string;
+  /**
+   * From `toolKey` or `toolCallKey` (the Run and the orchestrator step):
+   * never the model's tool-call id, which a replayed agent segment mints
+   * anew. Anything else, a cast string included, is refused by `run` as a
+   * `bad_configuration` before the plane is asked.
+   */
+  key: ToolKey;
   /** The call's arguments, hashed (RFC 8785) as its request: other arguments under the key are a conflict. */
   arguments: unknown;
   /** The policy checkpoint (an approval): runs only when the journal has no answer. Default: allow. */
@@ -217,6 +223,7 @@ export class ToolGuard {
     const outcome = (name: string, replayed?: boolean) =>
       this.#driver.log({ event: "tool.call", scope: spec.scope, key, outcome: name, replayed });
     try {
+      refuseForeignKey(spec, key);
       this.check(spec);
       const startedAt = monotonicNow();
       const hash = await requestHash(call.arguments ?? null);
@@ -294,6 +301,21 @@ export class ToolGuard {
   #timing(timeoutMs: number): Timing {
     return withHeartbeat(new Timing(timeoutMs, this.#journalMs, this.#marginMs), this.#heartbeatMs);
   }
+}
+
+/**
+ * Refuses a key `toolKey` or `toolCallKey` did not build (a model's tool-call
+ * id, say, passed from JavaScript or through a cast): keyed by it, a
+ * replayed agent segment, whose model mints a new id, would repeat the effect.
+ */
+function refuseForeignKey(spec: ToolSpec, key: unknown): void {
+  if (isToolKey(key)) return;
+  throw new ToolError(
+    "bad_configuration",
+    `tool call ${spec.scope}: its key ${JSON.stringify(key)} was not built by toolKey or toolCallKey; ` +
+      "key a call by its Run and orchestrator step, never by the model's tool-call id",
+    { scope: spec.scope },
+  );
 }
 
 /** The call's checkpoint (allow when it has none); one that throws is raised as `checkpoint_failed`. */

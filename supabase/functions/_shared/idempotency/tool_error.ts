@@ -37,7 +37,11 @@ export type ToolErrorKind =
   | "lease_outlasts_retries"
   /** The checkpoint threw (`cause`): no key was taken, so running the step again is safe. */
   | "checkpoint_failed"
-  /** A tool or guard setting was refused (`toolSpec`, `ToolGuard`): a bug, never retried. */
+  /**
+   * A tool or guard setting was refused (`toolSpec`, `ToolGuard`), or a call
+   * key `toolKey` or `toolCallKey` did not build (a model's tool-call id): a
+   * bug, never retried.
+   */
   | "bad_configuration"
   /** The plane failed (`cause` is the `PlaneError`): retryable when it is transient. */
   | "plane";
