@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Drafts the next migration from the declared schema, or checks that none is
-# needed.
+# Drafts the next migration from the declared schema, checks that none is
+# needed, or (before v0.1 is released) writes the release's migrations again.
 #
-#   scripts/draft-migration.sh NAME      writes supabase/migrations/<UTC timestamp>_NAME.sql
-#   scripts/draft-migration.sh --check   fails, printing the difference, unless the
-#                                        migrations already build the declared schema
-#   --root DIR                           the repository to read (default: this one)
+#   scripts/draft-migration.sh NAME        writes supabase/migrations/<UTC timestamp>_NAME.sql
+#   scripts/draft-migration.sh --check     fails, printing the difference, unless the
+#                                          migrations already build the declared schema
+#   scripts/draft-migration.sh --baseline  writes v0.1's two migrations from supabase/schemas/,
+#                                          the same bytes for the same files: the roles
+#                                          (00_roles.sql) and the baseline (every other
+#                                          file, in file-name order); refuses when
+#                                          supabase/migrations/ holds any other file; then
+#                                          checks as --check does
+#   --root DIR                             the repository to read (default: this one)
 #
 # Builds one scratch database from supabase/migrations/ and one from
 # supabase/schemas/ on the local PostgreSQL (PG_HOST, PG_PORT, PG_USER;
@@ -25,27 +31,78 @@ fail() {
   echo "draft-migration: $*" >&2
   exit 1
 }
-usage() { fail "usage: scripts/draft-migration.sh [--root DIR] (NAME | --check)"; }
+usage() { fail "usage: scripts/draft-migration.sh [--root DIR] (NAME | --check | --baseline)"; }
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 repo="$root"
-name="" check=false
+name="" check=false baseline=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --root) [ $# -ge 2 ] || usage; repo="$(cd "$2" && pwd)"; shift 2 ;;
     --check) check=true; shift ;;
+    --baseline) baseline=true; shift ;;
     -*) usage ;;
     *) [ -z "$name" ] || usage; name="$1"; shift ;;
   esac
 done
-if $check; then
-  [ -z "$name" ] || usage
+if $check || $baseline; then
+  [ -z "$name" ] && ! { $check && $baseline; } || usage
+  check=true
 else
   [[ "$name" =~ ^[a-z0-9_]+$ ]] || fail "NAME must be lower-case letters, digits and '_' (it names the file), got '$name'"
 fi
 for dir in "$repo/supabase/migrations" "$repo/supabase/schemas"; do
   [ -d "$dir" ] || fail "$dir is not a directory"
 done
+
+# v0.1's migrations: the roles, which belong to the cluster and so are a
+# migration of their own (the local stack applies that file again on every
+# copy of its template database, by this name: src/local/template.rs), then
+# the rest of the declared schema. The baseline's version is not after the
+# day it was first written, so a draft written since still comes after it.
+roles_migration=20261130000001_roles.sql
+baseline_migration=20261205000000_v0_1_baseline.sql
+# The .sql files of a directory, by name in byte order (whatever the
+# locale): the order the Supabase CLI reads both directories in.
+sql_files() { find "$1" -maxdepth 1 -type f -name '*.sql' -printf '%f\n' | LC_ALL=C sort; }
+if $baseline; then
+  others="$(find "$repo/supabase/migrations" -maxdepth 1 -type f \
+    ! -name "$roles_migration" ! -name "$baseline_migration" -printf '%f\n' | sort)"
+  [ -z "$others" ] || fail "supabase/migrations/ holds other files than v0.1's two; the baseline holds the whole declared schema, so remove them (and their lines in src/migrations.rs) first: $(echo "$others" | tr '\n' ' ')"
+  [ -f "$repo/supabase/schemas/00_roles.sql" ] || fail "supabase/schemas/00_roles.sql is missing"
+  {
+    echo "-- The roles the idempotency plane needs: the first of v0.1's two migrations,"
+    echo "-- before $baseline_migration. Roles belong to the cluster,"
+    echo "-- not to a database, so they are a migration of their own (the local stack"
+    echo "-- applies this file again on every copy of its template database)."
+    echo "--"
+    echo "-- Written by scripts/draft-migration.sh --baseline from"
+    echo "-- supabase/schemas/00_roles.sql, which stays the source: edit that file,"
+    echo "-- not this one, and run the command again. Once v0.1 is released, a change"
+    echo "-- to a role is a new migration, written by hand (docs/migrations.md)."
+    echo
+    cat "$repo/supabase/schemas/00_roles.sql"
+  } >"$repo/supabase/migrations/$roles_migration"
+  {
+    echo "-- The idempotency plane v0.1: its schema agent whole, in one migration, after"
+    echo "-- the roles ($roles_migration)."
+    echo "--"
+    echo "-- Written by scripts/draft-migration.sh --baseline from supabase/schemas/,"
+    echo "-- which stays the source: every file there but 00_roles.sql, in file-name"
+    echo "-- order (the order the declared schema is applied in), each after a line"
+    echo "-- naming it. Edit those files, not this one, and run the command again."
+    echo "-- Once v0.1 is released this file is deployed history and never changes: a"
+    echo "-- change is a new migration, drafted with scripts/draft-migration.sh NAME."
+    sql_files "$repo/supabase/schemas" | while IFS= read -r file; do
+      [ "$file" != 00_roles.sql ] || continue
+      echo
+      echo "-- supabase/schemas/$file"
+      echo
+      cat "$repo/supabase/schemas/$file"
+    done
+  } >"$repo/supabase/migrations/$baseline_migration"
+  say "wrote supabase/migrations/$roles_migration and supabase/migrations/$baseline_migration; checking them"
+fi
 
 for tool in psql createdb dropdb pg_isready; do
   command -v "$tool" >/dev/null 2>&1 || fail "'$tool' is not on PATH (needs the PostgreSQL client tools)"
@@ -78,10 +135,10 @@ psql_on() {
 build() {
   local db="$1" dir="$2" file
   createdb -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" "$db"
-  for file in "$dir"/*.sql; do
-    psql_on "$db" -f "$file" >/dev/null 2>"$work/psql.err" ||
-      fail "$(basename "$dir")/$(basename "$file") does not apply: $(cat "$work/psql.err")"
-  done
+  while IFS= read -r file; do
+    psql_on "$db" -f "$dir/$file" >/dev/null 2>"$work/psql.err" ||
+      fail "$(basename "$dir")/$file does not apply: $(cat "$work/psql.err")"
+  done < <(sql_files "$dir")
 }
 say "building a database from supabase/migrations/ and one from supabase/schemas/"
 build "$migrated" "$repo/supabase/migrations"

@@ -6,36 +6,13 @@ macro_rules! supabase_migrations {
 }
 
 /// The migrations, in the order they apply, as `(file name, contents)`: the
-/// files of `supabase/migrations/`, which the Supabase CLI applies too. They
-/// are the deployed history: a change is a new file, never an edit.
-pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
-    "20261130000001_roles.sql",
-    "20261130000002_idempotency_keys.sql",
-    "20261130000003_runs.sql",
-    "20261130000004_privileges.sql",
-    "20261130000005_provider_jobs.sql",
-    "20261130000006_operator_probes.sql",
-    "20261130000007_clocks_locks_admission.sql",
-    "20261130000008_surface_v2.sql",
-    "20261130000009_lean_hot_path.sql",
-    "20261130000010_http_scopes.sql",
-    "20261130000011_functions_only.sql",
-    "20261130000012_fenced_admission.sql",
-    "20261130000013_sweep.sql",
-    "20261130000014_claims_by_organization.sql",
-    "20261130000015_max_run_duration.sql",
-    "20261130000016_lease_token_stays_with_its_holder.sql",
-    "20261130000017_work_outlives_its_worker.sql",
-    "20261130000018_failures_recovered_after_a_fix.sql",
-    "20261130000019_many_claims_in_one_round_trip.sql",
-    "20261130000020_queue_scopes.sql",
-    "20261204151330_surface_reports_owners.sql",
-    "20261204212742_one_holder_in_every_path.sql",
-    "20261204230500_webhook_body_limit.sql",
-    "20261205013000_queue_in_one_transaction.sql",
-    "20261205053426_queue_letters_and_items_read_once.sql",
-    "20261205062447_operators_told_why.sql",
-];
+/// files of `supabase/migrations/`, which the Supabase CLI applies too. v0.1
+/// ships two, written by `scripts/draft-migration.sh --baseline` from
+/// `supabase/schemas/`: the roles (cluster-wide, so a file of their own),
+/// then the baseline, the rest of the declared schema. Once released they are
+/// the deployed history: a change is a new file, never an edit.
+pub const MIGRATIONS: &[(&str, &str)] =
+    supabase_migrations!["20261130000001_roles.sql", "20261205000000_v0_1_baseline.sql"];
 
 /// The optional layout that hash-partitions the claim table by
 /// `organization_id` (`sql/layouts/`), applied after [`MIGRATIONS`].

@@ -55,7 +55,7 @@ begin
   end if;
 
   -- The work is measured before anything is locked, as a completion's
-  -- answer is (see 0014).
+  -- answer is (agent.idempotency_complete).
   if v_request is not null then
     perform agent.idempotency_check_work(p_scope, v_request);
   end if;

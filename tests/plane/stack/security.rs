@@ -538,7 +538,7 @@ async fn the_migrations_apply_as_a_createrole_role_that_is_no_superuser_and_hand
 
     // What the migrations left the migrator: the owner's privileges
     // (INHERIT) and, from PostgreSQL 16, the right to hand objects to it
-    // (SET), which 0011 asks for there.
+    // (SET), which the roles migration asks for there.
     let (usage, set): (bool, bool) = sqlx::query_as(AssertSqlSafe(format!(
         "select pg_has_role('{role}', 'idempotency_owner', 'usage'),
                 case when current_setting('server_version_num')::int >= 160000
