@@ -1,5 +1,5 @@
 -- An optional layout: agent.idempotency_keys hash-partitioned by
--- organization_id. Apply it after every numbered migration (it needs 0017),
+-- organization_id. Apply it after the migrations (supabase/migrations/),
 -- in one transaction that stops at the first error:
 -- `psql -v ON_ERROR_STOP=1 -1 -f`, or as a Supabase migration (copy it
 -- into supabase/migrations/ with a timestamp after the last one there; the
@@ -21,7 +21,7 @@
 --    names a claim by id alone (an old completion or release, the sweeper's
 --    delete by ids) is answered from each partition's primary key index,
 --    one probe per partition; one that names the organization too (the
---    Rust crate and the TypeScript client, since 0014) touches one
+--    Rust crate and the TypeScript client do) touches one
 --    partition.
 -- 2. 16 partitions (modulus 16). The count is fixed when the layout is
 --    applied; changing it later means moving every row again. 16 keeps each
@@ -83,7 +83,7 @@ insert into agent.idempotency_keys_partitioned select * from agent.idempotency_k
 
 -- What depends on the old table's row type moves to the new one: the views
 -- the bounded reads and the re-drive answer (same columns, so each is
--- replaced in place, as 0017 defines it), and the helper that turns a row
+-- replaced in place, as the declared schema defines it), and the helper that turns a row
 -- into a claim (its argument is the row type, so it is dropped here and
 -- made again below). Every other function names the table only in its
 -- body, which PostgreSQL resolves when it runs.
@@ -157,8 +157,8 @@ revoke all on
   agent.idempotency_keys_p12, agent.idempotency_keys_p13, agent.idempotency_keys_p14, agent.idempotency_keys_p15
 from public, anon, authenticated, service_role;
 
--- The row-to-claim helper, on the new row type, exactly as 0008 last
--- defined it; private to its owner, as 0011 left it.
+-- The row-to-claim helper, on the new row type, exactly as the declared
+-- schema defines it; private to its owner, as there.
 create function agent.idempotency_claim_of(k agent.idempotency_keys)
 returns agent.idempotency_claim
 language plpgsql volatile security invoker set search_path = ''

@@ -1,5 +1,5 @@
 -- The retention sweep as a Supabase Cron (pg_cron) job: one bounded pass of
--- agent.idempotency_sweep (migration 0013) every hour, at minute 17 (UTC),
+-- agent.idempotency_sweep every hour, at minute 17 (UTC),
 -- reading at most 1000 expired claims, the default row cap. Not a migration:
 -- run it once, as postgres, in the SQL editor or with psql. Running it again
 -- updates the job. See docs/deploying.md, "Sweeping with Supabase Cron".

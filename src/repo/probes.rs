@@ -36,13 +36,13 @@ pub struct DeployedFunction {
     pub arguments: String,
     /// Whether the key's role may execute it.
     pub executable: bool,
-    /// The role that owns it; `None` from a plane older than migration
-    /// `20261204151330_surface_reports_owners`.
+    /// The role that owns it; `None` from a plane whose
+    /// `agent.idempotency_surface` does not report it (every v0.1 plane does).
     #[serde(default)]
     pub owner: Option<String>,
     /// Whether PUBLIC (every role) may execute it: never so for the plane's
-    /// own functions. `None` from a plane older than migration
-    /// `20261204151330_surface_reports_owners`, as for the two below.
+    /// own functions. `None` from a plane whose `agent.idempotency_surface`
+    /// does not report it (every v0.1 plane does), as for the two below.
     #[serde(default)]
     pub public_executable: Option<bool>,
     /// Whether `anon` (a request without a user) may execute it.
