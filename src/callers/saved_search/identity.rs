@@ -79,6 +79,15 @@ pub(super) fn lease_delta(lease: Duration) -> chrono::TimeDelta {
     chrono::TimeDelta::milliseconds(ms)
 }
 
+/// The claim key of a start of saved search `saved_search_id` for
+/// `trigger_id`: `<bytes of the saved search id>:<saved search id>:<trigger
+/// id>`. Length-prefixed, so the saved search id ends where the key says it
+/// does, whatever either id holds: ("a:b", "c") and ("a", "b:c") are
+/// different keys, and distinct pairs never share one.
+pub(super) fn start_key(saved_search_id: &str, trigger_id: &str) -> String {
+    format!("{}:{saved_search_id}:{trigger_id}", saved_search_id.len())
+}
+
 /// The Run key of a saved-search start: derived from the claim's identity
 /// (organization, scope, key), so every start of the same trigger, before or
 /// after the snapshot claim is swept, names the same Run.
@@ -138,6 +147,104 @@ mod tests {
         let other_type = ResponseRef { resource_type: "blob".into(), ..reference.clone() };
         assert!(check_reference(&other_type, "saved_search:x", &run).is_err());
         assert!(check_reference(&reference, "saved_search:y", &run).is_err(), "another Run key");
+    }
+
+    /// A start's inputs: `(organization, saved search id, trigger id)`.
+    type Inputs = (u8, String, String);
+
+    /// Everything derived from a start's inputs: its claim key, Run key and
+    /// admission token.
+    fn derived((org, saved_search_id, trigger_id): &Inputs) -> (String, String, Uuid) {
+        let org = Uuid::from_u128(u128::from(*org));
+        let key = start_key(saved_search_id, trigger_id);
+        (key.clone(), run_key(org, &key), admission_token(org, &key).as_uuid())
+    }
+
+    /// Asserts that the inputs are equal exactly when each thing derived
+    /// from them is: distinct starts never share a claim, a Run or a token.
+    fn assert_injective(a: &Inputs, b: &Inputs) {
+        let (da, db) = (derived(a), derived(b));
+        assert_eq!(a == b, da.0 == db.0, "claim keys of {a:?} and {b:?}: {} and {}", da.0, db.0);
+        assert_eq!(a == b, da.1 == db.1, "Run keys of {a:?} and {b:?}");
+        assert_eq!(a == b, da.2 == db.2, "admission tokens of {a:?} and {b:?}");
+    }
+
+    #[test]
+    fn start_keys_keep_where_the_saved_search_id_ends() {
+        assert_eq!(start_key("search-1", "tick-1"), "8:search-1:tick-1", "the stored form");
+        let cases: [(&str, &str); 12] = [
+            ("a:b", "c"),
+            ("a", "b:c"),
+            ("", "1:a:"),
+            ("1:a:", ""),
+            ("", ""),
+            ("", ":"),
+            (":", ""),
+            ("1", ":1"),
+            ("1:1", ""),
+            ("é", "x"),
+            ("\u{e9}x", ""),
+            ("2:é", "😀"),
+        ];
+        for (i, a) in cases.iter().enumerate() {
+            for b in &cases[i + 1..] {
+                let (a, b) = ((0, a.0.to_owned(), a.1.to_owned()), (0, b.0.to_owned(), b.1.to_owned()));
+                assert_injective(&a, &b);
+            }
+        }
+    }
+
+    /// Every pair of ids of up to three characters of `a`, `:`, `1` and `é`
+    /// (a separator, a digit like the length prefix's, a character of two
+    /// bytes, and the empty id), in two organizations: 85 ids, 14,450
+    /// starts, as many claim keys (one organization's keys are the other's),
+    /// Run keys and tokens.
+    #[test]
+    fn every_short_start_has_its_own_key_run_key_and_token() {
+        const ALPHABET: [char; 4] = ['a', ':', '1', 'é'];
+        let mut ids = vec![String::new()];
+        let mut longer = vec![String::new()];
+        for _ in 0..3 {
+            longer = longer.iter().flat_map(|id| ALPHABET.map(|c| format!("{id}{c}"))).collect();
+            ids.extend(longer.iter().cloned());
+        }
+        assert_eq!(ids.len(), 85);
+        let ids = &ids;
+        let starts: Vec<Inputs> = (0..2)
+            .flat_map(|org| ids.iter().flat_map(move |s| ids.iter().map(move |t| (org, s.clone(), t.clone()))))
+            .collect();
+        let keys: std::collections::HashSet<_> =
+            starts.iter().filter(|start| start.0 == 0).map(derived).map(|d| d.0).collect();
+        let runs: std::collections::HashSet<_> = starts.iter().map(derived).map(|d| d.1).collect();
+        let tokens: std::collections::HashSet<_> = starts.iter().map(derived).map(|d| d.2).collect();
+        assert_eq!((keys.len(), runs.len(), tokens.len()), (starts.len() / 2, starts.len(), starts.len()));
+    }
+
+    /// An id: of separators, digits, multi-byte characters and `%` (which
+    /// collide most readily), or any text at all.
+    fn id() -> impl proptest::strategy::Strategy<Value = String> {
+        proptest::prop_oneof!["[a:1é😀%]{0,6}", "(?s).{0,10}"]
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn distinct_starts_never_share_a_claim_key_run_key_or_token(
+            a in (0u8..2, id(), id()),
+            b in (0u8..2, id(), id()),
+        ) {
+            assert_injective(&a, &b);
+        }
+
+        /// The collision a plain separator would make: the `:` moved from
+        /// the trigger id into the saved search id, or the other way.
+        #[test]
+        fn moving_a_separator_between_the_ids_makes_another_key(
+            org in 0u8..2,
+            (x, y, z) in ("[a:1é]{0,4}", "[a:1é]{0,4}", "[a:1é]{0,4}"),
+        ) {
+            assert_injective(&(org, format!("{x}:{y}"), z.clone()), &(org, x.clone(), format!("{y}:{z}")));
+            assert_injective(&(org, format!("{}:{x}", x.len()), y.clone()), &(org, x, y));
+        }
     }
 
     #[test]

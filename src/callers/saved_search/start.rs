@@ -8,7 +8,9 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::error::{SavedSearchError, StartConfigError};
-use super::identity::{admission_token, check_reference, run_key, Prepared, Start, SAVED_SEARCH_START_SCOPE};
+use super::identity::{
+    admission_token, check_reference, run_key, start_key, Prepared, Start, SAVED_SEARCH_START_SCOPE,
+};
 use super::source::SnapshotSource;
 use crate::callers::runs::{AdmittedRun, RunAdmission};
 use crate::repo::{IdempotencyRepository, RunRepository};
@@ -145,8 +147,7 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         saved_search_id: &str,
         trigger_id: &str,
     ) -> Result<Started, SavedSearchError> {
-        // Length-prefixed, so ("a:b", "c") and ("a", "b:c") are different keys.
-        let key = format!("{}:{saved_search_id}:{trigger_id}", saved_search_id.len());
+        let key = start_key(saved_search_id, trigger_id);
         let span = tracing::info_span!(
             "saved_search.start",
             %organization_id, key = key.as_str(), outcome = tracing::field::Empty,
