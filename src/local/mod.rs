@@ -30,10 +30,12 @@
 //! leftovers (`database`, `database_name`); the migrations' template
 //! database (`template`); the server (`server`) and its port (`ports`); the
 //! cluster's maintenance connection and catalog helpers (`cluster`); the
-//! keys (`jwt`); the login the server serves as (`authenticator`); what
+//! keys (`jwt`, and Supabase's `sb_` keys with the gateway that maps them
+//! to roles beneath `/rest/v1`: `api_keys`); the login the server serves as (`authenticator`); what
 //! the server lets in (`guard`: loopback hosts, tokens of the API roles, no
 //! CORS unless asked); and why a start failed (`error`).
 
+mod api_keys;
 mod authenticator;
 mod cluster;
 mod config;
@@ -48,6 +50,7 @@ mod server;
 mod stack;
 mod template;
 
+pub use api_keys::{SUPABASE_CLI_PUBLISHABLE_KEY, SUPABASE_CLI_SECRET_KEY};
 pub use authenticator::{AUTHENTICATOR, AUTHENTICATOR_PASSWORD_VAR};
 pub use config::{LocalStackConfig, DEFAULT_DATABASE_URL};
 pub use database_name::{DatabaseName, DatabaseNameError};

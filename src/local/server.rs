@@ -11,6 +11,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use url::Url;
 
+use super::api_keys::{behind_gateway, ApiKeys};
 use super::authenticator::{authenticator_url, check_login};
 use super::cluster::redacted;
 use super::config::LocalStackConfig;
@@ -91,11 +92,13 @@ fn api_schemas(toml: &str) -> Result<Vec<String>, String> {
     Err("no schemas in its [api] table".into())
 }
 
-/// The server's router at its root and again beneath
-/// [`SUPABASE_REST_PATH`]: the nested copy sees the path with the prefix
-/// taken off, so every route, layer and header answers there as at the root.
-fn with_supabase_path(router: axum::Router) -> axum::Router {
-    axum::Router::new().nest_service(SUPABASE_REST_PATH, router.clone()).fallback_service(router)
+/// The server's router at its root (plain PostgREST) and again beneath
+/// [`SUPABASE_REST_PATH`] behind Supabase's gateway ([`api_keys`](super::api_keys)):
+/// the nested copy sees the path with the prefix taken off, so every route,
+/// layer and header answers there as at the root once the gateway let the
+/// request in.
+fn with_supabase_path(router: axum::Router, keys: ApiKeys) -> axum::Router {
+    axum::Router::new().nest_service(SUPABASE_REST_PATH, behind_gateway(router.clone(), keys)).fallback_service(router)
 }
 
 /// `router`, each request run to its end in a task of its own, as PostgREST
@@ -166,7 +169,10 @@ pub(super) async fn build_router(
         server_config.server_port = config.port;
         server_config.server_cors_origins = config.cors_origins.clone();
         match postrust_server::build(server_config, postrust_server::Host::SERVER).await {
-            Ok(app) => return Ok(run_to_completion(guard::guarded(with_supabase_path(app.router), config))),
+            Ok(app) => {
+                let keys = ApiKeys::for_jwt_secret(jwt_secret);
+                return Ok(run_to_completion(guard::guarded(with_supabase_path(app.router, keys), config)));
+            }
             Err(error) => {
                 tracing::debug!(uri = %redacted(&login), %error, round, "local server could not start");
                 last_error = format!("{error:#}");

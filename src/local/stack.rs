@@ -10,6 +10,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use url::Url;
 
+use super::api_keys::ApiKeys;
 use super::cluster::{drop_database, redacted, without_loopback_tls};
 use super::config::LocalStackConfig;
 use super::database::{drop_stale_databases, open_named_database, throwaway_name, SETUP_LOCK};
@@ -37,6 +38,7 @@ pub struct LocalStack {
     url: String,
     service_key: String,
     anon_key: String,
+    api_keys: ApiKeys,
     jwt_secret: String,
     /// A named database: kept on stop and on drop.
     keep_database: bool,
@@ -63,6 +65,8 @@ impl std::fmt::Debug for LocalStack {
             .field("url", &self.url)
             .field("service_key", &"<redacted>")
             .field("anon_key", &"<redacted>")
+            .field("secret_key", &"<redacted>")
+            .field("publishable_key", &"<redacted>")
             .field("jwt_secret", &"<redacted>")
             .field("keeps_database", &self.keep_database)
             .field("max_rows", &self.config.max_rows)
@@ -182,11 +186,13 @@ impl LocalStack {
             None => mint_token(&jwt_secret, role, THROWAWAY_KEY_TTL),
         };
         let (service_key, anon_key) = (key("service_role"), key("anon"));
+        let api_keys = ApiKeys::for_jwt_secret(&jwt_secret);
         tracing::info!(url = %format!("http://{address}"), database = %db_name, kept = keep_database, "local plane up");
         Ok(LocalStack {
             url: format!("http://{address}"),
             service_key,
             anon_key,
+            api_keys,
             jwt_secret,
             keep_database,
             config: LocalStackConfig { port: address.port(), ..config },
@@ -220,6 +226,22 @@ impl LocalStack {
     /// role may execute none of the plane's functions.
     pub fn anon_key(&self) -> &str {
         &self.anon_key
+    }
+
+    /// The project's secret key, `sb_secret_…`, as hosted Supabase hands
+    /// one out: understood beneath [`SUPABASE_REST_PATH`](super::SUPABASE_REST_PATH)
+    /// only (Supabase's gateway), where it is the `service_role`, sent in
+    /// `apikey`. The Supabase CLI's with
+    /// [`SUPABASE_CLI_JWT_SECRET`](super::SUPABASE_CLI_JWT_SECRET), else one
+    /// derived from the JWT secret.
+    pub fn secret_key(&self) -> &str {
+        &self.api_keys.secret
+    }
+
+    /// The project's publishable key, `sb_publishable_…`: the `anon` role
+    /// beneath [`SUPABASE_REST_PATH`](super::SUPABASE_REST_PATH).
+    pub fn publishable_key(&self) -> &str {
+        &self.api_keys.publishable
     }
 
     /// Whether the database is a named one, kept on stop.

@@ -61,7 +61,9 @@ impl PostgrestClient {
     pub fn new(config: ClientConfig) -> Result<Self, ClientError> {
         let auth = config.auth_headers()?;
         let mut headers = HeaderMap::new();
-        headers.insert(AUTHORIZATION, sensitive(&auth.authorization, "service key")?);
+        if let Some(authorization) = &auth.authorization {
+            headers.insert(AUTHORIZATION, sensitive(authorization, "service key")?);
+        }
         if let Some(apikey) = &auth.apikey {
             headers.insert(HeaderName::from_static("apikey"), sensitive(apikey, "apikey")?);
         }

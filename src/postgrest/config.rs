@@ -40,8 +40,9 @@ pub const PLAIN_HTTP_HOSTS_VAR: &str = "IDEM_ALLOW_PLAIN_HTTP";
 /// values.
 #[derive(Clone, PartialEq, Eq)]
 pub(crate) struct AuthHeaders {
-    /// `Authorization`, `Bearer ` included.
-    pub(crate) authorization: String,
+    /// `Authorization`, `Bearer ` included; none for an `sb_` key, which
+    /// goes in `apikey` alone.
+    pub(crate) authorization: Option<String>,
     /// `apikey`, when one is sent.
     pub(crate) apikey: Option<String>,
 }
@@ -50,16 +51,16 @@ pub(crate) struct AuthHeaders {
 ///
 /// `Debug` never prints the service key or the `apikey`.
 ///
-/// **Headers.** The service key always goes in `Authorization: Bearer`,
-/// unchanged. It also goes in `apikey`, as supabase-js sends it, when the
-/// [`Gateway`] is Supabase's (`SUPABASE_URL` was used, the URL is a
-/// `*.supabase.co` host, or [`with_gateway`](Self::with_gateway) said so)
-/// or when it is an `sb_secret_…` key (which only Supabase's gateway
-/// understands). An explicit [`with_apikey`](Self::with_apikey) /
-/// `IDEM_APIKEY` replaces that `apikey`; with an `sb_` key in
-/// `Authorization` it must be the same key, since Supabase's gateway
-/// refuses an `sb_` key in `Authorization` that differs from the `apikey`.
-/// Plain PostgREST with a JWT gets `Authorization` alone.
+/// **Headers.** An `sb_secret_…` key is not a JWT: it goes in `apikey`
+/// alone, as Supabase documents its gateway wants it (the gateway swaps it
+/// for a short-lived `service_role` token; nothing else understands it).
+/// A JWT goes in `Authorization: Bearer`, unchanged, and in `apikey` too,
+/// as supabase-js sends it, when the [`Gateway`] is Supabase's
+/// (`SUPABASE_URL` was used, the URL is a `*.supabase.co` host, or
+/// [`with_gateway`](Self::with_gateway) said so). An explicit
+/// [`with_apikey`](Self::with_apikey) / `IDEM_APIKEY` replaces that
+/// `apikey`; beside an `sb_` key it must be the same key. Plain PostgREST
+/// with a JWT gets `Authorization` alone.
 #[derive(Clone)]
 pub struct ClientConfig {
     pub(crate) base_url: Url,
@@ -302,7 +303,8 @@ impl ClientConfig {
             }
             None => self.sends_apikey().then(|| self.service_key.clone()),
         };
-        Ok(AuthHeaders { authorization: format!("Bearer {}", self.service_key), apikey })
+        let authorization = (!self.key_kind.is_supabase_api_key()).then(|| format!("Bearer {}", self.service_key));
+        Ok(AuthHeaders { authorization, apikey })
     }
 }
 

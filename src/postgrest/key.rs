@@ -51,9 +51,8 @@ impl KeyKind {
         }
     }
 
-    /// Whether this is one of Supabase's opaque `sb_` keys, which its
-    /// gateway accepts in `Authorization` only when the same value is the
-    /// `apikey`.
+    /// Whether this is one of Supabase's opaque `sb_` keys, which are not
+    /// JWTs: they travel in `apikey` alone.
     pub(super) fn is_supabase_api_key(self) -> bool {
         matches!(self, KeyKind::Secret | KeyKind::Publishable)
     }
@@ -73,11 +72,13 @@ fn is_jwt_shaped(key: &str) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Gateway {
-    /// PostgREST itself: the key goes in `Authorization: Bearer` only
-    /// (unless the key is an `sb_secret_…` key or an `apikey` was set).
+    /// PostgREST itself: a JWT goes in `Authorization: Bearer` only
+    /// (unless an `apikey` was set). An `sb_secret_…` key goes in `apikey`
+    /// whatever the gateway: only Supabase's understands it.
     Plain,
-    /// Supabase's API gateway, which wants the key in `apikey` as well as
-    /// `Authorization: Bearer`, as supabase-js sends it.
+    /// Supabase's API gateway, which reads the key from `apikey`: an `sb_`
+    /// key travels there alone, a JWT there and in `Authorization: Bearer`,
+    /// as supabase-js sends it.
     Supabase,
 }
 
@@ -111,7 +112,7 @@ pub enum KeyError {
     /// the `anon` role, which may not execute the plane's functions.
     #[error(
         "{variable} holds a publishable key (sb_publishable_…), which reaches only the anon role; \
-         the plane needs a secret key (sb_secret_…, in SUPABASE_SECRET_KEY) or the legacy service_role key"
+         the plane needs a secret key (sb_secret_…, as in SUPABASE_SECRET_KEYS) or the legacy service_role key"
     )]
     Publishable {
         /// Where the key came from: a variable's name, or `the service key`.
@@ -127,14 +128,33 @@ pub enum KeyError {
         /// The kind it holds.
         found: KeyKind,
     },
-    /// An `sb_` service key with a different `apikey`: Supabase's gateway
-    /// accepts an `sb_` key in `Authorization` only when it equals the
-    /// `apikey`, so every request would be refused.
+    /// An `sb_` service key with a different `apikey`: an `sb_` key travels
+    /// in `apikey` itself, so the two cannot both be sent.
     #[error(
-        "the apikey (IDEM_APIKEY) differs from the sb_ service key sent as Authorization: Bearer; \
-         Supabase's gateway refuses that: leave IDEM_APIKEY unset, or set it to the same key"
+        "the apikey (IDEM_APIKEY) differs from the sb_ service key, which travels in the apikey header itself; \
+         leave IDEM_APIKEY unset, or set it to the same key"
     )]
     ApikeyDiffers,
+    /// `SUPABASE_SECRET_KEYS` is not a JSON object of strings, as Supabase
+    /// sets it (`{"default": "sb_secret_…"}`). Never carries its value.
+    #[error(
+        "{variable} is not a JSON object of key names to keys (as Supabase sets it: {{\"default\": \"sb_secret_…\"}})"
+    )]
+    SecretKeysMalformed {
+        /// The variable.
+        variable: &'static str,
+    },
+    /// `SUPABASE_SECRET_KEYS` holds no key by the name looked for: `default`,
+    /// or the one `IDEM_SECRET_KEY_NAME` names.
+    #[error("{variable} has no key named {name:?} (it names {}); set IDEM_SECRET_KEY_NAME to one of them", if available.is_empty() { "none".to_owned() } else { available.join(", ") })]
+    SecretKeyNotFound {
+        /// The variable.
+        variable: &'static str,
+        /// The name looked for.
+        name: String,
+        /// The names it holds (names only, never keys).
+        available: Vec<String>,
+    },
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use std::time::Instant;
 use idempotency_plane::callers::webhook::{
     largest_storable_body, stored_body_bound, DEFAULT_WEBHOOK_BODY_LIMIT, WEBHOOK_BODY_LIMIT_VAR, WEBHOOK_SCOPE_VAR,
 };
-use idempotency_plane::postgrest::{codes, ClientError};
+use idempotency_plane::postgrest::{codes, ClientError, KeyKind};
 use idempotency_plane::repo::probes::{DeployedFunction, RowCapProbe};
 use idempotency_plane::repo::{SqlFunction, SQL_SURFACE};
 use idempotency_plane::PostgrestRepository;
@@ -90,6 +90,16 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
     let url = repo.client().config().redacted_url();
     let mut report = Report { json: args.json, checks: Vec::new() };
     report.note(&format!("idem doctor: {url}"));
+    let config = repo.client().config();
+    let headers = if config.key_kind() == KeyKind::Secret || config.key_kind() == KeyKind::Publishable {
+        "apikey alone"
+    } else if config.sends_apikey() {
+        "Authorization: Bearer and apikey"
+    } else {
+        "Authorization: Bearer"
+    };
+    let source = config.key_variable().unwrap_or("the configuration");
+    report.line(true, "service key", format!("a {} from {source}, sent as {headers}", config.key_kind().describe()));
 
     // Reachability, the key's role, the schema: one harmless read answers all three.
     let started = Instant::now();

@@ -3,7 +3,10 @@
 //! **Credentials.** `idem up` verifies tokens with the Supabase CLI's own
 //! local JWT secret (`super-secret-jwt-token-with-at-least-32-characters-long`,
 //! publicly known) and hands out the CLI's demo `service_role` and `anon`
-//! keys (`exp` 1983812996, 2032), exactly as `supabase start` does. The
+//! keys (`exp` 1983812996, 2032) and its `sb_secret_…` and
+//! `sb_publishable_…` keys, exactly as `supabase start` does (the `sb_` keys
+//! are understood beneath `/rest/v1`, where a gateway maps each to its role
+//! as Supabase's does). The
 //! keys, and so the env file, are the same on every start: a key written
 //! into a `.env` keeps working across restarts, and code written against
 //! `supabase start` runs unchanged. A public secret protects nothing, which
@@ -60,14 +63,14 @@ pub(crate) struct UpArgs {
     reset: bool,
     /// Once serving, also write the connection details to this file, one
     /// NAME=value line each (sourceable by a shell, readable as a dotenv
-    /// file): IDEM_POSTGREST_URL (the root URL), IDEM_SERVICE_KEY and
-    /// IDEM_MAX_ROWS for the Rust client and `idem`; SUPABASE_URL (the same
-    /// root: supabase-js adds /rest/v1 itself), SUPABASE_SERVICE_ROLE_KEY
-    /// and SUPABASE_SECRET_KEY (both the service_role JWT: hosted Supabase's
-    /// secret key is an opaque sb_secret_… key, which only its gateway
-    /// understands; `idem` and the Rust client read IDEM_SERVICE_KEY first,
-    /// and refuse a JWT in SUPABASE_SECRET_KEY alone) and SUPABASE_ANON_KEY
-    /// (an anon JWT) for supabase-js.
+    /// file): IDEM_POSTGREST_URL (the root URL), IDEM_SERVICE_KEY (the
+    /// service_role JWT) and IDEM_MAX_ROWS for the Rust client and `idem`;
+    /// then what a hosted Edge Function gets: SUPABASE_URL (the same root:
+    /// /rest/v1 is added), SUPABASE_SERVICE_ROLE_KEY and SUPABASE_ANON_KEY
+    /// (the legacy JWTs), SUPABASE_SECRET_KEYS and SUPABASE_PUBLISHABLE_KEYS
+    /// (JSON maps, {"default":"sb_secret_…"}, single-quoted). Both clients
+    /// and `idem` read IDEM_SERVICE_KEY first: with it unset they use
+    /// SUPABASE_SECRET_KEYS, as on a hosted project.
     /// The same on every start on the same port. The file appears whole
     /// (written beside it as PATH.tmp, then renamed), readable by its owner
     /// only, and is removed on stop if it still holds what was written. An
@@ -170,8 +173,21 @@ pub(crate) async fn run(args: UpArgs) -> Result<ExitCode, BoxError> {
 }
 
 /// The variables of an env file, in order: what the Rust tools read, then
-/// what supabase-js code reads.
-const ENV_FILE_VARIABLES: [&str; 7] = [
+/// what a hosted Edge Function gets.
+const ENV_FILE_VARIABLES: [&str; 8] = [
+    "IDEM_POSTGREST_URL",
+    "IDEM_SERVICE_KEY",
+    "IDEM_MAX_ROWS",
+    "SUPABASE_URL",
+    "SUPABASE_SERVICE_ROLE_KEY",
+    "SUPABASE_ANON_KEY",
+    "SUPABASE_SECRET_KEYS",
+    "SUPABASE_PUBLISHABLE_KEYS",
+];
+
+/// The variables of an env file an earlier `idem up` wrote, before it
+/// handed out `sb_` keys: replaced like one of today's.
+const EARLIER_ENV_FILE_VARIABLES: [&str; 7] = [
     "IDEM_POSTGREST_URL",
     "IDEM_SERVICE_KEY",
     "IDEM_MAX_ROWS",
@@ -213,7 +229,7 @@ fn check_env_file_replaceable(path: &Path, force: bool) -> Result<(), BoxError> 
 /// Whether `contents` is an env file as `idem up` writes it.
 fn written_by_idem_up(contents: &str) -> bool {
     let names: Vec<&str> = contents.lines().map(|line| line.split_once('=').map_or("", |(name, _)| name)).collect();
-    names == ENV_FILE_VARIABLES && contents.ends_with('\n')
+    (names == ENV_FILE_VARIABLES || names == EARLIER_ENV_FILE_VARIABLES) && contents.ends_with('\n')
 }
 
 /// The env file's lines, [`ENV_FILE_VARIABLES`] in order. Nothing in it
@@ -221,8 +237,17 @@ fn written_by_idem_up(contents: &str) -> bool {
 fn env_file_contents(stack: &LocalStack) -> String {
     let (url, service_key) = (stack.url(), stack.service_key());
     let max_rows = stack.max_rows().to_string();
-    let values = [url, service_key, &max_rows, url, service_key, service_key, stack.anon_key()];
+    let secret_keys = key_map(stack.secret_key());
+    let publishable_keys = key_map(stack.publishable_key());
+    let values = [url, service_key, &max_rows, url, service_key, stack.anon_key(), &secret_keys, &publishable_keys];
     ENV_FILE_VARIABLES.iter().zip(values).map(|(name, value)| format!("{name}={value}\n")).collect()
+}
+
+/// `{"default":"<key>"}`, single-quoted as a shell and a dotenv reader both
+/// take it: Supabase's shape of `SUPABASE_SECRET_KEYS`. An `sb_` key holds
+/// no quote, so nothing needs escaping.
+fn key_map(key: &str) -> String {
+    format!("'{}'", serde_json::json!({ "default": key }))
 }
 
 /// Writes the stack's connection details to `path` atomically: a reader that
@@ -262,6 +287,8 @@ fn print_banner(stack: &LocalStack) {
     println!();
     println!("  url          {url}");
     println!("               (REST at the root and at {url}{SUPABASE_REST_PATH}; use it as SUPABASE_URL)");
+    println!("  secret key   {}   (sb_ keys: beneath {url}{SUPABASE_REST_PATH}, in apikey)", stack.secret_key());
+    println!("  publishable  {}", stack.publishable_key());
     println!("  service key  {key}");
     println!("  anon key     {}", stack.anon_key());
     println!("               (the Supabase CLI's public demo keys: loopback only, the same on every start)");
@@ -272,14 +299,14 @@ fn print_banner(stack: &LocalStack) {
     println!("  max rows     {}", stack.max_rows());
     println!();
     println!("try it:");
-    println!("  curl -sS -X POST '{url}/rpc/idempotency_get' \\");
+    println!("  curl -sS -X POST '{url}{SUPABASE_REST_PATH}/rpc/idempotency_get' \\");
     println!("    -H 'Content-Type: application/json' \\");
     println!("    -H 'Content-Profile: agent' \\");
-    println!("    -H 'Authorization: Bearer {key}' \\");
+    println!("    -H 'apikey: {}' \\", stack.secret_key());
     println!(
         "    -d '{{\"p_organization_id\":\"00000000-0000-4000-8000-000000000001\",\"p_scope\":\"tool.email.send\",\"p_key\":\"run-1:step-3\"}}'"
     );
-    println!("  (supabase-js: createClient('{url}', key).schema('agent').rpc('idempotency_get', {{...}}))");
+    println!("  (supabase-js: createClient('{url}', secret key).schema('agent').rpc('idempotency_get', {{...}}))");
     println!();
     println!("run the demo against it, from another terminal:");
     println!("  IDEM_POSTGREST_URL={url} IDEM_SERVICE_KEY={key} IDEM_MAX_ROWS={} \\", stack.max_rows());
@@ -296,6 +323,8 @@ mod tests {
     fn only_a_file_of_exactly_the_stacks_variables_is_taken_for_one_idem_up_wrote() {
         let ours: String = ENV_FILE_VARIABLES.iter().map(|name| format!("{name}=x\n")).collect();
         assert!(written_by_idem_up(&ours));
+        let earlier: String = EARLIER_ENV_FILE_VARIABLES.iter().map(|name| format!("{name}=x\n")).collect();
+        assert!(written_by_idem_up(&earlier), "an earlier idem up's file");
         for theirs in [
             String::new(),
             "DATABASE_URL=postgres://prod\n".to_owned(),

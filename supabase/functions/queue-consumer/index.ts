@@ -1,7 +1,9 @@
 // A Supabase Queues consumer whose effects happen once, as a Supabase Edge
 // Function:
 //
-//   POST /   `Authorization: Bearer <service key>`: drains one batch (up to
+//   POST /   the route secret IDEM_ROUTE_SECRET (what a pg_cron job sends,
+//            from Vault) or the service key, as `Authorization: Bearer` or
+//            `apikey` (`callerAuthorized`): drains one batch (up to
 //            BATCH messages, default 10) of the queue QUEUE_NAME and answers
 //            the counts `{"read", "ran", "replayed", "failed", "archived",
 //            "dead_lettered", "left", "redriven"}`; anything else gets 401
@@ -50,12 +52,15 @@
 // sql/recipes/pg_cron_queue_consumer.sql.
 
 import {
+  callerAuthorized,
   EffectDriver,
   failure,
   IdempotencyPlane,
   QueueConsumer,
   type QueuePath,
   Queues,
+  routeCredentials,
+  serviceKeyFromEnv,
   type Settle,
   success,
   Timing,
@@ -64,15 +69,24 @@ import {
 /** The tenant of the queue's messages when ORGANIZATION_ID is not set. */
 const DEMO_ORGANIZATION = "00000000-0000-4000-8000-000000000001";
 
-function required(env: (name: string) => string | undefined, name: string): string {
+function required(
+  env: (name: string) => string | undefined,
+  name: string,
+): string {
   const value = env(name);
   if (!value) throw new Error(`set ${name}`);
   return value;
 }
 
-function whole(env: (name: string) => string | undefined, name: string, fallback: number): number {
+function whole(
+  env: (name: string) => string | undefined,
+  name: string,
+  fallback: number,
+): number {
   const value = Number(env(name) ?? fallback);
-  if (!Number.isInteger(value) || value < 1) throw new Error(`${name} must be a positive integer`);
+  if (!Number.isInteger(value) || value < 1) {
+    throw new Error(`${name} must be a positive integer`);
+  }
   return value;
 }
 
@@ -84,12 +98,19 @@ export function consumer(
 ) {
   const queue = required(env, "QUEUE_NAME");
   const processUrl = required(env, "PROCESS_URL");
-  const serviceKey = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
+  const credentials = routeCredentials(env);
   const effectMs = whole(env, "EFFECT_TIMEOUT_MS", 10_000);
-  const timing = new Timing(effectMs, whole(env, "JOURNAL_DEADLINE_MS", 10_000), whole(env, "LEASE_MARGIN_MS", 5_000));
+  const timing = new Timing(
+    effectMs,
+    whole(env, "JOURNAL_DEADLINE_MS", 10_000),
+    whole(env, "LEASE_MARGIN_MS", 5_000),
+  );
   const path = env("QUEUE_PATH") || "auto";
-  if (!["auto", "plane", "data_api"].includes(path)) throw new Error("QUEUE_PATH must be auto, plane or data_api");
-  const organizations = env("ORGANIZATIONS")?.split(",").map((id) => id.trim()).filter((id) => id !== "");
+  if (!["auto", "plane", "data_api"].includes(path)) {
+    throw new Error("QUEUE_PATH must be auto, plane or data_api");
+  }
+  const organizations = env("ORGANIZATIONS")?.split(",").map((id) => id.trim())
+    .filter((id) => id !== "");
   const drainer = new QueueConsumer(new EffectDriver(plane), queues, {
     queue,
     organizationId: env("ORGANIZATION_ID") ?? DEMO_ORGANIZATION,
@@ -97,22 +118,35 @@ export function consumer(
     deadLetterQueue: env("DEAD_LETTER_QUEUE") ?? `${queue}_dlq`,
     batchSize: whole(env, "BATCH", 10),
     maxReads: whole(env, "MAX_READS", 5),
-    timing: env("HEARTBEAT_LEASE_MS") ? timing.withHeartbeats(whole(env, "HEARTBEAT_LEASE_MS", 0)) : timing,
+    timing: env("HEARTBEAT_LEASE_MS")
+      ? timing.withHeartbeats(whole(env, "HEARTBEAT_LEASE_MS", 0))
+      : timing,
     path: path as QueuePath,
   });
 
   /** Forwards one message's payload downstream; done on 2xx. */
-  const forward = async (payload: unknown, vendorKey: string, signal: AbortSignal): Promise<Settle> => {
+  const forward = async (
+    payload: unknown,
+    vendorKey: string,
+    signal: AbortSignal,
+  ): Promise<Settle> => {
     let answer: Response;
     try {
       answer = await fetch(processUrl, {
         method: "POST",
-        headers: { "content-type": "application/json", "idempotency-key": vendorKey },
+        headers: {
+          "content-type": "application/json",
+          "idempotency-key": vendorKey,
+        },
         body: JSON.stringify(payload),
         signal,
       });
     } catch (error) {
-      return { unknown: `PROCESS_URL unreachable: ${error instanceof Error ? error.message : error}` };
+      return {
+        unknown: `PROCESS_URL unreachable: ${
+          error instanceof Error ? error.message : error
+        }`,
+      };
     }
     await answer.body?.cancel();
     if (answer.ok) return { journal: success({ forwarded: answer.status }) };
@@ -123,39 +157,45 @@ export function consumer(
   };
 
   return async (request: Request): Promise<Response> => {
-    const path = new URL(request.url).pathname.replace(/^\/functions\/v1\/queue-consumer/, "")
+    const path = new URL(request.url).pathname.replace(
+      /^\/functions\/v1\/queue-consumer/,
+      "",
+    )
       .replace(/^\/queue-consumer/, "");
-    const authorized = serviceKey !== "" &&
-      sameText(request.headers.get("authorization") ?? "", `Bearer ${serviceKey}`);
-    if (request.method !== "POST" || (path !== "/" && path !== "") || !authorized) {
-      return Response.json({ error: "POST / takes the service key as a bearer token" }, { status: 401 });
+    if (
+      request.method !== "POST" || (path !== "/" && path !== "") ||
+      !callerAuthorized(request, credentials)
+    ) {
+      await request.body?.cancel();
+      return Response.json({
+        error: "POST / takes the route secret or the service key",
+      }, { status: 401 });
     }
     await request.body?.cancel();
-    const drained = await drainer.drain((payload, { vendorKey, signal }) => forward(payload, vendorKey, signal));
+    const drained = await drainer.drain((payload, { vendorKey, signal }) =>
+      forward(payload, vendorKey, signal)
+    );
     return Response.json(drained);
   };
-}
-
-/** Compares two strings in time that does not depend on where they differ. */
-function sameText(a: string, b: string): boolean {
-  const [x, y] = [new TextEncoder().encode(a), new TextEncoder().encode(b)];
-  let differ = x.length ^ y.length;
-  for (let i = 0; i < Math.max(x.length, y.length); i++) differ |= (x[i] ?? 0) ^ (y[i] ?? 0);
-  return differ === 0;
 }
 
 if (import.meta.main) {
   const env = (name: string) => Deno.env.get(name);
   const plane = IdempotencyPlane.fromEnv(env);
-  const url = env("IDEM_POSTGREST_URL") || `${(env("SUPABASE_URL") ?? "").replace(/\/+$/, "")}/rest/v1`;
-  const key = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
+  const url = env("IDEM_POSTGREST_URL") ||
+    `${(env("SUPABASE_URL") ?? "").replace(/\/+$/, "")}/rest/v1`;
+  const key = serviceKeyFromEnv(env)?.key ?? "";
   const handler = consumer(plane, Queues.connect({ url, key }));
   Deno.serve({
     port: Number(env("PORT") ?? 8000),
     hostname: env("HOST") ?? "127.0.0.1",
     onListen({ hostname, port }) {
       // The first line on stdout, with the port bound (PORT=0 picks a free one).
-      console.log(`listening on http://${hostname.includes(":") ? `[${hostname}]` : hostname}:${port}`);
+      console.log(
+        `listening on http://${
+          hostname.includes(":") ? `[${hostname}]` : hostname
+        }:${port}`,
+      );
     },
   }, handler);
 }

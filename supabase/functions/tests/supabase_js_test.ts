@@ -11,16 +11,16 @@ const url = Deno.env.get("SUPABASE_URL") ?? "";
 const key = Deno.env.get("SUPABASE_SERVICE_ROLE_KEY") ?? "";
 if (!url || !key) throw new Error("set SUPABASE_URL and SUPABASE_SERVICE_ROLE_KEY (idem up --env-file writes both)");
 
-function supabase() {
-  return createClient(url, key, {
+function supabase(apiKey = key) {
+  return createClient(url, apiKey, {
     auth: { autoRefreshToken: false, persistSession: false, detectSessionInUrl: false },
   });
 }
 
-Deno.test("claim, journal and replay through a supabase-js client", async () => {
-  const plane = IdempotencyPlane.connect(supabase());
+/** One effect through a plane over `client`: it runs and is journaled, then replays. */
+async function claimJournalReplay(client: ReturnType<typeof supabase>) {
   const options = {
-    plane,
+    plane: IdempotencyPlane.connect(client),
     organizationId: organization(),
     scope: "tool.email.send",
     key: uniqueKey(),
@@ -33,6 +33,10 @@ Deno.test("claim, journal and replay through a supabase-js client", async () => 
     status: "replayed",
     answer: success({ id: 1 }),
   });
+}
+
+Deno.test("claim, journal and replay through a supabase-js client", async () => {
+  await claimJournalReplay(supabase());
 });
 
 Deno.test("errors through supabase-js keep the plane's codes", async () => {
@@ -57,4 +61,13 @@ Deno.test("a call without the agent schema fails locally as it does on Supabase"
   });
   assert.ok(error, "the default schema has no such function");
   assert.equal(error.code, "PGRST202");
+});
+
+Deno.test("supabase-js with the project's sb_secret_ key (SUPABASE_SECRET_KEYS) claims, journals and replays", async () => {
+  const secret = JSON.parse(Deno.env.get("SUPABASE_SECRET_KEYS") ?? "{}").default;
+  assert.ok(
+    typeof secret === "string" && secret.startsWith("sb_secret_"),
+    "idem up --env-file writes SUPABASE_SECRET_KEYS",
+  );
+  await claimJournalReplay(supabase(secret));
 });

@@ -12,12 +12,15 @@
 //                    processed once: its body is forwarded to PROCESS_URL
 //                    (POST, with the tenant's vendor key as `Idempotency-Key`)
 //                    and done when that answers 2xx
-//   POST /redrive    `Authorization: Bearer <service key>`: re-drives the
+//   POST /redrive    the route secret IDEM_ROUTE_SECRET (what a pg_cron job
+//                    sends, from Vault) or the service key, as
+//                    `Authorization: Bearer` or `apikey`: re-drives the
 //                    events of this function's scope whose worker was stopped
 //                    (lease passed, still processing), up to the body's
 //                    `{"limit": N}` (default 50), and answers the counts
 //                    `{"redriven", "journaled", "dead_lettered", "left"}`;
-//                    without the key, 401; a bad body, 400
+//                    without a credential, 401; a bad body, 400
+//                    (`redriveRoute`, docs/typescript.md)
 //
 // The plane comes from the environment as in `orders` (SUPABASE_URL and the
 // service key on Supabase; `idem up --env-file` writes IDEM_POSTGREST_URL and
@@ -45,6 +48,8 @@ import {
   IdempotencyPlane,
   ProcessingError,
   type Redelivery,
+  redriveRoute,
+  routeCredentials,
   vendorKey,
   WebhookGate,
   webhookHandler,
@@ -66,11 +71,15 @@ function required(name: string): string {
 }
 
 /** The handler for this function's routes, over `plane`. */
-export function receiver(plane: IdempotencyPlane, env: (name: string) => string | undefined = Deno.env.get) {
-  const webhook = new Webhook(env("WEBHOOK_SECRET") ?? required("WEBHOOK_SECRET"));
+export function receiver(
+  plane: IdempotencyPlane,
+  env: (name: string) => string | undefined = Deno.env.get,
+) {
+  const webhook = new Webhook(
+    env("WEBHOOK_SECRET") ?? required("WEBHOOK_SECRET"),
+  );
   const processUrl = env("PROCESS_URL") ?? required("PROCESS_URL");
   const organizationId = env("ORGANIZATION_ID") ?? DEMO_ORGANIZATION;
-  const serviceKey = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
   const bodyLimit = env("IDEM_WEBHOOK_BODY_LIMIT_BYTES");
   const gate = new WebhookGate(plane, {
     heartbeatLeaseMs: Number(env("HEARTBEAT_LEASE_MS") ?? 10_000),
@@ -78,7 +87,11 @@ export function receiver(plane: IdempotencyPlane, env: (name: string) => string 
   });
 
   /** Forwards one event downstream; done on 2xx. Stops when `signal` aborts (the gate cut it). */
-  const forward = async (deliveryId: string, body: Uint8Array, signal: AbortSignal): Promise<unknown> => {
+  const forward = async (
+    deliveryId: string,
+    body: Uint8Array,
+    signal: AbortSignal,
+  ): Promise<unknown> => {
     const key = await vendorKey(organizationId, SCOPE, deliveryId);
     let answer: Response;
     try {
@@ -89,7 +102,11 @@ export function receiver(plane: IdempotencyPlane, env: (name: string) => string 
         signal,
       });
     } catch (error) {
-      throw ProcessingError.retryable(`PROCESS_URL unreachable: ${error instanceof Error ? error.message : error}`);
+      throw ProcessingError.retryable(
+        `PROCESS_URL unreachable: ${
+          error instanceof Error ? error.message : error
+        }`,
+      );
     }
     await answer.body?.cancel();
     if (answer.ok) return { forwarded: answer.status };
@@ -105,72 +122,59 @@ export function receiver(plane: IdempotencyPlane, env: (name: string) => string 
     verify: (request, body) => {
       // Throws on a missing, wrong or stale signature (the timestamp must be
       // within five minutes).
-      webhook.verify(new TextDecoder().decode(body), Object.fromEntries(request.headers));
+      webhook.verify(
+        new TextDecoder().decode(body),
+        Object.fromEntries(request.headers),
+      );
       return true;
     },
     organizationOf: () => organizationId,
     deliveryIdOf: (request) => request.headers.get("webhook-id") ?? "",
-    process: ({ request, body, signal }) => forward(request.headers.get("webhook-id") ?? "", body, signal),
+    process: ({ request, body, signal }) =>
+      forward(request.headers.get("webhook-id") ?? "", body, signal),
   });
 
-  const redrive = async (request: Request): Promise<Response> => {
-    if (!serviceKey || !sameText(request.headers.get("authorization") ?? "", `Bearer ${serviceKey}`)) {
-      return Response.json({ error: "POST /redrive takes the service key as a bearer token" }, { status: 401 });
-    }
-    // An optional JSON body, as `idem redrive` and a pg_cron job send it:
-    // `{"limit": N}` (1 to the plane's row cap; default REDRIVE_BATCH) and
-    // `"scope"`, which must be this function's own.
-    const text = await request.text();
-    let ask: { limit?: unknown; scope?: unknown } = {};
-    try {
-      ask = text.trim() ? JSON.parse(text) : {};
-    } catch {
-      return Response.json({ error: 'the body must be JSON: {"limit": N}' }, { status: 400 });
-    }
-    const limit = ask?.limit ?? REDRIVE_BATCH;
-    if (typeof limit !== "number" || !Number.isInteger(limit) || limit < 1 || limit > plane.maxRows) {
-      return Response.json({ error: `limit must be an integer from 1 to ${plane.maxRows}` }, { status: 400 });
-    }
-    if (ask?.scope !== undefined && ask.scope !== SCOPE) {
-      return Response.json({ error: `this route re-drives ${SCOPE} only` }, { status: 400 });
-    }
-    const report = await gate.redrive(
-      { scope: SCOPE, limit, organizationId },
-      (event: Redelivery, signal: AbortSignal) => forward(event.deliveryId, event.body, signal),
-    );
-    return Response.json({
-      redriven: report.redriven,
-      journaled: report.journaled,
-      dead_lettered: report.deadLettered,
-      left: report.left,
-    });
-  };
+  const redrive = redriveRoute({
+    credentials: routeCredentials(env),
+    scope: SCOPE,
+    maxLimit: plane.maxRows,
+    defaultLimit: REDRIVE_BATCH,
+    redrive: (limit) =>
+      gate.redrive(
+        { scope: SCOPE, limit, organizationId },
+        (event: Redelivery, signal: AbortSignal) =>
+          forward(event.deliveryId, event.body, signal),
+      ),
+  });
 
   return (request: Request): Promise<Response> | Response => {
-    const path = new URL(request.url).pathname.replace(/^\/functions\/v1\/webhooks/, "").replace(/^\/webhooks/, "");
-    if (request.method !== "POST") return new Response(null, { status: 405, headers: { allow: "POST" } });
+    const path = new URL(request.url).pathname.replace(
+      /^\/functions\/v1\/webhooks/,
+      "",
+    ).replace(/^\/webhooks/, "");
     if (path === "/redrive") return redrive(request);
+    if (request.method !== "POST") {
+      return new Response(null, { status: 405, headers: { allow: "POST" } });
+    }
     if (path === "/" || path === "") return deliveries(request);
     return new Response(null, { status: 404 });
   };
 }
 
-/** Compares two strings in time that does not depend on where they differ. */
-function sameText(a: string, b: string): boolean {
-  const [x, y] = [new TextEncoder().encode(a), new TextEncoder().encode(b)];
-  let differ = x.length ^ y.length;
-  for (let i = 0; i < Math.max(x.length, y.length); i++) differ |= (x[i] ?? 0) ^ (y[i] ?? 0);
-  return differ === 0;
-}
-
 if (import.meta.main) {
-  const handler = receiver(IdempotencyPlane.fromEnv((name) => Deno.env.get(name)));
+  const handler = receiver(
+    IdempotencyPlane.fromEnv((name) => Deno.env.get(name)),
+  );
   Deno.serve({
     port: Number(Deno.env.get("PORT") ?? 8000),
     hostname: Deno.env.get("HOST") ?? "127.0.0.1",
     onListen({ hostname, port }) {
       // The first line on stdout, with the port bound (PORT=0 picks a free one).
-      console.log(`listening on http://${hostname.includes(":") ? `[${hostname}]` : hostname}:${port}`);
+      console.log(
+        `listening on http://${
+          hostname.includes(":") ? `[${hostname}]` : hostname
+        }:${port}`,
+      );
     },
   }, handler);
 }

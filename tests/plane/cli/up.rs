@@ -6,7 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use idempotency_plane::local::{mint_stable_token, LocalStack, LocalStackConfig, SUPABASE_CLI_JWT_SECRET};
+use idempotency_plane::local::{
+    mint_stable_token, LocalStack, LocalStackConfig, SUPABASE_CLI_JWT_SECRET, SUPABASE_CLI_PUBLISHABLE_KEY,
+    SUPABASE_CLI_SECRET_KEY,
+};
 use idempotency_plane::postgrest::{ClientConfig, PostgrestClient};
 use idempotency_plane::{ClaimOutcome, IdempotencyService, PostgrestRepository, ReadOutcome};
 use serde_json::json;
@@ -110,6 +113,8 @@ fn parse_env(contents: &str) -> Vars {
         .lines()
         .map(|line| {
             let (name, value) = line.split_once('=').unwrap_or_else(|| panic!("not NAME=value: {line:?}"));
+            // Single quotes as a shell and a dotenv reader take them: literal.
+            let value = value.strip_prefix('\'').and_then(|v| v.strip_suffix('\'')).unwrap_or(value);
             (name.to_owned(), value.to_owned())
         })
         .collect()
@@ -190,13 +195,30 @@ async fn idem_up_writes_the_supabase_variables_and_the_same_file_with_keys_that_
         ("IDEM_MAX_ROWS", "1000"),
         ("SUPABASE_URL", &url),
         ("SUPABASE_SERVICE_ROLE_KEY", &service_key),
-        ("SUPABASE_SECRET_KEY", &service_key),
         ("SUPABASE_ANON_KEY", &anon_key),
+        ("SUPABASE_SECRET_KEYS", &format!(r#"{{"default":"{SUPABASE_CLI_SECRET_KEY}"}}"#)),
+        ("SUPABASE_PUBLISHABLE_KEYS", &format!(r#"{{"default":"{SUPABASE_CLI_PUBLISHABLE_KEY}"}}"#)),
     ]
     .into_iter()
     .map(|(name, value)| (name.to_owned(), value.to_owned()))
     .collect();
     assert_eq!(vars, expected, "the Supabase CLI's demo keys, at the root URL");
+
+    // What a hosted Edge Function has, and nothing else: SUPABASE_URL and
+    // SUPABASE_SECRET_KEYS. `idem doctor` passes on it, through the
+    // gateway beneath /rest/v1 that maps the sb_secret_ key to service_role.
+    let hosted = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("doctor")
+        .env_clear()
+        .env("SUPABASE_URL", &vars["SUPABASE_URL"])
+        .env("SUPABASE_SECRET_KEYS", &vars["SUPABASE_SECRET_KEYS"])
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let hosted = within(READY, "idem doctor", hosted).await.expect("run idem doctor");
+    let report = String::from_utf8_lossy(&hosted.stdout);
+    assert!(hosted.status.success(), "{report}{}", String::from_utf8_lossy(&hosted.stderr));
+    assert!(report.contains("all checks passed") && report.contains("SUPABASE_SECRET_KEYS"), "{report}");
 
     // The first run's file, read as the Rust tools read it, serves claims.
     let client = client_of(&vars);
@@ -237,11 +259,15 @@ fn env_text(vars: &Vars) -> String {
         "IDEM_MAX_ROWS",
         "SUPABASE_URL",
         "SUPABASE_SERVICE_ROLE_KEY",
-        "SUPABASE_SECRET_KEY",
         "SUPABASE_ANON_KEY",
+        "SUPABASE_SECRET_KEYS",
+        "SUPABASE_PUBLISHABLE_KEYS",
     ]
     .iter()
-    .map(|name| format!("{name}={}\n", vars[*name]))
+    .map(|name| match name.ends_with("_KEYS") {
+        true => format!("{name}='{}'\n", vars[*name]),
+        false => format!("{name}={}\n", vars[*name]),
+    })
     .collect()
 }
 
@@ -369,7 +395,8 @@ async fn idem_up_env_file_never_replaces_or_removes_a_file_it_did_not_write() {
     assert!(forced.vars().contains_key("IDEM_SERVICE_KEY"));
     forced.stop().await;
 
-    // Its own leftover (a killed run's, with a port long gone) is replaced.
+    // Its own leftover (a killed run's, with a port long gone; here one an
+    // idem up wrote before it handed out sb_ keys) is replaced.
     let leftover: String = [
         "IDEM_POSTGREST_URL",
         "IDEM_SERVICE_KEY",

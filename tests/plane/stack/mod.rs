@@ -10,6 +10,7 @@
 //! README's Supabase Cron recipe on a PostgreSQL cluster of its own. The
 //! whole folder needs feature `local`.
 
+mod api_keys;
 mod arguments;
 mod batches;
 mod callers_under_faults;

@@ -4,7 +4,7 @@
 //! schema misses the plane as it does on Supabase.
 
 use idempotency_plane::local::{exposed_schemas, SUPABASE_REST_PATH};
-use idempotency_plane::postgrest::{ClientConfig, PostgrestClient};
+use idempotency_plane::postgrest::{ClientConfig, Gateway, PostgrestClient};
 use idempotency_plane::sweeper::Sweeper;
 use idempotency_plane::{ClaimOutcome, Completion, Ending, IdempotencyService, PostgrestRepository, ReadOutcome};
 use serde_json::{json, Value};
@@ -23,7 +23,9 @@ struct Answer {
 }
 
 async fn post(url: &str, key: &str, profile: Option<&str>, prefer: Option<&str>, args: &Value) -> Answer {
-    let mut request = reqwest::Client::new().post(url).bearer_auth(key).json(args);
+    // `apikey` as supabase-js sends it: Supabase's gateway (beneath
+    // /rest/v1) needs it, and PostgREST (the root) ignores it.
+    let mut request = reqwest::Client::new().post(url).bearer_auth(key).header("apikey", key).json(args);
     if let Some(profile) = profile {
         request = request.header("content-profile", profile);
     }
@@ -100,8 +102,10 @@ async fn a_call_that_names_no_schema_goes_to_public_and_is_not_found_as_on_supab
 async fn the_rust_client_works_beneath_rest_v1_as_at_the_root() {
     let stack = stack().await;
     for base in [format!("{}{SUPABASE_REST_PATH}", stack.url()), format!("{}{SUPABASE_REST_PATH}/", stack.url())] {
-        let config =
-            ClientConfig::new(&base, stack.service_key()).expect("a /rest/v1 URL").with_max_rows(stack.max_rows());
+        let config = ClientConfig::new(&base, stack.service_key())
+            .expect("a /rest/v1 URL")
+            .with_gateway(Gateway::Supabase)
+            .with_max_rows(stack.max_rows());
         let config = config.expect("the row cap");
         assert_eq!(
             config.base_url().join("rpc/idempotency_get").expect("a URL").as_str(),

@@ -1,7 +1,8 @@
 //! The headers each kind of key travels in (wiremock, §6 authentication):
-//! a legacy JWT and a secret key both go in `apikey` and `Authorization:
-//! Bearer` unchanged when talking to Supabase's gateway, as supabase-js
-//! sends them; plain PostgREST gets `Authorization` alone. The configuration
+//! a legacy JWT goes in `apikey` and `Authorization: Bearer` unchanged when
+//! talking to Supabase's gateway, as supabase-js sends it; a secret key,
+//! which is not a JWT, in `apikey` alone, as Supabase documents its gateway
+//! wants it; plain PostgREST gets a JWT in `Authorization` alone. The configuration
 //! is read with `ClientConfig::from_vars`, never from the process
 //! environment, so these tests cannot race on it.
 
@@ -30,6 +31,16 @@ fn client_of(config: ClientConfig) -> PostgrestClient {
 /// `authorization` and, when given, `apikey`.
 async fn mount_release(server: &MockServer, rpc: &str, authorization: &str, apikey: Option<&str>) {
     let mock = Mock::given(method("POST")).and(path(rpc)).and(header("authorization", authorization));
+    mount(server, mock, apikey).await;
+}
+
+/// Mounts `POST <rpc>` answering `true` only to a request carrying `apikey`
+/// (whatever else it carries: the test reads the headers sent).
+async fn mount_apikey_release(server: &MockServer, rpc: &str, apikey: &str) {
+    mount(server, Mock::given(method("POST")).and(path(rpc)), Some(apikey)).await;
+}
+
+async fn mount(server: &MockServer, mock: wiremock::MockBuilder, apikey: Option<&str>) {
     let mock = match apikey {
         Some(apikey) => mock.and(header("apikey", apikey)),
         None => mock,
@@ -62,12 +73,12 @@ async fn a_legacy_jwt_with_supabase_url_goes_in_apikey_and_authorization() {
 }
 
 #[tokio::test]
-async fn a_secret_key_with_supabase_url_goes_unchanged_in_apikey_and_authorization() {
-    // supabase-js sends its key as `apikey` and as the Bearer token when no user is signed in.
+async fn a_secret_key_with_supabase_url_goes_unchanged_in_apikey_alone() {
+    // An sb_ key is not a JWT: Supabase's gateway reads it from `apikey`, and
+    // swaps it for a token of its role.
     // Arrange
     let server = MockServer::start().await;
-    let bearer = format!("Bearer {SECRET}");
-    mount_release(&server, "/rest/v1/rpc/idempotency_release", &bearer, Some(SECRET)).await;
+    mount_apikey_release(&server, "/rest/v1/rpc/idempotency_release", SECRET).await;
     let config = from_vars(&[("SUPABASE_URL", server.uri()), ("SUPABASE_SECRET_KEY", SECRET.into())])
         .expect("valid")
         .expect("a URL is set");
@@ -78,7 +89,7 @@ async fn a_secret_key_with_supabase_url_goes_unchanged_in_apikey_and_authorizati
     assert!(released);
     let sent = requests(&server).await;
     assert_eq!(header_of(&sent[0], "apikey"), Some(SECRET));
-    assert_eq!(header_of(&sent[0], "authorization"), Some(bearer.as_str()));
+    assert_eq!(header_of(&sent[0], "authorization"), None, "no sb_ key as a bearer token");
     server.verify().await;
 }
 
@@ -110,12 +121,11 @@ async fn a_key_for_a_hosted_project_url_goes_in_both_headers() {
 }
 
 #[tokio::test]
-async fn a_secret_key_goes_in_both_headers_whatever_the_url() {
+async fn a_secret_key_goes_in_apikey_alone_whatever_the_url() {
     // A custom domain in front of Supabase: only its gateway understands an sb_secret_ key.
     // Arrange
     let server = MockServer::start().await;
-    let bearer = format!("Bearer {SECRET}");
-    mount_release(&server, "/rest/v1/rpc/idempotency_release", &bearer, Some(SECRET)).await;
+    mount_apikey_release(&server, "/rest/v1/rpc/idempotency_release", SECRET).await;
     let config = from_vars(&[
         ("IDEM_POSTGREST_URL", format!("{}/rest/v1", server.uri())),
         ("SUPABASE_SECRET_KEY", SECRET.into()),
@@ -127,6 +137,7 @@ async fn a_secret_key_goes_in_both_headers_whatever_the_url() {
     let released = release(&client_of(config)).await;
     // Assert
     assert!(released);
+    assert_eq!(header_of(&requests(&server).await[0], "authorization"), None);
     server.verify().await;
 }
 

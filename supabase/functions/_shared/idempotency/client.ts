@@ -6,6 +6,7 @@
 import policy from "./rpc_policy.json" with { type: "json" };
 import { monotonicNow } from "./clock.ts";
 import { PlaneError, type TransportFailure } from "./errors.ts";
+import { authHeaders, keyKind } from "./service_key.ts";
 
 /** How the client retries what `PlaneError.isRetryable` allows. */
 export interface RetryConfig {
@@ -121,12 +122,16 @@ export class FetchTransport implements Transport {
     if (!options.key || /[\r\n]/.test(options.key)) {
       throw PlaneError.invalid("bad_configuration", "the service key is empty or cannot be a header");
     }
+    if (keyKind(options.key) === "publishable") {
+      throw PlaneError.invalid(
+        "bad_configuration",
+        "the service key is a publishable key (sb_publishable_…), which reaches only the anon role",
+      );
+    }
     const schema = options.schema ?? PLANE_SCHEMA;
     this.#base = base.href.replace(/\/+$/, "");
-    // The apikey header is what Supabase's gateway reads; PostgREST ignores it.
     this.#headers = {
-      "Authorization": `Bearer ${options.key}`,
-      "apikey": options.key,
+      ...authHeaders(options.key),
       "Content-Type": "application/json",
       "Accept": "application/json",
       "Content-Profile": schema,

@@ -11,7 +11,11 @@
 // effect in one of three ways (driver.ts claims, held.ts ends).
 
 export { codes, PlaneError } from "./errors.ts";
-export type { InvalidReason, PlaneErrorKind, TransportFailure } from "./errors.ts";
+export type {
+  InvalidReason,
+  PlaneErrorKind,
+  TransportFailure,
+} from "./errors.ts";
 export {
   DEFAULT_DEADLINE_MS,
   DEFAULT_RETRY,
@@ -21,8 +25,21 @@ export {
   repeatSafe,
   SupabaseTransport,
 } from "./client.ts";
-export type { ClientOptions, ConnectOptions, RetryConfig, Sent, SupabaseLike, Transport } from "./client.ts";
-export { canonicalize, isRequestHash, requestHash, sha256Hex, sha256HexOfBytes } from "./hash.ts";
+export type {
+  ClientOptions,
+  ConnectOptions,
+  RetryConfig,
+  Sent,
+  SupabaseLike,
+  Transport,
+} from "./client.ts";
+export {
+  canonicalize,
+  isRequestHash,
+  requestHash,
+  sha256Hex,
+  sha256HexOfBytes,
+} from "./hash.ts";
 export {
   answerFromStored,
   elidedOf,
@@ -33,7 +50,13 @@ export {
   store,
   success,
 } from "./answer.ts";
-export type { Answer, Elided, ResourceRef, ResponseRef, StoredAnswer } from "./answer.ts";
+export type {
+  Answer,
+  Elided,
+  ResourceRef,
+  ResponseRef,
+  StoredAnswer,
+} from "./answer.ts";
 export {
   DEFAULT_MAX_ROWS,
   DEFAULT_RESPONSE_LIMIT_BYTES,
@@ -55,6 +78,26 @@ export type {
   Redriven,
 } from "./plane.ts";
 export { TenantRouter } from "./router.ts";
+export {
+  callerAuthorized,
+  MIN_ROUTE_SECRET_CHARS,
+  type RedriveCounts,
+  redriveRoute,
+  type RedriveRouteOptions,
+  ROUTE_SECRET_VARIABLE,
+  routeCredentials,
+  sameText,
+} from "./route.ts";
+export {
+  authHeaders,
+  type ChosenKey,
+  DEFAULT_SECRET_KEY_NAME,
+  type KeyKind,
+  keyKind,
+  SECRET_KEY_NAME_VARIABLE,
+  SERVICE_KEY_VARIABLES,
+  serviceKeyFromEnv,
+} from "./service_key.ts";
 export type { RouterOptions } from "./router.ts";
 export {
   DEFAULT_JOURNAL_DEADLINE_MS,
@@ -69,7 +112,13 @@ export { Held, LATE_JOURNAL_RESERVE_MS } from "./held.ts";
 export type { Beat, Cut, Settle, Settled } from "./held.ts";
 export { Attempt, EffectDriver } from "./driver.ts";
 export type { Begun, EffectSpec } from "./driver.ts";
-export { beginMany, driveMany, endingName, isDone, settleMany } from "./batch.ts";
+export {
+  beginMany,
+  driveMany,
+  endingName,
+  isDone,
+  settleMany,
+} from "./batch.ts";
 export type { BatchItem, BatchReport, BatchSpec, ItemEnding } from "./batch.ts";
 export { QueueConsumer, Queues, QUEUES_SCHEMA } from "./queue.ts";
 export type {
@@ -81,13 +130,26 @@ export type {
   ResolvedConsumerOptions,
 } from "./queue.ts";
 export { queueExtend, queueSettle, queueTake } from "./queue_plane.ts";
-export type { QueueClaim, QueueEnding, QueueSettled, QueueTake, TakenItem, TakeOutcome } from "./queue_plane.ts";
+export type {
+  QueueClaim,
+  QueueEnding,
+  QueueSettled,
+  QueueTake,
+  TakenItem,
+  TakeOutcome,
+} from "./queue_plane.ts";
 export { idempotent, makeIdempotent } from "./idempotent.ts";
 export type { IdempotentOptions, IdempotentResult } from "./idempotent.ts";
 export { NothingHappened, runAndEnd } from "./run_effect.ts";
 export type { EffectContext, EffectEnded, NoAnswer } from "./run_effect.ts";
 export { vendorKey } from "./vendor_key.ts";
-export { DEFAULT_TOOL_LEASE_MARGIN_MS, LEASE_MARGIN_RANGE_MS, STEP_BUDGET_MS, ToolGuard, toolSpec } from "./tool.ts";
+export {
+  DEFAULT_TOOL_LEASE_MARGIN_MS,
+  LEASE_MARGIN_RANGE_MS,
+  STEP_BUDGET_MS,
+  ToolGuard,
+  toolSpec,
+} from "./tool.ts";
 export type {
   Checkpoint,
   Reconciler,
@@ -131,10 +193,20 @@ export type {
   WebhookRoute,
 } from "./webhook.ts";
 export { CREDENTIAL_HEADERS } from "./stored_response.ts";
-export { IDEMPOTENCY_KEY, idempotencyKey, MAX_IDEMPOTENCY_KEY_CHARS, planeKey, targetOf } from "./key.ts";
+export {
+  IDEMPOTENCY_KEY,
+  idempotencyKey,
+  MAX_IDEMPOTENCY_KEY_CHARS,
+  planeKey,
+  targetOf,
+} from "./key.ts";
 export type { Handler } from "./config.ts";
 export { withIdempotencyKey } from "./http.ts";
 export type { IdempotencyKeyOptions } from "./http.ts";
 export { fingerprint, scopeOf } from "./fingerprint.ts";
-export { PROBLEM_TYPE_BASE, PROBLEM_TYPES, problemResponse } from "./problem.ts";
+export {
+  PROBLEM_TYPE_BASE,
+  PROBLEM_TYPES,
+  problemResponse,
+} from "./problem.ts";
 export type { Problem, ProblemSlug } from "./problem.ts";

@@ -13,6 +13,7 @@ import {
   SupabaseTransport,
 } from "./client.ts";
 import { PlaneError } from "./errors.ts";
+import { SERVICE_KEY_VARIABLES, serviceKeyFromEnv } from "./service_key.ts";
 import { isRequestHash } from "./hash.ts";
 import {
   type Answer,
@@ -158,7 +159,9 @@ export class IdempotencyPlane {
   /**
    * A plane from the environment a deployed Edge Function has: `SUPABASE_URL`
    * (`/rest/v1` is added) and the first key set of `IDEM_SERVICE_KEY`,
-   * `SUPABASE_SECRET_KEY`, `SUPABASE_SERVICE_ROLE_KEY`. `IDEM_POSTGREST_URL`,
+   * `SUPABASE_SECRET_KEYS` (its `default` entry, or the one
+   * `IDEM_SECRET_KEY_NAME` names), `SUPABASE_SECRET_KEY`,
+   * `SUPABASE_SERVICE_ROLE_KEY` (`serviceKeyFromEnv`). `IDEM_POSTGREST_URL`,
    * when set, is used as the PostgREST root instead. Plain `http://` reaches
    * loopback only, and the hosts `IDEM_ALLOW_PLAIN_HTTP` names
    * (comma-separated): under `supabase functions serve`, whose
@@ -169,14 +172,14 @@ export class IdempotencyPlane {
     const rest = env("IDEM_POSTGREST_URL");
     const project = env("SUPABASE_URL");
     const url = rest || (project ? `${project.replace(/\/+$/, "")}/rest/v1` : "");
-    const key = env("IDEM_SERVICE_KEY") || env("SUPABASE_SECRET_KEY") || env("SUPABASE_SERVICE_ROLE_KEY") || "";
+    const key = serviceKeyFromEnv(env)?.key;
     const allowPlainHttpTo = (env("IDEM_ALLOW_PLAIN_HTTP") ?? "").split(",").map((host) => host.trim())
       .filter((host) => host !== "");
     if (!url) throw PlaneError.invalid("bad_configuration", "set SUPABASE_URL (or IDEM_POSTGREST_URL)");
     if (!key) {
       throw PlaneError.invalid(
         "bad_configuration",
-        "set SUPABASE_SECRET_KEY or SUPABASE_SERVICE_ROLE_KEY (or IDEM_SERVICE_KEY): the plane takes the service role only",
+        `set one of ${SERVICE_KEY_VARIABLES.join(" / ")}: the plane takes the service role only`,
       );
     }
     const rows = env("IDEM_MAX_ROWS");
