@@ -60,7 +60,8 @@ pub(super) fn is_credential(name: &str) -> bool {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct StoredResponse {
     pub(super) status: u16,
-    /// Kept headers, lowercase names, in the order they were sent.
+    /// Kept headers, lowercase names, in the order they are kept: one
+    /// entry a header, its values joined by `, ` (see [`of`](Self::of)).
     pub(super) headers: Vec<(String, String)>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) body_text: Option<String>,
@@ -78,16 +79,25 @@ pub(super) struct StoredResponse {
 
 impl StoredResponse {
     /// What to keep of an answer: its status, the `keep` headers it carries
-    /// (values that are not visible ASCII are dropped, and so is any
-    /// credential header), and its body.
+    /// (any credential header left out), and its body.
+    ///
+    /// A header is kept as one entry, its values joined by `, `, as the
+    /// Fetch standard's `Headers.get` reads them, the only reading the
+    /// TypeScript middleware has: so both clients store an answer alike,
+    /// and replay it alike (RFC 9110 lets a recipient combine a field's
+    /// lines so; `Set-Cookie`, the one field that cannot be, is never
+    /// kept). One whose joined value is not visible ASCII is left out.
     pub(super) fn of(status: StatusCode, headers: &HeaderMap, keep: &[HeaderName], body: &Bytes) -> Self {
         let headers = keep
             .iter()
             .filter(|name| !is_credential(name.as_str()))
-            .flat_map(|name| {
-                headers.get_all(name).iter().filter_map(move |value| {
-                    value.to_str().ok().map(|value| (name.as_str().to_owned(), value.to_owned()))
-                })
+            .filter_map(|name| {
+                let values: Vec<&[u8]> = headers.get_all(name).iter().map(HeaderValue::as_bytes).collect();
+                if values.is_empty() {
+                    return None;
+                }
+                let joined = HeaderValue::from_bytes(&values.join(&b", "[..])).ok()?;
+                Some((name.as_str().to_owned(), joined.to_str().ok()?.to_owned()))
             })
             .collect();
         // Text unless it is not UTF-8 or holds U+0000, which jsonb cannot.
@@ -206,6 +216,22 @@ mod tests {
         }
         assert_eq!(replay.headers()["x-trace"], "1");
         assert!(is_credential("Proxy-Authenticate") && !is_credential("location"));
+    }
+
+    #[test]
+    fn a_header_sent_twice_is_kept_as_the_fetch_standard_reads_it_one_value_joined() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-trace", HeaderValue::from_static("a"));
+        headers.append("x-trace", HeaderValue::from_static("b, c"));
+        headers.append("link", HeaderValue::from_static("</1>"));
+        headers.append("link", HeaderValue::from_bytes("</ключ>".as_bytes()).unwrap());
+        headers.insert("location", HeaderValue::from_static("/orders/1"));
+        let keep = ["location", "x-trace", "link", "x-absent"].map(HeaderName::from_static);
+        let stored = StoredResponse::of(StatusCode::OK, &headers, &keep, &Bytes::new());
+        let kept = [("location", "/orders/1"), ("x-trace", "a, b, c")].map(|(n, v)| (n.to_owned(), v.to_owned()));
+        assert_eq!(stored.headers, kept, "one entry a header; a value that is not visible ASCII leaves it out");
+        let replay = stored.replay().expect("a well-formed answer");
+        assert_eq!(replay.headers().get_all("x-trace").iter().collect::<Vec<_>>(), ["a, b, c"]);
     }
 
     #[test]
