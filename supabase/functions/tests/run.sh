@@ -4,9 +4,9 @@
 # and Node.js runs the same module once (node_check.ts, through tsx), then
 # once more as the npm package a user installs (.ci/ts-package.sh). Builds
 # nothing: pass an `idem` built with `--features local`, with the example
-# Rust gate built beside it.
+# Rust gate and echo API built beside it.
 #
-#   cargo build --features local --bin idem --example webhook_gate
+#   cargo build --features local --bin idem --example webhook_gate --example echo_api
 #   bash supabase/functions/tests/run.sh target/debug/idem
 #
 # Starts `idem up --env-file` (a fresh database, dropped on stop), waits for
@@ -15,18 +15,23 @@ set -euo pipefail
 
 
 if [ "$#" -ne 1 ] || [ ! -x "$1" ] || [ -d "$1" ]; then
-  echo "usage: $0 PATH/TO/idem   (built with: cargo build --features local --bin idem --example webhook_gate)" >&2
+  echo "usage: $0 PATH/TO/idem   (built with: cargo build --features local --bin idem --example webhook_gate --example echo_api)" >&2
   exit 2
 fi
 idem="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
-# The Rust gate as a process (examples/webhook_gate.rs), beside idem: the
-# kill test drives it as it drives the Edge Function.
+# The Rust processes, beside idem: the gate (examples/webhook_gate.rs), which
+# the kill test drives as it drives the Edge Function, and the echo API
+# behind the Idempotency-Key layer (examples/echo_api.rs); the cross-client
+# test replays what each stored through the TypeScript client, and back.
 WEBHOOK_GATE_BIN="$(dirname "$idem")/examples/webhook_gate"
-if [ ! -x "$WEBHOOK_GATE_BIN" ]; then
-  echo "ts-tests: $WEBHOOK_GATE_BIN is missing; build it with: cargo build --features local --example webhook_gate" >&2
-  exit 2
-fi
-export WEBHOOK_GATE_BIN
+ECHO_API_BIN="$(dirname "$idem")/examples/echo_api"
+for example in "$WEBHOOK_GATE_BIN" "$ECHO_API_BIN"; do
+  if [ ! -x "$example" ]; then
+    echo "ts-tests: $example is missing; build it with: cargo build --features local --example $(basename "$example")" >&2
+    exit 2
+  fi
+done
+export WEBHOOK_GATE_BIN ECHO_API_BIN
 functions="$(cd "$(dirname "$0")/.." && pwd)"
 root="$(cd "$functions/../.." && pwd)"
 # shellcheck source=/dev/null
