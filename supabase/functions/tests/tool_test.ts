@@ -11,6 +11,7 @@ import {
   EffectDriver,
   failure,
   type Held,
+  isToolKey,
   NothingHappened,
   planeKey,
   type Reconciler,
@@ -25,11 +26,11 @@ import {
   ToolGuard,
   type ToolGuardOptions,
   type ToolInvocation,
+  type ToolKey,
   toolKey,
   toolSpec,
   vendorKey,
 } from "../_shared/idempotency/mod.ts";
-import { isToolKey, type ToolKey } from "../_shared/idempotency/tool_key.ts";
 import { functionOf, hashOf, Lossy, organization, plane, readUntil, sleep } from "./support.ts";
 
 const SCOPE = "tool.email.send";

@@ -7,6 +7,7 @@ import {
   FAILED_ACK_ERROR_CHARS,
   type GateOptions,
   largestStorableBody,
+  lookupProviderJob,
   PlaneError,
   type PlaneEvent,
   ProcessingError,
@@ -14,6 +15,7 @@ import {
   type ProviderJob,
   type Redelivery,
   type RedriveReport,
+  registerProviderJob,
   sha256HexOfBytes,
   silent,
   storedBody,
@@ -24,7 +26,6 @@ import {
   webhookHandler,
 } from "../_shared/idempotency/mod.ts";
 import { DEFAULT_WEBHOOK_BODY_LIMIT_BYTES, type WebhookRoute } from "../_shared/idempotency/webhook.ts";
-import { lookupProviderJob, registerProviderJob } from "../_shared/idempotency/provider_jobs.ts";
 import {
   eventually,
   HOUR_MS,

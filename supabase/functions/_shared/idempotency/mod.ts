@@ -11,11 +11,7 @@
 // effect in one of three ways (driver.ts claims, held.ts ends).
 
 export { codes, PlaneError } from "./errors.ts";
-export type {
-  InvalidReason,
-  PlaneErrorKind,
-  TransportFailure,
-} from "./errors.ts";
+export type { InvalidReason, PlaneErrorKind, TransportFailure } from "./errors.ts";
 export {
   DEFAULT_DEADLINE_MS,
   DEFAULT_RETRY,
@@ -25,21 +21,8 @@ export {
   repeatSafe,
   SupabaseTransport,
 } from "./client.ts";
-export type {
-  ClientOptions,
-  ConnectOptions,
-  RetryConfig,
-  Sent,
-  SupabaseLike,
-  Transport,
-} from "./client.ts";
-export {
-  canonicalize,
-  isRequestHash,
-  requestHash,
-  sha256Hex,
-  sha256HexOfBytes,
-} from "./hash.ts";
+export type { ClientOptions, ConnectOptions, RetryConfig, Sent, SupabaseLike, Transport } from "./client.ts";
+export { canonicalize, isRequestHash, requestHash, sha256Hex, sha256HexOfBytes } from "./hash.ts";
 export {
   answerFromStored,
   elidedOf,
@@ -50,13 +33,7 @@ export {
   store,
   success,
 } from "./answer.ts";
-export type {
-  Answer,
-  Elided,
-  ResourceRef,
-  ResponseRef,
-  StoredAnswer,
-} from "./answer.ts";
+export type { Answer, Elided, ResourceRef, ResponseRef, StoredAnswer } from "./answer.ts";
 export {
   DEFAULT_MAX_ROWS,
   DEFAULT_RESPONSE_LIMIT_BYTES,
@@ -112,13 +89,7 @@ export { Held, LATE_JOURNAL_RESERVE_MS } from "./held.ts";
 export type { Beat, Cut, Settle, Settled } from "./held.ts";
 export { Attempt, EffectDriver } from "./driver.ts";
 export type { Begun, EffectSpec } from "./driver.ts";
-export {
-  beginMany,
-  driveMany,
-  endingName,
-  isDone,
-  settleMany,
-} from "./batch.ts";
+export { beginMany, driveMany, endingName, isDone, settleMany } from "./batch.ts";
 export type { BatchItem, BatchReport, BatchSpec, ItemEnding } from "./batch.ts";
 export { QueueConsumer, Queues, QUEUES_SCHEMA } from "./queue.ts";
 export type {
@@ -130,26 +101,13 @@ export type {
   ResolvedConsumerOptions,
 } from "./queue.ts";
 export { queueExtend, queueSettle, queueTake } from "./queue_plane.ts";
-export type {
-  QueueClaim,
-  QueueEnding,
-  QueueSettled,
-  QueueTake,
-  TakenItem,
-  TakeOutcome,
-} from "./queue_plane.ts";
+export type { QueueClaim, QueueEnding, QueueSettled, QueueTake, TakenItem, TakeOutcome } from "./queue_plane.ts";
 export { idempotent, makeIdempotent } from "./idempotent.ts";
 export type { IdempotentOptions, IdempotentResult } from "./idempotent.ts";
 export { NothingHappened, runAndEnd } from "./run_effect.ts";
 export type { EffectContext, EffectEnded, NoAnswer } from "./run_effect.ts";
 export { vendorKey } from "./vendor_key.ts";
-export {
-  DEFAULT_TOOL_LEASE_MARGIN_MS,
-  LEASE_MARGIN_RANGE_MS,
-  STEP_BUDGET_MS,
-  ToolGuard,
-  toolSpec,
-} from "./tool.ts";
+export { DEFAULT_TOOL_LEASE_MARGIN_MS, LEASE_MARGIN_RANGE_MS, STEP_BUDGET_MS, ToolGuard, toolSpec } from "./tool.ts";
 export type {
   Checkpoint,
   Reconciler,
@@ -162,7 +120,8 @@ export type {
 } from "./tool.ts";
 export { ToolError } from "./tool_error.ts";
 export type { ToolErrorKind } from "./tool_error.ts";
-export { toolCallKey, toolKey } from "./tool_key.ts";
+export { isToolKey, toolCallKey, toolKey } from "./tool_key.ts";
+export type { ToolKey } from "./tool_key.ts";
 export { consoleLogger, silent } from "./log.ts";
 export type { Logger, PlaneEvent } from "./log.ts";
 export {
@@ -192,21 +151,12 @@ export type {
   RedriveReport,
   WebhookRoute,
 } from "./webhook.ts";
+export { lookupProviderJob, registerProviderJob } from "./provider_jobs.ts";
 export { CREDENTIAL_HEADERS } from "./stored_response.ts";
-export {
-  IDEMPOTENCY_KEY,
-  idempotencyKey,
-  MAX_IDEMPOTENCY_KEY_CHARS,
-  planeKey,
-  targetOf,
-} from "./key.ts";
+export { IDEMPOTENCY_KEY, idempotencyKey, MAX_IDEMPOTENCY_KEY_CHARS, planeKey, targetOf } from "./key.ts";
 export type { Handler } from "./config.ts";
 export { withIdempotencyKey } from "./http.ts";
 export type { IdempotencyKeyOptions } from "./http.ts";
 export { fingerprint, scopeOf } from "./fingerprint.ts";
-export {
-  PROBLEM_TYPE_BASE,
-  PROBLEM_TYPES,
-  problemResponse,
-} from "./problem.ts";
+export { PROBLEM_TYPE_BASE, PROBLEM_TYPES, problemResponse } from "./problem.ts";
 export type { Problem, ProblemSlug } from "./problem.ts";
