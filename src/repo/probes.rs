@@ -9,7 +9,7 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::surface::{CAP_PROBE, GET, ORPHANS, POLICIES, ROW_CAP, SURFACE};
+use super::surface::{CAP_PROBE, GET, ORPHANS, POLICIES, ROW_CAP, SCHEDULED_FAILURES, SURFACE};
 use super::PostgrestRepository;
 use crate::postgrest::{ClientError, ContentRange, Repeat};
 
@@ -80,6 +80,28 @@ pub struct OrphanedScope {
     pub waited_ms: u64,
 }
 
+/// A scheduled call that failed ([`PostgrestRepository::scheduled_failures`]):
+/// a pg_cron job's pg_net call answered outside 2xx, with an error, or never
+/// answered although the job ran again.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct ScheduledFailure {
+    /// The job's name (`idempotency-redrive-webhooks`).
+    pub job: String,
+    /// pg_net's id of the request.
+    pub request_id: i64,
+    /// When the job made the call (database clock).
+    pub called_at: chrono::DateTime<chrono::Utc>,
+    /// When its answer was recorded; `None`: never.
+    pub answered_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// The HTTP status, when one came back.
+    pub status_code: Option<i32>,
+    /// pg_net's error, `no answer recorded`, or `None` for a status alone.
+    pub error: Option<String>,
+    /// How many calls failed since the time asked about, whatever the row
+    /// cap cut.
+    pub failed_calls: u32,
+}
+
 /// One row of `agent.idempotency_scopes` as the deployment holds it
 /// ([`PostgrestRepository::policies`]).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -109,6 +131,23 @@ impl PostgrestRepository {
     /// `limit` of them (1 to 1000), from `idempotency_orphans`. Read-only.
     pub async fn orphans(&self, limit: u32) -> Result<Vec<OrphanedScope>, ClientError> {
         self.client().rpc(ORPHANS.name, &json!({"p_limit": limit}), Repeat::of(ORPHANS.name)).await
+    }
+
+    /// The scheduled calls that failed since `since` (the plane's default:
+    /// the last hour), newest first, at most `row_cap` of them, from
+    /// `idempotency_scheduled_failures`. Read-only.
+    pub async fn scheduled_failures(
+        &self,
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        row_cap: u32,
+    ) -> Result<Vec<ScheduledFailure>, ClientError> {
+        // Omitted when absent, never sent as null: the server's DEFAULT applies.
+        let args = match since {
+            Some(since) => json!({"p_since": since, "p_row_cap": row_cap}),
+            None => json!({"p_row_cap": row_cap}),
+        };
+        let (name, bound) = (SCHEDULED_FAILURES.name, u64::from(row_cap));
+        self.client().rpc_bounded(name, &args, bound, None, Repeat::of(name)).await
     }
 
     /// The plane's own row cap (`agent.idempotency_settings.max_rows`, from

@@ -77,6 +77,10 @@ pub(crate) const REDRIVABLE: SqlFunction = function(
     "idempotency_redrivable",
     "p_claim_ids uuid[], p_scope text, p_organization_id uuid, p_since timestamp with time zone, p_row_cap integer",
 );
+pub(crate) const SCHEDULED_CALL: SqlFunction =
+    function("idempotency_scheduled_call", "p_job text, p_request_id bigint, p_answers jsonb");
+pub(crate) const SCHEDULED_FAILURES: SqlFunction =
+    function("idempotency_scheduled_failures", "p_since timestamp with time zone, p_row_cap integer");
 pub(crate) const CLAIM_MANY: SqlFunction = function(
     "idempotency_claim_many",
     "p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer",
@@ -131,6 +135,8 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     FAILURES,
     REDRIVE_FAILED,
     REDRIVABLE,
+    SCHEDULED_CALL,
+    SCHEDULED_FAILURES,
     EXPIRED,
     DELETE_EXPIRED,
     RETIRE_EXPIRED,

@@ -140,7 +140,9 @@ ALTER TYPE agent.idempotency_completion_item OWNER TO idempotency_owner;
 -- agent.idempotency_failure
 --
 -- A journaled failure as agent.idempotency_failures and
--- agent.idempotency_redrive_failed answer it.
+-- agent.idempotency_redrive_failed answer it. claimed_at is the latest
+-- attempt's claim; first_claimed_at the claim of the first attempt that
+-- failed, kept however often the failure is sent back and fails again.
 
 CREATE TYPE agent.idempotency_failure AS (
 	id uuid,
@@ -157,7 +159,8 @@ CREATE TYPE agent.idempotency_failure AS (
 	retain_until timestamp with time zone,
 	redrivable boolean,
 	requeues integer,
-	taken integer
+	taken integer,
+	first_claimed_at timestamp with time zone
 );
 
 ALTER TYPE agent.idempotency_failure OWNER TO idempotency_owner;
@@ -400,6 +403,40 @@ CREATE INDEX idempotency_keys_redrive_idx ON agent.idempotency_keys USING btree 
 CREATE INDEX idempotency_keys_retain_until_idx ON agent.idempotency_keys USING btree (retain_until, id);
 
 ALTER TABLE agent.idempotency_keys ENABLE ROW LEVEL SECURITY;
+
+-- supabase/schemas/20_table_idempotency_scheduled_calls.sql
+
+-- agent.idempotency_scheduled_calls
+--
+-- The HTTP calls scheduled jobs make to the plane's routes (pg_cron jobs
+-- calling an Edge Function with pg_net), and what each was answered.
+-- pg_cron reports a pg_net call succeeded whatever its HTTP status, and
+-- pg_net keeps answers 6 hours: the recipes of sql/recipes/ record every
+-- call here, with the answers of earlier ones, so a failed call stays where
+-- idem doctor reads it. Written and read only through the functions; kept
+-- 7 days.
+
+CREATE TABLE agent.idempotency_scheduled_calls (
+    request_id bigint NOT NULL,
+    job text NOT NULL,
+    called_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    answered_at timestamp with time zone,
+    status_code integer,
+    error text,
+    CONSTRAINT idempotency_scheduled_calls_error_length CHECK ((char_length(error) <= 2000)),
+    CONSTRAINT idempotency_scheduled_calls_job_length CHECK (((char_length(job) >= 1) AND (char_length(job) <= 200)))
+);
+
+ALTER TABLE agent.idempotency_scheduled_calls OWNER TO idempotency_owner;
+
+COMMENT ON TABLE agent.idempotency_scheduled_calls IS 'HTTP calls of scheduled jobs (pg_cron with pg_net) and their answers, which pg_cron does not judge: read by agent.idempotency_scheduled_failures and idem doctor.';
+
+ALTER TABLE ONLY agent.idempotency_scheduled_calls
+    ADD CONSTRAINT idempotency_scheduled_calls_pkey PRIMARY KEY (request_id);
+
+CREATE INDEX idempotency_scheduled_calls_called_at_idx ON agent.idempotency_scheduled_calls USING btree (called_at);
+
+ALTER TABLE agent.idempotency_scheduled_calls ENABLE ROW LEVEL SECURITY;
 
 -- supabase/schemas/20_table_idempotency_scopes.sql
 
@@ -1628,7 +1665,8 @@ begin
     select f.id, f.organization_id, f.scope, f.key, f.status, f.response ->> 'error', f.response,
            f.resource_type, f.resource_id, f.reclaims + 1, f.claimed_at, f.retain_until,
            f.request is not null, coalesce(jsonb_array_length(f.replaced), 0),
-           (count(*) over ())::integer
+           (count(*) over ())::integer,
+           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at)
       from failed f
      order by f.claimed_at, f.id;
 end
@@ -3079,7 +3117,8 @@ begin
            s.replaced -> -1 ->> 'resource_type', s.replaced -> -1 ->> 'resource_id',
            (s.replaced -> -1 ->> 'attempts')::integer, s.claimed_at, s.retain_until,
            true, jsonb_array_length(s.replaced),
-           (count(*) over ())::integer
+           (count(*) over ())::integer,
+           (s.replaced -> 0 ->> 'claimed_at')::timestamptz
       from sent s
      order by s.id;
 end
@@ -3296,6 +3335,129 @@ end
 $$;
 
 ALTER FUNCTION agent.idempotency_row_cap(p_row_cap integer) OWNER TO idempotency_owner;
+
+-- supabase/schemas/40_function_idempotency_scheduled_call.sql
+
+-- agent.idempotency_scheduled_call
+--
+-- Records one call a scheduled job made (public): p_request_id, the id
+-- pg_net's net.http_post answered, under p_job; and the answers pg_net holds
+-- for earlier calls (p_answers: a JSON array of {"request_id", "status_code",
+-- "error"} read from net._http_response), each written to its call once. A
+-- call answered with a status outside 200-299, or an error, is a failure
+-- (a WARNING names how many this run found); calls older than 7 days are
+-- forgotten, at most 1000 a run. Answers the number of answers recorded.
+
+CREATE FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb DEFAULT '[]'::jsonb) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO ''
+    AS $$
+declare
+  v_recorded integer;
+  v_failed integer;
+begin
+  if p_job is null or char_length(p_job) not between 1 and 200 then
+    raise exception 'p_job must name the job: 1 to 200 characters' using errcode = '22023';
+  end if;
+  if p_request_id is null then
+    raise exception 'p_request_id must be the id net.http_post answered' using errcode = '22023';
+  end if;
+  if p_answers is null or jsonb_typeof(p_answers) <> 'array' or jsonb_array_length(p_answers) > 10000 then
+    raise exception 'p_answers must be a JSON array of at most 10000 {"request_id", "status_code", "error"}'
+      using errcode = '22023';
+  end if;
+
+  insert into agent.idempotency_scheduled_calls (request_id, job)
+  values (p_request_id, p_job)
+  on conflict (request_id) do nothing;
+
+  with answers as (
+    select distinct on ((a ->> 'request_id')::bigint)
+           (a ->> 'request_id')::bigint as request_id,
+           case when jsonb_typeof(a -> 'status_code') = 'number'
+                then (a ->> 'status_code')::numeric end as status_code,
+           left(nullif(a ->> 'error', ''), 2000) as error
+      from jsonb_array_elements(p_answers) as e(a)
+     where jsonb_typeof(a) = 'object'
+       and jsonb_typeof(a -> 'request_id') = 'number'
+       and (a ->> 'request_id') ~ '^[0-9]{1,18}$'
+  ), answered as (
+    update agent.idempotency_scheduled_calls as c
+       set answered_at = pg_catalog.clock_timestamp(),
+           status_code = case when a.status_code between 0 and 999 then a.status_code::integer end,
+           error = coalesce(a.error, case when a.status_code is null then 'no status' end)
+      from answers a
+     where c.request_id = a.request_id
+       and c.answered_at is null
+    returning c.status_code, c.error
+  )
+  select count(*)::integer,
+         (count(*) filter (where status_code is null or status_code not between 200 and 299
+                              or error is not null))::integer
+    into v_recorded, v_failed
+    from answered;
+
+  delete from agent.idempotency_scheduled_calls
+   where request_id in (select o.request_id
+                          from agent.idempotency_scheduled_calls o
+                         where o.called_at < pg_catalog.clock_timestamp() - interval '7 days'
+                         order by o.called_at
+                         limit 1000);
+
+  if v_failed > 0 then
+    raise warning '% scheduled call(s) failed (an HTTP status outside 200-299, or no answer)', v_failed
+      using hint = 'select * from agent.idempotency_scheduled_failures(); idem doctor names them too';
+  end if;
+  return v_recorded;
+end
+$$;
+
+ALTER FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb) OWNER TO idempotency_owner;
+
+-- supabase/schemas/40_function_idempotency_scheduled_failures.sql
+
+-- agent.idempotency_scheduled_failures
+--
+-- The scheduled calls that failed since p_since (default: the last hour),
+-- newest first, at most the row cap (public): answered with a status
+-- outside 200-299 or an error, or never answered although a later call of
+-- the same job ran more than 10 minutes after it (pg_net lost or purged
+-- the answer). failed_calls counts every such call since p_since, whatever
+-- the cap cut. Never writes.
+
+CREATE FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone DEFAULT NULL::timestamp with time zone, p_row_cap integer DEFAULT NULL::integer) RETURNS TABLE(job text, request_id bigint, called_at timestamp with time zone, answered_at timestamp with time zone, status_code integer, error text, failed_calls integer)
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path TO ''
+    AS $$
+declare
+  v_cap integer;
+  v_since timestamptz;
+begin
+  v_cap := agent.idempotency_row_cap(p_row_cap);
+  v_since := coalesce(p_since, pg_catalog.clock_timestamp() - interval '1 hour');
+  return query
+    with failed as (
+      select c.*
+        from agent.idempotency_scheduled_calls c
+       where c.called_at >= v_since
+         and ((c.answered_at is not null
+               and (c.status_code is null or c.status_code not between 200 and 299 or c.error is not null))
+              or (c.answered_at is null
+                  and exists (select 1
+                                from agent.idempotency_scheduled_calls l
+                               where l.job = c.job
+                                 and l.called_at > c.called_at + interval '10 minutes')))
+    )
+    select f.job, f.request_id, f.called_at, f.answered_at, f.status_code,
+           coalesce(f.error, case when f.answered_at is null then 'no answer recorded' end),
+           (count(*) over ())::integer
+      from failed f
+     order by f.called_at desc, f.request_id desc
+     limit v_cap;
+end
+$$;
+
+ALTER FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) OWNER TO idempotency_owner;
 
 -- supabase/schemas/40_function_idempotency_surface.sql
 
@@ -3665,6 +3827,7 @@ $trigger$;
 
 REVOKE ALL ON TABLE agent.idempotency_keys FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_scopes FROM PUBLIC, anon, authenticated, service_role;
+REVOKE ALL ON TABLE agent.idempotency_scheduled_calls FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_settings FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.provider_jobs FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.runs FROM PUBLIC, anon, authenticated, service_role;
@@ -3817,6 +3980,12 @@ GRANT ALL ON FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) TO service_
 
 REVOKE ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer) TO service_role;

@@ -1,7 +1,9 @@
 -- agent.idempotency_failure
 --
 -- A journaled failure as agent.idempotency_failures and
--- agent.idempotency_redrive_failed answer it.
+-- agent.idempotency_redrive_failed answer it. claimed_at is the latest
+-- attempt's claim; first_claimed_at the claim of the first attempt that
+-- failed, kept however often the failure is sent back and fails again.
 
 CREATE TYPE agent.idempotency_failure AS (
 	id uuid,
@@ -18,7 +20,8 @@ CREATE TYPE agent.idempotency_failure AS (
 	retain_until timestamp with time zone,
 	redrivable boolean,
 	requeues integer,
-	taken integer
+	taken integer,
+	first_claimed_at timestamp with time zone
 );
 
 ALTER TYPE agent.idempotency_failure OWNER TO idempotency_owner;

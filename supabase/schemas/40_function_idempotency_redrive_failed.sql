@@ -79,7 +79,8 @@ begin
            s.replaced -> -1 ->> 'resource_type', s.replaced -> -1 ->> 'resource_id',
            (s.replaced -> -1 ->> 'attempts')::integer, s.claimed_at, s.retain_until,
            true, jsonb_array_length(s.replaced),
-           (count(*) over ())::integer
+           (count(*) over ())::integer,
+           (s.replaced -> 0 ->> 'claimed_at')::timestamptz
       from sent s
      order by s.id;
 end

@@ -6,6 +6,7 @@
 
 REVOKE ALL ON TABLE agent.idempotency_keys FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_scopes FROM PUBLIC, anon, authenticated, service_role;
+REVOKE ALL ON TABLE agent.idempotency_scheduled_calls FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_settings FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.provider_jobs FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.runs FROM PUBLIC, anon, authenticated, service_role;
@@ -158,6 +159,12 @@ GRANT ALL ON FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) TO service_
 
 REVOKE ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer) TO service_role;

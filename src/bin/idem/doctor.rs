@@ -119,6 +119,7 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<ExitCode, BoxError> {
     let server_cap = check_row_cap(&repo, &mut report).await;
     check_plane_row_cap(&repo, server_cap, &mut report).await;
     check_orphans(&repo, &mut report).await;
+    check_scheduled_calls(&repo, &mut report).await;
     check_webhook_body_limit(&repo, args.webhook_body_limit, &args.webhook_scope, &mut report).await;
     report.finish(&url)
 }
@@ -201,6 +202,41 @@ async fn check_orphans(repo: &PostgrestRepository, report: &mut Report) {
         format!("{}: waiting for the next re-drive", listed.join(", "))
     };
     report.line(!stale, "orphans", detail);
+}
+
+/// Whether a scheduled job's call (pg_cron calling a function's route with
+/// pg_net) failed in the last hour: pg_cron reports such a run `succeeded`
+/// whatever the HTTP status, so only the answers the recipes record say so.
+async fn check_scheduled_calls(repo: &PostgrestRepository, report: &mut Report) {
+    const CHECK: &str = "scheduled calls";
+    let failed = match repo.scheduled_failures(None, 20.min(repo.client().config().max_rows())).await {
+        Ok(failed) => failed,
+        Err(error) => return report.line(false, CHECK, diagnose(&error)),
+    };
+    let Some(last) = failed.first() else {
+        return report.line(true, CHECK, "no scheduled call failed in the last hour");
+    };
+    let mut jobs: Vec<&str> = failed.iter().map(|f| f.job.as_str()).collect();
+    jobs.sort_unstable();
+    jobs.dedup();
+    let answer = match (last.status_code, last.error.as_deref()) {
+        (Some(status), Some(error)) => format!("HTTP {status}, {error}"),
+        (Some(status), None) => format!("HTTP {status}"),
+        (None, Some(error)) => error.to_owned(),
+        (None, None) => "no status".to_owned(),
+    };
+    report.line(
+        false,
+        CHECK,
+        format!(
+            "{} call(s) of {} failed in the last hour (pg_cron still says succeeded); the last, of {} at {}: {answer}. \
+             See select * from agent.idempotency_scheduled_failures()",
+            last.failed_calls,
+            jobs.join(", "),
+            last.job,
+            last.called_at.format("%Y-%m-%dT%H:%M:%SZ"),
+        ),
+    );
 }
 
 /// Compares the functions the database holds with the contract, read-only:

@@ -107,8 +107,13 @@ pub(crate) fn print(rows: &[FailureRow], json: bool) -> Result<(), BoxError> {
         let shown: String = error.chars().take(SHOWN_ERROR_CHARS).collect();
         let cut = if error.chars().count() > SHOWN_ERROR_CHARS { "…" } else { "" };
         let redrivable = if row.redrivable { "re-drivable" } else { "no work stored" };
+        // The first failure's time, when a send-back moved claimed_at on.
+        let first = match row.first_claimed_at {
+            Some(first) if first != row.claimed_at => format!("  first failed attempt claimed {first}"),
+            _ => String::new(),
+        };
         println!(
-            "{}  {}  {}/{}  {shown}{cut}  attempts {}  sent back {}×  {redrivable}  claimed {}",
+            "{}  {}  {}/{}  {shown}{cut}  attempts {}  sent back {}×  {redrivable}  claimed {}{first}",
             row.id,
             row.organization_id,
             row.scope,

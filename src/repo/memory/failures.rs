@@ -1,6 +1,7 @@
 //! Journaled failures in memory: `agent.idempotency_failures` and
 //! `agent.idempotency_redrive_failed`, the in-memory twins.
 
+use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
 
 use super::claims::in_scope;
@@ -45,6 +46,16 @@ fn failure_row(row: &Row, response: Option<Value>, attempts: u32) -> FailureRow 
         retain_until: record.retain_until,
         redrivable: row.request.is_some(),
         requeues: u32::try_from(row.replaced.len()).unwrap_or(u32::MAX),
+        first_claimed_at: first_claimed_at(row),
+    }
+}
+
+/// The first send-back's record of the attempt it replaced, else the row's
+/// own claim, as the plane answers `first_claimed_at`.
+fn first_claimed_at(row: &Row) -> Option<DateTime<Utc>> {
+    match row.replaced.first() {
+        Some(entry) => entry.get("claimed_at").and_then(|at| serde_json::from_value(at.clone()).ok()),
+        None => Some(row.record.claimed_at),
     }
 }
 

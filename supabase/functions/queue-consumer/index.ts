@@ -118,9 +118,7 @@ export function consumer(
     deadLetterQueue: env("DEAD_LETTER_QUEUE") ?? `${queue}_dlq`,
     batchSize: whole(env, "BATCH", 10),
     maxReads: whole(env, "MAX_READS", 5),
-    timing: env("HEARTBEAT_LEASE_MS")
-      ? timing.withHeartbeats(whole(env, "HEARTBEAT_LEASE_MS", 0))
-      : timing,
+    timing: env("HEARTBEAT_LEASE_MS") ? timing.withHeartbeats(whole(env, "HEARTBEAT_LEASE_MS", 0)) : timing,
     path: path as QueuePath,
   });
 
@@ -143,9 +141,7 @@ export function consumer(
       });
     } catch (error) {
       return {
-        unknown: `PROCESS_URL unreachable: ${
-          error instanceof Error ? error.message : error
-        }`,
+        unknown: `PROCESS_URL unreachable: ${error instanceof Error ? error.message : error}`,
       };
     }
     await answer.body?.cancel();
@@ -172,9 +168,7 @@ export function consumer(
       }, { status: 401 });
     }
     await request.body?.cancel();
-    const drained = await drainer.drain((payload, { vendorKey, signal }) =>
-      forward(payload, vendorKey, signal)
-    );
+    const drained = await drainer.drain((payload, { vendorKey, signal }) => forward(payload, vendorKey, signal));
     return Response.json(drained);
   };
 }
@@ -192,9 +186,7 @@ if (import.meta.main) {
     onListen({ hostname, port }) {
       // The first line on stdout, with the port bound (PORT=0 picks a free one).
       console.log(
-        `listening on http://${
-          hostname.includes(":") ? `[${hostname}]` : hostname
-        }:${port}`,
+        `listening on http://${hostname.includes(":") ? `[${hostname}]` : hostname}:${port}`,
       );
     },
   }, handler);

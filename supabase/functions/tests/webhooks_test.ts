@@ -9,9 +9,22 @@
 import assert from "node:assert/strict";
 import { Webhook } from "standardwebhooks";
 import { DEFAULT_WEBHOOK_BODY_LIMIT_BYTES, sha256HexOfBytes } from "../_shared/idempotency/mod.ts";
-import { idemRedrive, KEY, killHard as kill, plane, serve, sleep, uniqueKey, URL_ } from "./support.ts";
+import {
+  idem,
+  idemRedrive,
+  KEY,
+  killHard as kill,
+  plane,
+  serve,
+  sleep,
+  superuserSql,
+  uniqueKey,
+  URL_,
+} from "./support.ts";
 
 const SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+/** The function's IDEM_ROUTE_SECRET: what a pg_cron job sends, from Vault, instead of the service key. */
+const ROUTE_SECRET = "route-secret-4f0c2b7e9a1d4c3b8e6f5a7d9c1b3e5f";
 const signer = new Webhook(SECRET);
 
 /** The downstream service PROCESS_URL names: counts requests per Idempotency-Key; `hold` keeps them unanswered. */
@@ -53,6 +66,7 @@ async function start(processUrl: string) {
     WEBHOOK_SECRET: SECRET,
     PROCESS_URL: processUrl,
     HEARTBEAT_LEASE_MS: "3000",
+    IDEM_ROUTE_SECRET: ROUTE_SECRET,
   });
 }
 
@@ -133,13 +147,16 @@ Deno.test("the example function verifies signatures before any claim and keeps i
     const recipe = await Deno.readTextFile("../../sql/recipes/pg_cron_redrive.sql");
     const job = recipe.slice(recipe.indexOf("select cron.schedule("));
     assert.ok(!/sb_secret_\w|eyJ\w/.test(job), "no key in the job's text");
-    assert.match(job, /'Bearer ' \|\| \(select decrypted_secret from vault\.decrypted_secrets/);
+    assert.match(
+      job,
+      /'Bearer ' \|\| \(select decrypted_secret from vault\.decrypted_secrets\s+where name = 'idempotency_route_secret'\)/,
+    );
     const path = /'(\/functions\/v1\/webhooks\/redrive)'/.exec(job)?.[1];
     const recipeBody = /body := '([^']+)'::jsonb/.exec(job)?.[1];
     assert.ok(path && recipeBody, job);
     const scheduled = await fetch(new URL(path, fn.url), {
       method: "POST",
-      headers: { "content-type": "application/json", authorization: `Bearer ${KEY}` },
+      headers: { "content-type": "application/json", authorization: `Bearer ${ROUTE_SECRET}` },
       body: recipeBody,
     });
     assert.deepEqual([scheduled.status, await scheduled.json()], [200, {
@@ -291,3 +308,111 @@ for (const receiver of receivers()) {
     }
   });
 }
+
+/**
+ * pg_net's tables and `net.http_post` as pg_net declares them, and Vault's
+ * `decrypted_secrets`, in the database served: pg_net is not packaged for
+ * this machine's PostgreSQL, so `sendQueued` below does what its background
+ * worker does (send each queued request, write its answer to
+ * `net._http_response`) with a real HTTP call to the function.
+ */
+const PG_NET_STAND_IN = `
+  create schema if not exists net;
+  create table if not exists net.http_request_queue (
+    id bigserial primary key, method text not null, url text not null, headers jsonb not null,
+    body bytea, timeout_milliseconds integer not null);
+  create table if not exists net._http_response (
+    id bigint, status_code integer, content_type text, headers jsonb, content text,
+    timed_out boolean, error_msg text, created timestamptz not null default now());
+  create or replace function net.http_post(
+    url text, body jsonb default '{}'::jsonb, params jsonb default '{}'::jsonb,
+    headers jsonb default '{"Content-Type": "application/json"}'::jsonb,
+    timeout_milliseconds integer default 5000) returns bigint
+  language sql as $f$
+    insert into net.http_request_queue (method, url, headers, body, timeout_milliseconds)
+    values ('POST', url, headers, convert_to(body::text, 'UTF8'), timeout_milliseconds)
+    returning id
+  $f$;
+  create schema if not exists vault;
+  create table if not exists vault.decrypted_secrets (name text primary key, decrypted_secret text);`;
+
+/** pg_net's worker, once: sends every queued request and records its answer. */
+async function sendQueued(): Promise<number[]> {
+  const queued = await superuserSql(
+    "with sent as (delete from net.http_request_queue returning *) " +
+      "select id, url, headers::text, convert_from(body, 'UTF8') from sent order by id",
+  );
+  const statuses: number[] = [];
+  for (const [id, url, headers, body] of queued) {
+    const answer = await fetch(url, { method: "POST", headers: JSON.parse(headers), body });
+    const content = await answer.text();
+    statuses.push(answer.status);
+    await superuserSql(
+      `insert into net._http_response (id, status_code, content) values (${Number(id)}, ${answer.status}, ` +
+        `${sqlText(content)})`,
+    );
+  }
+  return statuses;
+}
+
+/** `text` as a SQL string literal (dollar-quoted, with a tag the text cannot hold). */
+function sqlText(text: string): string {
+  const tag = `t${crypto.randomUUID().replaceAll("-", "")}`;
+  return `$${tag}$${text}$${tag}$`;
+}
+
+Deno.test("the Supabase Cron re-drive recipe sends the route secret, records each call's HTTP status, and idem doctor names a failed one", async () => {
+  const service = downstream();
+  const fn = await start(service.url);
+  try {
+    await superuserSql(PG_NET_STAND_IN);
+    await superuserSql(
+      `delete from vault.decrypted_secrets; insert into vault.decrypted_secrets values ` +
+        `('project_url', ${sqlText(fn.url)}), ('idempotency_route_secret', ${sqlText(ROUTE_SECRET)})`,
+    );
+    // The job's command, exactly as the recipe schedules it.
+    const recipe = await Deno.readTextFile("../../sql/recipes/pg_cron_redrive.sql");
+    const command = /\$\$([\s\S]+?)\$\$/.exec(recipe.slice(recipe.indexOf("select cron.schedule(")))?.[1];
+    assert.ok(command, recipe);
+    const job = "idempotency-redrive-webhooks";
+    const run = async () => (await superuserSql(command))[0]?.[0];
+
+    // Two runs: the first call answered 200, recorded by the second run.
+    assert.equal(await run(), "0", "no answer to record yet");
+    const [queued] = await superuserSql("select headers::text from net.http_request_queue");
+    assert.ok(
+      queued[0].includes(`Bearer ${ROUTE_SECRET}`) && !queued[0].includes(KEY),
+      "the route secret, never the service key",
+    );
+    assert.deepEqual(await sendQueued(), [200]);
+    assert.equal(await run(), "1", "the first call's answer recorded");
+    await sendQueued();
+    assert.deepEqual(await superuserSql("select * from agent.idempotency_scheduled_failures()"), []);
+    const healthy = await idem("doctor");
+    assert.match(healthy.stdout, /ok +scheduled calls: no scheduled call failed in the last hour/);
+
+    // A secret the function does not hold: 401, which pg_cron would call succeeded.
+    await superuserSql(
+      "update vault.decrypted_secrets set decrypted_secret = 'stale-secret-0000000000000000000000' where name = 'idempotency_route_secret'",
+    );
+    await run();
+    assert.deepEqual(await sendQueued(), [401]);
+    await run();
+    const failed = await superuserSql(
+      "select job, status_code, failed_calls from agent.idempotency_scheduled_failures()",
+    );
+    assert.deepEqual(failed, [[job, "401", "1"]]);
+    const doctor = await idem("doctor");
+    assert.equal(doctor.code, 1, doctor.stdout);
+    assert.match(
+      doctor.stdout,
+      /FAIL +scheduled calls: 1 call\(s\) of idempotency-redrive-webhooks failed in the last hour .*HTTP 401/,
+    );
+  } finally {
+    await superuserSql(
+      "delete from agent.idempotency_scheduled_calls; drop schema if exists net cascade; drop schema if exists vault cascade",
+    );
+    await kill(fn.child);
+    await service.close();
+  }
+});

@@ -103,9 +103,7 @@ export function receiver(
       });
     } catch (error) {
       throw ProcessingError.retryable(
-        `PROCESS_URL unreachable: ${
-          error instanceof Error ? error.message : error
-        }`,
+        `PROCESS_URL unreachable: ${error instanceof Error ? error.message : error}`,
       );
     }
     await answer.body?.cancel();
@@ -130,8 +128,7 @@ export function receiver(
     },
     organizationOf: () => organizationId,
     deliveryIdOf: (request) => request.headers.get("webhook-id") ?? "",
-    process: ({ request, body, signal }) =>
-      forward(request.headers.get("webhook-id") ?? "", body, signal),
+    process: ({ request, body, signal }) => forward(request.headers.get("webhook-id") ?? "", body, signal),
   });
 
   const redrive = redriveRoute({
@@ -142,8 +139,7 @@ export function receiver(
     redrive: (limit) =>
       gate.redrive(
         { scope: SCOPE, limit, organizationId },
-        (event: Redelivery, signal: AbortSignal) =>
-          forward(event.deliveryId, event.body, signal),
+        (event: Redelivery, signal: AbortSignal) => forward(event.deliveryId, event.body, signal),
       ),
   });
 
@@ -171,9 +167,7 @@ if (import.meta.main) {
     onListen({ hostname, port }) {
       // The first line on stdout, with the port bound (PORT=0 picks a free one).
       console.log(
-        `listening on http://${
-          hostname.includes(":") ? `[${hostname}]` : hostname
-        }:${port}`,
+        `listening on http://${hostname.includes(":") ? `[${hostname}]` : hostname}:${port}`,
       );
     },
   }, handler);

@@ -514,6 +514,21 @@ async fn journaled_failures_are_listed_and_sent_back_to_redrive_once(repo: &impl
     let taken = repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap();
     assert_eq!(taken.len(), 1);
     assert_eq!((taken[0].id, taken[0].attempt, taken[0].request.as_ref()), (failed, 2, Some(&work)));
+    // It fails again, before the fix: listed again, its first failure's time kept.
+    let first = listed.iter().find(|f| f.id == failed).map(|f| f.claimed_at).expect("listed");
+    assert!(listed.iter().all(|f| f.first_claimed_at == Some(f.claimed_at)), "{listed:?}");
+    assert_eq!(sent[0].first_claimed_at, Some(first), "the send-back keeps the failed attempt's claim");
+    let again = json!({"ok": false, "error": "downstream 500 again", "output": null});
+    let args = CompletionArgs { response: Some(&again), ..CompletionArgs::default() };
+    repo.complete(org, failed, taken[0].lease_token.expect("held"), args).await.unwrap().expect("journaled");
+    let relisted = repo.failures(&failures_of(org, "webhook.stripe", 10)).await.unwrap();
+    let row = relisted.iter().find(|f| f.id == failed).expect("failed again, listed");
+    assert_eq!(row.first_claimed_at, Some(first), "{row:?}");
+    assert!(row.claimed_at >= first && row.requeues == 1, "{row:?}");
+    let send_again = FailuresCall { claim_ids: Some(&chosen[..1]), ..failures_of(org, "webhook.stripe", 10) };
+    assert_eq!(repo.redrive_failed(&send_again).await.unwrap()[0].first_claimed_at, Some(first));
+    let taken = repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap();
+    assert_eq!((taken.len(), taken[0].id), (1, failed));
     let fixed = json!({"ok": true, "output": "processed after the fix"});
     let args = CompletionArgs { response: Some(&fixed), ..CompletionArgs::default() };
     let token = taken[0].lease_token.expect("held");

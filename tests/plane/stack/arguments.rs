@@ -138,6 +138,21 @@ fn surface() -> Vec<Call> {
             ],
         },
         Call {
+            sql: "select * from agent.idempotency_scheduled_call($1, $2::bigint, $3::jsonb)",
+            arguments: vec![
+                ("p_job", "idempotency-redrive-webhooks".to_owned(), true),
+                ("p_request_id", "41".to_owned(), true),
+                ("p_answers", json!([{"request_id": 40, "status_code": 200}]).to_string(), true),
+            ],
+        },
+        Call {
+            sql: "select * from agent.idempotency_scheduled_failures($1::timestamptz, $2::integer)",
+            arguments: vec![
+                ("p_since", "2026-01-01T00:00:00Z".to_owned(), false),
+                ("p_row_cap", "1000".to_owned(), false),
+            ],
+        },
+        Call {
             sql: "select * from agent.idempotency_claim_many($1::uuid, $2, $3::bigint, $4::jsonb, $5::integer)",
             arguments: vec![
                 ("p_organization_id", ORG.to_owned(), true),
@@ -315,7 +330,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 70, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 73, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 
