@@ -38,7 +38,7 @@ pub(super) fn authenticator_url(db_url: &Url, password: Option<&str>) -> Url {
 /// neither a superuser nor a member of one (a member may `SET ROLE` to it).
 /// The refusals name the fix.
 pub(super) async fn check_login(url: &Url, password_given: bool) -> Result<(), LocalError> {
-    let mut login = super::stack::while_slots_are_full(|| PgConnection::connect(url.as_str())).await.map_err(|error| {
+    let mut login = super::cluster::while_slots_are_full(|| PgConnection::connect(url.as_str())).await.map_err(|error| {
         let code = sqlstate(&error);
         let fix = if password_given {
             format!(

@@ -1,7 +1,9 @@
 //! The PostgreSQL cluster the stack creates its databases on, as seen from
 //! its maintenance database: the connection URL (without TLS on loopback,
-//! printed without its password), quoting, and the catalog look-ups and
-//! drops the other parts share.
+//! printed without its password), quoting, the catalog look-ups and
+//! drops the other parts share, and connecting while its slots are full.
+
+use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, Executor, PgConnection};
 use url::Url;
@@ -71,6 +73,39 @@ pub(super) fn quote_literal(text: &str) -> String {
 }
 
 /// Connects to the maintenance database the stack would use.
+/// How long a start waits for a connection slot of a cluster that has none
+/// free: a cluster shared by several stacks (a test suite's, a developer's)
+/// runs out for a moment when they all start at once.
+const SLOT_WAIT: Duration = Duration::from_secs(20);
+
+/// `connect`, asked again every 250 ms for up to [`SLOT_WAIT`] while the
+/// cluster answers that every connection slot is taken (53300, `too many
+/// clients already`); any other error at once.
+pub(super) async fn while_slots_are_full<T, F, Fut>(mut connect: F) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let until = tokio::time::Instant::now() + SLOT_WAIT;
+    let mut warned = false;
+    loop {
+        match connect().await {
+            Err(sqlx::Error::Database(error))
+                if error.code().as_deref() == Some("53300") && tokio::time::Instant::now() < until =>
+            {
+                if !warned {
+                    // 53300 is also a role's or a database's connection limit,
+                    // which waiting does not lift: the wait is bounded, and said.
+                    tracing::warn!(error = %error, wait = ?SLOT_WAIT, "no free connection slot; asking again");
+                    warned = true;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 #[cfg(test)]
 pub(super) async fn admin() -> (PgConnection, Url) {
     use sqlx::Connection;

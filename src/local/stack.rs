@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use url::Url;
 
 use super::api_keys::ApiKeys;
-use super::cluster::{drop_database, redacted, without_loopback_tls};
+use super::cluster::{drop_database, redacted, while_slots_are_full, without_loopback_tls};
 use super::config::LocalStackConfig;
 use super::database::{drop_stale_databases, open_named_database, throwaway_name, SETUP_LOCK};
 use super::error::LocalError;
@@ -361,39 +361,6 @@ impl Drop for LocalStack {
             });
         });
         let _ = cleanup.join();
-    }
-}
-
-/// How long a start waits for a connection slot of a cluster that has none
-/// free: a cluster shared by several stacks (a test suite's, a developer's)
-/// runs out for a moment when they all start at once.
-const SLOT_WAIT: Duration = Duration::from_secs(20);
-
-/// `connect`, asked again every 250 ms for up to [`SLOT_WAIT`] while the
-/// cluster answers that every connection slot is taken (53300, `too many
-/// clients already`); any other error at once.
-pub(super) async fn while_slots_are_full<T, F, Fut>(mut connect: F) -> Result<T, sqlx::Error>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
-{
-    let until = tokio::time::Instant::now() + SLOT_WAIT;
-    let mut warned = false;
-    loop {
-        match connect().await {
-            Err(sqlx::Error::Database(error))
-                if error.code().as_deref() == Some("53300") && tokio::time::Instant::now() < until =>
-            {
-                if !warned {
-                    // 53300 is also a role's or a database's connection limit,
-                    // which waiting does not lift: the wait is bounded, and said.
-                    tracing::warn!(error = %error, wait = ?SLOT_WAIT, "no free connection slot; asking again");
-                    warned = true;
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            other => return other,
-        }
     }
 }
 

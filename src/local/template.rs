@@ -149,7 +149,7 @@ async fn ensure_template<'s>(
 
 /// Applies `migrations`, in order, to the database at `db_url`.
 async fn apply_migrations(db_url: &Url, migrations: Migrations) -> Result<(), LocalError> {
-    let mut conn = super::stack::while_slots_are_full(|| PgConnection::connect(db_url.as_str()))
+    let mut conn = super::cluster::while_slots_are_full(|| PgConnection::connect(db_url.as_str()))
         .await
         .map_err(|source| LocalError::Database { url: redacted(db_url), source })?;
     let mut result = Ok(());

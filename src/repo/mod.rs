@@ -15,6 +15,7 @@
 
 mod batch;
 mod memory;
+mod pgmq;
 mod postgrest;
 pub mod probes;
 mod queue;
@@ -32,6 +33,7 @@ use crate::error::Error;
 pub use self::postgrest::PostgrestRepository;
 pub use batch::{BatchClaims, ClaimItem, ClaimManyCall, CompletionItem};
 pub use memory::MemoryRepository;
+pub use pgmq::{QueueMessage, Queues, ReadBatch, UnreadableMessage, QUEUES_SCHEMA};
 pub use queue::{PlaneQueues, QueueClaim, QueueEnding, QueueSettled, QueueTakeCall, TakeOutcome, TakenItem};
 pub use record::{
     AdmittedRun, ClaimDecision, ClaimRow, ClaimStatus, ExpiredClaim, FailureRow, IdempotencyRecord, ProviderJob,

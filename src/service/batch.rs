@@ -20,13 +20,14 @@ use tracing::{field, Instrument};
 use uuid::Uuid;
 
 use super::answer::{self, Answer};
-use super::driver::{may_have_written, Begun, EffectDriver};
+use super::driver::{Begun, EffectDriver};
 use super::hash::RequestHash;
 use super::held::{Held, LeftToLease, Settle, Settled, FIRST_ENDING_BACKOFF, MAX_ENDING_BACKOFF};
 use super::idempotency::{record_ending, record_outcome, IdempotencyService};
 use super::outcome::{Claim, ClaimOutcome, Completion, Ending};
 use super::stored::{checked, decided, Stored};
 use super::timing::Timing;
+use super::written::may_have_written;
 use super::{scope, validate};
 use crate::error::Error;
 use crate::repo::{

@@ -21,6 +21,7 @@ use super::idempotency::IdempotencyService;
 use super::outcome::Claim;
 use super::outcome::ClaimOutcome;
 use super::timing::Timing;
+use super::written::may_have_written;
 use crate::error::Error;
 use crate::repo::{ClaimCall, IdempotencyRepository, OrphanedWork, RedriveCall, WorkRow};
 
@@ -278,24 +279,6 @@ pub(crate) fn asking_cut(attempt: &Attempt) -> Error {
         in_flight: true,
         last_error: None,
     })
-}
-
-/// Whether a call that failed with `error` (a claim, an admission) may have
-/// written all the same: anything but a refusal sent back before the
-/// database wrote (input the plane refuses, a scope without policy, an
-/// organization a tenant router has no plane for, a 4xx answer, a client
-/// that could not be configured). A lost or garbled
-/// answer, a gateway's 5xx or a cut request may each follow the commit.
-pub fn may_have_written(error: &Error) -> bool {
-    use crate::postgrest::ClientError;
-    !matches!(
-        error,
-        Error::Invalid(_)
-            | Error::UnknownScope { .. }
-            | Error::UnroutedOrganization { .. }
-            | Error::Store(ClientError::Api { status: 400..=499, .. })
-            | Error::Store(ClientError::Config(_) | ClientError::Key(_))
-    )
 }
 
 /// One attempt at a claim: the lease token it carries and when it started.

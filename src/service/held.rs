@@ -698,7 +698,7 @@ impl<R: IdempotencyRepository> Held<R> {
                 Err(_elapsed) => return Settled::LeftToLease(LeftToLease::Deadline { ending: "release" }),
                 Ok(Err(error)) => error,
             };
-            may_have_landed |= super::driver::may_have_written(&error);
+            may_have_landed |= super::written::may_have_written(&error);
             if !self.wait_to_retry(&error, &mut backoff).await {
                 return Settled::LeftToLease(LeftToLease::Failed { ending: "release", error });
             }

@@ -26,6 +26,7 @@ pub(crate) mod scope;
 mod stored;
 mod timing;
 pub(crate) mod validate;
+mod written;
 
 #[cfg(feature = "axum")]
 pub(crate) use answer::stored_size;
@@ -34,7 +35,7 @@ pub use answer::{Answer, MAX_STORED_ERROR_BYTES};
 pub use batch::{Batch, BatchItem, BatchReport, ItemEnding};
 pub use caller_key::caller_scoped_key;
 pub(crate) use driver::asking_cut;
-pub use driver::{may_have_written, Attempt, Begun, Effect, EffectDriver, Redriven};
+pub use driver::{Attempt, Begun, Effect, EffectDriver, Redriven};
 pub use hash::{canonical_json, RequestHash};
 pub(crate) use held::Beater;
 pub use held::{effect_stop, Cut, Held, LeftToLease, Refused, Settle, Settled};
@@ -50,5 +51,6 @@ pub use timing::{
 };
 pub(crate) use validate::key as validate_key;
 pub use validate::{MAX_KEY_CHARS, MAX_LEASE, MIN_LEASE};
+pub use written::may_have_written;
 
 pub use crate::storable::{Unstorable, MAX_POLICY_RESPONSE_BYTES, MAX_RESPONSE_DEPTH};

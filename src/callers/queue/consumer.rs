@@ -5,11 +5,11 @@ use std::future::Future;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use super::pgmq::{QueueMessage, Queues, ReadBatch};
 use crate::callers::tool::vendor_key;
 use crate::error::Error;
 use crate::postgrest::codes;
 use crate::repo::{BatchClaims, IdempotencyRepository, PlaneQueues};
+use crate::repo::{QueueMessage, Queues, ReadBatch};
 use crate::service::{
     Answer, Batch, BatchItem, BatchReport, Claim, EffectDriver, ItemEnding, RequestHash, Settle, Timing, MAX_KEY_CHARS,
 };

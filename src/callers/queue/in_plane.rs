@@ -14,9 +14,9 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::consumer::{Drained, MessageContext, QueueConsumer};
-use super::pgmq::QueueMessage;
 use crate::callers::tool::vendor_key;
 use crate::error::Error;
+use crate::repo::QueueMessage;
 use crate::repo::{
     BatchClaims, CompletionArgs, IdempotencyRepository, PlaneQueues, QueueClaim, QueueEnding, QueueTakeCall,
     TakeOutcome, TakenItem,

@@ -13,11 +13,11 @@
 //! client's `QueueConsumer` does the same, for Edge Functions.
 //!
 //! Queues are reached as Supabase serves them, through the `pgmq_public`
-//! functions of its Data API ([`Queues`]), with the service role.
+//! functions of its Data API ([`Queues`], beside the plane's repository in
+//! [`crate::repo`], re-exported here), with the service role.
 
 mod consumer;
 mod in_plane;
-mod pgmq;
 
+pub use crate::repo::{QueueMessage, Queues, ReadBatch, UnreadableMessage, QUEUES_SCHEMA};
 pub use consumer::{ConsumerOptions, Drained, MessageContext, QueueConsumer, QueuePath};
-pub use pgmq::{QueueMessage, Queues, ReadBatch, UnreadableMessage, QUEUES_SCHEMA};

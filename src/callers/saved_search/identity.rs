@@ -9,7 +9,6 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use super::error::SavedSearchError;
-use super::start::Started;
 use crate::callers::runs::{AdmissionToken, AdmittedRun};
 use crate::service::{journal, ResponseRef};
 
@@ -47,14 +46,6 @@ pub(super) struct Start<'a> {
 impl Start<'_> {
     pub(super) fn stored_answer(&self, reason: impl Into<String>) -> SavedSearchError {
         SavedSearchError::StoredAnswer { key: self.key.to_owned(), reason: reason.into() }
-    }
-
-    /// Our preparation's fence moved on: another start holds the trigger
-    /// now, and its ending is the one that counts. Nothing to do.
-    pub(super) fn fence_lost(&self) -> Started {
-        tracing::Span::current().record("outcome", "fence_lost");
-        tracing::info!("the preparation's lease moved on to another start; this one does nothing more");
-        Started::Superseded
     }
 }
 

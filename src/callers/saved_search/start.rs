@@ -36,6 +36,16 @@ pub struct StartedRun {
     pub replayed: bool,
 }
 
+impl Start<'_> {
+    /// Our preparation's fence moved on: another start holds the trigger
+    /// now, and its ending is the one that counts. Nothing to do.
+    pub(super) fn fence_lost(&self) -> Started {
+        tracing::Span::current().record("outcome", "fence_lost");
+        tracing::info!("the preparation's lease moved on to another start; this one does nothing more");
+        Started::Superseded
+    }
+}
+
 /// How a start ended, when it did not fail.
 #[derive(Debug, Clone, PartialEq)]
 #[must_use = "a start that was superseded started no Run from this call"]

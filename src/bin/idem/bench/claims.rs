@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use super::drive::drive;
 use super::drive::Service;
-use super::report::Figure;
+use super::figure::Figure;
 use super::rows::insert_expired;
 use crate::BoxError;
 

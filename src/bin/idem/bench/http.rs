@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use super::drive::{drive, Service};
-use super::report::Figure;
+use super::figure::Figure;
 use crate::BoxError;
 
 pub(super) async fn pairs_through_crate(

@@ -8,7 +8,7 @@ use serde::Serialize;
 use sqlx::{Executor, PgPool};
 use uuid::Uuid;
 
-use super::report::Figure;
+use super::figure::Figure;
 use crate::BoxError;
 
 /// Disk per million claims of one layout, in MiB.

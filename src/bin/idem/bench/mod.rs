@@ -24,6 +24,7 @@
 mod batches;
 mod claims;
 mod drive;
+mod figure;
 mod floor;
 mod http;
 mod layout;
@@ -181,9 +182,9 @@ async fn on_server(config: LocalStackConfig, args: &BenchArgs) -> Result<ServerR
 
 /// What the scenarios measured, before the ratios between them.
 struct Run {
-    figures: Vec<report::Figure>,
+    figures: Vec<figure::Figure>,
     round_trips: Vec<(String, f64)>,
-    wan: Vec<report::Figure>,
+    wan: Vec<figure::Figure>,
     sizes: Vec<layout::Size>,
     hot: Vec<layout::Hot>,
     work: Vec<work::Measure>,

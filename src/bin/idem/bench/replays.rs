@@ -12,7 +12,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::drive::{drive, Run, Service};
-use super::report::Figure;
+use super::figure::Figure;
 use super::rows::expire_leases;
 use crate::BoxError;
 

@@ -18,8 +18,8 @@ use idempotency_plane::{IdempotencyService, PostgrestClient, PostgrestRepository
 use serde::Serialize;
 
 use super::claims::claims;
+use super::figure::Figure;
 use super::http::{pairs_bare_http, pairs_through_crate};
-use super::report::Figure;
 use super::sql::{definer_against_invoker, functions_against_floor};
 use crate::BoxError;
 

@@ -10,8 +10,8 @@ use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
 use super::drive::{alternating, drive, own_pool, Run, SEGMENTS};
+use super::figure::Figure;
 use super::floor::{FLOOR_CLAIM, FLOOR_COMPLETE};
-use super::report::Figure;
 use crate::BoxError;
 
 /// The SQL functions over direct connections and the floor, measured in

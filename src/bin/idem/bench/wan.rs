@@ -12,7 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use uuid::Uuid;
 
-use super::report::Figure;
+use super::figure::Figure;
 use super::rows::expire_leases;
 use crate::BoxError;
 

@@ -14,7 +14,7 @@ use sqlx::{Executor, PgPool};
 use uuid::Uuid;
 
 use super::drive::{alternating, drive, own_pool, SEGMENTS};
-use super::report::Figure;
+use super::figure::Figure;
 use crate::BoxError;
 
 /// The scope the work scenarios claim in: a member of the seeded

@@ -28,7 +28,7 @@ import type { EffectDriver } from "./driver.ts";
 import { PlaneError } from "./errors.ts";
 import { type Beat, Held, type Settle, type Settled } from "./held.ts";
 import type { CallOptions, Claim, IdempotencyPlane } from "./plane.ts";
-import type { Drained, MessageContext, QueueMessage } from "./queue.ts";
+import type { Drained, MessageContext, QueueMessage } from "./queue_message.ts";
 import type { Timing } from "./timing.ts";
 import { vendorKey } from "./vendor_key.ts";
 
