@@ -3,7 +3,8 @@
 # fresh database on the PostgreSQL at DATABASE_URL, default 127.0.0.1:5432),
 # waits for it, runs COMMAND with the env file's variables exported
 # (IDEM_POSTGREST_URL, IDEM_SERVICE_KEY, IDEM_MAX_ROWS, SUPABASE_URL,
-# SUPABASE_SERVICE_ROLE_KEY, SUPABASE_SECRET_KEY, SUPABASE_ANON_KEY),
+# SUPABASE_SERVICE_ROLE_KEY, SUPABASE_ANON_KEY, SUPABASE_SECRET_KEYS,
+# SUPABASE_PUBLISHABLE_KEYS),
 # IDEM_BIN (the idem binary itself) and IDEM_TEST_DATABASE_URL (a superuser
 # URL of the database served), and
 # always stops the server (SIGTERM: it stops serving and drops its database).

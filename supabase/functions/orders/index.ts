@@ -13,7 +13,7 @@
 // Every answer of the middleware's own is application/problem+json (RFC 9457).
 //
 // The plane comes from the environment, as a deployed Edge Function has it:
-// SUPABASE_URL and SUPABASE_SERVICE_ROLE_KEY (or SUPABASE_SECRET_KEY) are set
+// SUPABASE_URL and SUPABASE_SECRET_KEYS (beside the legacy SUPABASE_SERVICE_ROLE_KEY) are set
 // by Supabase; IDEM_POSTGREST_URL and IDEM_SERVICE_KEY (what `idem up
 // --env-file` writes), when set, are used first. Deployed, callers pin it to
 // the database's region (`x-region`; docs/deploying.md), since each claim and
