@@ -28,7 +28,6 @@ declare
   v_request jsonb;
   v_key text;
   v_lettered boolean;
-  v_released boolean;
   v_state text;
   v_message text;
   v_hint text;
@@ -86,7 +85,8 @@ begin
         v_archive := v_archive || v_item.msg_ids;
         return next (v_index, true, pg_catalog.cardinality(v_item.msg_ids), v_lettered)::agent.idempotency_queue_settled;
       elsif v_item.ending = 'release' then
-        v_released := agent.idempotency_release(v_item.claim_id, v_item.lease_token, v_item.organization_id);
+        -- Whether the fence still held changes nothing here: the message is left either way.
+        perform agent.idempotency_release(v_item.claim_id, v_item.lease_token, v_item.organization_id);
         return next (v_index, false, 0, false)::agent.idempotency_queue_settled;
       else
         return next (v_index, false, 0, false)::agent.idempotency_queue_settled;
