@@ -51,6 +51,16 @@ pub struct IdempotencyRecord {
     pub lease_live: bool,
 }
 
+impl IdempotencyRecord {
+    /// Whether the row journaled a failure: completed, its answer
+    /// `"ok": false` (what `idempotency_failures` lists and
+    /// `idempotency_redrive_failed` may send back).
+    pub fn journaled_failure(&self) -> bool {
+        self.status == ClaimStatus::Completed
+            && self.response.as_ref().and_then(|response| response.get("ok")) == Some(&serde_json::Value::Bool(false))
+    }
+}
+
 /// What the one-call claim (`agent.idempotency_claim`) decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -50,7 +50,7 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
     let record = service.record(args.org, &args.scope, &key).await.map_err(exit::refused_input)?;
     // A failure: can it be sent back after a fix, and if not, why not.
     let failure = match &record {
-        Some(record) if failed(record) => {
+        Some(record) if record.journaled_failure() => {
             let ids = [record.id];
             let call = FailuresCall {
                 scope: &args.scope,
@@ -86,7 +86,7 @@ pub(crate) async fn run(args: GetArgs) -> Result<ExitCode, BoxError> {
             "processing — a worker holds a live lease: the call is in flight"
         }
         ClaimStatus::Processing => "processing — the lease passed: its worker is gone; the next claim reclaims it",
-        ClaimStatus::Completed if failed(&record) => "failed — every repeat replays this failure",
+        ClaimStatus::Completed if record.journaled_failure() => "failed — every repeat replays this failure",
         ClaimStatus::Completed => "completed — every repeat replays the stored answer",
     };
     println!("claim        {}", record.id);
@@ -156,7 +156,7 @@ fn as_json(record: Option<&IdempotencyRecord>, failure: Option<&RedrivableRow>) 
     let state = match record.status {
         ClaimStatus::Processing if record.lease_live => "processing",
         ClaimStatus::Processing => "lease_passed",
-        ClaimStatus::Completed if failed(record) => "failed",
+        ClaimStatus::Completed if record.journaled_failure() => "failed",
         ClaimStatus::Completed => "completed",
     };
     let mut claim = json!({
@@ -181,12 +181,6 @@ fn as_json(record: Option<&IdempotencyRecord>, failure: Option<&RedrivableRow>) 
         fields.insert("redrive_verdict".into(), json!(failure.reason));
     }
     claim
-}
-
-/// Whether `record` journaled a failure (`"ok": false`).
-fn failed(record: &IdempotencyRecord) -> bool {
-    record.status == ClaimStatus::Completed
-        && record.response.as_ref().and_then(|response| response.get("ok")) == Some(&Value::Bool(false))
 }
 
 /// `text` without control characters, so a stored value cannot drive the

@@ -18,8 +18,7 @@ const MAX_REPLACED: usize = 20;
 /// Whether `row` is a journaled failure `call` selects.
 fn selected(row: &Row, call: &FailuresCall<'_>) -> bool {
     let record = &row.record;
-    record.status == ClaimStatus::Completed
-        && record.response.as_ref().and_then(|response| response.get("ok")) == Some(&Value::Bool(false))
+    record.journaled_failure()
         && in_scope(call.scope, &record.scope)
         && call.organization_id.is_none_or(|org| org == record.organization_id)
         && call.since.is_none_or(|since| record.claimed_at >= since)
@@ -164,7 +163,7 @@ impl JournaledFailures for MemoryRepository {
         let now = state.now();
         let verdict = |row: &Row| {
             let record = &row.record;
-            let failed = record.response.as_ref().and_then(|response| response.get("ok")) == Some(&Value::Bool(false));
+            let failed = record.journaled_failure();
             if call.organization_id.is_some_and(|org| org != record.organization_id) {
                 Redrivability::OtherOrganization
             } else if !in_scope(call.scope, &record.scope) {
