@@ -3,8 +3,9 @@
 // idempotency key and payload, a second message), and among them poison
 // messages no client can read (a number beyond every double, messages that
 // are not objects, a key that is not a string, another tenant's message).
-// Four consumers, each the example Edge Function (queue-consumer/index.ts)
-// as a process of its own, drain it in batches (through the plane's queue
+// Four consumers, each a process of its own, two the example Edge Function
+// (queue-consumer/index.ts) and two its Rust twin (examples/queue_consumer.rs,
+// QUEUE_CONSUMER_BIN), drain it in batches (through the plane's queue
 // functions, which `auto` picks on this plane) while the test kills one of
 // them with SIGKILL at random moments (before a take, mid-effect, during a
 // settle: wherever the kill lands) and starts a new one. Some orders fail for
@@ -212,8 +213,15 @@ Deno.test(`${ORDERS} orders, ${SENT_TWICE} sent twice, ${POISONS} poison message
     JOURNAL_DEADLINE_MS: "2000",
     LEASE_MARGIN_MS: "1000",
   };
-  const command = Deno.execPath();
-  const args = ["run", "--frozen", "--allow-net", "--allow-env", "queue-consumer/index.ts"];
+  const rust = Deno.env.get("QUEUE_CONSUMER_BIN");
+  if (!rust) {
+    throw new Error("QUEUE_CONSUMER_BIN is not set (tests/run.sh sets it: cargo build --example queue_consumer)");
+  }
+  // Even slots the Edge Function, odd ones the Rust consumer: both kinds are killed.
+  const start = (slot: number) =>
+    slot % 2 === 0
+      ? serve(Deno.execPath(), ["run", "--frozen", "--allow-net", "--allow-env", "queue-consumer/index.ts"], env)
+      : serve(rust, [], env);
   // The database's clock, for --since.
   const [[since]] = await sql(`select to_char(now() at time zone 'utc', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`);
 
@@ -237,9 +245,9 @@ Deno.test(`${ORDERS} orders, ${SENT_TWICE} sent twice, ${POISONS} poison message
   for (const n of all) vendorKeyOf.set(key(n), await vendorKey(organizationId, SCOPE, key(n)));
   const failed = all.filter(failsForGood);
 
-  const counts = { drains: 0, kills: 0, unreachable: 0, ran: 0, replayed: 0, redriven: 0, snapshots: 0 };
+  const counts = { drains: 0, kills: 0, rustKills: 0, unreachable: 0, ran: 0, replayed: 0, redriven: 0, snapshots: 0 };
   const slots: Served[] = [];
-  for (let i = 0; i < CONSUMERS; i++) slots.push(await serve(command, args, env));
+  for (let i = 0; i < CONSUMERS; i++) slots.push(await start(i));
   let running = true;
   let killing = true;
   const started = Date.now();
@@ -292,10 +300,12 @@ Deno.test(`${ORDERS} orders, ${SENT_TWICE} sent twice, ${POISONS} poison message
       while (killing) {
         await sleep(300 + Math.floor(killerRandom() * 1200));
         if (!killing) break;
-        const slot = Math.floor(killerRandom() * CONSUMERS);
+        // A random consumer of each kind in turn: the Edge Function's, then a Rust one.
+        const slot = 2 * Math.floor(killerRandom() * (CONSUMERS / 2)) + (counts.kills % 2);
         await killHard(slots[slot].child);
         counts.kills += 1;
-        slots[slot] = await serve(command, args, env);
+        if (slot % 2 === 1) counts.rustKills += 1;
+        slots[slot] = await start(slot);
       }
     })();
     // Every second, a snapshot; the first phase is done when every message
@@ -396,10 +406,13 @@ Deno.test(`${ORDERS} orders, ${SENT_TWICE} sent twice, ${POISONS} poison message
     const read = await plane.read({ organizationId, scope: SCOPE, key: key(n), requestHash: await requestHash({ n }) });
     assert.ok(read.outcome === "completed" && read.answer.ok, `order ${n}'s answer after the fix is journaled`);
   }
+  assert.ok(counts.kills < 2 || counts.rustKills >= 1, "both kinds of consumer were killed");
   const deliveries = archive.reduce((sum, [, , reads]) => sum + Number(reads), 0);
   console.log(
     `queue kill test: ${sent} messages (${ORDERS} orders, ${twice.length} sent twice, ${poisoned.length} poison) ` +
-      `in ${seconds.toFixed(0)} s, ${counts.kills} kills, ${counts.drains} drains answered, ${deliveries} deliveries ` +
+      `in ${
+        seconds.toFixed(0)
+      } s, ${counts.kills} kills (${counts.rustKills} of Rust consumers), ${counts.drains} drains answered, ${deliveries} deliveries ` +
       `(${deliveries - sent} redeliveries), ${counts.ran} effects run (${counts.redriven} re-driven from the plane), ` +
       `${counts.replayed} replayed, ${readTwice.size} orders read more than once, ` +
       `${repeats} repeat requests absorbed by the vendor key, ${ORDERS - failed.length} orders applied once, ` +

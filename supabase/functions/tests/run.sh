@@ -6,7 +6,7 @@
 # nothing: pass an `idem` built with `--features local`, with the example
 # Rust gate and echo API built beside it.
 #
-#   cargo build --features local --bin idem --example webhook_gate --example echo_api
+#   cargo build --features local --bin idem --example webhook_gate --example echo_api --example queue_consumer
 #   bash supabase/functions/tests/run.sh target/debug/idem
 #
 # Starts `idem up --env-file` (a fresh database, dropped on stop), waits for
@@ -15,23 +15,26 @@ set -euo pipefail
 
 
 if [ "$#" -ne 1 ] || [ ! -x "$1" ] || [ -d "$1" ]; then
-  echo "usage: $0 PATH/TO/idem   (built with: cargo build --features local --bin idem --example webhook_gate --example echo_api)" >&2
+  echo "usage: $0 PATH/TO/idem   (built with: cargo build --features local --bin idem --example webhook_gate --example echo_api --example queue_consumer)" >&2
   exit 2
 fi
 idem="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
 # The Rust processes, beside idem: the gate (examples/webhook_gate.rs), which
-# the kill test drives as it drives the Edge Function, and the echo API
-# behind the Idempotency-Key layer (examples/echo_api.rs); the cross-client
-# test replays what each stored through the TypeScript client, and back.
+# the kill test drives as it drives the Edge Function, the echo API
+# behind the Idempotency-Key layer (examples/echo_api.rs), whose answers the
+# cross-client test replays through the TypeScript client, and back, and the
+# queue consumer (examples/queue_consumer.rs), which the queue kill test
+# runs and kills beside the Edge Function's.
 WEBHOOK_GATE_BIN="$(dirname "$idem")/examples/webhook_gate"
 ECHO_API_BIN="$(dirname "$idem")/examples/echo_api"
-for example in "$WEBHOOK_GATE_BIN" "$ECHO_API_BIN"; do
+QUEUE_CONSUMER_BIN="$(dirname "$idem")/examples/queue_consumer"
+for example in "$WEBHOOK_GATE_BIN" "$ECHO_API_BIN" "$QUEUE_CONSUMER_BIN"; do
   if [ ! -x "$example" ]; then
     echo "ts-tests: $example is missing; build it with: cargo build --features local --example $(basename "$example")" >&2
     exit 2
   fi
 done
-export WEBHOOK_GATE_BIN ECHO_API_BIN
+export WEBHOOK_GATE_BIN ECHO_API_BIN QUEUE_CONSUMER_BIN
 functions="$(cd "$(dirname "$0")/.." && pwd)"
 root="$(cd "$functions/../.." && pwd)"
 # shellcheck source=/dev/null
