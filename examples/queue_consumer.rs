@@ -4,11 +4,12 @@
 //! downstream service and one schedule serve either, and the kill test
 //! (`supabase/functions/tests/queue_kill_test.ts`) drives both at once.
 //!
-//! - `POST /` with the route secret `IDEM_ROUTE_SECRET` or the service key
-//!   `IDEM_SERVICE_KEY`, as `Authorization: Bearer` or `apikey`: drains one batch (up to
+//! - `POST /` with the route secret `IDEM_ROUTE_SECRET` or a service key of
+//!   the environment, as `Authorization: Bearer` or `apikey`: drains one batch (up to
 //!   `BATCH` messages, default 10) of the queue `QUEUE_NAME` and answers the
 //!   counts `{"read", "ran", "replayed", "failed", "archived",
-//!   "dead_lettered", "left", "redriven"}`; anything else gets 401.
+//!   "dead_lettered", "left", "redriven"}`; without a credential, 401 (another
+//!   method, 405; another path, 404).
 //!
 //! A message is JSON `{"idempotency_key": "…", "payload": …}`. Processing
 //! forwards `payload` to `PROCESS_URL` (POST, the tenant's vendor key as
@@ -66,6 +67,19 @@ fn var(name: &str) -> Option<String> {
 
 fn required(name: &str) -> Result<String, BoxError> {
     var(name).ok_or_else(|| format!("set {name}").into())
+}
+
+/// Every service key the environment holds, as the Edge Function's
+/// `serviceKeysInEnv`: `IDEM_SERVICE_KEY`, each secret key of
+/// `SUPABASE_SECRET_KEYS`, `SUPABASE_SECRET_KEY`, `SUPABASE_SERVICE_ROLE_KEY`.
+fn service_keys() -> Vec<String> {
+    let mut keys: Vec<String> =
+        ["IDEM_SERVICE_KEY", "SUPABASE_SECRET_KEY", "SUPABASE_SERVICE_ROLE_KEY"].into_iter().filter_map(var).collect();
+    let map: Option<serde_json::Map<String, Value>> =
+        var("SUPABASE_SECRET_KEYS").and_then(|v| serde_json::from_str(&v).ok());
+    keys.extend(map.into_iter().flatten().filter_map(|(_, key)| key.as_str().map(str::to_owned)));
+    keys.retain(|key| !key.is_empty() && !key.starts_with("sb_publishable_"));
+    keys
 }
 
 fn whole(name: &str, default: u64) -> Result<u64, BoxError> {
@@ -152,6 +166,9 @@ async fn main() -> Result<(), BoxError> {
     let dead_letters = var("DEAD_LETTER_QUEUE").unwrap_or_else(|| format!("{queue}_dlq"));
     let mut options = ConsumerOptions::new(&queue, dead_letters, organization_id, timing);
     options.batch_size = u32::try_from(whole("BATCH", 10)?)?;
+    if options.batch_size == 0 {
+        return Err("BATCH must be at least 1".into());
+    }
     options.max_reads = i32::try_from(whole("MAX_READS", 5)?)?;
     options.path = match var("QUEUE_PATH").as_deref() {
         None | Some("auto") => QueuePath::Auto,
@@ -166,9 +183,7 @@ async fn main() -> Result<(), BoxError> {
         }
         credentials.push(secret);
     }
-    if let Some(key) = var("IDEM_SERVICE_KEY") {
-        credentials.push(key);
-    }
+    credentials.extend(service_keys());
     let queues = Queues::new(config.clone())?;
     let repo = PostgrestRepository::new(PostgrestClient::new(config)?);
     let drainer = QueueConsumer::new(EffectDriver::new(IdempotencyService::new(repo)), queues, options)?;

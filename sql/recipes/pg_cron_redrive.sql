@@ -24,7 +24,8 @@
 -- The route answers `{"redriven", "journaled", "dead_lettered", "left"}`.
 -- pg_cron reports every run `succeeded` whatever the HTTP status, and
 -- pg_net keeps answers 6 hours: so each run records its call, and the
--- answers pg_net holds for the earlier ones, with
+-- answers pg_net holds for the earlier ones (looked up by request id:
+-- agent.idempotency_scheduled_pending), with
 -- agent.idempotency_scheduled_call. A call answered outside 2xx, or not at
 -- all, stays listed (7 days) where `idem doctor` reads it:
 --
@@ -61,10 +62,8 @@ select cron.schedule(
               'request_id', r.id,
               'status_code', r.status_code,
               'error', coalesce(r.error_msg, case when r.timed_out then 'timed out' end))), '[]'::jsonb)
-       from (select id, status_code, error_msg, timed_out
-               from net._http_response
-              order by id desc
-              limit 1000) as r)
+       from net._http_response as r
+      where r.id = any (agent.idempotency_scheduled_pending('idempotency-redrive-webhooks')))
   );
   $$
 );

@@ -16,10 +16,12 @@
 //! - the secret key from a browser (a `User-Agent` naming `Mozilla/`),
 //!   since a secret key must never be shipped to one.
 //!
+//! A legacy key in `apikey` must be one of the project's (a JWT the stack
+//! signed, of `anon` or `service_role`; else `Invalid API key`).
 //! `Authorization` with a JWT (a signed-in user's, or a legacy key) is left
-//! for the server to verify, as Supabase forwards it; a legacy JWT in
-//! `apikey` is let through as well. The server's root stays plain
-//! PostgREST, which knows nothing of `sb_` keys.
+//! for the server to verify, as Supabase forwards it. The `apikey` query
+//! parameter is taken off before the server sees it. The server's root
+//! stays plain PostgREST, which knows nothing of `sb_` keys.
 
 use std::sync::Arc;
 
@@ -33,7 +35,7 @@ use base64::Engine;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use super::jwt::{mint_stable_token, SUPABASE_CLI_JWT_SECRET};
+use super::jwt::{mint_stable_token, verified_role, SUPABASE_CLI_JWT_SECRET};
 
 /// The Supabase CLI's local secret key, as `supabase start` prints it:
 /// public, the same on every machine. `idem up` hands it out beside the
@@ -50,6 +52,8 @@ pub(super) struct ApiKeys {
     pub(super) publishable: String,
     service_token: String,
     anon_token: String,
+    /// What a legacy JWT key in `apikey` must be signed with.
+    jwt_secret: String,
 }
 
 impl ApiKeys {
@@ -67,6 +71,7 @@ impl ApiKeys {
             publishable,
             service_token: mint_stable_token(jwt_secret, "service_role"),
             anon_token: mint_stable_token(jwt_secret, "anon"),
+            jwt_secret: jwt_secret.to_owned(),
         }
     }
 }
@@ -103,7 +108,14 @@ async fn gateway(State(keys): State<Arc<ApiKeys>>, mut request: Request, next: N
         );
     };
     if !apikey.starts_with("sb_") {
-        // A legacy JWT key: the server verifies what Authorization carries.
+        // A legacy key must be one of the project's: a JWT it signed, of the
+        // anon or service_role role. The server then verifies what
+        // Authorization carries.
+        let role = verified_role(&keys.jwt_secret, &apikey);
+        if !role.is_some_and(|role| role == "anon" || role == "service_role") {
+            return refusal("UNAUTHORIZED_INVALID_API_KEY", "Invalid API key", "Double check your API key.");
+        }
+        strip_apikey_parameter(&mut request);
         return next.run(request).await;
     }
     let token = if constant_time_eq(&apikey, &keys.secret) {
@@ -145,13 +157,15 @@ fn query_apikey(query: Option<&str>) -> Option<String> {
     url::form_urlencoded::parse(query?.as_bytes()).find(|(name, _)| name == "apikey").map(|(_, value)| value.into())
 }
 
-/// `request` without its `apikey` query parameter (the rest kept in order).
+/// `request` without its `apikey` query parameter, however its name is
+/// percent-encoded (the rest kept in order, as sent).
 fn strip_apikey_parameter(request: &mut Request) {
     let Some(query) = request.uri().query() else { return };
-    if !url::form_urlencoded::parse(query.as_bytes()).any(|(name, _)| name == "apikey") {
+    let is_apikey = |pair: &&str| url::form_urlencoded::parse(pair.as_bytes()).any(|(name, _)| name == "apikey");
+    if !query.split('&').any(|pair| is_apikey(&pair)) {
         return;
     }
-    let kept: Vec<&str> = query.split('&').filter(|pair| pair.split('=').next() != Some("apikey")).collect();
+    let kept: Vec<&str> = query.split('&').filter(|pair| !is_apikey(pair)).collect();
     let path = request.uri().path();
     let path_and_query = if kept.is_empty() { path.to_owned() } else { format!("{path}?{}", kept.join("&")) };
     let mut parts = request.uri().clone().into_parts();

@@ -51,9 +51,43 @@ fn sign(secret: &str, payload: &str) -> String {
     format!("{signing_input}.{signature}")
 }
 
+/// The `role` of `token` when it is an HS256 JWT signed with `secret`
+/// (checked with `Mac::verify_slice`, in constant time) that has not
+/// expired; `None` otherwise.
+pub(super) fn verified_role(secret: &str, token: &str) -> Option<String> {
+    let (signing_input, signature) = token.rsplit_once('.')?;
+    let (_, payload) = signing_input.split_once('.')?;
+    let signature = URL_SAFE_NO_PAD.decode(signature).ok()?;
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret.as_bytes()).ok()?;
+    mac.update(signing_input.as_bytes());
+    mac.verify_slice(&signature).ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&URL_SAFE_NO_PAD.decode(payload).ok()?).ok()?;
+    let unexpired = match claims.get("exp") {
+        Some(exp) => exp.as_i64().is_some_and(|exp| exp > chrono::Utc::now().timestamp()),
+        None => true,
+    };
+    unexpired.then(|| claims.get("role")?.as_str().map(str::to_owned)).flatten()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_is_verified_by_its_signature_and_expiry_before_its_role_is_read() {
+        let secret = "a-secret-of-at-least-thirty-two-bytes!!";
+        assert_eq!(verified_role(secret, &mint_stable_token(secret, "anon")).as_deref(), Some("anon"));
+        let fresh = mint_token(secret, "service_role", Duration::from_secs(60));
+        assert_eq!(verified_role(secret, &fresh).as_deref(), Some("service_role"));
+        assert_eq!(verified_role("another-secret-of-at-least-thirty-two", &fresh), None, "another signer");
+        let expired = sign(secret, r#"{"role":"anon","exp":1}"#);
+        assert_eq!(verified_role(secret, &expired), None, "expired");
+        let mut forged = fresh.clone();
+        let flipped = if fresh.ends_with('A') { "B" } else { "A" };
+        forged.replace_range(fresh.len() - 1.., flipped);
+        assert_eq!(verified_role(secret, &forged), None, "a changed signature");
+        assert_eq!(verified_role(secret, "not-a-jwt"), None);
+    }
 
     /// The keys the Supabase CLI's local stack hands out (`supabase status`).
     const CLI_ANON_KEY: &str = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.\

@@ -80,7 +80,8 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
-    /// A server at `base_url`, called with `service_key` as the Bearer token.
+    /// A server at `base_url`, called with `service_key` (a JWT as the
+    /// Bearer token, an `sb_` key as `apikey`: see the type's headers).
     ///
     /// `base_url` is PostgREST's root: `http://host:3000` for plain
     /// PostgREST, `https://<ref>.supabase.co/rest/v1` for Supabase. Defaults:

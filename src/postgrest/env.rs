@@ -32,29 +32,35 @@ pub const SECRET_KEY_NAME_VAR: &str = "IDEM_SECRET_KEY_NAME";
 pub const DEFAULT_SECRET_KEY_NAME: &str = "default";
 
 /// The service key from the first set of [`SERVICE_KEY_VARIABLES`], with
-/// the variable it came from; `var` already treats empty as unset.
+/// the variable it came from; `var` already treats empty as unset. A
+/// `SUPABASE_SECRET_KEYS` holding no key at all (`{}`, a project without
+/// secret keys) counts as unset, unless `IDEM_SECRET_KEY_NAME` asks for one.
 fn service_key(var: &impl Fn(&str) -> Option<String>) -> Result<(&'static str, String), KeyError> {
-    let (variable, value) = SERVICE_KEY_VARIABLES
-        .iter()
-        .find_map(|&name| var(name).map(|value| (name, value)))
-        .ok_or(KeyError::Missing { variables: SERVICE_KEY_VARIABLES.join(" / ") })?;
-    if variable != SECRET_KEYS_VAR {
-        return Ok((variable, value));
-    }
-    let keys: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_str(&value).map_err(|_| KeyError::SecretKeysMalformed { variable })?;
-    if !keys.values().all(serde_json::Value::is_string) {
-        return Err(KeyError::SecretKeysMalformed { variable });
-    }
-    let name = var(SECRET_KEY_NAME_VAR).unwrap_or_else(|| DEFAULT_SECRET_KEY_NAME.to_owned());
-    match keys.get(&name).and_then(serde_json::Value::as_str).filter(|key| !key.is_empty()) {
-        Some(key) => Ok((variable, key.to_owned())),
-        None => {
-            let mut available: Vec<String> = keys.keys().cloned().collect();
-            available.sort();
-            Err(KeyError::SecretKeyNotFound { variable, name, available })
+    for variable in SERVICE_KEY_VARIABLES {
+        let Some(value) = var(variable) else { continue };
+        if variable != SECRET_KEYS_VAR {
+            return Ok((variable, value));
         }
+        let keys: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&value).map_err(|_| KeyError::SecretKeysMalformed { variable })?;
+        if !keys.values().all(serde_json::Value::is_string) {
+            return Err(KeyError::SecretKeysMalformed { variable });
+        }
+        let named = var(SECRET_KEY_NAME_VAR);
+        if keys.is_empty() && named.is_none() {
+            continue;
+        }
+        let name = named.unwrap_or_else(|| DEFAULT_SECRET_KEY_NAME.to_owned());
+        return match keys.get(&name).and_then(serde_json::Value::as_str).filter(|key| !key.is_empty()) {
+            Some(key) => Ok((variable, key.to_owned())),
+            None => {
+                let mut available: Vec<String> = keys.keys().cloned().collect();
+                available.sort();
+                Err(KeyError::SecretKeyNotFound { variable, name, available })
+            }
+        };
     }
+    Err(KeyError::Missing { variables: SERVICE_KEY_VARIABLES.join(" / ") })
 }
 
 impl ClientConfig {

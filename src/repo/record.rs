@@ -313,13 +313,12 @@ pub struct FailureRow {
     /// Whether the claim carries its work, so it can be sent back.
     pub redrivable: bool,
     /// How often it was sent back already (what each replaced is kept for
-    /// the audit in the row, at most 20).
+    /// the audit in the row, at most 20: the first and the last 19).
     pub requeues: u32,
     /// When the first attempt that failed was claimed: kept however often
-    /// the failure is sent back and fails again, while
-    /// [`claimed_at`](Self::claimed_at) moves to each new attempt (read from
-    /// the audit of the last 20 send-backs). `None` from a plane older than
-    /// this field, and for a row sent back before any audit entry.
+    /// the failure is sent back and fails again (the audit keeps the first
+    /// send-back's entry), while [`claimed_at`](Self::claimed_at) moves to
+    /// each new attempt. `None` from a plane older than this field.
     #[serde(default)]
     pub first_claimed_at: Option<DateTime<Utc>>,
 }

@@ -79,6 +79,7 @@ pub(crate) const REDRIVABLE: SqlFunction = function(
 );
 pub(crate) const SCHEDULED_CALL: SqlFunction =
     function("idempotency_scheduled_call", "p_job text, p_request_id bigint, p_answers jsonb");
+pub(crate) const SCHEDULED_PENDING: SqlFunction = function("idempotency_scheduled_pending", "p_job text");
 pub(crate) const SCHEDULED_FAILURES: SqlFunction =
     function("idempotency_scheduled_failures", "p_since timestamp with time zone, p_row_cap integer");
 pub(crate) const CLAIM_MANY: SqlFunction = function(
@@ -136,6 +137,7 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     REDRIVE_FAILED,
     REDRIVABLE,
     SCHEDULED_CALL,
+    SCHEDULED_PENDING,
     SCHEDULED_FAILURES,
     EXPIRED,
     DELETE_EXPIRED,

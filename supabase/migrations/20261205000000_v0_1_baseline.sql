@@ -390,7 +390,7 @@ COMMENT ON COLUMN agent.idempotency_keys.redrive_at IS 'When a claim carrying wo
 
 COMMENT ON COLUMN agent.idempotency_keys.dead_lettered_at IS 'When the failure journaled for this key was sent to a dead-letter queue: a copy of the command that failed is archived beside that letter, never sent again.';
 
-COMMENT ON COLUMN agent.idempotency_keys.replaced IS 'What agent.idempotency_redrive_failed replaced, oldest first (at most 20): the audit of failures sent back.';
+COMMENT ON COLUMN agent.idempotency_keys.replaced IS 'What agent.idempotency_redrive_failed replaced, oldest first (at most 20: the first and the last 19): the audit of failures sent back.';
 
 ALTER TABLE ONLY agent.idempotency_keys
     ADD CONSTRAINT idempotency_keys_org_scope_key_key UNIQUE (organization_id, scope, key);
@@ -3042,7 +3042,8 @@ ALTER FUNCTION agent.idempotency_redrive(p_scope text, p_lease_tokens uuid[], p_
 -- the chosen claim ids, or every failure claimed since p_since. Each becomes
 -- an orphan again with a fresh fence and attempts from one; none of a scope
 -- whose max_attempts is 1. What each replaced is kept in the row for the
--- audit, the last 20.
+-- audit: the first (the first failure, whose claim is first_claimed_at)
+-- and the last 19.
 
 CREATE FUNCTION agent.idempotency_redrive_failed(p_scope text, p_limit integer, p_organization_id uuid DEFAULT NULL::uuid, p_since timestamp with time zone DEFAULT NULL::timestamp with time zone, p_claim_ids uuid[] DEFAULT NULL::uuid[], p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_failure
     LANGUAGE plpgsql SECURITY DEFINER
@@ -3106,7 +3107,7 @@ begin
                              'claimed_at', k.claimed_at,
                              'sent_back_at', v_at))
                       ) with ordinality as e(entry, n)
-                where e.n > jsonb_array_length(coalesce(k.replaced, '[]'::jsonb)) + 1 - 20
+                where e.n = 1 or e.n > jsonb_array_length(coalesce(k.replaced, '[]'::jsonb)) + 1 - 19
              )
         from chosen c
        where k.id = c.id and k.organization_id = c.organization_id
@@ -3367,9 +3368,13 @@ begin
       using errcode = '22023';
   end if;
 
+  -- A request id seen before is pg_net's counter starting again (the
+  -- extension reinstalled): the new call replaces the old record.
   insert into agent.idempotency_scheduled_calls (request_id, job)
   values (p_request_id, p_job)
-  on conflict (request_id) do nothing;
+  on conflict (request_id) do update
+     set job = excluded.job, called_at = pg_catalog.clock_timestamp(),
+         answered_at = null, status_code = null, error = null;
 
   with answers as (
     select distinct on ((a ->> 'request_id')::bigint)
@@ -3458,6 +3463,35 @@ end
 $$;
 
 ALTER FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) OWNER TO idempotency_owner;
+
+-- supabase/schemas/40_function_idempotency_scheduled_pending.sql
+
+-- agent.idempotency_scheduled_pending
+--
+-- The request ids of p_job's calls whose answer is not recorded yet, oldest
+-- first, at most 1000 (public): what a recipe looks up in pg_net's
+-- net._http_response, by id, so its answers are found however many other
+-- requests pg_net made meanwhile. Never writes.
+
+CREATE FUNCTION agent.idempotency_scheduled_pending(p_job text) RETURNS bigint[]
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path TO ''
+    AS $$
+begin
+  if p_job is null or char_length(p_job) not between 1 and 200 then
+    raise exception 'p_job must name the job: 1 to 200 characters' using errcode = '22023';
+  end if;
+  return coalesce((select array_agg(p.request_id order by p.request_id)
+                     from (select c.request_id
+                             from agent.idempotency_scheduled_calls c
+                            where c.job = p_job
+                              and c.answered_at is null
+                            order by c.request_id
+                            limit 1000) as p), '{}'::bigint[]);
+end
+$$;
+
+ALTER FUNCTION agent.idempotency_scheduled_pending(p_job text) OWNER TO idempotency_owner;
 
 -- supabase/schemas/40_function_idempotency_surface.sql
 
@@ -3983,6 +4017,9 @@ GRANT ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) TO service_ro
 
 REVOKE ALL ON FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_scheduled_pending(p_job text) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_scheduled_pending(p_job text) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) TO service_role;

@@ -60,7 +60,7 @@ COMMENT ON COLUMN agent.idempotency_keys.redrive_at IS 'When a claim carrying wo
 
 COMMENT ON COLUMN agent.idempotency_keys.dead_lettered_at IS 'When the failure journaled for this key was sent to a dead-letter queue: a copy of the command that failed is archived beside that letter, never sent again.';
 
-COMMENT ON COLUMN agent.idempotency_keys.replaced IS 'What agent.idempotency_redrive_failed replaced, oldest first (at most 20): the audit of failures sent back.';
+COMMENT ON COLUMN agent.idempotency_keys.replaced IS 'What agent.idempotency_redrive_failed replaced, oldest first (at most 20: the first and the last 19): the audit of failures sent back.';
 
 ALTER TABLE ONLY agent.idempotency_keys
     ADD CONSTRAINT idempotency_keys_org_scope_key_key UNIQUE (organization_id, scope, key);

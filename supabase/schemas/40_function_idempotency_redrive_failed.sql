@@ -4,7 +4,8 @@
 -- the chosen claim ids, or every failure claimed since p_since. Each becomes
 -- an orphan again with a fresh fence and attempts from one; none of a scope
 -- whose max_attempts is 1. What each replaced is kept in the row for the
--- audit, the last 20.
+-- audit: the first (the first failure, whose claim is first_claimed_at)
+-- and the last 19.
 
 CREATE FUNCTION agent.idempotency_redrive_failed(p_scope text, p_limit integer, p_organization_id uuid DEFAULT NULL::uuid, p_since timestamp with time zone DEFAULT NULL::timestamp with time zone, p_claim_ids uuid[] DEFAULT NULL::uuid[], p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_failure
     LANGUAGE plpgsql SECURITY DEFINER
@@ -68,7 +69,7 @@ begin
                              'claimed_at', k.claimed_at,
                              'sent_back_at', v_at))
                       ) with ordinality as e(entry, n)
-                where e.n > jsonb_array_length(coalesce(k.replaced, '[]'::jsonb)) + 1 - 20
+                where e.n = 1 or e.n > jsonb_array_length(coalesce(k.replaced, '[]'::jsonb)) + 1 - 19
              )
         from chosen c
        where k.id = c.id and k.organization_id = c.organization_id

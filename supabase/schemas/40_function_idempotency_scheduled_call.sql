@@ -27,9 +27,13 @@ begin
       using errcode = '22023';
   end if;
 
+  -- A request id seen before is pg_net's counter starting again (the
+  -- extension reinstalled): the new call replaces the old record.
   insert into agent.idempotency_scheduled_calls (request_id, job)
   values (p_request_id, p_job)
-  on conflict (request_id) do nothing;
+  on conflict (request_id) do update
+     set job = excluded.job, called_at = pg_catalog.clock_timestamp(),
+         answered_at = null, status_code = null, error = null;
 
   with answers as (
     select distinct on ((a ->> 'request_id')::bigint)

@@ -163,6 +163,9 @@ GRANT ALL ON FUNCTION agent.idempotency_row_cap(p_row_cap integer) TO service_ro
 REVOKE ALL ON FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_scheduled_call(p_job text, p_request_id bigint, p_answers jsonb) TO service_role;
 
+REVOKE ALL ON FUNCTION agent.idempotency_scheduled_pending(p_job text) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_scheduled_pending(p_job text) TO service_role;
+
 REVOKE ALL ON FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_scheduled_failures(p_since timestamp with time zone, p_row_cap integer) TO service_role;
 

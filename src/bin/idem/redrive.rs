@@ -3,8 +3,8 @@
 //!
 //! Re-driving runs the function's own processing, so it happens where that
 //! code lives: this command only asks. It POSTs `{"limit": N}` (and
-//! `"scope"` when given) to the route with the service key as a bearer
-//! token, and prints the counts the route answers (`redriven`,
+//! `"scope"` when given) to the route with the service key (a JWT as a
+//! bearer token, an `sb_` key as `apikey`), and prints the counts the route answers (`redriven`,
 //! `journaled`, `dead_lettered`, `left`), the way the example webhook
 //! function's `POST /redrive` and the crate's `WebhookGate::redrive` count.
 //!

@@ -69,8 +69,9 @@ pub(crate) struct UpArgs {
     /// /rest/v1 is added), SUPABASE_SERVICE_ROLE_KEY and SUPABASE_ANON_KEY
     /// (the legacy JWTs), SUPABASE_SECRET_KEYS and SUPABASE_PUBLISHABLE_KEYS
     /// (JSON maps, {"default":"sb_secret_…"}, single-quoted). Both clients
-    /// and `idem` read IDEM_SERVICE_KEY first: with it unset they use
-    /// SUPABASE_SECRET_KEYS, as on a hosted project.
+    /// and `idem` read IDEM_POSTGREST_URL and IDEM_SERVICE_KEY first: with
+    /// both unset they call SUPABASE_URL/rest/v1 with SUPABASE_SECRET_KEYS,
+    /// as on a hosted project.
     /// The same on every start on the same port. The file appears whole
     /// (written beside it as PATH.tmp, then renamed), readable by its owner
     /// only, and is removed on stop if it still holds what was written. An

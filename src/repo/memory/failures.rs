@@ -12,7 +12,8 @@ use crate::repo::{
     ClaimStatus, FailureRow, FailuresCall, JournaledFailures, Redrivability, RedrivableRow, EVERY_SCOPE,
 };
 
-/// How many replaced answers a row keeps for the audit.
+/// How many replaced answers a row keeps for the audit: the first and the
+/// latest.
 const MAX_REPLACED: usize = 20;
 
 /// Whether `row` is a journaled failure `call` selects.
@@ -140,8 +141,10 @@ impl JournaledFailures for MemoryRepository {
             record.retain_until = record.retain_until.max(now + retain);
             row.reclaims = 0;
             row.replaced.push(replaced);
+            // The first (the first failure's) and the latest: the first is
+            // what first_claimed_at reads.
             if row.replaced.len() > MAX_REPLACED {
-                row.replaced.drain(..row.replaced.len() - MAX_REPLACED);
+                row.replaced.drain(1..row.replaced.len() - (MAX_REPLACED - 1));
             }
             let mut failure = failure_row(row, response, attempts);
             (failure.resource_type, failure.resource_id) = resource;

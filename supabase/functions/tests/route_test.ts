@@ -31,6 +31,18 @@ Deno.test("the route secret and the service key are read from the environment; a
     [SECRET, SERVICE],
   );
   assert.deepEqual(routeCredentials(env({ SUPABASE_SERVICE_ROLE_KEY: "a.b.c" })), ["a.b.c"]);
+  // Every key the environment holds, whichever the plane uses: an operator's
+  // idem redrive --to may send the legacy JWT or another named secret key.
+  assert.deepEqual(
+    routeCredentials(env({
+      SUPABASE_SECRET_KEYS: '{"default":"sb_secret_a","workers":"sb_secret_b","web":"sb_publishable_c"}',
+      SUPABASE_SERVICE_ROLE_KEY: "a.b.c",
+    })),
+    ["sb_secret_a", "sb_secret_b", "a.b.c"],
+  );
+  assert.deepEqual(routeCredentials(env({ SUPABASE_SECRET_KEYS: "not json", SUPABASE_SERVICE_ROLE_KEY: "a.b.c" })), [
+    "a.b.c",
+  ]);
   assert.deepEqual(routeCredentials(env({})), []);
   assert.throws(() => routeCredentials(env({ IDEM_ROUTE_SECRET: "short" })), /at least 32 characters/);
 });

@@ -310,7 +310,8 @@ for (const receiver of receivers()) {
 }
 
 /**
- * pg_net's tables and `net.http_post` as pg_net declares them, and Vault's
+ * pg_net's tables and `net.http_post` as pg_net declares them (its
+ * function security definer, as pg_net's is), and Vault's
  * `decrypted_secrets`, in the database served: pg_net is not packaged for
  * this machine's PostgreSQL, so `sendQueued` below does what its background
  * worker does (send each queued request, write its answer to
@@ -328,13 +329,22 @@ const PG_NET_STAND_IN = `
     url text, body jsonb default '{}'::jsonb, params jsonb default '{}'::jsonb,
     headers jsonb default '{"Content-Type": "application/json"}'::jsonb,
     timeout_milliseconds integer default 5000) returns bigint
-  language sql as $f$
+  language sql security definer as $f$
     insert into net.http_request_queue (method, url, headers, body, timeout_milliseconds)
     values ('POST', url, headers, convert_to(body::text, 'UTF8'), timeout_milliseconds)
     returning id
   $f$;
   create schema if not exists vault;
-  create table if not exists vault.decrypted_secrets (name text primary key, decrypted_secret text);`;
+  create table if not exists vault.decrypted_secrets (name text primary key, decrypted_secret text);
+  -- The job's role, as Supabase's postgres is: no superuser, a member of
+  -- service_role (what the plane's functions are granted to), with pg_net and Vault.
+  do $r$ begin
+    if not exists (select from pg_roles where rolname = 'cron_job_runner') then
+      create role cron_job_runner nologin nosuperuser inherit in role service_role;
+    end if;
+  end $r$;
+  grant usage on schema net, vault to cron_job_runner;
+  grant select on vault.decrypted_secrets, net._http_response to cron_job_runner;`;
 
 /** pg_net's worker, once: sends every queued request and records its answer. */
 async function sendQueued(): Promise<number[]> {
@@ -375,7 +385,8 @@ Deno.test("the Supabase Cron re-drive recipe sends the route secret, records eac
     const command = /\$\$([\s\S]+?)\$\$/.exec(recipe.slice(recipe.indexOf("select cron.schedule(")))?.[1];
     assert.ok(command, recipe);
     const job = "idempotency-redrive-webhooks";
-    const run = async () => (await superuserSql(command))[0]?.[0];
+    // As the job's role, not a superuser: what the plane grants reaches it through service_role.
+    const run = async () => (await superuserSql(`set role cron_job_runner; ${command}`)).at(-1)?.[0];
 
     // Two runs: the first call answered 200, recorded by the second run.
     assert.equal(await run(), "0", "no answer to record yet");
@@ -410,7 +421,8 @@ Deno.test("the Supabase Cron re-drive recipe sends the route secret, records eac
     );
   } finally {
     await superuserSql(
-      "delete from agent.idempotency_scheduled_calls; drop schema if exists net cascade; drop schema if exists vault cascade",
+      "delete from agent.idempotency_scheduled_calls; drop schema if exists net cascade; " +
+        "drop schema if exists vault cascade; drop role if exists cron_job_runner",
     );
     await kill(fn.child);
     await service.close();

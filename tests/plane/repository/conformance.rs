@@ -539,6 +539,32 @@ async fn journaled_failures_are_listed_and_sent_back_to_redrive_once(repo: &impl
     assert_eq!(repo.redrive(&redrive(org, "webhook.*", 10)).await.unwrap(), vec![]);
 }
 
+/// A failure sent back and failing again more often than the audit keeps
+/// entries (20) still answers its first failed attempt's claim: the audit
+/// keeps its first entry and the latest.
+async fn the_first_failure_is_remembered_however_often_it_is_sent_back(repo: &impl Backend, _time: &impl TimeTravel) {
+    let (org, h, work) = (Uuid::new_v4(), hash_text("sent back often"), json!({"n": 1}));
+    let token = Uuid::new_v4();
+    let claim = ClaimCall { request: Some(&work), ..call(org, "webhook.stripe", "evt-often", &h, token) };
+    let claimed = repo.claim(&claim).await.unwrap();
+    let failed = json!({"ok": false, "error": "still failing", "output": null});
+    let args = || CompletionArgs { response: Some(&failed), ..CompletionArgs::default() };
+    repo.complete(org, claimed.id, token, args()).await.unwrap().expect("journaled");
+    let first = repo.failures(&failures_of(org, "webhook.stripe", 10)).await.unwrap()[0].claimed_at;
+    let ids = [claimed.id];
+    let send = FailuresCall { claim_ids: Some(&ids), ..failures_of(org, "webhook.stripe", 10) };
+    for round in 1..=22u32 {
+        let sent = repo.redrive_failed(&send).await.unwrap();
+        assert_eq!((sent.len(), sent[0].requeues.min(20), sent[0].first_claimed_at), (1, round.min(20), Some(first)));
+        let taken = repo.redrive(&redrive(org, "webhook.stripe", 10)).await.unwrap();
+        let token = taken[0].lease_token.expect("held");
+        repo.complete(org, claimed.id, token, args()).await.unwrap().expect("journaled");
+    }
+    let listed = repo.failures(&failures_of(org, "webhook.stripe", 10)).await.unwrap();
+    assert_eq!((listed[0].requeues, listed[0].first_claimed_at), (20, Some(first)), "{listed:?}");
+    assert!(listed[0].claimed_at > first);
+}
+
 /// What [`JournaledFailures::redrivable`] says of each claim `call` names.
 async fn verdicts(repo: &impl Backend, call: FailuresCall<'_>) -> Vec<Redrivability> {
     repo.redrivable(&call).await.expect("a verdict").into_iter().map(|row| row.reason).collect()
@@ -635,6 +661,7 @@ crate::support::on_every_plane!(
     a_redrive_dead_letters_work_handed_out_max_attempts_times,
     work_and_redrives_are_bounded_and_bad_input_is_refused,
     journaled_failures_are_listed_and_sent_back_to_redrive_once,
+    the_first_failure_is_remembered_however_often_it_is_sent_back,
     failures_calls_are_bounded_and_bad_input_is_refused,
     a_batch_answers_exactly_what_single_claims_would,
     batch_completions_and_releases_are_fenced_per_item,

@@ -63,6 +63,12 @@ async fn the_gateway_maps_each_key_to_its_role_and_refuses_what_supabases_refuse
     ok(get(&rest, &[("apikey", secret)]).await);
     ok(get(&rest, &[("apikey", secret), ("authorization", &format!("Bearer {secret}"))]).await);
     ok(get_with_query(&rest, &format!("?apikey={secret}"), &[]).await);
+    // However its name is percent-encoded, the parameter is taken off before
+    // the server, which would read it as a filter.
+    ok(get_with_query(&rest, &format!("?api%6Bey={secret}"), &[]).await);
+    // A legacy key: the project's own JWT, as supabase-js sends it.
+    let bearer = format!("Bearer {}", stack.service_key());
+    ok(get(&rest, &[("apikey", stack.service_key()), ("authorization", &bearer)]).await);
     // The publishable key is anon, which may execute none of the plane's functions.
     let (status, _, body) = get(&rest, &[("apikey", publishable)]).await;
     assert_eq!(body["code"], "42501", "anon is refused by the database ({status}): {body}");
@@ -84,6 +90,9 @@ async fn the_gateway_maps_each_key_to_its_role_and_refuses_what_supabases_refuse
     missing(get(&rest, &[("authorization", &format!("Bearer {}", stack.service_key()))]).await);
     let invalid = refused("UNAUTHORIZED_INVALID_API_KEY");
     invalid(get(&rest, &[("apikey", "sb_secret_not_this_projects_key0000")]).await);
+    invalid(get(&rest, &[("apikey", "not-a-key"), ("authorization", &bearer)]).await);
+    let other_role = stack.token_for("authenticated");
+    invalid(get(&rest, &[("apikey", &other_role), ("authorization", &bearer)]).await);
     invalid(get(&rest, &[("apikey", secret), ("authorization", &format!("Bearer {publishable}"))]).await);
     refused("UNAUTHORIZED_FORBIDDEN_SECRET_KEY_IN_BROWSER")(
         get(&rest, &[("apikey", secret), ("user-agent", "Mozilla/5.0 (X11; Linux x86_64) Chrome/140.0")]).await,

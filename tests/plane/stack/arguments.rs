@@ -146,6 +146,10 @@ fn surface() -> Vec<Call> {
             ],
         },
         Call {
+            sql: "select * from agent.idempotency_scheduled_pending($1)",
+            arguments: vec![("p_job", "idempotency-redrive-webhooks".to_owned(), true)],
+        },
+        Call {
             sql: "select * from agent.idempotency_scheduled_failures($1::timestamptz, $2::integer)",
             arguments: vec![
                 ("p_since", "2026-01-01T00:00:00Z".to_owned(), false),
@@ -330,7 +334,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 73, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 74, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 

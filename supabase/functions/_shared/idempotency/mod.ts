@@ -74,6 +74,7 @@ export {
   SECRET_KEY_NAME_VARIABLE,
   SERVICE_KEY_VARIABLES,
   serviceKeyFromEnv,
+  serviceKeysInEnv,
 } from "./service_key.ts";
 export type { RouterOptions } from "./router.ts";
 export {

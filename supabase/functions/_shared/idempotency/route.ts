@@ -2,7 +2,7 @@
 // may call them, checked in constant time, and the re-drive route itself,
 // with its body and limit checks, so no function hand-writes them.
 
-import { serviceKeyFromEnv } from "./service_key.ts";
+import { serviceKeysInEnv } from "./service_key.ts";
 
 /**
  * The variable holding a route's own secret: what a pg_cron job sends
@@ -16,10 +16,12 @@ export const MIN_ROUTE_SECRET_CHARS = 32;
 
 /**
  * Who may call a function's scheduled routes, from its environment: the
- * route secret (`IDEM_ROUTE_SECRET`) when set, and the service key
- * `IdempotencyPlane.fromEnv` would use (for an operator's
- * `idem redrive --to`). Throws when the route secret is set but shorter than
- * 32 characters. Never empty strings.
+ * route secret (`IDEM_ROUTE_SECRET`) when set, and every service key the
+ * environment holds (`serviceKeysInEnv`: each entry of
+ * `SUPABASE_SECRET_KEYS`, the legacy `SUPABASE_SERVICE_ROLE_KEY`, …), so an
+ * operator's `idem redrive --to` is let in whichever of them it sends.
+ * Throws when the route secret is set but shorter than 32 characters. Never
+ * empty strings.
  */
 export function routeCredentials(
   env: (name: string) => string | undefined,
@@ -34,8 +36,7 @@ export function routeCredentials(
     }
     credentials.push(secret);
   }
-  const key = serviceKeyFromEnv(env)?.key;
-  if (key) credentials.push(key);
+  credentials.push(...serviceKeysInEnv(env));
   return credentials;
 }
 
@@ -105,12 +106,13 @@ const MAX_BODY_BYTES = 4096;
  * a body that is not a JSON object, a `limit` that is not an integer from 1
  * to `maxLimit`, or a `scope` other than the route's; else runs one pass and
  * answers `{"redriven", "journaled", "dead_lettered", "left"}`, as
- * `idem redrive --to` and the pg_cron recipe read it.
+ * `idem redrive --to` reads it (the pg_cron recipe records its HTTP status).
  */
 export function redriveRoute(
   options: RedriveRouteOptions,
 ): (request: Request) => Promise<Response> {
-  const defaultLimit = options.defaultLimit ?? 50;
+  // The default never above the cap: a plane with a small row cap still serves the route.
+  const defaultLimit = Math.min(options.defaultLimit ?? 50, options.maxLimit);
   if (!Number.isInteger(options.maxLimit) || options.maxLimit < 1) {
     throw new Error("maxLimit must be a positive integer");
   }

@@ -48,17 +48,32 @@ export interface ChosenKey {
  * value counts as unset), or `undefined` when none is set. Throws
  * `bad_configuration`, never showing a key, for a publishable key anywhere,
  * a `SUPABASE_SECRET_KEYS` that is not a JSON object of strings or lacks the
- * entry looked for, and a key of another kind than its variable promises.
+ * entry looked for, and a key of another kind than its variable promises. A
+ * `SUPABASE_SECRET_KEYS` holding no key (`{}`) counts as unset, unless
+ * `IDEM_SECRET_KEY_NAME` asks for one.
  */
 export function serviceKeyFromEnv(env: (name: string) => string | undefined): ChosenKey | undefined {
   const set = (name: string) => {
     const value = env(name);
     return value === undefined || value === "" ? undefined : value;
   };
-  const variable = SERVICE_KEY_VARIABLES.find((name) => set(name) !== undefined);
-  if (variable === undefined) return undefined;
-  let key = set(variable) as string;
-  if (variable === "SUPABASE_SECRET_KEYS") key = entryOf(key, set(SECRET_KEY_NAME_VARIABLE) ?? DEFAULT_SECRET_KEY_NAME);
+  for (const variable of SERVICE_KEY_VARIABLES) {
+    let key = set(variable);
+    if (key === undefined) continue;
+    if (variable === "SUPABASE_SECRET_KEYS") {
+      const keys = secretKeys(key);
+      const named = set(SECRET_KEY_NAME_VARIABLE);
+      // A project without secret keys (`{}`) counts as unset, unless a name asks for one.
+      if (Object.keys(keys).length === 0 && named === undefined) continue;
+      key = entryOf(keys, named ?? DEFAULT_SECRET_KEY_NAME);
+    }
+    return checked(variable, key);
+  }
+  return undefined;
+}
+
+/** `key` from `variable`, refused when its kind is not what the variable promises. */
+function checked(variable: (typeof SERVICE_KEY_VARIABLES)[number], key: string): ChosenKey {
   const kind = keyKind(key);
   if (kind === "publishable") {
     throw PlaneError.invalid(
@@ -81,8 +96,30 @@ export function serviceKeyFromEnv(env: (name: string) => string | undefined): Ch
   return { variable, key, kind };
 }
 
-/** The entry `name` of a `SUPABASE_SECRET_KEYS` value. */
-function entryOf(value: string, name: string): string {
+/**
+ * Every service key the environment holds, whichever `serviceKeyFromEnv`
+ * would choose: `IDEM_SERVICE_KEY`, each entry of `SUPABASE_SECRET_KEYS`,
+ * `SUPABASE_SECRET_KEY` and `SUPABASE_SERVICE_ROLE_KEY`, publishable keys
+ * and malformed maps left out. What a route may be called with.
+ */
+export function serviceKeysInEnv(env: (name: string) => string | undefined): string[] {
+  const keys: string[] = [];
+  for (const variable of SERVICE_KEY_VARIABLES) {
+    const value = env(variable);
+    if (!value) continue;
+    if (variable === "SUPABASE_SECRET_KEYS") {
+      try {
+        keys.push(...Object.values(secretKeys(value)));
+      } catch {
+        // A malformed map is refused where the plane is configured; no key of it here.
+      }
+    } else keys.push(value);
+  }
+  return [...new Set(keys)].filter((key) => key !== "" && keyKind(key) !== "publishable");
+}
+
+/** A `SUPABASE_SECRET_KEYS` value read: a JSON object of names to keys, or refused. */
+function secretKeys(value: string): Record<string, string> {
   let keys: unknown;
   try {
     keys = JSON.parse(value);
@@ -98,7 +135,11 @@ function entryOf(value: string, name: string): string {
       'SUPABASE_SECRET_KEYS is not a JSON object of key names to keys (as Supabase sets it: {"default": "sb_secret_…"})',
     );
   }
-  const entries = keys as Record<string, string>;
+  return keys as Record<string, string>;
+}
+
+/** The entry `name` of a `SUPABASE_SECRET_KEYS` map. */
+function entryOf(entries: Record<string, string>, name: string): string {
   const key = Object.hasOwn(entries, name) ? entries[name] : "";
   if (!key) {
     const names = Object.keys(entries).sort();
