@@ -40,7 +40,7 @@ const fn function(name: &'static str, arguments: &'static str) -> SqlFunction {
 }
 
 const CLAIM_ARGUMENTS: &str = "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, \
-                               p_lease_token uuid, p_lease_ms bigint, p_request jsonb";
+                               p_lease_token uuid, p_lease_ms bigint, p_request jsonb, p_traceparent text";
 const V1_CLAIM_ARGUMENTS: &str = "p_organization_id uuid, p_scope text, p_key text, p_request_hash text, \
                                   p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint";
 
@@ -111,12 +111,19 @@ pub(crate) const REQUEST_HASH: SqlFunction = function("idempotency_request_hash"
 pub(crate) const QUEUE_TAKE: SqlFunction = function(
     "idempotency_queue_take",
     "p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], \
-     p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer",
+     p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer, p_traceparent text",
 );
 pub(crate) const QUEUE_SETTLE: SqlFunction =
     function("idempotency_queue_settle", "p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer");
 pub(crate) const QUEUE_EXTEND: SqlFunction =
     function("idempotency_queue_extend", "p_queue text, p_lease_ms bigint, p_items jsonb, p_row_cap integer");
+pub(crate) const IN_FLIGHT: SqlFunction = function("idempotency_in_flight", "p_limit integer");
+pub(crate) const PROCESSING: SqlFunction = function("idempotency_processing", "p_scope text, p_limit integer");
+pub(crate) const ABANDON: SqlFunction = function("idempotency_abandon", "p_id uuid, p_version text");
+pub(crate) const FAILURE_COUNTS: SqlFunction = function("idempotency_failure_counts", "p_limit integer");
+pub(crate) const SWEEP_BACKLOG: SqlFunction = function("idempotency_sweep_backlog", "p_limit integer");
+pub(crate) const ACTIVITY: SqlFunction =
+    function("idempotency_activity", "p_since timestamp with time zone, p_bucket_s integer, p_limit integer");
 
 /// Every function of the SQL surface.
 pub const SQL_SURFACE: &[SqlFunction] = &[
@@ -154,6 +161,12 @@ pub const SQL_SURFACE: &[SqlFunction] = &[
     QUEUE_TAKE,
     QUEUE_SETTLE,
     QUEUE_EXTEND,
+    IN_FLIGHT,
+    PROCESSING,
+    ABANDON,
+    FAILURE_COUNTS,
+    SWEEP_BACKLOG,
+    ACTIVITY,
 ];
 
 #[cfg(test)]
@@ -164,7 +177,7 @@ mod tests {
     fn a_signature_names_the_argument_types_in_order() {
         assert_eq!(
             SqlFunction::named("idempotency_claim").map(|f| f.signature()).as_deref(),
-            Some("agent.idempotency_claim(uuid, text, text, text, uuid, bigint, jsonb)")
+            Some("agent.idempotency_claim(uuid, text, text, text, uuid, bigint, jsonb, text)")
         );
         assert_eq!(
             SqlFunction::named("idempotency_failures").map(|f| f.signature()).as_deref(),

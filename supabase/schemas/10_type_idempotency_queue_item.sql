@@ -22,7 +22,8 @@ CREATE TYPE agent.idempotency_queue_item AS (
 	archived boolean,
 	dead_lettered boolean,
 	reason text,
-	taken integer
+	taken integer,
+	traceparent text
 );
 
 ALTER TYPE agent.idempotency_queue_item OWNER TO idempotency_owner;

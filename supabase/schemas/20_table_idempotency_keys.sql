@@ -24,6 +24,7 @@ CREATE TABLE agent.idempotency_keys (
     redrive_at timestamp with time zone,
     replaced jsonb,
     dead_lettered_at timestamp with time zone,
+    traceparent text,
     CONSTRAINT idempotency_keys_completed_has_answer CHECK (((status <> 'completed'::text) OR (NULLIF(response, 'null'::jsonb) IS NOT NULL) OR (resource_id IS NOT NULL))),
     CONSTRAINT idempotency_keys_key_length CHECK (((char_length(key) >= 1) AND (char_length(key) <= 512))),
     CONSTRAINT idempotency_keys_redrive_carries_work CHECK (((redrive_at IS NULL) OR ((status = 'processing'::text) AND (request IS NOT NULL)))),
@@ -33,6 +34,7 @@ CREATE TABLE agent.idempotency_keys (
     CONSTRAINT idempotency_keys_resource_type_length CHECK (((char_length(resource_type) >= 1) AND (char_length(resource_type) <= 128))),
     CONSTRAINT idempotency_keys_retention_covers_lease CHECK ((retain_until >= lease_expires_at)),
     CONSTRAINT idempotency_keys_scope_length CHECK (((char_length(scope) >= 1) AND (char_length(scope) <= 128))),
+    CONSTRAINT idempotency_keys_traceparent_w3c CHECK (((traceparent IS NULL) OR (traceparent ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'::text))),
     CONSTRAINT idempotency_keys_status_check CHECK ((status = ANY (ARRAY['processing'::text, 'completed'::text])))
 )
 WITH (fillfactor='80');
@@ -59,6 +61,8 @@ COMMENT ON COLUMN agent.idempotency_keys.request IS 'The work the claim carries,
 COMMENT ON COLUMN agent.idempotency_keys.redrive_at IS 'When a claim carrying work may be re-driven: its lease end while processing, NULL otherwise.';
 
 COMMENT ON COLUMN agent.idempotency_keys.dead_lettered_at IS 'When the failure journaled for this key was sent to a dead-letter queue: a copy of the command that failed is archived beside that letter, never sent again.';
+
+COMMENT ON COLUMN agent.idempotency_keys.traceparent IS 'The W3C traceparent of the worker that first claimed the key, when it sent one: a re-drive, a redelivery or a send-back links its span to that trace. Kept by takeovers and send-backs.';
 
 COMMENT ON COLUMN agent.idempotency_keys.replaced IS 'What agent.idempotency_redrive_failed replaced, oldest first (at most 20: the first and the last 19): the audit of failures sent back.';
 

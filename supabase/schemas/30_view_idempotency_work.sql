@@ -1,7 +1,8 @@
 -- agent.idempotency_work
 --
 -- The row shape of agent.idempotency_redrive: a claim taken over for re-
--- drive, with its fresh lease token, its request and its attempt.
+-- drive, with its fresh lease token, its request and its attempt, and the
+-- traceparent of the trace that first claimed it.
 
 CREATE VIEW agent.idempotency_work WITH (security_invoker='true') AS
  SELECT k.id,
@@ -17,7 +18,8 @@ CREATE VIEW agent.idempotency_work WITH (security_invoker='true') AS
     k.lease_expires_at,
     k.retain_until,
     k.response,
-    NULL::integer AS taken
+    NULL::integer AS taken,
+    k.traceparent
    FROM agent.idempotency_keys k;
 
 ALTER TABLE agent.idempotency_work OWNER TO idempotency_owner;

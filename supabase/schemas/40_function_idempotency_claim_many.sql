@@ -19,6 +19,7 @@ declare
   v_hashes text[];
   v_tokens uuid[];
   v_requests jsonb[];
+  v_traceparents text[];
   v_item jsonb;
   v_index integer;
   v_text text;
@@ -69,7 +70,12 @@ begin
                       and (e.value ->> 'request_hash') ~ '^[0-9a-f]{64}$'
                       and pg_catalog.jsonb_typeof(e.value -> 'lease_token') = 'string'
                       and (e.value ->> 'lease_token')
-                          ~ '^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$',
+                          ~ '^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$'
+                      and (coalesce(pg_catalog.jsonb_typeof(e.value -> 'traceparent'), 'null') = 'null'
+                           or e.value ->> 'traceparent' = ''
+                           or ((e.value ->> 'traceparent') ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
+                               and substr(e.value ->> 'traceparent', 4, 32) <> '00000000000000000000000000000000'
+                               and substr(e.value ->> 'traceparent', 37, 16) <> '0000000000000000')),
                       false)
    order by e.ordinality
    limit 1;
@@ -87,15 +93,18 @@ begin
         using errcode = '22023';
     end if;
     perform agent.idempotency_item_uuid(v_item, v_index, 'lease_token');
+    perform agent.idempotency_check_traceparent(agent.idempotency_item_text(v_item, v_index, 'traceparent', false),
+                                                'p_items[' || v_index || '].traceparent');
     raise exception 'p_items[%] is malformed', v_index using errcode = '22023';
   end if;
   -- The items' fields, and whether each is its key's first occurrence.
   select pg_catalog.array_agg(t.key order by t.n), pg_catalog.array_agg(t.hash order by t.n),
          pg_catalog.array_agg(t.token order by t.n), pg_catalog.array_agg(t.request order by t.n),
-         pg_catalog.array_agg(t.first order by t.n)
-    into v_keys, v_hashes, v_tokens, v_requests, v_firsts
+         pg_catalog.array_agg(t.first order by t.n), pg_catalog.array_agg(t.traceparent order by t.n)
+    into v_keys, v_hashes, v_tokens, v_requests, v_firsts, v_traceparents
     from (select e.ordinality as n, e.value ->> 'key' as key, e.value ->> 'request_hash' as hash,
                  (e.value ->> 'lease_token')::uuid as token, nullif(e.value -> 'request', 'null'::jsonb) as request,
+                 nullif(e.value ->> 'traceparent', '') as traceparent,
                  pg_catalog.row_number() over (partition by e.value ->> 'key' order by e.ordinality) = 1 as first
             from pg_catalog.jsonb_array_elements(p_items) with ordinality e) t;
   -- The first item whose token an earlier item named, and that item.
@@ -137,16 +146,17 @@ begin
   -- can change a row between this decision and the answer read below.
   v_at := pg_catalog.clock_timestamp();
   with firsts as (
-    select v_keys[i] as key, v_hashes[i] as hash, v_tokens[i] as token, v_requests[i] as request
+    select v_keys[i] as key, v_hashes[i] as hash, v_tokens[i] as token, v_requests[i] as request,
+           v_traceparents[i] as traceparent
       from pg_catalog.generate_subscripts(v_keys, 1) i
      where v_firsts[i]
   ), decided as (
     insert into agent.idempotency_keys as k
       (organization_id, scope, key, request_hash, status, lease_token,
-       claimed_at, lease_expires_at, retain_until, request, redrive_at)
+       claimed_at, lease_expires_at, retain_until, request, redrive_at, traceparent)
     select p_organization_id, p_scope, f.key, f.hash, 'processing', f.token,
            v_at, v_at + v_lease, v_at + v_lease + v_retain,
-           f.request, case when f.request is not null then v_at + v_lease end
+           f.request, case when f.request is not null then v_at + v_lease end, f.traceparent
       from firsts f
      order by f.key
     on conflict (organization_id, scope, key) do update
@@ -156,7 +166,8 @@ begin
            retain_until = greatest(k.retain_until, v_at + v_lease + v_retain),
            reclaims = k.reclaims + 1,
            request = coalesce(k.request, excluded.request),
-           redrive_at = case when coalesce(k.request, excluded.request) is not null then v_at + v_lease end
+           redrive_at = case when coalesce(k.request, excluded.request) is not null then v_at + v_lease end,
+           traceparent = coalesce(k.traceparent, excluded.traceparent)
      where k.status = 'processing'
        and k.request_hash = excluded.request_hash
        and k.lease_expires_at <= pg_catalog.clock_timestamp()
@@ -202,7 +213,8 @@ begin
            case when o.outcome = 'completed' then k.resource_id end,
            case when o.outcome = 'completed' then k.response end,
            k.claimed_at, k.lease_expires_at, k.retain_until,
-           k.status = 'processing' and k.lease_expires_at > pg_catalog.clock_timestamp()
+           k.status = 'processing' and k.lease_expires_at > pg_catalog.clock_timestamp(),
+           case when o.outcome in ('claimed', 'reclaimed') then k.traceparent end
       from pg_catalog.generate_subscripts(v_keys, 1) i
       join pg_catalog.unnest(v_rows) k on k.key = v_keys[i]
      cross join lateral (
@@ -218,6 +230,14 @@ begin
     raise exception 'claim_many answered % of % items', v_answered, pg_catalog.cardinality(v_keys)
       using errcode = 'XX000';
   end if;
+  -- Items answered from the journal, counted as replays (one row a batch).
+  insert into agent.idempotency_replays (scope, replays)
+  select p_scope, t.n
+    from (select pg_catalog.count(*)::integer as n
+            from pg_catalog.generate_subscripts(v_keys, 1) i
+            join pg_catalog.unnest(v_rows) k on k.key = v_keys[i]
+           where k.status = 'completed' and k.request_hash = v_hashes[i]) t
+   where t.n > 0;
 end
 $_$;
 

@@ -9,9 +9,10 @@
 -- just read (compare and set) for a takeover. A statement that loses a race
 -- is tried again, up to 4 passes; a key that keeps changing hands after that
 -- raises 40001, for the caller to retry. Answers reclaimable where it may not
--- take over a passed lease itself.
+-- take over a passed lease itself. p_traceparent (W3C) is stored with a new
+-- claim and kept by takeovers; the holder is answered the first one stored.
 
-CREATE FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb DEFAULT NULL::jsonb) RETURNS SETOF agent.idempotency_claim_outcome
+CREATE FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb DEFAULT NULL::jsonb, p_traceparent text DEFAULT NULL::text) RETURNS SETOF agent.idempotency_claim_outcome
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $_$
@@ -23,6 +24,7 @@ declare
   v_won boolean := false;
   v_outcome text;
   v_request jsonb := nullif(p_request, 'null'::jsonb);
+  v_traceparent text;
   r agent.idempotency_keys;
 begin
   -- One test on the way in; the messages are built only for a refusal.
@@ -59,6 +61,9 @@ begin
   if v_request is not null then
     perform agent.idempotency_check_work(p_scope, v_request);
   end if;
+  if p_traceparent is not null then
+    v_traceparent := agent.idempotency_check_traceparent(p_traceparent, 'p_traceparent');
+  end if;
 
   v_lease := p_lease_ms * interval '1 millisecond';
   -- What the caller asks for; the scope's policy is the floor of it.
@@ -74,10 +79,10 @@ begin
       -- same statement: no policy row, no insert.
       insert into agent.idempotency_keys as k
         (organization_id, scope, key, request_hash, status, lease_token,
-         claimed_at, lease_expires_at, retain_until, request, redrive_at)
+         claimed_at, lease_expires_at, retain_until, request, redrive_at, traceparent)
       select p_organization_id, p_scope, p_key, p_request_hash, 'processing', p_lease_token,
              v_at, v_at + v_lease, v_at + v_lease + greatest(s.retain, v_retain),
-             v_request, case when v_request is not null then v_at + v_lease end
+             v_request, case when v_request is not null then v_at + v_lease end, v_traceparent
         from agent.idempotency_scopes s
        where s.scope = p_scope
           or (s.scope like '%.*'
@@ -132,7 +137,8 @@ begin
            retain_until = greatest(k.retain_until, v_at + v_lease + v_retain),
            reclaims = k.reclaims + 1,
            request = coalesce(k.request, v_request),
-           redrive_at = case when coalesce(k.request, v_request) is not null then v_at + v_lease end
+           redrive_at = case when coalesce(k.request, v_request) is not null then v_at + v_lease end,
+           traceparent = coalesce(k.traceparent, v_traceparent)
      where k.id = r.id
        and k.lease_token = r.lease_token
        and k.status = 'processing'
@@ -146,6 +152,11 @@ begin
   end loop;
   if v_outcome is null then
     raise exception 'the key %/% kept changing hands; try again', p_scope, p_key using errcode = '40001';
+  end if;
+  -- A replay writes nothing to the journal; it is counted, for the
+  -- console's plot, in an unlogged table of its own.
+  if v_outcome = 'completed' then
+    insert into agent.idempotency_replays (scope, replays) values (p_scope, 1);
   end if;
 
   -- A win that waited: the lease starts now, and the retention, counted
@@ -170,9 +181,10 @@ begin
     case when v_outcome = 'completed' then r.resource_id end,
     case when v_outcome = 'completed' then r.response end,
     r.claimed_at, r.lease_expires_at, r.retain_until,
-    r.status = 'processing' and r.lease_expires_at > pg_catalog.clock_timestamp()
+    r.status = 'processing' and r.lease_expires_at > pg_catalog.clock_timestamp(),
+    case when v_outcome in ('claimed', 'reclaimed') then r.traceparent end
   )::agent.idempotency_claim_outcome;
 end
 $_$;
 
-ALTER FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb) OWNER TO idempotency_owner;
+ALTER FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb, p_traceparent text) OWNER TO idempotency_owner;

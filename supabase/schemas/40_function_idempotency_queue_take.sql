@@ -19,10 +19,12 @@
 -- A message may name its organization_id; it must be one of p_organizations
 -- (p_organization_id alone by default). The tokens are the caller's, one per
 -- slot, as a claim's; a lost answer leaves what it took to its lease, as a
--- worker that stopped would. Needs the pgmq privileges that
--- agent.idempotency_queue_privileges lists.
+-- worker that stopped would. p_traceparent, the consumer's W3C traceparent,
+-- is stored with each claim the take makes; claimed, reclaimed and redriven
+-- items answer the trace that first claimed them. Needs the pgmq privileges
+-- that agent.idempotency_queue_privileges lists.
 
-CREATE FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer DEFAULT 5, p_scope text DEFAULT NULL::text, p_organizations uuid[] DEFAULT NULL::uuid[], p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_queue_item
+CREATE FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer DEFAULT 5, p_scope text DEFAULT NULL::text, p_organizations uuid[] DEFAULT NULL::uuid[], p_row_cap integer DEFAULT NULL::integer, p_traceparent text DEFAULT NULL::text) RETURNS SETOF agent.idempotency_queue_item
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO ''
     SET lock_timeout TO '5s'
@@ -52,6 +54,7 @@ declare
   v_failure jsonb;
   v_archive bigint[] := '{}'::bigint[];
   v_work record;
+  v_traceparent text := agent.idempotency_check_traceparent(p_traceparent, 'p_traceparent');
   -- 2^1024 - 2^970: from here on the nearest IEEE 754 double is infinity,
   -- which no JSON reader of a client can hash or hand on.
   c_beyond constant jsonb := pg_catalog.jsonb_build_object('max', 179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792::numeric);
@@ -172,7 +175,7 @@ begin
                case when v_reason is null then 'unclaimed' else 'malformed' end,
                null, null, null, null, null, null, null,
                case when v_reason is null then coalesce(v_body -> 'payload', 'null'::jsonb) end,
-               null, false, false, v_reason, null)::agent.idempotency_queue_item;
+               null, false, false, v_reason, null, null)::agent.idempotency_queue_item;
     v_items := v_items || v_item;
     v_hashes := v_hashes || case when v_reason is null
                                  then agent.idempotency_request_hash(coalesce(v_body -> 'payload', 'null'::jsonb)) end;
@@ -207,7 +210,7 @@ begin
   for v_org in select pg_catalog.unnest(coalesce(v_orgs, '{}')) loop
     select pg_catalog.jsonb_agg(pg_catalog.jsonb_build_object(
              'key', v_items[i].key, 'request_hash', v_hashes[i], 'lease_token', p_lease_tokens[i],
-             'request', v_items[i].payload) order by i)
+             'request', v_items[i].payload, 'traceparent', v_traceparent) order by i)
       into v_claims
       from pg_catalog.generate_subscripts(v_items, 1) i
      where v_items[i].outcome = 'unclaimed' and v_items[i].organization_id = v_org;
@@ -232,6 +235,7 @@ begin
         v_items[v_index].outcome := v_claim.outcome;
         if v_claim.outcome in ('claimed', 'reclaimed') then
           v_items[v_index].lease_token := v_claim.lease_token;
+          v_items[v_index].traceparent := v_claim.traceparent;
         elsif v_claim.outcome = 'completed' then
           v_items[v_index].response := v_claim.response;
         end if;
@@ -315,7 +319,7 @@ begin
                                case when v_work.status = 'processing' then 'redriven' else 'completed' end,
                                null, v_work.id, v_work.lease_token, v_work.lease_expires_at, v_work.retain_until,
                                v_work.status = 'processing', v_work.attempt, v_work.request, v_work.response,
-                               false, false, null, null)::agent.idempotency_queue_item;
+                               false, false, null, null, v_work.traceparent)::agent.idempotency_queue_item;
         if v_work.status = 'completed' and v_work.response -> 'ok' = 'false'::jsonb then
           -- Re-driven as often as its scope allows: journaled as dead_lettered.
           update agent.idempotency_keys k
@@ -353,4 +357,4 @@ begin
 end
 $_$;
 
-ALTER FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer) OWNER TO idempotency_owner;
+ALTER FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer, p_traceparent text) OWNER TO idempotency_owner;

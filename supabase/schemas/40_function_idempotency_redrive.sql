@@ -151,7 +151,8 @@ begin
            case when t.status = 'processing' then t.request end,
            t.reclaims + 1, t.claimed_at, t.lease_expires_at, t.retain_until,
            case when t.status = 'completed' then t.response end,
-           (count(*) over ())::integer
+           (count(*) over ())::integer,
+           t.traceparent
       from answered t
      order by t.lease_expires_at, t.id;
 end

@@ -5,7 +5,8 @@
 -- request) that nobody re-drove, which is journaled as a dead letter
 -- (swept_unredriven) and kept for its scope's retention from now. Rows
 -- another transaction holds are left for the next pass. Answers one row:
--- deleted, dead_lettered.
+-- deleted, dead_lettered. Each pass also trims the counts of replays
+-- (agent.idempotency_replays) older than 7 days, as many rows as the row cap.
 
 CREATE FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) RETURNS SETOF agent.idempotency_retired
     LANGUAGE plpgsql SECURITY DEFINER
@@ -62,6 +63,10 @@ begin
     raise warning 'idempotency sweep: % unfinished claims carrying work passed their retention unredriven; journaled as dead letters (swept_unredriven)', v_dead
       using hint = 'schedule a re-drive for their scopes (idem redrive), then send them back: idem redrive --failed';
   end if;
+  delete from agent.idempotency_replays r
+   where r.ctid = any (array(select o.ctid from agent.idempotency_replays o
+                              where o.at < pg_catalog.clock_timestamp() - interval '7 days'
+                              limit agent.idempotency_row_cap()));
   return next (v_deleted, v_dead)::agent.idempotency_retired;
 end
 $$;

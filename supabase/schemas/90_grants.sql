@@ -6,6 +6,7 @@
 
 REVOKE ALL ON TABLE agent.idempotency_keys FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_scopes FROM PUBLIC, anon, authenticated, service_role;
+REVOKE ALL ON TABLE agent.idempotency_replays FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_scheduled_calls FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_settings FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.provider_jobs FROM PUBLIC, anon, authenticated, service_role;
@@ -56,10 +57,12 @@ REVOKE ALL ON FUNCTION agent.idempotency_check_item(p_item jsonb, p_index intege
 
 REVOKE ALL ON FUNCTION agent.idempotency_check_key(p_organization_id uuid, p_scope text, p_key text) FROM PUBLIC;
 
+REVOKE ALL ON FUNCTION agent.idempotency_check_traceparent(p_traceparent text, p_name text) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION agent.idempotency_check_work(p_scope text, p_request jsonb) FROM PUBLIC;
 
-REVOKE ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) TO service_role;
+REVOKE ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb, p_traceparent text) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb, p_traceparent text) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer) TO service_role;
@@ -72,7 +75,7 @@ GRANT ALL ON FUNCTION agent.idempotency_complete(p_claim_id uuid, p_lease_token 
 REVOKE ALL ON FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) TO service_role;
 
-REVOKE ALL ON FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb, p_traceparent text) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION agent.idempotency_delete_expired(p_ids uuid[]) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_delete_expired(p_ids uuid[]) TO service_role;
@@ -125,8 +128,8 @@ REVOKE ALL ON FUNCTION agent.idempotency_queue_privileges(p_queue text, p_dead_l
 REVOKE ALL ON FUNCTION agent.idempotency_queue_settle(p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_queue_settle(p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer) TO service_role;
 
-REVOKE ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer) TO service_role;
+REVOKE ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer, p_traceparent text) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer, p_traceparent text) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) TO service_role;
@@ -188,3 +191,39 @@ GRANT ALL ON FUNCTION agent.run_admit(p_organization_id uuid, p_start_key text, 
 
 REVOKE ALL ON FUNCTION agent.run_get(p_organization_id uuid, p_start_key text, p_admission_token uuid) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.run_get(p_organization_id uuid, p_start_key text, p_admission_token uuid) TO service_role;
+
+-- The console's reads and its one action (idem console).
+REVOKE ALL ON TYPE agent.idempotency_activity_bucket FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_activity_bucket TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_failure_count FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_failure_count TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_in_flight_scope FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_in_flight_scope TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_processing_claim FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_processing_claim TO service_role;
+
+REVOKE ALL ON TYPE agent.idempotency_sweep_backlog_day FROM PUBLIC;
+GRANT ALL ON TYPE agent.idempotency_sweep_backlog_day TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_abandon(p_id uuid, p_version text) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_abandon(p_id uuid, p_version text) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_activity(p_since timestamp with time zone, p_bucket_s integer, p_limit integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_activity(p_since timestamp with time zone, p_bucket_s integer, p_limit integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_failure_counts(p_limit integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_failure_counts(p_limit integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_in_flight(p_limit integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_in_flight(p_limit integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_processing(p_scope text, p_limit integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_processing(p_scope text, p_limit integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_sweep_backlog(p_limit integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_sweep_backlog(p_limit integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_version(p_lease_token uuid, p_lease_expires_at timestamp with time zone, p_reclaims integer) FROM PUBLIC;

@@ -46,10 +46,15 @@ fn surface() -> Vec<Call> {
     };
     vec![
         Call {
-            sql: "select * from agent.idempotency_claim($1::uuid, $2, $3, $4, $5::uuid, $6::bigint, $7::jsonb)",
+            sql: "select * from agent.idempotency_claim($1::uuid, $2, $3, $4, $5::uuid, $6::bigint, $7::jsonb, $8)",
             arguments: {
                 let mut arguments = claim(None);
                 arguments.push(("p_request", r#"{"event": "e-1"}"#.to_owned(), false));
+                arguments.push((
+                    "p_traceparent",
+                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned(),
+                    false,
+                ));
                 arguments
             },
         },
@@ -247,6 +252,34 @@ fn surface() -> Vec<Call> {
             sql: "select * from agent.idempotency_cap_probe($1::integer)",
             arguments: vec![("p_rows", "2".to_owned(), true)],
         },
+        Call {
+            sql: "select * from agent.idempotency_in_flight($1::integer)",
+            arguments: vec![("p_limit", "10".to_owned(), true)],
+        },
+        Call {
+            sql: "select * from agent.idempotency_processing($1, $2::integer)",
+            arguments: vec![("p_scope", "*".to_owned(), true), ("p_limit", "10".to_owned(), true)],
+        },
+        Call {
+            sql: "select * from agent.idempotency_abandon($1::uuid, $2)",
+            arguments: vec![("p_id", CLAIM_ID.to_owned(), true), ("p_version", "a".repeat(64), true)],
+        },
+        Call {
+            sql: "select * from agent.idempotency_failure_counts($1::integer)",
+            arguments: vec![("p_limit", "10".to_owned(), true)],
+        },
+        Call {
+            sql: "select * from agent.idempotency_sweep_backlog($1::integer)",
+            arguments: vec![("p_limit", "10".to_owned(), true)],
+        },
+        Call {
+            sql: "select * from agent.idempotency_activity($1::timestamptz, $2::integer, $3::integer)",
+            arguments: vec![
+                ("p_since", (chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339(), true),
+                ("p_bucket_s", "60".to_owned(), true),
+                ("p_limit", "100".to_owned(), true),
+            ],
+        },
     ]
 }
 
@@ -334,7 +367,7 @@ async fn every_function_refuses_each_required_argument_as_sql_null_by_name() {
     }
     drop(conn);
     assert!(wrong.is_empty(), "{wrong:#?}");
-    assert_eq!(refusals, 74, "every required argument of every function and of the decision was refused");
+    assert_eq!(refusals, 84, "every required argument of every function and of the decision was refused");
     stack.stop().await.unwrap();
 }
 

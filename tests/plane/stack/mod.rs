@@ -30,6 +30,7 @@ mod load;
 mod local_doors;
 mod nothing_held_by_nobody;
 mod one_holder;
+mod operator;
 mod partition;
 mod pg_cron;
 mod queues;
