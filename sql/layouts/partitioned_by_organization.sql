@@ -95,7 +95,7 @@ create or replace view agent.idempotency_rows with (security_invoker = true) as
 create or replace view agent.idempotency_work with (security_invoker = true) as
   select k.id, k.organization_id, k.scope, k.key, k.request_hash, k.status, k.lease_token,
          k.request, k.reclaims + 1 as attempt, k.claimed_at, k.lease_expires_at, k.retain_until,
-         k.response, null::integer as taken
+         k.response, null::integer as taken, k.traceparent
     from agent.idempotency_keys_partitioned k;
 drop function agent.idempotency_claim_of(agent.idempotency_keys);
 drop table agent.idempotency_keys;
