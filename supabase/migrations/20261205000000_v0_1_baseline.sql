@@ -164,7 +164,8 @@ ALTER TYPE agent.idempotency_completion_item OWNER TO idempotency_owner;
 -- A journaled failure as agent.idempotency_failures and
 -- agent.idempotency_redrive_failed answer it. claimed_at is the latest
 -- attempt's claim; first_claimed_at the claim of the first attempt that
--- failed, kept however often the failure is sent back and fails again.
+-- failed, kept however often the failure is sent back and fails again;
+-- traceparent the trace that first claimed the key.
 
 CREATE TYPE agent.idempotency_failure AS (
 	id uuid,
@@ -182,7 +183,8 @@ CREATE TYPE agent.idempotency_failure AS (
 	redrivable boolean,
 	requeues integer,
 	taken integer,
-	first_claimed_at timestamp with time zone
+	first_claimed_at timestamp with time zone,
+	traceparent text
 );
 
 ALTER TYPE agent.idempotency_failure OWNER TO idempotency_owner;
@@ -814,7 +816,7 @@ begin
     select f.id, f.organization_id, f.scope, f.key, f.status, f.response ->> 'error', f.response,
            f.resource_type, f.resource_id, f.reclaims + 1, f.claimed_at, f.retain_until,
            f.request is not null, coalesce(pg_catalog.jsonb_array_length(f.replaced), 0), 1,
-           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at)
+           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at), f.traceparent
       from ended f;
 end
 $_$;
@@ -2023,7 +2025,7 @@ begin
            f.resource_type, f.resource_id, f.reclaims + 1, f.claimed_at, f.retain_until,
            f.request is not null, coalesce(jsonb_array_length(f.replaced), 0),
            (count(*) over ())::integer,
-           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at)
+           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at), f.traceparent
       from failed f
      order by f.claimed_at, f.id;
 end
@@ -3550,7 +3552,7 @@ begin
            (s.replaced -> -1 ->> 'attempts')::integer, s.claimed_at, s.retain_until,
            true, jsonb_array_length(s.replaced),
            (count(*) over ())::integer,
-           (s.replaced -> 0 ->> 'claimed_at')::timestamptz
+           (s.replaced -> 0 ->> 'claimed_at')::timestamptz, s.traceparent
       from sent s
      order by s.id;
 end

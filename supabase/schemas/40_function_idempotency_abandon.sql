@@ -50,7 +50,7 @@ begin
     select f.id, f.organization_id, f.scope, f.key, f.status, f.response ->> 'error', f.response,
            f.resource_type, f.resource_id, f.reclaims + 1, f.claimed_at, f.retain_until,
            f.request is not null, coalesce(pg_catalog.jsonb_array_length(f.replaced), 0), 1,
-           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at)
+           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at), f.traceparent
       from ended f;
 end
 $_$;

@@ -27,7 +27,7 @@ begin
            f.resource_type, f.resource_id, f.reclaims + 1, f.claimed_at, f.retain_until,
            f.request is not null, coalesce(jsonb_array_length(f.replaced), 0),
            (count(*) over ())::integer,
-           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at)
+           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at), f.traceparent
       from failed f
      order by f.claimed_at, f.id;
 end

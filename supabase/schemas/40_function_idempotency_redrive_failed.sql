@@ -81,7 +81,7 @@ begin
            (s.replaced -> -1 ->> 'attempts')::integer, s.claimed_at, s.retain_until,
            true, jsonb_array_length(s.replaced),
            (count(*) over ())::integer,
-           (s.replaced -> 0 ->> 'claimed_at')::timestamptz
+           (s.replaced -> 0 ->> 'claimed_at')::timestamptz, s.traceparent
       from sent s
      order by s.id;
 end
