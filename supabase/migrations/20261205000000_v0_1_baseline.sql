@@ -513,25 +513,29 @@ ALTER TABLE agent.idempotency_keys ENABLE ROW LEVEL SECURITY;
 
 -- agent.idempotency_replays
 --
--- How many claims were answered from the journal (replays), when and in
--- which scope: a replay writes nothing to agent.idempotency_keys, so the
--- console's plot of replays over time reads it here. Append-only and
--- UNLOGGED (no WAL, no replica; emptied by a crash, which a plot can
--- afford); the sweep trims rows older than 7 days. Written and read only
--- through the functions.
+-- How many claims were answered from the journal (replays), per minute,
+-- scope and database backend: a replay writes nothing to
+-- agent.idempotency_keys, so the console's plot of replays over time reads
+-- it here. A backend runs one transaction at a time, so each counter row is
+-- only ever written by one transaction at a time: counting never waits on
+-- a lock and never takes part in a deadlock. UNLOGGED (no WAL, no replica;
+-- emptied by a crash, which a plot can afford); the sweep trims rows older
+-- than 7 days. Written and read only through the functions.
 
 CREATE UNLOGGED TABLE agent.idempotency_replays (
-    at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    minute timestamp with time zone NOT NULL,
     scope text NOT NULL,
-    replays integer DEFAULT 1 NOT NULL,
-    CONSTRAINT idempotency_replays_replays_positive CHECK ((replays >= 1))
+    backend integer NOT NULL,
+    replays bigint DEFAULT 0 NOT NULL,
+    CONSTRAINT idempotency_replays_replays_positive CHECK ((replays >= 0))
 );
 
 ALTER TABLE agent.idempotency_replays OWNER TO idempotency_owner;
 
-COMMENT ON TABLE agent.idempotency_replays IS 'Claims answered from the journal (replays), counted for agent.idempotency_activity. Unlogged; trimmed to 7 days by the sweep.';
+COMMENT ON TABLE agent.idempotency_replays IS 'Claims answered from the journal (replays) per minute, scope and backend, for agent.idempotency_activity. Unlogged; trimmed to 7 days by the sweep.';
 
-CREATE INDEX idempotency_replays_at_idx ON agent.idempotency_replays USING brin (at);
+ALTER TABLE ONLY agent.idempotency_replays
+    ADD CONSTRAINT idempotency_replays_pkey PRIMARY KEY (minute, scope, backend);
 
 ALTER TABLE agent.idempotency_replays ENABLE ROW LEVEL SECURITY;
 
@@ -828,8 +832,9 @@ ALTER FUNCTION agent.idempotency_abandon(p_id uuid, p_version text) OWNER TO ide
 -- agent.idempotency_activity
 --
 -- Claims, replays and failures over time (public), for an operator's
--- console: one row per p_bucket_s seconds (1 to 86400) from p_since to now,
--- oldest first, every bucket answered (zeros included). The buckets must
+-- console: one row per p_bucket_s seconds (whole minutes, up to a day) from
+-- the minute of p_since to now, oldest first, every bucket answered (zeros
+-- included). The buckets must
 -- fit p_limit (1 to the row cap), else 22023. Claims are counted by their
 -- latest claim time and failures by the claim time of the attempt that
 -- failed, among claims the sweep has not retired; replays from
@@ -841,43 +846,43 @@ CREATE FUNCTION agent.idempotency_activity(p_since timestamp with time zone, p_b
     AS $$
 declare
   v_at timestamptz := pg_catalog.clock_timestamp();
-  v_step interval;
+  v_start timestamptz;
   v_buckets bigint;
 begin
   if p_limit is null or p_limit not between 1 and agent.idempotency_row_cap() then
     raise exception 'p_limit must be between 1 and the row cap % buckets, got %', agent.idempotency_row_cap(), p_limit
       using errcode = '22023';
   end if;
-  if p_bucket_s is null or p_bucket_s not between 1 and 86400 then
-    raise exception 'p_bucket_s must be between 1 and 86400 seconds, got %', p_bucket_s using errcode = '22023';
+  if p_bucket_s is null or p_bucket_s not between 60 and 86400 or p_bucket_s % 60 <> 0 then
+    raise exception 'p_bucket_s must be whole minutes, 60 to 86400 seconds, got %', p_bucket_s using errcode = '22023';
   end if;
   if p_since is null or p_since >= v_at then
     raise exception 'p_since must be a time in the past, got %', p_since using errcode = '22023';
   end if;
-  v_step := p_bucket_s * interval '1 second';
-  v_buckets := pg_catalog.ceil(extract(epoch from v_at - p_since) / p_bucket_s)::bigint;
+  v_start := pg_catalog.date_trunc('minute', p_since);
+  v_buckets := pg_catalog.ceil(extract(epoch from v_at - v_start) / p_bucket_s)::bigint;
   if v_buckets > p_limit then
-    raise exception 'from % to now is % buckets of % s, more than p_limit %', p_since, v_buckets, p_bucket_s, p_limit
+    raise exception 'from % to now is % buckets of % s, more than p_limit %', v_start, v_buckets, p_bucket_s, p_limit
       using errcode = '22023',
             hint = 'start later, or take longer buckets';
   end if;
   return query
     with buckets as (
-      select n, p_since + (n * v_step) as bucket
+      select n, v_start + n * p_bucket_s * interval '1 second' as bucket
         from pg_catalog.generate_series(0::bigint, v_buckets - 1) n
     ), claims as (
-      select pg_catalog.floor(extract(epoch from k.claimed_at - p_since) / p_bucket_s)::bigint as n,
+      select pg_catalog.floor(extract(epoch from k.claimed_at - v_start) / p_bucket_s)::bigint as n,
              pg_catalog.count(*) as claims,
              pg_catalog.count(*) filter (where k.status = 'completed' and k.response -> 'ok' = 'false'::jsonb)
                as failures
         from agent.idempotency_keys k
-       where k.claimed_at >= p_since
+       where k.claimed_at >= v_start
        group by 1
     ), replays as (
-      select pg_catalog.floor(extract(epoch from r.at - p_since) / p_bucket_s)::bigint as n,
+      select pg_catalog.floor(extract(epoch from r.minute - v_start) / p_bucket_s)::bigint as n,
              pg_catalog.sum(r.replays)::bigint as replays
         from agent.idempotency_replays r
-       where r.at >= p_since
+       where r.minute >= v_start
        group by 1
     )
     select b.bucket, coalesce(c.claims, 0), coalesce(r.replays, 0), coalesce(c.failures, 0)
@@ -1407,14 +1412,14 @@ begin
     raise exception 'claim_many answered % of % items', v_answered, pg_catalog.cardinality(v_keys)
       using errcode = 'XX000';
   end if;
-  -- Items answered from the journal, counted as replays (one row a batch).
-  insert into agent.idempotency_replays (scope, replays)
-  select p_scope, t.n
-    from (select pg_catalog.count(*)::integer as n
-            from pg_catalog.generate_subscripts(v_keys, 1) i
-            join pg_catalog.unnest(v_rows) k on k.key = v_keys[i]
-           where k.status = 'completed' and k.request_hash = v_hashes[i]) t
-   where t.n > 0;
+  -- Items answered from the journal, counted as replays.
+  select pg_catalog.count(*) into v_answered
+    from pg_catalog.generate_subscripts(v_keys, 1) i
+    join pg_catalog.unnest(v_rows) k on k.key = v_keys[i]
+   where k.status = 'completed' and k.request_hash = v_hashes[i];
+  if v_answered > 0 then
+    perform agent.idempotency_count_replays(p_scope, v_answered);
+  end if;
 end
 $_$;
 
@@ -1654,6 +1659,26 @@ $$;
 
 ALTER FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) OWNER TO idempotency_owner;
 
+-- supabase/schemas/40_function_idempotency_count_replays.sql
+
+-- agent.idempotency_count_replays
+--
+-- Counts p_replays claims of p_scope answered from the journal, in this
+-- minute's row of this backend (agent.idempotency_replays). Private: the
+-- claim functions call it.
+
+CREATE FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) RETURNS void
+    LANGUAGE sql
+    SET search_path TO ''
+    AS $$
+  insert into agent.idempotency_replays as r (minute, scope, backend, replays)
+  values (pg_catalog.date_trunc('minute', pg_catalog.clock_timestamp()), p_scope, pg_catalog.pg_backend_pid(),
+          p_replays)
+  on conflict (minute, scope, backend) do update set replays = r.replays + excluded.replays
+$$;
+
+ALTER FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) OWNER TO idempotency_owner;
+
 -- supabase/schemas/40_function_idempotency_decide.sql
 
 -- agent.idempotency_decide
@@ -1814,7 +1839,7 @@ begin
   -- A replay writes nothing to the journal; it is counted, for the
   -- console's plot, in an unlogged table of its own.
   if v_outcome = 'completed' then
-    insert into agent.idempotency_replays (scope, replays) values (p_scope, 1);
+    perform agent.idempotency_count_replays(p_scope, 1);
   end if;
 
   -- A win that waited: the lease starts now, and the retention, counted
@@ -3734,7 +3759,7 @@ begin
   end if;
   delete from agent.idempotency_replays r
    where r.ctid = any (array(select o.ctid from agent.idempotency_replays o
-                              where o.at < pg_catalog.clock_timestamp() - interval '7 days'
+                              where o.minute < pg_catalog.clock_timestamp() - interval '7 days'
                               limit agent.idempotency_row_cap()));
   return next (v_deleted, v_dead)::agent.idempotency_retired;
 end
@@ -4571,5 +4596,7 @@ GRANT ALL ON FUNCTION agent.idempotency_processing(p_scope text, p_limit integer
 
 REVOKE ALL ON FUNCTION agent.idempotency_sweep_backlog(p_limit integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_sweep_backlog(p_limit integer) TO service_role;
+
+REVOKE ALL ON FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION agent.idempotency_version(p_lease_token uuid, p_lease_expires_at timestamp with time zone, p_reclaims integer) FROM PUBLIC;

@@ -230,14 +230,14 @@ begin
     raise exception 'claim_many answered % of % items', v_answered, pg_catalog.cardinality(v_keys)
       using errcode = 'XX000';
   end if;
-  -- Items answered from the journal, counted as replays (one row a batch).
-  insert into agent.idempotency_replays (scope, replays)
-  select p_scope, t.n
-    from (select pg_catalog.count(*)::integer as n
-            from pg_catalog.generate_subscripts(v_keys, 1) i
-            join pg_catalog.unnest(v_rows) k on k.key = v_keys[i]
-           where k.status = 'completed' and k.request_hash = v_hashes[i]) t
-   where t.n > 0;
+  -- Items answered from the journal, counted as replays.
+  select pg_catalog.count(*) into v_answered
+    from pg_catalog.generate_subscripts(v_keys, 1) i
+    join pg_catalog.unnest(v_rows) k on k.key = v_keys[i]
+   where k.status = 'completed' and k.request_hash = v_hashes[i];
+  if v_answered > 0 then
+    perform agent.idempotency_count_replays(p_scope, v_answered);
+  end if;
 end
 $_$;
 

@@ -156,7 +156,7 @@ begin
   -- A replay writes nothing to the journal; it is counted, for the
   -- console's plot, in an unlogged table of its own.
   if v_outcome = 'completed' then
-    insert into agent.idempotency_replays (scope, replays) values (p_scope, 1);
+    perform agent.idempotency_count_replays(p_scope, 1);
   end if;
 
   -- A win that waited: the lease starts now, and the retention, counted

@@ -65,7 +65,7 @@ begin
   end if;
   delete from agent.idempotency_replays r
    where r.ctid = any (array(select o.ctid from agent.idempotency_replays o
-                              where o.at < pg_catalog.clock_timestamp() - interval '7 days'
+                              where o.minute < pg_catalog.clock_timestamp() - interval '7 days'
                               limit agent.idempotency_row_cap()));
   return next (v_deleted, v_dead)::agent.idempotency_retired;
 end

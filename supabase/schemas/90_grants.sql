@@ -226,4 +226,6 @@ GRANT ALL ON FUNCTION agent.idempotency_processing(p_scope text, p_limit integer
 REVOKE ALL ON FUNCTION agent.idempotency_sweep_backlog(p_limit integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_sweep_backlog(p_limit integer) TO service_role;
 
+REVOKE ALL ON FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION agent.idempotency_version(p_lease_token uuid, p_lease_expires_at timestamp with time zone, p_reclaims integer) FROM PUBLIC;

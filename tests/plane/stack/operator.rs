@@ -295,13 +295,14 @@ async fn the_console_reads_count_what_the_journal_holds_and_refuse_an_unbounded_
 
     // Each read refuses a bound above the plane's row cap, by name.
     set_plane_row_cap(&stack, 50).await;
+    let two_hours_ago = (chrono::Utc::now() - chrono::Duration::hours(2)).to_rfc3339();
     for (function, args) in [
         ("idempotency_in_flight", json!({"p_limit": 51})),
         ("idempotency_processing", json!({"p_scope": "*", "p_limit": 51})),
         ("idempotency_failure_counts", json!({"p_limit": 51})),
         ("idempotency_sweep_backlog", json!({"p_limit": 0})),
         ("idempotency_activity", json!({"p_since": since, "p_bucket_s": 60, "p_limit": 51})),
-        ("idempotency_activity", json!({"p_since": since, "p_bucket_s": 1, "p_limit": 50})),
+        ("idempotency_activity", json!({"p_since": two_hours_ago, "p_bucket_s": 60, "p_limit": 50})),
     ] {
         let message = refused(&stack, function, args.clone()).await;
         assert!(message.contains("p_limit"), "{function} {args}: {message}");
