@@ -42,7 +42,7 @@ root="$(cd "$functions/../.." && pwd)"
 
 # Supabase Queues for the queue consumer's tests: pgmq, its pgmq_public
 # wrappers, and a queue and dead-letter queue per test file.
-export IDEM_UP_ARGS="--with-pgmq --queue consumer_test --queue consumer_test_dlq --queue kill_test --queue kill_test_dlq --queue partition_test --queue partition_test_dlq"
+export IDEM_UP_ARGS="--with-pgmq --queue consumer_test --queue consumer_test_dlq --queue kill_test --queue kill_test_dlq --queue partition_test --queue partition_test_dlq --queue telemetry_test --queue telemetry_test_dlq"
 
 # The packages (JSR, npm) are built and tried inside the plane's run, so
 # the installed npm package's Node check makes its round trip too.

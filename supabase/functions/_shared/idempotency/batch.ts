@@ -110,8 +110,10 @@ export async function beginMany(driver: EffectDriver, batch: BatchSpec): Promise
       return outcomes.map((outcome, index): Begun => {
         switch (outcome.outcome) {
           case "claimed":
-          case "reclaimed":
-            return { kind: "held", held: new Held(driver, outcome.claim, attempts[index], batch.timing) };
+          case "reclaimed": {
+            const first = outcome.outcome === "claimed" ? { attempt: 1 } : {};
+            return { kind: "held", held: new Held(driver, outcome.claim, attempts[index], batch.timing, first) };
+          }
           case "completed":
             return { kind: "replayed", answer: outcome.answer };
           case "processing":

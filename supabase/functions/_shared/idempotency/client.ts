@@ -7,6 +7,7 @@ import policy from "./rpc_policy.json" with { type: "json" };
 import { monotonicNow } from "./clock.ts";
 import { PlaneError, type TransportFailure } from "./errors.ts";
 import { authHeaders, keyKind } from "./service_key.ts";
+import { globalTelemetry, METRICS, Telemetry, type TelemetryApi } from "./telemetry.ts";
 
 /** How the client retries what `PlaneError.isRetryable` allows. */
 export interface RetryConfig {
@@ -95,6 +96,15 @@ export interface ClientOptions {
   retry?: Partial<RetryConfig>;
   /** One operation's deadline. Default 25 s (rpc_policy.json). */
   deadlineMs?: number;
+  /**
+   * The OpenTelemetry API spans and metrics go through: the
+   * `@opentelemetry/api` module (`import * as api from
+   * "@opentelemetry/api"`), for an application whose copy of the API
+   * registers nothing globally; `false` for none. Default: the API an SDK
+   * (or Deno's built-in OpenTelemetry, `OTEL_DENO=true`) registered
+   * globally, when one did; nothing otherwise.
+   */
+  telemetry?: TelemetryApi | false;
 }
 
 /** A fetch-based transport: no dependency, Web APIs only. */
@@ -225,10 +235,13 @@ export class PlaneClient {
   readonly #transport: Transport;
   readonly retry: Readonly<RetryConfig>;
   readonly deadlineMs: number;
+  /** Where this client's spans and metrics go (see `ClientOptions.telemetry`). */
+  readonly telemetry: Telemetry;
   #requests = 0;
 
   constructor(transport: Transport, options: ClientOptions = {}) {
     this.#transport = transport;
+    this.telemetry = options.telemetry === undefined ? globalTelemetry : new Telemetry(options.telemetry);
     this.retry = Object.freeze({ ...DEFAULT_RETRY, ...options.retry });
     this.deadlineMs = options.deadlineMs ?? DEFAULT_DEADLINE_MS;
     if (!(this.deadlineMs > 0)) throw PlaneError.invalid("bad_configuration", "the deadline must be above zero");
@@ -247,6 +260,21 @@ export class PlaneClient {
    * a wall-clock step neither stretches nor cuts it.
    */
   async rpc(fn: string, args: Record<string, unknown>, options: { deadlineMs?: number } = {}): Promise<unknown> {
+    const started = monotonicNow();
+    try {
+      return await this.#rpc(fn, args, options);
+    } catch (error) {
+      this.telemetry.count(METRICS.rpcErrors, {
+        function: fn,
+        kind: error instanceof PlaneError ? error.kind : "unexpected",
+      });
+      throw error;
+    } finally {
+      this.telemetry.record(METRICS.rpcDuration, (monotonicNow() - started) / 1000, { function: fn });
+    }
+  }
+
+  async #rpc(fn: string, args: Record<string, unknown>, options: { deadlineMs?: number }): Promise<unknown> {
     const safe = repeatSafe(fn);
     const deadlineMs = options.deadlineMs ?? this.deadlineMs;
     const started = monotonicNow();

@@ -85,8 +85,10 @@ export class EffectDriver {
     });
     switch (outcome.outcome) {
       case "claimed":
-      case "reclaimed":
-        return { kind: "held", held: new Held(this, outcome.claim, attempt, effect.timing) };
+      case "reclaimed": {
+        const first = outcome.outcome === "claimed" ? { attempt: 1 } : {};
+        return { kind: "held", held: new Held(this, outcome.claim, attempt, effect.timing, first) };
+      }
       case "completed":
         return { kind: "replayed", answer: outcome.answer };
       case "processing":

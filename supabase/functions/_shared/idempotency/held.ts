@@ -32,6 +32,7 @@ import { PlaneError } from "./errors.ts";
 import { type CallOptions, type Claim, type IdempotencyPlane, MIN_LEASE_MS } from "./plane.ts";
 import type { Logger } from "./log.ts";
 import type { Timing } from "./timing.ts";
+import { errorKind, METRICS } from "./telemetry.ts";
 
 /** The first wait before an ending (or a lost claim's answer) is asked again. */
 export const FIRST_ENDING_BACKOFF_MS = 50;
@@ -153,6 +154,10 @@ export class Held {
   #settled = false;
   #running?: Promise<{ value: unknown } | { cut: "threw"; error: unknown }>;
   #journaled?: Answer;
+  /** Monotonic ms: when the effect's clock started (the claim was asked for). */
+  readonly #startedAt: number;
+  /** Which time the work is run, when known (1 for a fresh claim, a re-drive's attempt). */
+  readonly #attempt?: number;
 
   /**
    * Once the claim ended journaled: the answer as every replay of the key
@@ -170,18 +175,22 @@ export class Held {
    * and the effect's clock started at `attempt.startedAt` (monotonic ms).
    * `options.beat`, when given, is what each heartbeat calls instead of the
    * plane's `extend` (a queue claim's, which keeps its messages hidden too);
-   * every other rule of the heartbeat is the same.
+   * every other rule of the heartbeat is the same. `options.attempt`, when
+   * known, is which time the work runs (a re-drive's `attempt`), shown on
+   * the effect's span.
    */
   constructor(
     driver: { readonly plane: IdempotencyPlane; readonly log: Logger },
     claim: Claim,
     attempt: { readonly startedAt: number },
     timing: Timing,
-    options: { beat?: Beat } = {},
+    options: { beat?: Beat; attempt?: number } = {},
   ) {
     this.#driver = driver;
     this.claim = claim;
     this.#extendBy = options.beat;
+    this.#startedAt = attempt.startedAt;
+    this.#attempt = options.attempt;
     this.effectDeadline = attempt.startedAt + timing.effectMs;
     this.endingDeadline = this.effectDeadline + timing.journalMs;
     this.lateDeadline = this.endingDeadline - Math.min(timing.journalMs / 2, LATE_JOURNAL_RESERVE_MS);
@@ -292,6 +301,7 @@ export class Held {
   /** An extension answered that the fence moved on: start nothing more. */
   #markLost(): void {
     this.#lost = true;
+    this.#driver.plane.telemetry.count(METRICS.heartbeatsFenced);
     this.#driver.log({
       event: "idempotency.fence_lost",
       level: "warn",
@@ -320,6 +330,7 @@ export class Held {
         return;
       }
       timer = undefined;
+      this.#driver.plane.telemetry.count(METRICS.leasesUnconfirmed);
       this.#driver.log({
         event: "idempotency.lease_unconfirmed",
         level: "warn",
@@ -351,6 +362,31 @@ export class Held {
    * beat answered (`lease_unconfirmed`).
    */
   async run<T>(effect: (signal: AbortSignal) => Promise<T> | T): Promise<{ value: T } | Cut> {
+    const claim = this.claim;
+    // Work handed out again (a reclaim, a re-drive, a redelivery) is linked
+    // to the trace that first claimed it: a link, never a parent.
+    return await this.#driver.plane.telemetry.span("idempotency.effect", {
+      kind: "internal",
+      scope: claim.scope,
+      key: claim.key,
+      attributes: {
+        "idempotency.outcome": claim.reclaimed ? "reclaimed" : "claimed",
+        "idempotency.reclaimed": claim.reclaimed,
+        "idempotency.replayed": false,
+        "idempotency.attempt": this.#attempt,
+      },
+      links: [claim.traceparent],
+    }, async (span) => {
+      const ran = await this.#run(effect);
+      if ("cut" in ran) {
+        span.set({ "idempotency.cut": ran.cut });
+        span.fail(ran.cut === "threw" ? errorKind(ran.error) : ran.cut);
+      }
+      return ran;
+    });
+  }
+
+  async #run<T>(effect: (signal: AbortSignal) => Promise<T> | T): Promise<{ value: T } | Cut> {
     // `late` waits on this run's effect only: one that never starts leaves
     // nothing to wait for, not an earlier run's ending (a reconciler's).
     this.#running = undefined;
@@ -442,6 +478,19 @@ export class Held {
    */
   async settle(settle: Settle, options: { releaseMayHaveLanded?: boolean } = {}): Promise<Settled> {
     this.#claimSettlement();
+    const claim = this.claim;
+    return await this.#driver.plane.telemetry.span(
+      "idempotency.settle",
+      { kind: "internal", scope: claim.scope, key: claim.key },
+      async (span) => {
+        const settled = await this.#settle(settle, options);
+        span.set({ "idempotency.ending": settled.ending });
+        return settled;
+      },
+    );
+  }
+
+  async #settle(settle: Settle, options: { releaseMayHaveLanded?: boolean }): Promise<Settled> {
     let settled: Settled;
     try {
       if (settle === "release") settled = await this.#release(options.releaseMayHaveLanded ?? false);
@@ -611,6 +660,10 @@ export class Held {
   }
 
   #record(settled: Settled): void {
+    const telemetry = this.#driver.plane.telemetry;
+    const labels = { scope: this.claim.scope, ending: settled.ending };
+    telemetry.count(METRICS.effectEndings, labels);
+    telemetry.record(METRICS.effectDuration, (monotonicNow() - this.#startedAt) / 1000, labels);
     const unhappy = settled.ending === "left_to_lease" || settled.ending === "lease_moved_on";
     this.#driver.log({
       event: "idempotency.settle",

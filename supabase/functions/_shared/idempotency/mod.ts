@@ -124,6 +124,29 @@ export type { ToolErrorKind } from "./tool_error.ts";
 export { isToolKey, toolCallKey, toolKey } from "./tool_key.ts";
 export type { ToolKey } from "./tool_key.ts";
 export { consoleLogger, silent } from "./log.ts";
+export {
+  errorKind,
+  INSTRUMENTATION_SCOPE,
+  keyHash,
+  METRIC_KINDS,
+  METRICS,
+  spanContextOf,
+  Telemetry,
+  traceparentOf,
+} from "./telemetry.ts";
+export type {
+  MetricKind,
+  MetricName,
+  OtelContext,
+  OtelMeter,
+  OtelSpan,
+  OtelSpanContext,
+  OtelTracer,
+  SpanScope,
+  SpanStart,
+  TelemetryApi,
+  TelemetryValue,
+} from "./telemetry.ts";
 export type { Logger, PlaneEvent } from "./log.ts";
 export {
   bodyOf,

@@ -25,6 +25,7 @@ import {
   responseRefOf,
   unstorable,
 } from "./answer.ts";
+import { METRICS, type SpanScope, type Telemetry } from "./telemetry.ts";
 
 /** Longest key the table accepts, in characters. */
 export const MAX_KEY_CHARS = 512;
@@ -55,6 +56,12 @@ export interface Claim {
   readonly leaseExpiresAt: string;
   /** Taken over from a worker whose lease had passed. */
   readonly reclaimed: boolean;
+  /**
+   * The W3C traceparent of the worker that first claimed the key with its
+   * work, when it sent one (it does while an OpenTelemetry API is present):
+   * the span that runs work handed out again links to it.
+   */
+  readonly traceparent?: string;
 }
 
 /** What a claim decided: exactly one of five endings. */
@@ -72,7 +79,10 @@ export type ClaimOutcome =
 
 /** What a re-drive took over: work handed to this caller, or a dead letter it journaled. */
 export type Redriven =
-  /** The work is this caller's now: run `request`, then complete or release `claim`. */
+  /**
+   * The work is this caller's now: run `request`, then complete or release
+   * `claim` (whose `traceparent` is the trace that first claimed it).
+   */
   | { outcome: "redriven"; claim: Claim; request: unknown; attempt: number }
   /** The work had been handed out `max_attempts` times: journaled as a failure, replayed to every later claim. */
   | {
@@ -142,6 +152,11 @@ export class IdempotencyPlane {
       throw PlaneError.invalid("bad_configuration", `maxRows must be an integer from 1 to 100000, got ${maxRows}`);
     }
     this.maxRows = maxRows;
+  }
+
+  /** Where this plane's spans and metrics go (its client's; see `ClientOptions.telemetry`). */
+  get telemetry(): Telemetry {
+    return this.client.telemetry;
   }
 
   /**
@@ -219,17 +234,44 @@ export class IdempotencyPlane {
       throw PlaneError.invalid("bad_configuration", "a lease token must be a UUID (one this client minted)");
     }
     const leaseToken = request.leaseToken?.toLowerCase() ?? crypto.randomUUID();
-    const data = await this.client.rpc("idempotency_claim", {
-      p_organization_id: request.organizationId,
-      p_scope: request.scope,
-      p_key: request.key,
-      p_request_hash: request.requestHash,
-      p_lease_token: leaseToken,
-      p_lease_ms: Math.ceil(request.leaseMs),
-      // Omitted when absent, never sent as null (see `complete`).
-      ...(request.work === undefined || request.work === null ? {} : { p_request: request.work }),
-    }, call);
-    return outcomeOf("idempotency_claim", oneRow("idempotency_claim", data), request, leaseToken);
+    const carries = request.work !== undefined && request.work !== null;
+    return await this.telemetry.span("idempotency.claim", { scope: request.scope, key: request.key }, async (span) => {
+      // The claim's trace goes with its work, for whoever is handed the work again.
+      const traceparent = carries ? span.traceparent : undefined;
+      const data = await this.client.rpc("idempotency_claim", {
+        p_organization_id: request.organizationId,
+        p_scope: request.scope,
+        p_key: request.key,
+        p_request_hash: request.requestHash,
+        p_lease_token: leaseToken,
+        p_lease_ms: Math.ceil(request.leaseMs),
+        // Omitted when absent, never sent as null (see `complete`).
+        ...(carries ? { p_request: request.work } : {}),
+        ...(traceparent === undefined ? {} : { p_traceparent: traceparent }),
+      }, call);
+      const outcome = outcomeOf("idempotency_claim", oneRow("idempotency_claim", data), request, leaseToken);
+      this.#claimed(span, request.scope, outcome);
+      return outcome;
+    });
+  }
+
+  /** Records what a claim answered on its span and in `idempotency_outcomes_total`. */
+  #claimed(span: SpanScope | undefined, scope: string, outcome: ClaimOutcome): void {
+    const shown = outcomeName(outcome.outcome);
+    span?.set({
+      "idempotency.outcome": shown,
+      "idempotency.replayed": outcome.outcome === "completed",
+      "idempotency.reclaimed": outcome.outcome === "reclaimed",
+      "idempotency.attempt": outcome.outcome === "claimed" ? 1 : undefined,
+    });
+    this.telemetry.count(METRICS.outcomes, { operation: "claim", scope, outcome: metricOutcome(outcome.outcome) });
+    if (outcome.outcome === "processing") this.telemetry.count(METRICS.waits, { operation: "claim", scope });
+  }
+
+  /** Records an ending on its span and in `idempotency_endings_total`. */
+  #ended(span: SpanScope | undefined, operation: string, scope: string, ending: Ending): void {
+    span?.set({ "idempotency.ending": ending });
+    this.telemetry.count(METRICS.endings, { operation, scope, ending });
   }
 
   /**
@@ -238,6 +280,18 @@ export class IdempotencyPlane {
    * one). Safe to repeat with the same claim after a lost answer.
    */
   async complete(claim: Claim, completion: Completion, call: CallOptions = {}): Promise<Ending> {
+    return await this.telemetry.span(
+      "idempotency.complete",
+      { scope: claim.scope, key: claim.key },
+      async (span) => {
+        const ending = await this.#complete(claim, completion, call);
+        this.#ended(span, "complete", claim.scope, ending);
+        return ending;
+      },
+    );
+  }
+
+  async #complete(claim: Claim, completion: Completion, call: CallOptions): Promise<Ending> {
     const stored = await this.#stored(completion);
     // The organization addresses the claim with its id: on a claim table
     // partitioned by organization the database goes straight to it.
@@ -314,13 +368,17 @@ export class IdempotencyPlane {
    * proves it never ran.
    */
   async release(claim: Claim, call: CallOptions = {}): Promise<Ending> {
-    const data = await this.client.rpc("idempotency_release", {
-      p_claim_id: claim.id,
-      p_lease_token: claim.leaseToken,
-      p_organization_id: claim.organizationId,
-    }, call);
-    if (typeof data !== "boolean") throw new PlaneError("decode", "idempotency_release answered a non-boolean");
-    return data ? "recorded" : "lease_moved_on";
+    return await this.telemetry.span("idempotency.release", { scope: claim.scope, key: claim.key }, async (span) => {
+      const data = await this.client.rpc("idempotency_release", {
+        p_claim_id: claim.id,
+        p_lease_token: claim.leaseToken,
+        p_organization_id: claim.organizationId,
+      }, call);
+      if (typeof data !== "boolean") throw new PlaneError("decode", "idempotency_release answered a non-boolean");
+      const ending: Ending = data ? "recorded" : "lease_moved_on";
+      this.#ended(span, "release", claim.scope, ending);
+      return ending;
+    });
   }
 
   /**
@@ -359,27 +417,41 @@ export class IdempotencyPlane {
       }
       return { ...item, leaseToken: item.leaseToken?.toLowerCase() ?? crypto.randomUUID() };
     });
-    const data = await this.client.rpc("idempotency_claim_many", {
-      p_organization_id: organizationId,
-      p_scope: request.scope,
-      p_lease_ms: Math.ceil(request.leaseMs),
-      p_row_cap: this.maxRows,
-      p_items: items.map((item) => ({
-        key: item.key,
-        request_hash: item.requestHash,
-        lease_token: item.leaseToken,
-        ...(item.work === undefined || item.work === null ? {} : { request: item.work }),
-      })),
-    }, call);
-    const rows = batchRows("idempotency_claim_many", data, items.length);
-    return rows.map((row, index) =>
-      outcomeOf(
-        "idempotency_claim_many",
-        row,
-        { organizationId, scope: request.scope, key: items[index].key, requestHash: items[index].requestHash },
-        items[index].leaseToken,
-      )
-    );
+    const start = { scope: request.scope, attributes: { "idempotency.items": items.length } };
+    return await this.telemetry.span("idempotency.claim_many", start, async (span) => {
+      const traceparent = span.traceparent;
+      const data = await this.client.rpc("idempotency_claim_many", {
+        p_organization_id: organizationId,
+        p_scope: request.scope,
+        p_lease_ms: Math.ceil(request.leaseMs),
+        p_row_cap: this.maxRows,
+        p_items: items.map((item) => {
+          const carries = item.work !== undefined && item.work !== null;
+          return {
+            key: item.key,
+            request_hash: item.requestHash,
+            lease_token: item.leaseToken,
+            ...(carries ? { request: item.work } : {}),
+            ...(carries && traceparent !== undefined ? { traceparent } : {}),
+          };
+        }),
+      }, call);
+      const rows = batchRows("idempotency_claim_many", data, items.length);
+      const outcomes = rows.map((row, index) =>
+        outcomeOf(
+          "idempotency_claim_many",
+          row,
+          { organizationId, scope: request.scope, key: items[index].key, requestHash: items[index].requestHash },
+          items[index].leaseToken,
+        )
+      );
+      for (const outcome of outcomes) this.#claimed(undefined, request.scope, outcome);
+      span.set({
+        "idempotency.claimed": outcomes.filter((o) => o.outcome === "claimed" || o.outcome === "reclaimed").length,
+        "idempotency.replayed": outcomes.some((o) => o.outcome === "completed"),
+      });
+      return outcomes;
+    });
   }
 
   /**
@@ -396,6 +468,19 @@ export class IdempotencyPlane {
     this.#checkBatch(items.length);
     if (items.length === 0) return [];
     const organizationId = sameOrganization(items.map((item) => item.claim));
+    const start = { scope: items[0].claim.scope, attributes: { "idempotency.items": items.length } };
+    return await this.telemetry.span("idempotency.complete_many", start, async () => {
+      const endings = await this.#completeMany(items, organizationId, call);
+      endings.forEach((ending, index) => this.#ended(undefined, "complete", items[index].claim.scope, ending));
+      return endings;
+    });
+  }
+
+  async #completeMany(
+    items: readonly { claim: Claim; completion: Completion }[],
+    organizationId: string,
+    call: CallOptions,
+  ): Promise<Ending[]> {
     const stored = await Promise.all(items.map((item) => this.#stored(item.completion)));
     const data = await this.client.rpc("idempotency_complete_many", {
       p_organization_id: organizationId,
@@ -433,16 +518,22 @@ export class IdempotencyPlane {
   async releaseMany(claims: readonly Claim[], call: CallOptions = {}): Promise<Ending[]> {
     this.#checkBatch(claims.length);
     if (claims.length === 0) return [];
-    const data = await this.client.rpc("idempotency_release_many", {
-      p_organization_id: sameOrganization(claims),
-      p_row_cap: this.maxRows,
-      p_items: claims.map((claim) => ({ claim_id: claim.id, lease_token: claim.leaseToken })),
-    }, call);
-    return batchRows("idempotency_release_many", data, claims.length).map((row) => {
-      if (typeof row.released !== "boolean") {
-        throw new PlaneError("decode", "idempotency_release_many answered a row without `released`");
-      }
-      return row.released ? "recorded" : "lease_moved_on";
+    const organizationId = sameOrganization(claims);
+    const start = { scope: claims[0].scope, attributes: { "idempotency.items": claims.length } };
+    return await this.telemetry.span("idempotency.release_many", start, async () => {
+      const data = await this.client.rpc("idempotency_release_many", {
+        p_organization_id: organizationId,
+        p_row_cap: this.maxRows,
+        p_items: claims.map((claim) => ({ claim_id: claim.id, lease_token: claim.leaseToken })),
+      }, call);
+      return batchRows("idempotency_release_many", data, claims.length).map((row, index) => {
+        if (typeof row.released !== "boolean") {
+          throw new PlaneError("decode", "idempotency_release_many answered a row without `released`");
+        }
+        const ending: Ending = row.released ? "recorded" : "lease_moved_on";
+        this.#ended(undefined, "release", claims[index].scope, ending);
+        return ending;
+      });
     });
   }
 
@@ -464,16 +555,19 @@ export class IdempotencyPlane {
    */
   async extend(claim: Claim, leaseMs: number, call: CallOptions = {}): Promise<string | null> {
     checkLease(leaseMs);
-    const data = await this.client.rpc("idempotency_extend", {
-      p_claim_id: claim.id,
-      p_lease_token: claim.leaseToken,
-      p_lease_ms: Math.ceil(leaseMs),
-      p_organization_id: claim.organizationId,
-    }, call);
-    if (data !== null && typeof data !== "string") {
-      throw new PlaneError("decode", "idempotency_extend answered neither a time nor null");
-    }
-    return data;
+    return await this.telemetry.span("idempotency.extend", { scope: claim.scope, key: claim.key }, async (span) => {
+      const data = await this.client.rpc("idempotency_extend", {
+        p_claim_id: claim.id,
+        p_lease_token: claim.leaseToken,
+        p_lease_ms: Math.ceil(leaseMs),
+        p_organization_id: claim.organizationId,
+      }, call);
+      if (data !== null && typeof data !== "string") {
+        throw new PlaneError("decode", "idempotency_extend answered neither a time nor null");
+      }
+      span.set({ "idempotency.extended": data !== null });
+      return data;
+    });
   }
 
   /**
@@ -503,6 +597,26 @@ export class IdempotencyPlane {
       );
     }
     const organizationId = request.organizationId === undefined ? undefined : checkOrganization(request.organizationId);
+    const start = { scope: request.scope, attributes: { "idempotency.limit": request.limit } };
+    return await this.telemetry.span("idempotency.redrive", start, async (span) => {
+      const taken = await this.#redrive(request, organizationId, call);
+      for (const work of taken) {
+        const scope = work.outcome === "redriven" ? work.claim.scope : work.scope;
+        this.telemetry.count(METRICS.redrives, { scope, outcome: work.outcome });
+      }
+      span.set({
+        "idempotency.redriven": taken.filter((work) => work.outcome === "redriven").length,
+        "idempotency.dead_lettered": taken.filter((work) => work.outcome === "dead_lettered").length,
+      });
+      return taken;
+    });
+  }
+
+  async #redrive(
+    request: { scope: string; limit: number; leaseMs: number },
+    organizationId: string | undefined,
+    call: CallOptions,
+  ): Promise<Redriven[]> {
     const tokens = Array.from({ length: request.limit }, () => crypto.randomUUID());
     const data = await this.client.rpc("idempotency_redrive", {
       p_scope: request.scope,
@@ -556,6 +670,20 @@ export class IdempotencyPlane {
     checkScope(request.scope);
     checkKey(request.key);
     checkHash(request.requestHash);
+    return await this.telemetry.span("idempotency.read", { scope: request.scope, key: request.key }, async (span) => {
+      const outcome = await this.#read(request, call);
+      const shown = outcome.outcome === "completed" ? "replayed" : outcome.outcome;
+      span.set({ "idempotency.outcome": shown, "idempotency.replayed": outcome.outcome === "completed" });
+      this.telemetry.count(METRICS.outcomes, { operation: "read", scope: request.scope, outcome: outcome.outcome });
+      if (shown === "processing") this.telemetry.count(METRICS.waits, { operation: "read", scope: request.scope });
+      return outcome;
+    });
+  }
+
+  async #read(
+    request: { organizationId: string; scope: string; key: string; requestHash: string },
+    call: CallOptions,
+  ): Promise<ReadOutcome> {
     const data = await this.client.rpc("idempotency_get", {
       p_organization_id: request.organizationId,
       p_scope: request.scope,
@@ -634,8 +762,28 @@ function redriven(row: Row, organizationId: string | undefined): Redriven {
     leaseToken: text(row.lease_token, "lease_token"),
     leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at"),
     reclaimed: true,
+    ...traceparentOf(row),
   });
   return { outcome: "redriven", claim, request: row.request, attempt: row.attempt };
+}
+
+/** A row's traceparent, as a Claim holds it: absent when the row has none. */
+function traceparentOf(row: Row): { traceparent?: string } {
+  return typeof row.traceparent === "string" && row.traceparent !== "" ? { traceparent: row.traceparent } : {};
+}
+
+/** A claim's outcome as spans show it: `replayed` for an answer journaled before. */
+export function outcomeName(outcome: ClaimOutcome["outcome"]): string {
+  return outcome === "completed" ? "replayed" : outcome;
+}
+
+/**
+ * A claim's outcome as `idempotency_outcomes_total` counts it, with the Rust
+ * crate's values: the plane's outcome (`completed` for a replay), a
+ * takeover counted as `claimed` (its span says `reclaimed`).
+ */
+export function metricOutcome(outcome: string): string {
+  return outcome === "reclaimed" ? "claimed" : outcome;
 }
 
 /** What `row`, the plane's answer to a claim of `request` under `leaseToken`, decided. */
@@ -668,6 +816,7 @@ function outcomeOf(
         leaseToken,
         leaseExpiresAt: text(row.lease_expires_at, "lease_expires_at"),
         reclaimed: row.outcome === "reclaimed",
+        ...traceparentOf(row),
       });
       return { outcome: row.outcome, claim };
     }

@@ -27,7 +27,8 @@ import { monotonicNow } from "./clock.ts";
 import type { EffectDriver } from "./driver.ts";
 import { PlaneError } from "./errors.ts";
 import { type Beat, Held, type Settle, type Settled } from "./held.ts";
-import type { CallOptions, Claim, IdempotencyPlane } from "./plane.ts";
+import { type CallOptions, type Claim, type IdempotencyPlane, metricOutcome } from "./plane.ts";
+import { METRICS } from "./telemetry.ts";
 import type { Drained, MessageContext, QueueMessage } from "./queue_message.ts";
 import type { Timing } from "./timing.ts";
 import { vendorKey } from "./vendor_key.ts";
@@ -92,6 +93,12 @@ export interface TakenItem {
   deadLettered: boolean;
   /** Why a message is malformed. */
   reason?: string;
+  /**
+   * For a claim to run: the W3C traceparent of the worker that first
+   * claimed its key (a take's, or a claim's that carried work), when one
+   * was sent; the span that runs a reclaimed or re-driven claim links to it.
+   */
+  traceparent?: string;
 }
 
 /** One take: up to one message per lease token, read from `queue` and claimed in `scope`. */
@@ -150,6 +157,33 @@ export async function queueTake(
   if (count < 1 || count > plane.maxRows) {
     throw PlaneError.invalid("bound_above_cap", `a take holds 1 to ${plane.maxRows} lease tokens, not ${count}`);
   }
+  const start = { scope: take.scope, attributes: { "idempotency.queue": take.queue, "idempotency.limit": count } };
+  return await plane.telemetry.span("idempotency.queue_take", start, async (span) => {
+    const items = await takeCall(plane, take, span.traceparent, call);
+    for (const item of items) {
+      if (item.outcome === "copy" || item.outcome === "malformed") continue;
+      const outcome = metricOutcome(item.outcome);
+      if (outcome === "redriven") plane.telemetry.count(METRICS.redrives, { scope: take.scope, outcome });
+      else plane.telemetry.count(METRICS.outcomes, { operation: "claim", scope: take.scope, outcome });
+      if (outcome === "processing") plane.telemetry.count(METRICS.waits, { operation: "claim", scope: take.scope });
+    }
+    span.set({
+      "idempotency.messages": items.filter((item) => item.msgId !== undefined).length,
+      "idempotency.claimed": items.filter((item) => item.outcome === "claimed" || item.outcome === "reclaimed").length,
+      "idempotency.redriven": items.filter((item) => item.outcome === "redriven").length,
+    });
+    return items;
+  });
+}
+
+/** The take's call itself; `traceparent` (the take's span's) goes with every claim it makes. */
+async function takeCall(
+  plane: IdempotencyPlane,
+  take: QueueTake,
+  traceparent: string | undefined,
+  call: CallOptions,
+): Promise<TakenItem[]> {
+  const count = take.leaseTokens.length;
   const fn = "idempotency_queue_take";
   const data = await plane.client.rpc(fn, {
     p_queue: take.queue,
@@ -161,6 +195,7 @@ export async function queueTake(
     p_scope: take.scope,
     ...(take.organizations === undefined ? {} : { p_organizations: take.organizations }),
     p_row_cap: plane.maxRows,
+    ...(traceparent === undefined ? {} : { p_traceparent: traceparent }),
   }, call);
   const rows = rowsOf(fn, data);
   if (rows.length > count) throw inconsistent(`${fn} answered ${rows.length} rows for ${count} lease tokens`);
@@ -204,6 +239,8 @@ export async function queueTake(
     if (outcome === "redriven") item.payload = row.payload ?? null;
     if (row.response !== null && row.response !== undefined) item.response = row.response;
     item.reason = text("reason");
+    const traceparent = text("traceparent");
+    if (traceparent !== undefined && traceparent !== "") item.traceparent = traceparent;
     if (outcome === "claimed" || outcome === "reclaimed" || outcome === "redriven") {
       for (const [field, value] of [["id", item.id], ["key", item.key], ["organization_id", item.organizationId]]) {
         if (value === undefined) throw inconsistent(`${fn} answered a claim to run without its ${field}`);
@@ -241,6 +278,22 @@ export async function queueSettle(
 ): Promise<QueueSettled[]> {
   if (items.length === 0) return [];
   checkBatch(plane, items.length);
+  const start = { attributes: { "idempotency.queue": queue, "idempotency.items": items.length } };
+  return await plane.telemetry.span(
+    "idempotency.queue_settle",
+    start,
+    () => settleCall(plane, queue, deadLetterQueue, items, call),
+  );
+}
+
+/** The settle's call itself. */
+async function settleCall(
+  plane: IdempotencyPlane,
+  queue: string,
+  deadLetterQueue: string,
+  items: readonly { claim: QueueClaim; ending: QueueEnding }[],
+  call: CallOptions,
+): Promise<QueueSettled[]> {
   const fn = "idempotency_queue_settle";
   const data = await plane.client.rpc(fn, {
     p_queue: queue,
@@ -286,18 +339,21 @@ export async function queueExtend(
   if (claims.length === 0) return [];
   checkBatch(plane, claims.length);
   const fn = "idempotency_queue_extend";
-  const data = await plane.client.rpc(fn, {
-    p_queue: queue,
-    p_lease_ms: Math.ceil(leaseMs),
-    p_items: claims.map(claimArg),
-    p_row_cap: plane.maxRows,
-  }, call);
-  return itemRows(fn, data, claims.length).map((row) => {
-    const end = row.lease_expires_at;
-    if (end !== null && typeof end !== "string") {
-      throw new PlaneError("decode", `${fn} answered a lease end that is neither a time nor null`, { fn });
-    }
-    return end;
+  const start = { attributes: { "idempotency.queue": queue, "idempotency.items": claims.length } };
+  return await plane.telemetry.span("idempotency.queue_extend", start, async () => {
+    const data = await plane.client.rpc(fn, {
+      p_queue: queue,
+      p_lease_ms: Math.ceil(leaseMs),
+      p_items: claims.map(claimArg),
+      p_row_cap: plane.maxRows,
+    }, call);
+    return itemRows(fn, data, claims.length).map((row) => {
+      const end = row.lease_expires_at;
+      if (end !== null && typeof end !== "string") {
+        throw new PlaneError("decode", `${fn} answered a lease end that is neither a time nor null`, { fn });
+      }
+      return end;
+    });
   });
 }
 
@@ -518,6 +574,7 @@ function hold(drain: PlaneDrain, item: TakenItem, items: readonly TakenItem[], s
     leaseToken: (item.leaseToken as string).toLowerCase(),
     leaseExpiresAt: item.leaseExpiresAt as string,
     reclaimed: item.outcome !== "claimed",
+    ...(item.traceparent === undefined ? {} : { traceparent: item.traceparent }),
   });
   const msgIds = item.msgId === undefined ? [] : [
     item.msgId,
@@ -541,7 +598,8 @@ function hold(drain: PlaneDrain, item: TakenItem, items: readonly TakenItem[], s
     ], call);
     return end;
   };
-  const held = new Held(drain.driver, claim, { startedAt: started }, drain.timing, { beat });
+  const attempt = item.outcome === "redriven" ? item.attempt : item.outcome === "claimed" ? 1 : undefined;
+  const held = new Held(drain.driver, claim, { startedAt: started }, drain.timing, { beat, attempt });
   return { item, message, msgIds, payload, held };
 }
 

@@ -81,6 +81,7 @@ import type { IdempotencyPlane } from "./plane.ts";
 import { lookupProviderJob, type ProviderJob } from "./provider_jobs.ts";
 import { consoleLogger, type Logger } from "./log.ts";
 import limits from "./webhook_limits.json" with { type: "json" };
+import { METRICS } from "./telemetry.ts";
 
 /** How long processing one delivery may take, in-process retries included. */
 export const DEFAULT_PROCESSING_TIMEOUT_MS = 15_000;
@@ -439,7 +440,7 @@ export class WebhookGate {
         continue;
       }
       report.redriven += 1;
-      const held = new Held(this.driver, work.claim, { startedAt }, this.timing);
+      const held = new Held(this.driver, work.claim, { startedAt }, this.timing, { attempt: work.attempt });
       running.push(this.#carryAgain(held, work.request, work.attempt, process));
     }
     for (const journaled of await Promise.all(running)) {
@@ -750,6 +751,7 @@ export class WebhookGate {
 
   #drop(reason: DropReason, replayed = false): Ack {
     this.#drops.set(reason, this.drops(reason) + 1);
+    this.driver.plane.telemetry.count(METRICS.webhookDrops, { reason });
     this.#log({ event: "webhook.dropped", level: "info", drop_reason: reason, replayed });
     return { ack: "dropped", status: 200, reason };
   }
