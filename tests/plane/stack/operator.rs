@@ -12,6 +12,7 @@ use crate::support::harness::*;
 
 const SCOPE: &str = "webhook.operator";
 const TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+const ORG: &str = "00000000-0000-0000-0000-00000000c0de";
 const OTHER_TRACE: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 
 async fn rpc(stack: &idempotency_plane::local::LocalStack, function: &'static str, args: Value) -> Vec<Value> {
@@ -28,7 +29,7 @@ async fn refused(stack: &idempotency_plane::local::LocalStack, function: &'stati
 /// A claim in SCOPE carrying work, made with `traceparent`; answers the row.
 async fn claim_with_work(stack: &idempotency_plane::local::LocalStack, key: &str, traceparent: Option<&str>) -> Value {
     let mut args = json!({
-        "p_organization_id": org(), "p_scope": SCOPE, "p_key": key, "p_request_hash": hash(key),
+        "p_organization_id": ORG, "p_scope": SCOPE, "p_key": key, "p_request_hash": hash(key).as_str(),
         "p_lease_token": Uuid::new_v4(), "p_lease_ms": 60_000, "p_request": {"body": key},
     });
     if let Some(traceparent) = traceparent {
@@ -45,6 +46,12 @@ async fn stored_traceparent(stack: &idempotency_plane::local::LocalStack, key: &
         .fetch_one(stack.db())
         .await
         .expect("the claim")
+}
+
+/// A heartbeat: the lease's new end, or null when the token no longer holds the claim.
+async fn extend(stack: &idempotency_plane::local::LocalStack, claim_id: &Value, token: &Value) -> Value {
+    let args = json!({"p_claim_id": claim_id, "p_lease_token": token, "p_lease_ms": 60_000});
+    client(stack).rpc("idempotency_extend", &args, Repeat::Safe).await.unwrap_or_else(|e| panic!("extend: {e}"))
 }
 
 fn id(row: &Value) -> Uuid {
@@ -65,7 +72,7 @@ async fn a_claim_keeps_the_first_traceparent_and_hands_it_on_with_its_work() {
         let message = refused(
             &stack,
             "idempotency_claim",
-            json!({"p_organization_id": org(), "p_scope": SCOPE, "p_key": "bad", "p_request_hash": hash("bad"),
+            json!({"p_organization_id": ORG, "p_scope": SCOPE, "p_key": "bad", "p_request_hash": hash("bad").as_str(),
                    "p_lease_token": Uuid::new_v4(), "p_lease_ms": 60_000, "p_request": {}, "p_traceparent": bad}),
         )
         .await;
@@ -105,26 +112,26 @@ async fn a_claim_keeps_the_first_traceparent_and_hands_it_on_with_its_work() {
 
     // A batch stores each item's trace, and refuses a malformed one by index.
     let items = json!([
-        {"key": "b-1", "request_hash": hash("b-1"), "lease_token": Uuid::new_v4(), "request": {"n": 1}, "traceparent": TRACE},
-        {"key": "b-2", "request_hash": hash("b-2"), "lease_token": Uuid::new_v4(), "request": {"n": 2}},
+        {"key": "b-1", "request_hash": hash("b-1").as_str(), "lease_token": Uuid::new_v4(), "request": {"n": 1}, "traceparent": TRACE},
+        {"key": "b-2", "request_hash": hash("b-2").as_str(), "lease_token": Uuid::new_v4(), "request": {"n": 2}},
     ]);
     let answered = rpc(
         &stack,
         "idempotency_claim_many",
-        json!({"p_organization_id": org(), "p_scope": SCOPE, "p_lease_ms": 60_000, "p_items": items}),
+        json!({"p_organization_id": ORG, "p_scope": SCOPE, "p_lease_ms": 60_000, "p_items": items}),
     )
     .await;
     assert_eq!(answered[0]["traceparent"], TRACE);
     assert_eq!(answered[1]["traceparent"], Value::Null);
     assert_eq!(stored_traceparent(&stack, "b-1").await.as_deref(), Some(TRACE));
     let bad_items = json!([
-        {"key": "b-3", "request_hash": hash("b-3"), "lease_token": Uuid::new_v4()},
-        {"key": "b-4", "request_hash": hash("b-4"), "lease_token": Uuid::new_v4(), "traceparent": "00-xyz"},
+        {"key": "b-3", "request_hash": hash("b-3").as_str(), "lease_token": Uuid::new_v4()},
+        {"key": "b-4", "request_hash": hash("b-4").as_str(), "lease_token": Uuid::new_v4(), "traceparent": "00-xyz"},
     ]);
     let message = refused(
         &stack,
         "idempotency_claim_many",
-        json!({"p_organization_id": org(), "p_scope": SCOPE, "p_lease_ms": 60_000, "p_items": bad_items}),
+        json!({"p_organization_id": ORG, "p_scope": SCOPE, "p_lease_ms": 60_000, "p_items": bad_items}),
     )
     .await;
     assert!(message.contains("p_items[1].traceparent"), "{message}");
@@ -153,13 +160,8 @@ async fn abandon_ends_only_the_claim_the_operator_saw_and_fences_its_holder() {
 
     // The holder's heartbeat moves the claim on: the version shown is stale,
     // and abandoning with it changes nothing.
-    let extended = rpc(
-        &stack,
-        "idempotency_extend",
-        json!({"p_claim_id": held["id"], "p_lease_token": token, "p_lease_ms": 60_000}),
-    )
-    .await;
-    assert!(!extended.is_empty() && extended[0] != Value::Null, "the heartbeat landed: {extended:?}");
+    let extended = extend(&stack, &held["id"], &token).await;
+    assert!(extended.is_string(), "the heartbeat landed: {extended}");
     let stale = client(&stack)
         .rpc::<Vec<Value>>("idempotency_abandon", &json!({"p_id": held["id"], "p_version": version}), Repeat::Unsafe)
         .await
@@ -184,13 +186,8 @@ async fn abandon_ends_only_the_claim_the_operator_saw_and_fences_its_holder() {
 
     // The worker that held it is fenced: its heartbeat and its completion
     // change nothing.
-    let beat = rpc(
-        &stack,
-        "idempotency_extend",
-        json!({"p_claim_id": held["id"], "p_lease_token": token, "p_lease_ms": 60_000}),
-    )
-    .await;
-    assert!(beat.is_empty() || beat[0] == Value::Null, "a fenced heartbeat extends nothing: {beat:?}");
+    let beat = extend(&stack, &held["id"], &token).await;
+    assert_eq!(beat, Value::Null, "a fenced heartbeat extends nothing");
     let completed = rpc(
         &stack,
         "idempotency_complete",
@@ -264,11 +261,11 @@ async fn the_console_reads_count_what_the_journal_holds_and_refuse_an_unbounded_
     .await;
     // Two replays: one single claim, one batch item.
     assert_eq!(claim_with_work(&stack, "done", None).await["outcome"], "completed");
-    let batch = json!([{"key": "done", "request_hash": hash("done"), "lease_token": Uuid::new_v4()}]);
+    let batch = json!([{"key": "done", "request_hash": hash("done").as_str(), "lease_token": Uuid::new_v4()}]);
     rpc(
         &stack,
         "idempotency_claim_many",
-        json!({"p_organization_id": org(), "p_scope": SCOPE, "p_lease_ms": 60_000, "p_items": batch}),
+        json!({"p_organization_id": ORG, "p_scope": SCOPE, "p_lease_ms": 60_000, "p_items": batch}),
     )
     .await;
     expired_rows(&stack, 3).await;

@@ -558,7 +558,7 @@ async fn the_migrations_apply_as_a_createrole_role_that_is_no_superuser_and_hand
     }
     assert_eq!(applied.len(), idempotency_plane::migrations::MIGRATIONS.len());
     let owners = owners.expect("the migrated database");
-    assert!(owners.len() == 8 && owners.iter().all(|(_, owner)| owner == "idempotency_owner"), "{owners:?}");
+    assert!(owners.len() == 9 && owners.iter().all(|(_, owner)| owner == "idempotency_owner"), "{owners:?}");
 }
 
 /// One RPC as curl or an Edge Function calls it, with the service key: the

@@ -21,15 +21,15 @@ pub(super) const FLOOR_CLAIM: &str = "with p as (select s.retain from agent.idem
       c as (select clock_timestamp() as at)
  insert into agent.idempotency_keys as k
    (organization_id, scope, key, request_hash, status, lease_token,
-    claimed_at, lease_expires_at, retain_until, request, redrive_at)
+    claimed_at, lease_expires_at, retain_until, request, redrive_at, traceparent)
  select $1, 'tool.bench', $2, $3, 'processing', $4,
-        c.at, c.at + interval '60 seconds', c.at + interval '60 seconds' + p.retain, null, null
+        c.at, c.at + interval '60 seconds', c.at + interval '60 seconds' + p.retain, null, null, null
    from p, c
  on conflict (organization_id, scope, key) do nothing
  returning 'claimed' as outcome, k.id, k.organization_id, k.scope, k.key, k.request_hash,
            k.status, k.lease_token, k.resource_type, k.resource_id, k.response,
            k.claimed_at, k.lease_expires_at, k.retain_until,
-           k.lease_expires_at > clock_timestamp() as lease_live";
+           k.lease_expires_at > clock_timestamp() as lease_live, k.traceparent";
 
 /// The floor's completion: one statement that completes a claim the caller
 /// holds (the fence), with a response its scope's limit admits, and answers
