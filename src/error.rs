@@ -56,6 +56,21 @@ pub enum Error {
 }
 
 impl Error {
+    /// A short name of the error's kind, as spans record it (`error.type`):
+    /// `invalid`, `unknown_scope`, `unrouted_organization`,
+    /// `lease_lapsed`, `inconsistent`, or the store's
+    /// [`ClientError::kind`] (`timeout`, `connect`, `api`, …).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Invalid(_) => "invalid",
+            Error::UnknownScope { .. } => "unknown_scope",
+            Error::UnroutedOrganization { .. } => "unrouted_organization",
+            Error::Store(store) => store.kind(),
+            Error::LeaseLapsed { .. } => "lease_lapsed",
+            Error::Inconsistent(_) => "inconsistent",
+        }
+    }
+
     /// True when a completion failed because of the answer itself, data the
     /// store cannot hold, rather than the plane's availability.
     ///

@@ -29,9 +29,11 @@
 //! and its measures, which the error, the repository and the service share)
 //! and [`telemetry`], which names every metric the layers emit.
 //!
-//! Features: `cli` (default) builds the `idem` operator tool; `axum` the
-//! HTTP integrations; `local` the embedded stack. `default-features = false`
-//! keeps a library user's tree to the client, the service and the callers.
+//! Features: `cli` (default) builds the `idem` operator tool; `otel` (which
+//! `cli` turns on) exports the spans and metrics over OTLP
+//! (`telemetry::otel`); `axum` the HTTP integrations; `local` the embedded
+//! stack. `default-features = false` keeps a library user's tree to the
+//! client, the service and the callers.
 //!
 //! Every atomic decision is one SQL function in the database, whatever
 //! client calls it; the crate decides no lease with its own clock (its

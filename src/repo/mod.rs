@@ -14,6 +14,7 @@
 //! exactly one.
 
 mod batch;
+pub mod console;
 mod memory;
 mod pgmq;
 mod postgrest;

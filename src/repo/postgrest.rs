@@ -120,6 +120,9 @@ struct OneCallArgs<'a> {
     p_lease_ms: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     p_request: Option<&'a serde_json::Value>,
+    /// The W3C traceparent of the claim's span, with work (feature `otel`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_traceparent: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -154,6 +157,7 @@ struct FenceArgs {
 
 impl IdempotencyRepository for PostgrestRepository {
     async fn claim(&self, call: &ClaimCall<'_>) -> Result<ClaimRow, Error> {
+        let request = call.request.filter(|request| !request.is_null());
         let args = OneCallArgs {
             p_organization_id: call.organization_id,
             p_scope: call.scope,
@@ -161,7 +165,9 @@ impl IdempotencyRepository for PostgrestRepository {
             p_request_hash: call.request_hash,
             p_lease_token: call.lease_token,
             p_lease_ms: millis(call.lease),
-            p_request: call.request.filter(|request| !request.is_null()),
+            p_request: request,
+            // Stored with the work, so whoever runs it again links to this trace.
+            p_traceparent: request.and_then(|_| crate::telemetry::current_traceparent()),
         };
         let rows: Result<Vec<ClaimRow>, _> = self.rpc(CLAIM.name, &args).await;
         let mut rows = rows.map_err(|error| unknown_scope(error.into(), call.scope))?;

@@ -108,6 +108,12 @@ pub struct TakenItem {
     pub reason: Option<String>,
     /// How many rows the answer holds: a cut answer is told from a whole one.
     pub taken: i64,
+    /// For a claim to run (claimed, reclaimed, redriven): the W3C
+    /// traceparent of the worker that first claimed it, when it sent one;
+    /// the span that runs it again links to that trace. `None` from a plane
+    /// older than this field.
+    #[serde(default)]
+    pub traceparent: Option<String>,
 }
 
 /// How a settle ends one claim.

@@ -113,6 +113,11 @@ pub struct ClaimRow {
     pub retain_until: DateTime<Utc>,
     /// Whether a worker holds a live lease, by the database clock.
     pub lease_live: bool,
+    /// For `claimed` and `reclaimed`: the W3C traceparent of the worker
+    /// that first claimed the key, when it sent one. `None` from a plane
+    /// older than this field.
+    #[serde(default)]
+    pub traceparent: Option<String>,
 }
 
 /// An admitted Run, as `agent.run_admit` answers it.
@@ -196,6 +201,11 @@ pub struct WorkRow {
     /// The journaled dead letter, `{"ok": false, "error": "dead_lettered",
     /// "output": {"attempts": n}}`; `None` for work handed out.
     pub response: Option<serde_json::Value>,
+    /// The W3C traceparent of the worker that first claimed the work, when
+    /// it sent one: the span that runs it again links to that trace. `None`
+    /// from a plane older than this field.
+    #[serde(default)]
+    pub traceparent: Option<String>,
 }
 
 impl WorkRow {
@@ -321,4 +331,9 @@ pub struct FailureRow {
     /// each new attempt. `None` from a plane older than this field.
     #[serde(default)]
     pub first_claimed_at: Option<DateTime<Utc>>,
+    /// The W3C traceparent of the worker that first claimed the work, when
+    /// it sent one: kept when the failure is sent back, so its re-drive's
+    /// span links to that trace. `None` from a plane older than this field.
+    #[serde(default)]
+    pub traceparent: Option<String>,
 }

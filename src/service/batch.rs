@@ -146,8 +146,11 @@ impl<R: IdempotencyRepository + BatchClaims> IdempotencyService<R> {
     pub(crate) async fn claim_many_as(&self, call: &ClaimManyCall<'_>) -> Result<Vec<ClaimOutcome>, Error> {
         let span = tracing::info_span!(
             "idempotency.claim_many",
-            organization_id = %call.organization_id, scope = call.scope, items = call.items.len(),
-            lease_ms = call.lease.as_millis() as u64, claimed = field::Empty, replayed = field::Empty
+            organization_id = %call.organization_id, idempotency.scope = call.scope,
+            items = crate::telemetry::span_count(call.items.len()),
+            lease_ms = i64::try_from(call.lease.as_millis()).unwrap_or(i64::MAX),
+            claimed = field::Empty, replays = field::Empty,
+            error.type = field::Empty, otel.status_code = field::Empty
         );
         async {
             scope::validate_scope(call.scope)?;
@@ -179,12 +182,17 @@ impl<R: IdempotencyRepository + BatchClaims> IdempotencyService<R> {
                 outcomes.push(outcome);
             }
             let span = tracing::Span::current();
-            span.record("claimed", outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Claimed(_))).count());
-            span.record("replayed", outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Completed { .. })).count());
+            let count = crate::telemetry::span_count;
+            span.record("claimed", count(outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Claimed(_))).count()));
+            span.record(
+                "replays",
+                count(outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Completed { .. })).count()),
+            );
             Ok(outcomes)
         }
-        .instrument(span)
+        .instrument(span.clone())
         .await
+        .inspect_err(|error| crate::telemetry::record_error(&span, error))
     }
 
     /// Completes every claim of `organization_id` in one round trip, each as

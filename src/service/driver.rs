@@ -12,6 +12,7 @@
 use std::sync::Arc;
 
 use tokio::time::Instant;
+use tracing::{field, Instrument};
 use uuid::Uuid;
 
 use super::answer::Answer;
@@ -24,6 +25,7 @@ use super::timing::Timing;
 use super::written::may_have_written;
 use crate::error::Error;
 use crate::repo::{ClaimCall, IdempotencyRepository, OrphanedWork, RedriveCall, WorkRow};
+use crate::telemetry::{key_hash, span_count};
 
 /// Drives effects through claim → run → journal. Cheap to clone.
 #[derive(Debug)]
@@ -146,12 +148,16 @@ impl<R: IdempotencyRepository> EffectDriver<R> {
     pub(crate) fn hold_with(&self, claim: Claim, timing: Timing, started: Instant, beater: Option<Beater>) -> Held<R> {
         let ending_deadline = started + timing.effect() + timing.journal();
         let keep_alive = timing.heartbeat().map(|lease| {
-            KeepAlive::new(lease, started, ending_deadline, ending_deadline + timing.margin(), timing.margin())
-                .beating_with(beater)
+            Box::new(
+                KeepAlive::new(lease, started, ending_deadline, ending_deadline + timing.margin(), timing.margin())
+                    .beating_with(beater),
+            )
         });
         Held {
             service: self.service.clone(),
+            span: super::held::effect_span(&claim),
             claim,
+            started,
             effect_deadline: started + timing.effect(),
             ending_deadline,
             keep_alive,
@@ -195,6 +201,32 @@ impl<R: IdempotencyRepository + OrphanedWork> EffectDriver<R> {
         organization_id: Option<Uuid>,
         timing: Timing,
     ) -> Result<Vec<Redriven<R>>, Error> {
+        let span = tracing::info_span!(
+            "idempotency.redrive",
+            idempotency.scope = scope, bound = i64::try_from(bound).unwrap_or(i64::MAX),
+            redriven = field::Empty, dead_lettered = field::Empty,
+            error.type = field::Empty, otel.status_code = field::Empty
+        );
+        let taken = self.redrive_in(scope, bound, organization_id, timing).instrument(span.clone()).await;
+        match &taken {
+            Ok(taken) => {
+                let dead = taken.iter().filter(|taken| matches!(taken, Redriven::DeadLettered { .. })).count();
+                span.record("redriven", span_count(taken.len() - dead));
+                span.record("dead_lettered", span_count(dead));
+            }
+            Err(error) => crate::telemetry::record_error(&span, error),
+        }
+        taken
+    }
+
+    /// [`redrive`](Self::redrive), inside its span.
+    async fn redrive_in(
+        &self,
+        scope: &str,
+        bound: u64,
+        organization_id: Option<Uuid>,
+        timing: Timing,
+    ) -> Result<Vec<Redriven<R>>, Error> {
         let started = Instant::now();
         // One token per orphan this call may take over: the client repeats
         // the call with them after a lost answer, and gets the same claims.
@@ -211,13 +243,13 @@ impl<R: IdempotencyRepository + OrphanedWork> EffectDriver<R> {
             metrics::counter!(crate::telemetry::REDRIVES_TOTAL, "scope" => work.scope.clone(), "outcome" => outcome)
                 .increment(1);
             if work.is_dead_letter() {
-                tracing::warn!(claim_id = %work.id, scope = %work.scope, key = %work.key, attempts = work.attempt, drop_reason = "dead_lettered", "handed out as often as its scope allows: journaled as a dead letter");
+                tracing::warn!(claim_id = %work.id, idempotency.scope = %work.scope, idempotency.key_hash = %key_hash(&work.key), attempts = work.attempt, drop_reason = "dead_lettered", "handed out as often as its scope allows: journaled as a dead letter");
                 redriven.push(Redriven::DeadLettered { work });
                 continue;
             }
             redriven.push(match (work.lease_token, work.request.clone()) {
                 (Some(lease_token), Some(request)) => {
-                    tracing::info!(claim_id = %work.id, scope = %work.scope, key = %work.key, attempt = work.attempt, "re-driven: the work is ours");
+                    tracing::info!(claim_id = %work.id, idempotency.scope = %work.scope, idempotency.key_hash = %key_hash(&work.key), idempotency.attempt = work.attempt, "re-driven: the work is ours");
                     let attempt = work.attempt;
                     let claim = Claim {
                         id: work.id,
@@ -228,6 +260,8 @@ impl<R: IdempotencyRepository + OrphanedWork> EffectDriver<R> {
                         lease_expires_at: work.lease_expires_at,
                         retain_until: work.retain_until,
                         reclaimed: true,
+                        attempt: Some(attempt),
+                        origin: work.traceparent,
                     };
                     Redriven::Held { held: self.hold(claim, timing, started), request, attempt }
                 }

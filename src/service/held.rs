@@ -41,6 +41,7 @@ use super::outcome::{Claim, Completion, Ending};
 use crate::error::{Error, InvalidInput};
 use crate::repo::IdempotencyRepository;
 use crate::storable::Unstorable;
+use crate::telemetry::key_hash;
 
 /// The first wait between two attempts of an ending; doubled each time, up
 /// to [`MAX_ENDING_BACKOFF`].
@@ -54,12 +55,17 @@ pub(super) const MAX_ENDING_BACKOFF: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub struct Held<R> {
     pub(super) service: Arc<IdempotencyService<R>>,
+    /// The effect's span (`idempotency.effect`), from the claim to its
+    /// ending: the effect runs in it and the ending is recorded under it.
+    pub(super) span: tracing::Span,
     pub(super) claim: Claim,
+    /// When the claim was asked for: the effect's duration counts from here.
+    pub(super) started: Instant,
     pub(super) effect_deadline: Instant,
     pub(super) ending_deadline: Instant,
     /// The heartbeat, when the claim is kept alive by one; stopped when the
     /// claim is settled or dropped.
-    pub(super) keep_alive: Option<KeepAlive>,
+    pub(super) keep_alive: Option<Box<KeepAlive>>,
     /// Fired when the effect must stop: the claim was taken over, or its
     /// lease could not be confirmed in time.
     pub(super) stop: CancellationToken,
@@ -292,6 +298,15 @@ impl<R: IdempotencyRepository> Held<R> {
     /// and the effect is dropped at the confirmed end
     /// ([`Cut::LeaseUnconfirmed`]).
     pub async fn run<T>(&self, effect: impl Future<Output = T>) -> Result<T, Cut> {
+        let ran = self.run_in_span(effect).instrument(self.span.clone()).await;
+        if let Err(cut) = &ran {
+            crate::telemetry::record_error_type(&self.span, cut.as_str());
+        }
+        ran
+    }
+
+    /// [`run`](Self::run), inside the effect's span.
+    async fn run_in_span<T>(&self, effect: impl Future<Output = T>) -> Result<T, Cut> {
         // A deadline already past (a claim that answered late) never starts
         // the effect: a first poll could begin it. Nothing ran, which is
         // not what a timeout says (what a cut effect did is unknown).
@@ -343,7 +358,7 @@ impl<R: IdempotencyRepository> Held<R> {
     /// Whether a heartbeat found that the fence moved on: another worker
     /// holds the claim, and this one must start nothing more.
     pub fn fence_lost(&self) -> bool {
-        self.keep_alive.as_ref().is_some_and(KeepAlive::lost)
+        self.keep_alive.as_deref().is_some_and(KeepAlive::lost)
     }
 
     /// Before an effect starts: the lease must have been confirmed by the
@@ -534,6 +549,19 @@ pub enum LeftToLease {
     },
 }
 
+impl LeftToLease {
+    /// The kind of failure, as spans record it (`error.type`):
+    /// `outcome_unknown`, `deadline`, or the ending's error's
+    /// [kind](Error::kind).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LeftToLease::OutcomeUnknown(_) => "outcome_unknown",
+            LeftToLease::Deadline { .. } => "deadline",
+            LeftToLease::Failed { error, .. } => error.kind(),
+        }
+    }
+}
+
 impl Settled {
     /// True when a repeat will find this worker's answer (journaled).
     pub fn is_journaled(&self) -> bool {
@@ -575,26 +603,29 @@ impl<R: IdempotencyRepository> Held<R> {
                 Settle::Release => self.beating(self.release()).await,
                 Settle::Unknown(reason) => Settled::LeftToLease(LeftToLease::OutcomeUnknown(reason)),
             };
-            record(&self.claim.scope, &settled);
+            self.record(&settled);
             settled
         }
         .instrument(span)
         .await
     }
 
-    /// The span an ending is recorded on.
+    /// The span an ending is recorded on: a child of the effect's.
     fn settle_span(&self) -> tracing::Span {
         tracing::info_span!(
+            parent: &self.span,
             "idempotency.settle",
-            organization_id = %self.claim.organization_id, scope = %self.claim.scope, key = %self.claim.key,
-            claim_id = %self.claim.id, ending = tracing::field::Empty, stand_in = tracing::field::Empty
+            organization_id = %self.claim.organization_id, idempotency.scope = %self.claim.scope,
+            idempotency.key_hash = %key_hash(&self.claim.key), claim_id = %self.claim.id,
+            idempotency.ending = tracing::field::Empty, stand_in = tracing::field::Empty,
+            error.type = tracing::field::Empty, otel.status_code = tracing::field::Empty
         )
     }
 
     /// Records an ending written for this claim by a batch, as
     /// [`settle`](Self::settle) records its own.
     pub(super) fn ended(&self, settled: &Settled) {
-        self.settle_span().in_scope(|| record(&self.claim.scope, settled));
+        self.settle_span().in_scope(|| self.record(settled));
     }
 
     /// A release on its own after a batch release failed: with
@@ -621,7 +652,7 @@ impl<R: IdempotencyRepository> Held<R> {
         let journaled = self.beating(self.journal(&answer, true)).instrument(span.clone()).await;
         match journaled {
             Ok(settled) => {
-                span.in_scope(|| record(&self.claim.scope, &settled));
+                span.in_scope(|| self.record(&settled));
                 Ok(settled)
             }
             Err(error) => Err(Refused { held: self, error }),
@@ -741,11 +772,55 @@ impl<R: IdempotencyRepository> Held<R> {
     }
 }
 
+impl<R> Held<R> {
+    /// Records how the effect ended on the current (settle) span and the
+    /// effect's, in the log, in `idempotency_effect_endings_total{scope,
+    /// ending}` and in `idempotency_effect_duration_seconds{scope, ending}`.
+    fn record(&self, settled: &Settled) {
+        let scope = self.claim.scope.as_str();
+        record(scope, settled);
+        self.span.record(crate::telemetry::SPAN_ENDING, settled.as_str());
+        if let Settled::LeftToLease(why) = settled {
+            crate::telemetry::record_error_type(&tracing::Span::current(), why.kind());
+            // An unknown outcome follows a cut the effect's span already
+            // carries (`timed_out`, …), or is the caller's call.
+            if !matches!(why, LeftToLease::OutcomeUnknown(_)) {
+                crate::telemetry::record_error_type(&self.span, why.kind());
+            }
+        }
+        metrics::histogram!(
+            crate::telemetry::EFFECT_DURATION_SECONDS,
+            "scope" => scope.to_owned(),
+            "ending" => settled.as_str()
+        )
+        .record(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// The span of the effect `claim` holds: its scope, its key's hash, its
+/// attempt, and a link to the trace that first claimed its work when that
+/// is another trace (a re-drive, a queue redelivery, a reclaim).
+pub(super) fn effect_span(claim: &Claim) -> tracing::Span {
+    let span = tracing::info_span!(
+        "idempotency.effect",
+        organization_id = %claim.organization_id, idempotency.scope = %claim.scope,
+        idempotency.key_hash = %key_hash(&claim.key), claim_id = %claim.id,
+        idempotency.attempt = tracing::field::Empty, idempotency.reclaimed = claim.reclaimed,
+        idempotency.ending = tracing::field::Empty,
+        error.type = tracing::field::Empty, otel.status_code = tracing::field::Empty
+    );
+    if let Some(attempt) = claim.attempt {
+        span.record(crate::telemetry::SPAN_ATTEMPT, i64::from(attempt));
+    }
+    crate::telemetry::link_to_origin(&span, claim.origin.as_deref());
+    span
+}
+
 /// Records how an effect ended on the span, in the log and in
 /// `idempotency_effect_endings_total{scope, ending}`.
 fn record(scope: &str, settled: &Settled) {
     let span = tracing::Span::current();
-    span.record("ending", settled.as_str());
+    span.record(crate::telemetry::SPAN_ENDING, settled.as_str());
     match settled {
         Settled::Journaled { stand_in: Some(reason), .. } => {
             span.record("stand_in", reason.as_str());

@@ -14,6 +14,7 @@ use super::{journal, scope, validate};
 use crate::error::{Error, InvalidInput};
 use crate::repo::{ClaimCall, ClaimStatus, CompletionArgs, IdempotencyRecord, IdempotencyRepository};
 use crate::storable::{self, Unstorable};
+use crate::telemetry::{key_hash, record_error};
 
 /// The largest response stored inline, as compact JSON: 64 KiB. Every replay
 /// reads the row back, and a tool claim lives for 30 days, so the journal
@@ -135,7 +136,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     ) -> Result<ReadOutcome, Error> {
         let span = tracing::info_span!(
             "idempotency.read",
-            %organization_id, scope, key, outcome = field::Empty, replayed = field::Empty
+            %organization_id, idempotency.scope = scope, idempotency.key_hash = %key_hash(key),
+            idempotency.outcome = field::Empty, idempotency.replayed = field::Empty,
+            error.type = field::Empty, otel.status_code = field::Empty
         );
         async {
             scope::validate_scope(scope)?;
@@ -163,8 +166,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             record_outcome("read", scope, outcome.kind());
             Ok(outcome)
         }
-        .instrument(span)
+        .instrument(span.clone())
         .await
+        .inspect_err(|error| record_error(&span, error))
     }
 
     /// Claims the key for `lease`, or answers why not, in one round trip.
@@ -197,10 +201,11 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         let ClaimCall { organization_id, scope, key, request_hash, lease, .. } = *call;
         let span = tracing::info_span!(
             "idempotency.claim",
-            %organization_id, scope, key,
-            lease_ms = lease.as_millis() as u64,
-            outcome = field::Empty, replayed = field::Empty, reclaimed = field::Empty,
-            claim_id = field::Empty
+            %organization_id, idempotency.scope = scope, idempotency.key_hash = %key_hash(key),
+            lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX), carries_work = call.request.is_some(),
+            idempotency.outcome = field::Empty, idempotency.replayed = field::Empty,
+            idempotency.reclaimed = field::Empty, idempotency.attempt = field::Empty, claim_id = field::Empty,
+            error.type = field::Empty, otel.status_code = field::Empty
         );
         async {
             scope::validate_scope(scope)?;
@@ -216,12 +221,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             }
             let row = self.repo.claim(call).await?;
             let outcome = decided(row, call)?;
+            record_claim_outcome(scope, &outcome);
             match &outcome {
-                ClaimOutcome::Claimed(claim) => {
-                    let span = tracing::Span::current();
-                    span.record("reclaimed", claim.reclaimed());
-                    span.record("claim_id", field::display(claim.id()));
-                }
+                ClaimOutcome::Claimed(claim) => record_claimed(claim),
                 ClaimOutcome::Completed { response, resource, response_ref } => {
                     let stored = Stored {
                         response: response.clone(),
@@ -232,11 +234,11 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
                 }
                 ClaimOutcome::Processing { .. } | ClaimOutcome::Conflict => {}
             }
-            record_outcome("claim", scope, outcome.kind());
             Ok(outcome)
         }
-        .instrument(span)
+        .instrument(span.clone())
         .await
+        .inspect_err(|error| record_error(&span, error))
     }
 
     /// Completes `claim` with its answer. `LeaseMovedOn` when another worker
@@ -254,8 +256,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     pub(super) async fn complete_stored(&self, claim: &Claim, completion: Completion) -> Result<Option<Stored>, Error> {
         let span = tracing::info_span!(
             "idempotency.complete",
-            organization_id = %claim.organization_id, scope = %claim.scope, key = %claim.key,
-            claim_id = %claim.id, ending = field::Empty
+            organization_id = %claim.organization_id, idempotency.scope = %claim.scope,
+            idempotency.key_hash = %key_hash(&claim.key), claim_id = %claim.id, idempotency.ending = field::Empty,
+            error.type = field::Empty, otel.status_code = field::Empty
         );
         async {
             completion.validate()?;
@@ -296,8 +299,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             record_ending("complete", &claim.scope, ending);
             Ok(completed)
         }
-        .instrument(span)
+        .instrument(span.clone())
         .await
+        .inspect_err(|error| record_error(&span, error))
     }
 
     /// The stored form of a response above the limit: a [`ResponseRef`] to
@@ -325,8 +329,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
     pub async fn release(&self, claim: &Claim) -> Result<Ending, Error> {
         let span = tracing::info_span!(
             "idempotency.release",
-            organization_id = %claim.organization_id, scope = %claim.scope, key = %claim.key,
-            claim_id = %claim.id, ending = field::Empty
+            organization_id = %claim.organization_id, idempotency.scope = %claim.scope,
+            idempotency.key_hash = %key_hash(&claim.key), claim_id = %claim.id, idempotency.ending = field::Empty,
+            error.type = field::Empty, otel.status_code = field::Empty
         );
         async {
             let ending = if self.repo.release(claim.organization_id, claim.id, claim.lease_token).await? {
@@ -337,8 +342,9 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
             record_ending("release", &claim.scope, ending);
             Ok(ending)
         }
-        .instrument(span)
+        .instrument(span.clone())
         .await
+        .inspect_err(|error| record_error(&span, error))
     }
 }
 
@@ -350,12 +356,27 @@ enum Cached {
     Conflict,
 }
 
-/// Records an outcome on the current span and in the
-/// `idempotency_outcomes_total{operation, scope, outcome}` counter.
+/// Records a claim's outcome as [`record_outcome`] does, `reclaimed` on the
+/// span for a claim that took over a passed lease.
+pub(super) fn record_claim_outcome(scope: &str, outcome: &ClaimOutcome) {
+    let reclaimed = matches!(outcome, ClaimOutcome::Claimed(claim) if claim.reclaimed());
+    record_outcome_as("claim", scope, outcome.kind(), if reclaimed { "reclaimed" } else { outcome.kind() });
+}
+
+/// Records an outcome on the current span (`idempotency.outcome`, with a
+/// completed key's answer `replayed`, and `idempotency.replayed`), in the
+/// `idempotency_outcomes_total{operation, scope, outcome}` counter, and a
+/// live claim elsewhere in `idempotency_waits_total{operation, scope}`.
 pub(super) fn record_outcome(operation: &'static str, scope: &str, outcome: &'static str) {
+    record_outcome_as(operation, scope, outcome, outcome);
+}
+
+/// [`record_outcome`], the span's outcome named `shown` (unless replayed).
+fn record_outcome_as(operation: &'static str, scope: &str, outcome: &'static str, shown: &'static str) {
     let span = tracing::Span::current();
-    span.record("outcome", outcome);
-    span.record("replayed", outcome == "completed");
+    let replayed = outcome == "completed";
+    span.record(crate::telemetry::SPAN_OUTCOME, if replayed { "replayed" } else { shown });
+    span.record(crate::telemetry::SPAN_REPLAYED, replayed);
     tracing::debug!(outcome, "idempotency outcome");
     metrics::counter!(
         crate::telemetry::OUTCOMES_TOTAL,
@@ -364,6 +385,21 @@ pub(super) fn record_outcome(operation: &'static str, scope: &str, outcome: &'st
         "outcome" => outcome
     )
     .increment(1);
+    if outcome == "processing" {
+        metrics::counter!(crate::telemetry::WAITS_TOTAL, "operation" => operation, "scope" => scope.to_owned())
+            .increment(1);
+    }
+}
+
+/// Records a claim this worker now holds on the current span: whether it
+/// was reclaimed, its attempt when known, and its id.
+pub(super) fn record_claimed(claim: &Claim) {
+    let span = tracing::Span::current();
+    span.record(crate::telemetry::SPAN_RECLAIMED, claim.reclaimed());
+    if let Some(attempt) = claim.attempt() {
+        span.record(crate::telemetry::SPAN_ATTEMPT, i64::from(attempt));
+    }
+    span.record("claim_id", field::display(claim.id()));
 }
 
 /// Records an ending on the current span and in the
@@ -373,7 +409,7 @@ pub(super) fn record_ending(operation: &'static str, scope: &str, ending: Ending
         Ending::Recorded => "recorded",
         Ending::LeaseMovedOn => "lease_moved_on",
     };
-    tracing::Span::current().record("ending", name);
+    tracing::Span::current().record(crate::telemetry::SPAN_ENDING, name);
     metrics::counter!(
         crate::telemetry::ENDINGS_TOTAL,
         "operation" => operation,

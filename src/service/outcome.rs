@@ -165,6 +165,11 @@ pub struct Claim {
     pub(crate) lease_expires_at: DateTime<Utc>,
     pub(crate) retain_until: DateTime<Utc>,
     pub(crate) reclaimed: bool,
+    /// Which attempt at the claim's work this is, when the plane said.
+    pub(crate) attempt: Option<u32>,
+    /// The W3C traceparent of the worker that first claimed the key, when
+    /// the plane stored one.
+    pub(crate) origin: Option<String>,
 }
 
 impl Claim {
@@ -200,6 +205,18 @@ impl Claim {
     /// True when this claim took over a passed lease of a worker that is gone.
     pub fn reclaimed(&self) -> bool {
         self.reclaimed
+    }
+    /// Which attempt at the claim's work this is: 1 for a fresh claim, 2
+    /// for the first re-drive, and so on; `None` when the plane did not say
+    /// (a reclaim by a repeated call).
+    pub fn attempt(&self) -> Option<u32> {
+        self.attempt
+    }
+    /// The W3C traceparent of the worker that first claimed the key, when
+    /// it sent one (feature `otel`): the trace the effect's span links to
+    /// when this worker runs the work again.
+    pub fn origin_traceparent(&self) -> Option<&str> {
+        self.origin.as_deref()
     }
 }
 

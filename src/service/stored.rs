@@ -63,6 +63,8 @@ pub(super) fn decided(row: ClaimRow, call: &ClaimCall<'_>) -> Result<ClaimOutcom
                 lease_expires_at: row.lease_expires_at,
                 retain_until: row.retain_until,
                 reclaimed,
+                attempt: (!reclaimed).then_some(1),
+                origin: row.traceparent,
             }))
         }
         ClaimDecision::Completed if ours && row.status == ClaimStatus::Completed => {

@@ -10,7 +10,10 @@
 //! - `idem redrive` asks a function's re-drive route to take over orphaned
 //!   work, once or on a schedule, and with `--failed` sends journaled
 //!   failures back to re-drive;
-//! - `idem failures` lists the failures a scope journaled.
+//! - `idem failures` lists the failures a scope journaled;
+//! - `idem console` serves the plane in a browser, on loopback: what is in
+//!   flight, orphans, failures, dead letters, the sweep's backlog, activity
+//!   plots, and confirmed actions (send back, re-drive, end a stuck claim).
 //!
 //! With `--features local`, on the embedded local stack:
 //! - `idem demo` runs a concurrent scenario and prints what the plane prevented;
@@ -25,11 +28,13 @@
 //! filled its bound.
 
 mod claim;
+mod console;
 mod doctor;
 mod exit;
 mod failures;
 mod get;
 mod metrics_endpoint;
+mod otel;
 mod redrive;
 mod remote;
 mod schedule;
@@ -57,7 +62,6 @@ use std::error::Error as StdError;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tracing_subscriber::EnvFilter;
 
 /// Every error the binary propagates: printed, then exit code 1.
 pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
@@ -69,13 +73,14 @@ pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
     version,
     about,
     after_help = "Exit codes: 0 success, 1 failure, 2 usage or configuration error (nothing attempted), 3 sweep, redrive or failures backlog.\n\
-                  sweep, redrive, failures, get, claim and doctor act on the plane --url/--service-key or the environment name: \
+                  sweep, redrive, failures, console, get, claim and doctor act on the plane --url/--service-key or the environment name: \
                   IDEM_POSTGREST_URL (or SUPABASE_URL), IDEM_SERVICE_KEY / SUPABASE_SECRET_KEY / \
                   SUPABASE_SERVICE_ROLE_KEY, IDEM_APIKEY, IDEM_MAX_ROWS.\n\
                   demo, up and bench need the embedded local stack: cargo install --path . --features local; \
                   it reads DATABASE_URL and PGSSLMODE, and IDEM_LAYOUT (single, the default, or partitioned: \
                   the claim table hash-partitioned by organization).\n\
-                  RUST_LOG filters the logs on stderr (default warn)."
+                  RUST_LOG filters the logs on stderr (default warn); OTEL_EXPORTER_OTLP_ENDPOINT (and the other \
+                  OTEL_* variables) exports spans and metrics over OTLP/HTTP."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -141,6 +146,13 @@ enum Command {
     /// can send back after a fix. Exit 0, 3 the list filled its bound.
     #[command(after_help = REMOTE_ENV_HELP)]
     Failures(failures::FailuresArgs),
+    /// Serve the plane in a browser, on 127.0.0.1: in flight by scope,
+    /// orphans, failures, dead letters, the sweep's backlog, activity
+    /// plots; send failures back, re-drive a scope, end a stuck claim as a
+    /// failure, each confirmed. Prints the page's URL as its first line;
+    /// serves until Ctrl-C. The service key stays in this process.
+    #[command(after_help = REMOTE_ENV_HELP)]
+    Console(console::ConsoleArgs),
     /// Show one claim as the database sees it: why did this call not run?
     #[command(after_help = REMOTE_ENV_HELP)]
     Get(get::GetArgs),
@@ -167,7 +179,9 @@ async fn main() -> ExitCode {
             return if error.use_stderr() { exit::usage() } else { exit::ok() };
         }
     };
-    init_logging(match cli.command {
+    // Logs, and the OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set:
+    // flushed below on every path (and by its drop on a panic).
+    let otel = otel::init_logging(match cli.command {
         // The benchmark's sweep fills its bound on purpose.
         #[cfg(feature = "local")]
         Command::Bench(_) => "warn,postrust_server::build=error,idempotency_plane::sweeper=error,sqlx=error",
@@ -183,11 +197,12 @@ async fn main() -> ExitCode {
         Command::Sweep(args) => sweep::run(args).await,
         Command::Redrive(args) => redrive::run(args).await,
         Command::Failures(args) => failures::run(args).await,
+        Command::Console(args) => console::run(args).await,
         Command::Get(args) => get::run(args).await,
         Command::Claim(args) => claim::run(args).await,
         Command::Doctor(args) => doctor::run(args).await,
     };
-    match result {
+    let code = match result {
         Ok(code) => code,
         Err(error) => {
             print_error(error.as_ref());
@@ -197,7 +212,9 @@ async fn main() -> ExitCode {
                 exit::failure()
             }
         }
-    }
+    };
+    otel::shutdown(otel);
+    code
 }
 
 /// Logs go to stderr, filtered by `RUST_LOG`. The default is `warn`, which
@@ -206,13 +223,6 @@ async fn main() -> ExitCode {
 /// sqlx's own warnings (a slow `DROP DATABASE` when a local stack stops) are
 /// not the operator's business either.
 const DEFAULT_LOG_FILTER: &str = "warn,postrust_server::build=error,sqlx=error";
-
-fn init_logging(default_filter: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    // Colour codes only where a terminal shows them, never in a log file.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
-}
 
 /// Prints `error` and the chain of its causes to stderr, skipping a cause
 /// whose text the line above already carries.

@@ -24,13 +24,13 @@ use serde::{Deserialize, Serialize};
 use tracing::Instrument;
 
 use idempotency_plane::repo::{FailuresCall, JournaledFailures, Redrivability, RedrivableRow, EVERY_SCOPE};
-use idempotency_plane::{PostgrestClient, PostgrestRepository};
+use idempotency_plane::{ClientError, PostgrestClient, PostgrestRepository};
 
 use crate::{exit, failures, get, remote, schedule, BoxError};
 
 /// How many orphans one pass asks for by default: the example function's
 /// batch.
-const DEFAULT_BOUND: u64 = 50;
+pub(crate) const DEFAULT_BOUND: u64 = 50;
 
 /// Options of `idem redrive`.
 #[derive(Debug, clap::Args)]
@@ -85,30 +85,26 @@ pub(crate) struct RedriveArgs {
 
 /// What the command sends the route.
 #[derive(Debug, Serialize)]
-struct Ask<'a> {
-    limit: u64,
+pub(crate) struct Ask<'a> {
+    pub(crate) limit: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
-    scope: Option<&'a str>,
+    pub(crate) scope: Option<&'a str>,
 }
 
 /// What a re-drive route answers: every count is required, so a route
 /// that answers something else is an error, not a pass that did nothing.
 #[derive(Debug, Clone, Copy, Deserialize, Serialize)]
-struct Report {
-    redriven: u64,
-    journaled: u64,
-    dead_lettered: u64,
-    left: u64,
+pub(crate) struct Report {
+    pub(crate) redriven: u64,
+    pub(crate) journaled: u64,
+    pub(crate) dead_lettered: u64,
+    pub(crate) left: u64,
 }
 
 pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
     let client = remote::client(&args.target)?;
     let route = match &args.to {
-        Some(to) => {
-            let route = url::Url::parse(to).map_err(|e| exit::usage_error(format!("--to {to:?}: {e}")))?;
-            client.check_route(&route).map_err(exit::usage_error)?;
-            Some(route)
-        }
+        Some(to) => Some(route(&client, to).map_err(|e| exit::usage_error(format!("--to {e}")))?),
         None => None,
     };
     let cap = u64::from(client.config().max_rows());
@@ -128,8 +124,7 @@ pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
     args.schedule.serve_metrics()?;
     let ask = Ask { limit: args.bound, scope: args.scope.as_deref().filter(|_| !args.failed) };
     let pass = || async {
-        let span = tracing::info_span!("idem.redrive", route = %route.path(), bound = args.bound);
-        match client.post_route::<Report>(&route, &ask).instrument(span).await {
+        match ask_route(&client, &route, &ask).await {
             Ok(report) => {
                 print(&report, args.bound, args.json);
                 if report.redriven + report.dead_lettered >= args.bound {
@@ -158,6 +153,36 @@ pub(crate) async fn run(args: RedriveArgs) -> Result<ExitCode, BoxError> {
         }
         Some(schedule) => schedule.run(pass).await,
     }
+}
+
+/// Why a re-drive route was refused before any request.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RouteError {
+    /// Not a URL.
+    #[error("{to:?}: {source}")]
+    Unparsable { to: String, source: url::ParseError },
+    /// A URL the service key may not go to.
+    #[error(transparent)]
+    Refused(#[from] ClientError),
+}
+
+/// `to` as a re-drive route `client` may send the service key to: a URL,
+/// `https://` or plain `http://` to loopback or the plane's own host.
+pub(crate) fn route(client: &PostgrestClient, to: &str) -> Result<url::Url, RouteError> {
+    let route = url::Url::parse(to).map_err(|source| RouteError::Unparsable { to: to.to_owned(), source })?;
+    client.check_route(&route)?;
+    Ok(route)
+}
+
+/// One pass: POSTs `ask` to `route` with the service key and reads the
+/// route's report; sent once, never retried.
+pub(crate) async fn ask_route(
+    client: &PostgrestClient,
+    route: &url::Url,
+    ask: &Ask<'_>,
+) -> Result<Report, ClientError> {
+    let span = tracing::info_span!("idem.redrive", route = %route.path(), bound = ask.limit);
+    client.post_route::<Report>(route, ask).instrument(span).await
 }
 
 /// `--failed`: sends the chosen failures back to re-drive and prints them,

@@ -45,8 +45,6 @@ enum Step<T> {
 struct Keyed {
     parts: Parts,
     body: Bytes,
-    /// The `Idempotency-Key` as the client sent it.
-    key: String,
     organization_id: Uuid,
     /// Whether the plane's key is scoped by a caller.
     per_caller: bool,
@@ -61,7 +59,8 @@ impl Keyed {
     fn span(&self) -> tracing::Span {
         tracing::info_span!(
             "http.idempotency_key",
-            organization_id = %self.organization_id, scope = self.scope.as_str(), key = self.key.as_str(),
+            organization_id = %self.organization_id, idempotency.scope = self.scope.as_str(),
+            idempotency.key_hash = %crate::telemetry::key_hash(&self.plane_key),
             per_caller = self.per_caller,
             outcome = field::Empty, replayed = field::Empty, ending = field::Empty
         )
@@ -155,7 +154,7 @@ async fn keyed_request<R>(config: &Config<R>, request: Request<Body>) -> Step<Ke
     let target = parts.uri.path_and_query().map_or_else(|| parts.uri.path(), |target| target.as_str());
     let hash = fingerprint::fingerprint(&parts.method, target, &parts.headers, &body, &config.counted_headers);
     let plane_key = key::plane_key(&key, principal.as_deref());
-    Step::Next(Keyed { parts, body, key, organization_id, per_caller: principal.is_some(), scope, plane_key, hash })
+    Step::Next(Keyed { parts, body, organization_id, per_caller: principal.is_some(), scope, plane_key, hash })
 }
 
 /// The request's tenant, and its caller when keys are per caller: 401 when

@@ -3,6 +3,7 @@
 use std::future::Future;
 
 use serde_json::{json, Value};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::callers::tool::vendor_key;
@@ -183,6 +184,31 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
     /// visibility passes. An error only when the batch could not be read or
     /// claimed at all.
     pub async fn drain<F, Fut>(&self, process: F) -> Result<Drained, Error>
+    where
+        F: Fn(Value, MessageContext) -> Fut,
+        Fut: Future<Output = Settle>,
+    {
+        let span = tracing::info_span!(
+            "idempotency.queue.drain",
+            queue = %self.options.queue, idempotency.scope = %self.options.scope,
+            read = tracing::field::Empty, ran = tracing::field::Empty, redriven = tracing::field::Empty,
+            error.type = tracing::field::Empty, otel.status_code = tracing::field::Empty
+        );
+        let drained = self.drain_in_span(process).instrument(span.clone()).await;
+        match &drained {
+            Ok(drained) => {
+                span.record("read", crate::telemetry::span_count(drained.read));
+                span.record("ran", crate::telemetry::span_count(drained.ran));
+                span.record("redriven", crate::telemetry::span_count(drained.redriven));
+            }
+            Err(error) => crate::telemetry::record_error(&span, error),
+        }
+        drained
+    }
+
+    /// [`drain`](Self::drain), inside its span: the take's traceparent is
+    /// that span's.
+    async fn drain_in_span<F, Fut>(&self, process: F) -> Result<Drained, Error>
     where
         F: Fn(Value, MessageContext) -> Fut,
         Fut: Future<Output = Settle>,

@@ -71,7 +71,7 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
                     tracing::warn!(queue = %options.queue, msg_id = item.msg_id, reason = item.reason.as_deref().unwrap_or(""), drop_reason = "malformed_message", "dead-lettered: no client can read this message");
                 }
                 TakeOutcome::Conflict => {
-                    tracing::warn!(queue = %options.queue, msg_id = item.msg_id, key = item.key.as_deref().unwrap_or(""), drop_reason = "hash_mismatch", "dead-lettered: the key answers for another payload");
+                    tracing::warn!(queue = %options.queue, msg_id = item.msg_id, idempotency.key_hash = %crate::telemetry::key_hash(item.key.as_deref().unwrap_or("")), drop_reason = "hash_mismatch", "dead-lettered: the key answers for another payload");
                 }
                 // A copy ends with its first message: counted with it below.
                 TakeOutcome::Copy => {}
@@ -216,6 +216,12 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
             lease_expires_at: item.lease_expires_at.ok_or_else(|| missing("lease end"))?,
             retain_until: item.retain_until.ok_or_else(|| missing("retention"))?,
             reclaimed: item.outcome != TakeOutcome::Claimed,
+            attempt: match item.outcome {
+                TakeOutcome::Claimed => Some(1),
+                _ => item.attempt.and_then(|attempt| u32::try_from(attempt).ok()),
+            },
+            // A redelivery or a re-drive links its effect to the first trace.
+            origin: item.traceparent.clone(),
         };
         let msg_ids: Vec<i64> = match item.msg_id {
             Some(first) => std::iter::once(first)

@@ -160,7 +160,8 @@ impl<R: IdempotencyRepository, S: SnapshotSource, Q: RunRepository> SavedSearchS
         let key = start_key(saved_search_id, trigger_id);
         let span = tracing::info_span!(
             "saved_search.start",
-            %organization_id, key = key.as_str(), outcome = tracing::field::Empty,
+            %organization_id, idempotency.key_hash = %crate::telemetry::key_hash(&key),
+            outcome = tracing::field::Empty,
             replayed = tracing::field::Empty, fenced = tracing::field::Empty,
             by_reference = tracing::field::Empty
         );

@@ -161,7 +161,8 @@ impl<R: IdempotencyRepository> ToolGuard<R> {
     {
         let span = tracing::info_span!(
             "tool.call",
-            %organization_id, scope = spec.scope(), key = key.as_str(),
+            %organization_id, idempotency.scope = spec.scope(),
+            idempotency.key_hash = %crate::telemetry::key_hash(key.as_str()),
             outcome = field::Empty, replayed = field::Empty
         );
         async move {

@@ -238,8 +238,8 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
     {
         let span = tracing::info_span!(
             "webhook.delivery",
-            organization_id = %delivery.organization_id, scope = delivery.scope,
-            delivery_id = delivery.delivery_id, ack = tracing::field::Empty,
+            organization_id = %delivery.organization_id, idempotency.scope = delivery.scope,
+            idempotency.key_hash = %crate::telemetry::key_hash(delivery.delivery_id), ack = tracing::field::Empty,
             drop_reason = tracing::field::Empty, replayed = tracing::field::Empty
         );
         let (carried, held) = self.carrier(&delivery);
@@ -285,7 +285,7 @@ impl<R: IdempotencyRepository + 'static, J: ProviderJobRepository> WebhookGate<R
             "webhook.provider_callback",
             provider = callback.provider,
             job_id = callback.path_job_id,
-            delivery_id = callback.delivery_id,
+            idempotency.key_hash = %crate::telemetry::key_hash(callback.delivery_id),
             drop_reason = tracing::field::Empty
         );
         let scope = format!("webhook.{}", callback.provider);

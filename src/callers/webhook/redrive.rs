@@ -86,7 +86,7 @@ impl<R: IdempotencyRepository + OrphanedWork + 'static, J: ProviderJobRepository
         F: Fn(Redelivery) -> Fut,
         Fut: Future<Output = Result<Value, ProcessingError>>,
     {
-        let span = tracing::info_span!("webhook.redrive", scope, bound, organization_id = ?organization_id);
+        let span = tracing::info_span!("webhook.redrive", idempotency.scope = scope, bound, organization_id = ?organization_id);
         async {
             let taken = self.driver().redrive(scope, bound, organization_id, self.timing()).await?;
             let mut report = RedriveReport::default();

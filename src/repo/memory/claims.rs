@@ -215,6 +215,8 @@ fn shown(outcome: ClaimDecision, record: IdempotencyRecord, now: DateTime<Utc>) 
         lease_expires_at: record.lease_expires_at,
         retain_until: record.retain_until,
         lease_live: record.status == ClaimStatus::Processing && record.lease_expires_at > now,
+        // The twin keeps no trace context.
+        traceparent: None,
     }
 }
 
@@ -459,6 +461,7 @@ fn work_row(row: &Row, dead: bool) -> WorkRow {
         lease_expires_at: row.record.lease_expires_at,
         retain_until: row.record.retain_until,
         response: row.record.response.clone().filter(|_| dead),
+        traceparent: None,
     }
 }
 

@@ -47,6 +47,7 @@ fn failure_row(row: &Row, response: Option<Value>, attempts: u32) -> FailureRow 
         redrivable: row.request.is_some(),
         requeues: u32::try_from(row.replaced.len()).unwrap_or(u32::MAX),
         first_claimed_at: first_claimed_at(row),
+        traceparent: None,
     }
 }
 

@@ -21,6 +21,10 @@ struct ClaimItemArg<'a> {
     lease_token: Uuid,
     #[serde(skip_serializing_if = "Option::is_none")]
     request: Option<&'a Value>,
+    /// The W3C traceparent of the batch's span, with an item that carries
+    /// work (feature `otel`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    traceparent: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -123,6 +127,7 @@ impl BatchClaims for PostgrestRepository {
         if call.items.is_empty() {
             return Ok(Vec::new());
         }
+        let traceparent = crate::telemetry::current_traceparent();
         let args = ClaimManyArgs {
             p_organization_id: call.organization_id,
             p_scope: call.scope,
@@ -130,11 +135,15 @@ impl BatchClaims for PostgrestRepository {
             p_items: call
                 .items
                 .iter()
-                .map(|item| ClaimItemArg {
-                    key: item.key,
-                    request_hash: item.request_hash,
-                    lease_token: item.lease_token,
-                    request: item.request.filter(|request| !request.is_null()),
+                .map(|item| {
+                    let request = item.request.filter(|request| !request.is_null());
+                    ClaimItemArg {
+                        key: item.key,
+                        request_hash: item.request_hash,
+                        lease_token: item.lease_token,
+                        request,
+                        traceparent: traceparent.as_deref().filter(|_| request.is_some()),
+                    }
                 })
                 .collect(),
             p_row_cap: self.row_cap(),

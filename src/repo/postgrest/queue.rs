@@ -30,6 +30,10 @@ struct TakeArgs<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     p_organizations: Option<&'a [Uuid]>,
     p_row_cap: u64,
+    /// The consumer's W3C traceparent, stored with each claim the take
+    /// makes (feature `otel`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p_traceparent: Option<String>,
 }
 
 /// One claim of `p_items`, with its ending for a settle.
@@ -109,6 +113,7 @@ impl PlaneQueues for PostgrestRepository {
             p_scope: call.scope,
             p_organizations: call.organizations,
             p_row_cap: self.row_cap(),
+            p_traceparent: crate::telemetry::current_traceparent(),
         };
         let taken = |row: &TakenItem| u64::try_from(row.taken).unwrap_or(0);
         let rows =

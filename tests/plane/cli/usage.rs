@@ -66,7 +66,7 @@ fn assert_usage_error(args: &[&str], env: &[(&str, &str)], stdin: &str, plane: &
 type Env<'a> = Vec<(&'a str, &'a str)>;
 
 /// The commands that act on a deployment, with the arguments each needs.
-fn remote_commands() -> [(&'static str, Vec<&'static str>); 6] {
+fn remote_commands() -> [(&'static str, Vec<&'static str>); 7] {
     [
         ("sweep", vec!["--bound", "100"]),
         // Nothing listens on port 1: a request would fail with exit 1, not 2.
@@ -75,6 +75,7 @@ fn remote_commands() -> [(&'static str, Vec<&'static str>); 6] {
         ("get", vec!["--org", ORG, "--scope", "tool.email.send", "--key", "k"]),
         ("claim", vec!["--org", ORG, "--scope", "tool.email.send", "--key", "k"]),
         ("doctor", vec![]),
+        ("console", vec![]),
     ]
 }
 
@@ -151,6 +152,24 @@ fn input_the_library_refuses_exits_2_before_any_request() {
         vec!["redrive", "--to", &route, "--align"],
     ];
     for mut args in redrive {
+        args.extend(target);
+        assert_usage_error(&args, &[], "", &plane);
+    }
+    // `idem console` serves the plane with the service key: on loopback
+    // only unless told otherwise, never on every address, and its re-drive
+    // routes are checked as `idem redrive --to` checks them; refused before
+    // anything is served or sent.
+    let console: Vec<Vec<&str>> = vec![
+        vec!["console", "--listen", "192.0.2.10:0"],
+        vec!["console", "--listen", "0.0.0.0:0", "--allow-non-loopback"],
+        vec!["console", "--listen", "[::]:0", "--allow-non-loopback"],
+        vec!["console", "--listen", "localhost"],
+        vec!["console", "--route", "webhook.stripe"],
+        vec!["console", "--route", "webhook.stripe=not a url"],
+        vec!["console", "--route", "webhook.stripe=http://example.com/functions/v1/webhooks/redrive"],
+        vec!["console", "--route", "a.b=https://x.example/r", "--route", "a.b=https://x.example/s"],
+    ];
+    for mut args in console {
         args.extend(target);
         assert_usage_error(&args, &[], "", &plane);
     }

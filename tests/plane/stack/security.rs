@@ -45,7 +45,9 @@ async fn the_schema_passes_the_linter_checks() {
                                       'idempotency_check_work', 'idempotency_json_number', 'idempotency_utf16_order',
                                       'idempotency_canonical_json', 'idempotency_request_hash',
                                       'idempotency_queue_check', 'idempotency_queue_letter', 'idempotency_queue_items',
-                                      'idempotency_queue_lock', 'idempotency_queue_privileges')
+                                      'idempotency_queue_lock', 'idempotency_queue_privileges',
+                                      'idempotency_check_traceparent', 'idempotency_count_replays',
+                                      'idempotency_version')
                 and not (p.prosecdef and p.proowner = 'idempotency_owner'::regrole)",
         ),
         (
@@ -85,13 +87,14 @@ async fn the_schema_passes_the_linter_checks() {
         ),
         (
             // The bounded reads answer the table's rows as rows of the view:
-            // every column but the work a claim carries and the audit of
-            // failures sent back to re-drive, in order.
+            // every column but the work a claim carries, the audit of
+            // failures sent back to re-drive and the trace it came from
+            // (handed out with the work alone), in order.
             "agent.idempotency_rows without exactly the columns of agent.idempotency_keys but the work, in order",
             "select 'columns differ' where
                (select string_agg(a.attname || ' ' || a.atttypid::regtype, ', ' order by a.attnum) from pg_attribute a
                  where a.attrelid = 'agent.idempotency_keys'::regclass and a.attnum > 0 and not a.attisdropped
-                   and a.attname not in ('request', 'redrive_at', 'replaced', 'dead_lettered_at'))
+                   and a.attname not in ('request', 'redrive_at', 'replaced', 'dead_lettered_at', 'traceparent'))
                is distinct from
                (select string_agg(a.attname || ' ' || a.atttypid::regtype, ', ' order by a.attnum) from pg_attribute a
                  where a.attrelid = 'agent.idempotency_rows'::regclass and a.attnum > 0 and not a.attisdropped)",

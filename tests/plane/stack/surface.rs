@@ -14,7 +14,10 @@ use crate::support::harness::*;
 
 /// Every function of the README's SQL surface table, with its argument names in order.
 const SURFACE: &[(&str, &str)] = &[
-    ("idempotency_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_request,p_traceparent"),
+    (
+        "idempotency_claim",
+        "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_request,p_traceparent",
+    ),
     ("idempotency_try_claim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
     ("idempotency_reclaim", "p_organization_id,p_scope,p_key,p_request_hash,p_lease_token,p_lease_ms,p_retain_ms"),
     ("idempotency_get", "p_organization_id,p_scope,p_key"),
