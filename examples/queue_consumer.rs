@@ -40,6 +40,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use idempotency_plane::callers::queue::{ConsumerOptions, QueueConsumer, QueuePath, Queues};
+use idempotency_plane::callers::route::{caller_authorized, route_credentials_from_env};
 use idempotency_plane::service::{Answer, EffectDriver, Settle, Timing};
 use idempotency_plane::{ClientConfig, IdempotencyService, PostgrestClient, PostgrestRepository};
 use serde_json::{json, Value};
@@ -47,9 +48,6 @@ use uuid::Uuid;
 
 /// The tenant when `ORGANIZATION_ID` is not set.
 const DEMO_ORGANIZATION: Uuid = Uuid::from_u128(0x0000_0000_0000_4000_8000_0000_0000_0001);
-
-/// The shortest route secret taken, as the Edge Function's `routeCredentials`.
-const MIN_ROUTE_SECRET_CHARS: usize = 32;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -69,46 +67,11 @@ fn required(name: &str) -> Result<String, BoxError> {
     var(name).ok_or_else(|| format!("set {name}").into())
 }
 
-/// Every service key the environment holds, as the Edge Function's
-/// `serviceKeysInEnv`: `IDEM_SERVICE_KEY`, each secret key of
-/// `SUPABASE_SECRET_KEYS`, `SUPABASE_SECRET_KEY`, `SUPABASE_SERVICE_ROLE_KEY`.
-fn service_keys() -> Vec<String> {
-    let mut keys: Vec<String> =
-        ["IDEM_SERVICE_KEY", "SUPABASE_SECRET_KEY", "SUPABASE_SERVICE_ROLE_KEY"].into_iter().filter_map(var).collect();
-    let map: Option<serde_json::Map<String, Value>> =
-        var("SUPABASE_SECRET_KEYS").and_then(|v| serde_json::from_str(&v).ok());
-    keys.extend(map.into_iter().flatten().filter_map(|(_, key)| key.as_str().map(str::to_owned)));
-    keys.retain(|key| !key.is_empty() && !key.starts_with("sb_publishable_"));
-    keys
-}
-
 fn whole(name: &str, default: u64) -> Result<u64, BoxError> {
     match var(name) {
         Some(text) => text.parse().map_err(|_| format!("{name} must be a whole number, got {text:?}").into()),
         None => Ok(default),
     }
-}
-
-/// Equality that takes as long whatever the first difference.
-fn same_text(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// Whether the request carries one of `credentials`, as a bearer token or as `apikey`.
-fn authorized(headers: &HeaderMap, credentials: &[String]) -> bool {
-    let text = |name: &str| headers.get(name).and_then(|value| value.to_str().ok());
-    let bearer = text("authorization").and_then(|value| {
-        let (scheme, token) = value.split_once(' ')?;
-        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-    });
-    let offered = [bearer, text("apikey")];
-    let mut matched = false;
-    for credential in credentials.iter().filter(|c| !c.is_empty()) {
-        for value in offered.iter().flatten() {
-            matched |= same_text(value, credential);
-        }
-    }
-    matched
 }
 
 impl Consumer {
@@ -131,7 +94,7 @@ impl Consumer {
 }
 
 async fn drain(State(consumer): State<Arc<Consumer>>, headers: HeaderMap) -> Response {
-    if !authorized(&headers, &consumer.credentials) {
+    if !caller_authorized(&headers, &consumer.credentials) {
         let refused = json!({"error": "POST / takes the route secret or the service key"});
         return (StatusCode::UNAUTHORIZED, Json(refused)).into_response();
     }
@@ -176,14 +139,7 @@ async fn main() -> Result<(), BoxError> {
         Some("data_api") => QueuePath::DataApi,
         Some(other) => return Err(format!("QUEUE_PATH must be auto, plane or data_api, got {other:?}").into()),
     };
-    let mut credentials = Vec::new();
-    if let Some(secret) = var("IDEM_ROUTE_SECRET") {
-        if secret.chars().count() < MIN_ROUTE_SECRET_CHARS {
-            return Err(format!("IDEM_ROUTE_SECRET must be at least {MIN_ROUTE_SECRET_CHARS} characters").into());
-        }
-        credentials.push(secret);
-    }
-    credentials.extend(service_keys());
+    let credentials = route_credentials_from_env()?;
     let queues = Queues::new(config.clone())?;
     let repo = PostgrestRepository::new(PostgrestClient::new(config)?);
     let drainer = QueueConsumer::new(EffectDriver::new(IdempotencyService::new(repo)), queues, options)?;

@@ -14,10 +14,12 @@
 //!   within the gate's deadline, and processed once: the body is forwarded
 //!   to `PROCESS_URL` (POST, the tenant's vendor key as `Idempotency-Key`),
 //!   done when that answers 2xx.
-//! - `POST /redrive` with `Authorization: Bearer <service key>`: re-drives
+//! - `POST /redrive` with the route secret `IDEM_ROUTE_SECRET` (what the
+//!   pg_cron recipe sends) or a service key of the environment (what `idem
+//!   redrive --to` sends), as `Authorization: Bearer` or `apikey`: re-drives
 //!   the orphans of its scope (up to the body's `{"limit": N}`, default 50)
 //!   through the same processing, and answers `{"redriven", "journaled",
-//!   "dead_lettered", "left"}`; without the key, 401.
+//!   "dead_lettered", "left"}`; without a credential, 401.
 //!
 //! ```sh
 //! idem up --env-file plane.env &   # IDEM_POSTGREST_URL, IDEM_SERVICE_KEY
@@ -41,6 +43,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use idempotency_plane::callers::http::read_bounded_body;
+use idempotency_plane::callers::route::{caller_authorized, route_credentials_from_env};
 use idempotency_plane::callers::tool::vendor_key;
 use idempotency_plane::callers::webhook::{
     Ack, Delivery, ProcessingError, ProviderJobs, Redelivery, RetryReason, WebhookGate, WEBHOOK_BODY_LIMIT_VAR,
@@ -67,8 +70,8 @@ struct Receiver {
     organization_id: Uuid,
     process_url: String,
     http: reqwest::Client,
-    /// `Bearer <service key>`: what `POST /redrive` must be sent with.
-    redrive_authorization: String,
+    /// Who may call `POST /redrive`: the route secret and the service keys.
+    credentials: Vec<String>,
     max_rows: u64,
 }
 
@@ -107,7 +110,7 @@ async fn main() -> Result<(), BoxError> {
         organization_id,
         process_url: required("PROCESS_URL")?,
         http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
-        redrive_authorization: format!("Bearer {}", required("IDEM_SERVICE_KEY")?),
+        credentials: route_credentials_from_env()?,
         max_rows,
     });
     let app = Router::new().route("/", post(deliveries)).route("/redrive", post(redrive)).with_state(receiver);
@@ -174,9 +177,8 @@ async fn deliveries(State(receiver): State<Arc<Receiver>>, headers: HeaderMap, b
 }
 
 async fn redrive(State(receiver): State<Arc<Receiver>>, headers: HeaderMap, body: Bytes) -> Response {
-    let authorization = headers.get("authorization").map(|value| value.as_bytes()).unwrap_or_default();
-    if !same_bytes(authorization, receiver.redrive_authorization.as_bytes()) {
-        let refusal = json!({"error": "POST /redrive takes the service key as a bearer token"});
+    if !caller_authorized(&headers, &receiver.credentials) {
+        let refusal = json!({"error": "POST /redrive takes the route secret or a service key"});
         return (StatusCode::UNAUTHORIZED, Json(refusal)).into_response();
     }
     let ask: Value = if body.iter().all(u8::is_ascii_whitespace) {
@@ -219,13 +221,4 @@ async fn redrive(State(receiver): State<Arc<Receiver>>, headers: HeaderMap, body
             (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": "the plane could not re-drive"}))).into_response()
         }
     }
-}
-
-/// Compares in time that does not depend on where the bytes differ.
-fn same_bytes(a: &[u8], b: &[u8]) -> bool {
-    let mut differ = a.len() ^ b.len();
-    for (x, y) in a.iter().zip(b) {
-        differ |= usize::from(x ^ y);
-    }
-    differ == 0
 }

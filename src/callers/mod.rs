@@ -8,10 +8,13 @@
 //!   at a time.
 //! - [`saved_search`]: the one surface claim before Run admission.
 //! - [`runs`]: Run admission through `agent.runs`, never the claim table.
+//! - [`route`]: who may call a worker's scheduled routes (a re-drive, a
+//!   queue drain), checked in constant time.
 //! - `idempotency_key` (feature `axum`): `Idempotency-Key` for any HTTP API,
 //!   as a tower layer.
 
 pub mod queue;
+pub mod route;
 pub mod runs;
 pub mod saved_search;
 pub mod tool;

@@ -36,6 +36,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use super::jwt::{mint_stable_token, verified_role, SUPABASE_CLI_JWT_SECRET};
+use crate::callers::route::same_secret;
 
 /// The Supabase CLI's local secret key, as `supabase start` prints it:
 /// public, the same on every machine. `idem up` hands it out beside the
@@ -118,7 +119,7 @@ async fn gateway(State(keys): State<Arc<ApiKeys>>, mut request: Request, next: N
         strip_apikey_parameter(&mut request);
         return next.run(request).await;
     }
-    let token = if constant_time_eq(&apikey, &keys.secret) {
+    let token = if same_secret(apikey.as_bytes(), keys.secret.as_bytes()) {
         if browser {
             return refusal(
                 "UNAUTHORIZED_FORBIDDEN_SECRET_KEY_IN_BROWSER",
@@ -127,7 +128,7 @@ async fn gateway(State(keys): State<Arc<ApiKeys>>, mut request: Request, next: N
             );
         }
         &keys.service_token
-    } else if constant_time_eq(&apikey, &keys.publishable) {
+    } else if same_secret(apikey.as_bytes(), keys.publishable.as_bytes()) {
         &keys.anon_token
     } else {
         return refusal("UNAUTHORIZED_INVALID_API_KEY", "Invalid API key", "Double check your API key.");
@@ -183,11 +184,6 @@ fn set_bearer(request: &mut Request, token: &str) {
     }
 }
 
-/// Equality that takes as long whatever the first difference.
-fn constant_time_eq(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// Supabase's gateway's refusal: 401, `{"message", "hint"}` and the
 /// `sb-error-code` header.
 fn refusal(code: &'static str, message: &str, hint: &str) -> Response {
@@ -229,6 +225,5 @@ mod tests {
         assert_eq!(query_apikey(Some("select=id&apikey=sb_secret_a%2Db")).as_deref(), Some("sb_secret_a-b"));
         assert_eq!(query_apikey(Some("select=id")), None);
         assert_eq!(query_apikey(None), None);
-        assert!(constant_time_eq("sb_x", "sb_x") && !constant_time_eq("sb_x", "sb_y") && !constant_time_eq("a", "ab"));
     }
 }

@@ -63,6 +63,37 @@ fn service_key(var: &impl Fn(&str) -> Option<String>) -> Result<(&'static str, S
     Err(KeyError::Missing { variables: SERVICE_KEY_VARIABLES.join(" / ") })
 }
 
+/// Every service key `var` holds (a variable's value by name; empty counts
+/// as unset), for a route that lets an operator in with whichever key it
+/// sends: each of [`SERVICE_KEY_VARIABLES`] that is set, every entry of
+/// `SUPABASE_SECRET_KEYS`, without repeats and without publishable keys. A
+/// `SUPABASE_SECRET_KEYS` that is not a JSON object of strings gives none
+/// (where the plane is configured, [`ClientConfig::from_vars`] refuses it).
+/// The TypeScript client's `serviceKeysInEnv`.
+pub fn service_keys_in(var: impl Fn(&str) -> Option<String>) -> Vec<String> {
+    let mut keys: Vec<String> = Vec::new();
+    for variable in SERVICE_KEY_VARIABLES {
+        let Some(value) = var(variable).filter(|value| !value.is_empty()) else { continue };
+        if variable == SECRET_KEYS_VAR {
+            if let Ok(map) = serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&value) {
+                if map.values().all(serde_json::Value::is_string) {
+                    keys.extend(map.values().filter_map(serde_json::Value::as_str).map(str::to_owned));
+                }
+            }
+        } else {
+            keys.push(value);
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    keys.retain(|key| !key.is_empty() && KeyKind::of(key) != KeyKind::Publishable && seen.insert(key.clone()));
+    keys
+}
+
+/// [`service_keys_in`] over the process environment.
+pub fn service_keys_in_env() -> Vec<String> {
+    service_keys_in(|name| std::env::var(name).ok())
+}
+
 impl ClientConfig {
     /// [`from_vars`](Self::from_vars) over the process environment.
     pub fn from_env() -> Result<Option<Self>, ClientError> {

@@ -18,7 +18,10 @@ pub use client::PostgrestClient;
 pub use config::{
     ClientConfig, DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_ROWS, MAX_MAX_ROWS, PLAIN_HTTP_HOSTS_VAR,
 };
-pub use env::{DEFAULT_SECRET_KEY_NAME, SECRET_KEYS_VAR, SECRET_KEY_NAME_VAR, SERVICE_KEY_VARIABLES};
+pub use env::{
+    service_keys_in, service_keys_in_env, DEFAULT_SECRET_KEY_NAME, SECRET_KEYS_VAR, SECRET_KEY_NAME_VAR,
+    SERVICE_KEY_VARIABLES,
+};
 pub use error::{ClientError, PostgrestError, TransportKind};
 pub use key::{Gateway, KeyError, KeyKind};
 pub use range::{ContentRange, ContentRangeError};
