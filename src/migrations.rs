@@ -7,12 +7,16 @@ macro_rules! supabase_migrations {
 
 /// The migrations, in the order they apply, as `(file name, contents)`: the
 /// files of `supabase/migrations/`, which the Supabase CLI applies too. v0.1
-/// ships two, written by `scripts/draft-migration.sh --baseline` from
+/// shipped two, written by `scripts/draft-migration.sh --baseline` from
 /// `supabase/schemas/`: the roles (cluster-wide, so a file of their own),
-/// then the baseline, the rest of the declared schema. Once released they are
-/// the deployed history: a change is a new file, never an edit.
-pub const MIGRATIONS: &[(&str, &str)] =
-    supabase_migrations!["20261130000001_roles.sql", "20261205000000_v0_1_baseline.sql"];
+/// then the baseline, the rest of the declared schema. They are the deployed
+/// history: each change since is a new file (`scripts/draft-migration.sh
+/// NAME`), never an edit.
+pub const MIGRATIONS: &[(&str, &str)] = supabase_migrations![
+    "20261130000001_roles.sql",
+    "20261205000000_v0_1_baseline.sql",
+    "20261205122510_traces_and_console.sql"
+];
 
 /// The optional layout that hash-partitions the claim table by
 /// `organization_id` (`sql/layouts/`), applied after [`MIGRATIONS`].

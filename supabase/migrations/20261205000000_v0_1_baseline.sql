@@ -21,23 +21,6 @@ CREATE SCHEMA agent;
 GRANT USAGE ON SCHEMA agent TO service_role;
 GRANT ALL ON SCHEMA agent TO idempotency_owner;
 
--- supabase/schemas/10_type_idempotency_activity_bucket.sql
-
--- agent.idempotency_activity_bucket
---
--- One time bucket of agent.idempotency_activity: claims made (by their
--- latest claim time), claims answered from the journal (replays) and
--- failures journaled (by the claim time of the attempt that failed).
-
-CREATE TYPE agent.idempotency_activity_bucket AS (
-	bucket timestamp with time zone,
-	claims bigint,
-	replays bigint,
-	failures bigint
-);
-
-ALTER TYPE agent.idempotency_activity_bucket OWNER TO idempotency_owner;
-
 -- supabase/schemas/10_type_idempotency_claim.sql
 
 -- agent.idempotency_claim
@@ -71,8 +54,7 @@ ALTER TYPE agent.idempotency_claim OWNER TO idempotency_owner;
 -- agent.idempotency_claim_item
 --
 -- One item of agent.idempotency_claim_many's answer: its place in the batch
--- (item, 0-based), then what its single claim would answer (traceparent:
--- the trace that first claimed the key, to claimed and reclaimed items).
+-- (item, 0-based), then what its single claim would answer.
 
 CREATE TYPE agent.idempotency_claim_item AS (
 	item integer,
@@ -90,8 +72,7 @@ CREATE TYPE agent.idempotency_claim_item AS (
 	claimed_at timestamp with time zone,
 	lease_expires_at timestamp with time zone,
 	retain_until timestamp with time zone,
-	lease_live boolean,
-	traceparent text
+	lease_live boolean
 );
 
 ALTER TYPE agent.idempotency_claim_item OWNER TO idempotency_owner;
@@ -104,9 +85,7 @@ ALTER TYPE agent.idempotency_claim_item OWNER TO idempotency_owner;
 -- conflict; reclaimable where the caller may not take over, as for
 -- agent.idempotency_try_claim, never from agent.idempotency_claim) and the
 -- claim. Only claimed and reclaimed carry the lease token; processing and
--- conflict carry no response or resource, conflict not the stored hash;
--- traceparent, to claimed and reclaimed alone, the trace that first claimed
--- the key.
+-- conflict carry no response or resource, conflict not the stored hash.
 
 CREATE TYPE agent.idempotency_claim_outcome AS (
 	outcome text,
@@ -123,8 +102,7 @@ CREATE TYPE agent.idempotency_claim_outcome AS (
 	claimed_at timestamp with time zone,
 	lease_expires_at timestamp with time zone,
 	retain_until timestamp with time zone,
-	lease_live boolean,
-	traceparent text
+	lease_live boolean
 );
 
 ALTER TYPE agent.idempotency_claim_outcome OWNER TO idempotency_owner;
@@ -164,8 +142,7 @@ ALTER TYPE agent.idempotency_completion_item OWNER TO idempotency_owner;
 -- A journaled failure as agent.idempotency_failures and
 -- agent.idempotency_redrive_failed answer it. claimed_at is the latest
 -- attempt's claim; first_claimed_at the claim of the first attempt that
--- failed, kept however often the failure is sent back and fails again;
--- traceparent the trace that first claimed the key.
+-- failed, kept however often the failure is sent back and fails again.
 
 CREATE TYPE agent.idempotency_failure AS (
 	id uuid,
@@ -183,49 +160,10 @@ CREATE TYPE agent.idempotency_failure AS (
 	redrivable boolean,
 	requeues integer,
 	taken integer,
-	first_claimed_at timestamp with time zone,
-	traceparent text
+	first_claimed_at timestamp with time zone
 );
 
 ALTER TYPE agent.idempotency_failure OWNER TO idempotency_owner;
-
--- supabase/schemas/10_type_idempotency_failure_count.sql
-
--- agent.idempotency_failure_count
---
--- Per scope, the journaled failures: how many, how many can be sent back
--- (they carry their work), how many went to a dead-letter queue, and the
--- oldest failed claim: agent.idempotency_failure_counts' answer.
-
-CREATE TYPE agent.idempotency_failure_count AS (
-	scope text,
-	failures bigint,
-	redrivable bigint,
-	dead_lettered bigint,
-	oldest_claimed_at timestamp with time zone
-);
-
-ALTER TYPE agent.idempotency_failure_count OWNER TO idempotency_owner;
-
--- supabase/schemas/10_type_idempotency_in_flight_scope.sql
-
--- agent.idempotency_in_flight_scope
---
--- Per scope, the claims still processing: how many, how many under a live
--- lease, how many are orphans waiting for a re-drive (lease passed, carrying
--- work), and the oldest claim and lease among them: agent.idempotency_in_flight's
--- answer.
-
-CREATE TYPE agent.idempotency_in_flight_scope AS (
-	scope text,
-	processing bigint,
-	live bigint,
-	orphans bigint,
-	oldest_claimed_at timestamp with time zone,
-	oldest_lease_expires_at timestamp with time zone
-);
-
-ALTER TYPE agent.idempotency_in_flight_scope OWNER TO idempotency_owner;
 
 -- supabase/schemas/10_type_idempotency_orphaned_scope.sql
 
@@ -242,30 +180,6 @@ CREATE TYPE agent.idempotency_orphaned_scope AS (
 );
 
 ALTER TYPE agent.idempotency_orphaned_scope OWNER TO idempotency_owner;
-
--- supabase/schemas/10_type_idempotency_processing_claim.sql
-
--- agent.idempotency_processing_claim
---
--- A claim still processing, as agent.idempotency_processing answers it for an
--- operator: never its lease token or its work, but version, a digest of the
--- claim's state (token, lease end, attempt) that agent.idempotency_abandon
--- compares so it ends only the claim the operator saw.
-
-CREATE TYPE agent.idempotency_processing_claim AS (
-	id uuid,
-	organization_id uuid,
-	scope text,
-	key text,
-	claimed_at timestamp with time zone,
-	lease_expires_at timestamp with time zone,
-	lease_live boolean,
-	attempt integer,
-	carries_work boolean,
-	version text
-);
-
-ALTER TYPE agent.idempotency_processing_claim OWNER TO idempotency_owner;
 
 -- supabase/schemas/10_type_idempotency_queue_ending.sql
 
@@ -327,8 +241,7 @@ CREATE TYPE agent.idempotency_queue_item AS (
 	archived boolean,
 	dead_lettered boolean,
 	reason text,
-	taken integer,
-	traceparent text
+	taken integer
 );
 
 ALTER TYPE agent.idempotency_queue_item OWNER TO idempotency_owner;
@@ -375,20 +288,6 @@ CREATE TYPE agent.idempotency_retired AS (
 );
 
 ALTER TYPE agent.idempotency_retired OWNER TO idempotency_owner;
-
--- supabase/schemas/10_type_idempotency_sweep_backlog_day.sql
-
--- agent.idempotency_sweep_backlog_day
---
--- Claims past their retention that the sweep has not retired yet, by the
--- day (UTC) their retention ended: agent.idempotency_sweep_backlog's answer.
-
-CREATE TYPE agent.idempotency_sweep_backlog_day AS (
-	retain_date date,
-	rows bigint
-);
-
-ALTER TYPE agent.idempotency_sweep_backlog_day OWNER TO idempotency_owner;
 
 -- supabase/schemas/10_type_idempotency_sweep_report.sql
 
@@ -455,7 +354,6 @@ CREATE TABLE agent.idempotency_keys (
     redrive_at timestamp with time zone,
     replaced jsonb,
     dead_lettered_at timestamp with time zone,
-    traceparent text,
     CONSTRAINT idempotency_keys_completed_has_answer CHECK (((status <> 'completed'::text) OR (NULLIF(response, 'null'::jsonb) IS NOT NULL) OR (resource_id IS NOT NULL))),
     CONSTRAINT idempotency_keys_key_length CHECK (((char_length(key) >= 1) AND (char_length(key) <= 512))),
     CONSTRAINT idempotency_keys_redrive_carries_work CHECK (((redrive_at IS NULL) OR ((status = 'processing'::text) AND (request IS NOT NULL)))),
@@ -465,7 +363,6 @@ CREATE TABLE agent.idempotency_keys (
     CONSTRAINT idempotency_keys_resource_type_length CHECK (((char_length(resource_type) >= 1) AND (char_length(resource_type) <= 128))),
     CONSTRAINT idempotency_keys_retention_covers_lease CHECK ((retain_until >= lease_expires_at)),
     CONSTRAINT idempotency_keys_scope_length CHECK (((char_length(scope) >= 1) AND (char_length(scope) <= 128))),
-    CONSTRAINT idempotency_keys_traceparent_w3c CHECK (((traceparent IS NULL) OR (traceparent ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'::text))),
     CONSTRAINT idempotency_keys_status_check CHECK ((status = ANY (ARRAY['processing'::text, 'completed'::text])))
 )
 WITH (fillfactor='80');
@@ -493,8 +390,6 @@ COMMENT ON COLUMN agent.idempotency_keys.redrive_at IS 'When a claim carrying wo
 
 COMMENT ON COLUMN agent.idempotency_keys.dead_lettered_at IS 'When the failure journaled for this key was sent to a dead-letter queue: a copy of the command that failed is archived beside that letter, never sent again.';
 
-COMMENT ON COLUMN agent.idempotency_keys.traceparent IS 'The W3C traceparent of the worker that first claimed the key, when it sent one: a re-drive, a redelivery or a send-back links its span to that trace. Kept by takeovers and send-backs.';
-
 COMMENT ON COLUMN agent.idempotency_keys.replaced IS 'What agent.idempotency_redrive_failed replaced, oldest first (at most 20: the first and the last 19): the audit of failures sent back.';
 
 ALTER TABLE ONLY agent.idempotency_keys
@@ -508,36 +403,6 @@ CREATE INDEX idempotency_keys_redrive_idx ON agent.idempotency_keys USING btree 
 CREATE INDEX idempotency_keys_retain_until_idx ON agent.idempotency_keys USING btree (retain_until, id);
 
 ALTER TABLE agent.idempotency_keys ENABLE ROW LEVEL SECURITY;
-
--- supabase/schemas/20_table_idempotency_replays.sql
-
--- agent.idempotency_replays
---
--- How many claims were answered from the journal (replays), per minute,
--- scope and database backend: a replay writes nothing to
--- agent.idempotency_keys, so the console's plot of replays over time reads
--- it here. A backend runs one transaction at a time, so each counter row is
--- only ever written by one transaction at a time: counting never waits on
--- a lock and never takes part in a deadlock. UNLOGGED (no WAL, no replica;
--- emptied by a crash, which a plot can afford); the sweep trims rows older
--- than 7 days. Written and read only through the functions.
-
-CREATE UNLOGGED TABLE agent.idempotency_replays (
-    minute timestamp with time zone NOT NULL,
-    scope text NOT NULL,
-    backend integer NOT NULL,
-    replays bigint DEFAULT 0 NOT NULL,
-    CONSTRAINT idempotency_replays_replays_positive CHECK ((replays >= 0))
-);
-
-ALTER TABLE agent.idempotency_replays OWNER TO idempotency_owner;
-
-COMMENT ON TABLE agent.idempotency_replays IS 'Claims answered from the journal (replays) per minute, scope and backend, for agent.idempotency_activity. Unlogged; trimmed to 7 days by the sweep.';
-
-ALTER TABLE ONLY agent.idempotency_replays
-    ADD CONSTRAINT idempotency_replays_pkey PRIMARY KEY (minute, scope, backend);
-
-ALTER TABLE agent.idempotency_replays ENABLE ROW LEVEL SECURITY;
 
 -- supabase/schemas/20_table_idempotency_scheduled_calls.sql
 
@@ -743,8 +608,7 @@ ALTER TABLE agent.idempotency_rows OWNER TO idempotency_owner;
 -- agent.idempotency_work
 --
 -- The row shape of agent.idempotency_redrive: a claim taken over for re-
--- drive, with its fresh lease token, its request and its attempt, and the
--- traceparent of the trace that first claimed it.
+-- drive, with its fresh lease token, its request and its attempt.
 
 CREATE VIEW agent.idempotency_work WITH (security_invoker='true') AS
  SELECT k.id,
@@ -760,140 +624,10 @@ CREATE VIEW agent.idempotency_work WITH (security_invoker='true') AS
     k.lease_expires_at,
     k.retain_until,
     k.response,
-    NULL::integer AS taken,
-    k.traceparent
+    NULL::integer AS taken
    FROM agent.idempotency_keys k;
 
 ALTER TABLE agent.idempotency_work OWNER TO idempotency_owner;
-
--- supabase/schemas/40_function_idempotency_abandon.sql
-
--- agent.idempotency_abandon
---
--- Ends a stuck claim as a journaled failure (public), for an operator: the
--- claim p_id, still processing and still at p_version (what
--- agent.idempotency_processing showed), is completed with the failure
--- abandoned_by_operator, its lease ended and its token replaced, so the
--- worker that held it is fenced: its heartbeat, completion or release
--- changes nothing. The work it carries is kept, so the failure can be sent
--- back after a fix (agent.idempotency_redrive_failed). Compare and set: a
--- claim taken over, extended, ended or released since it was shown is
--- left as it is, and no row is answered. Never deletes.
-
-CREATE FUNCTION agent.idempotency_abandon(p_id uuid, p_version text) RETURNS SETOF agent.idempotency_failure
-    LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO ''
-    SET lock_timeout TO '5s'
-    AS $_$
-declare
-  v_at timestamptz := pg_catalog.clock_timestamp();
-begin
-  if p_id is null then
-    raise exception 'p_id is required: the claim agent.idempotency_processing showed' using errcode = '22023';
-  end if;
-  if p_version is null or p_version !~ '^[0-9a-f]{64}$' then
-    raise exception 'p_version must be the 64 hex digits agent.idempotency_processing showed, got %',
-                    pg_catalog.left(p_version, 80)
-      using errcode = '22023';
-  end if;
-  return query
-    with ended as (
-      update agent.idempotency_keys as k
-         set status = 'completed',
-             response = pg_catalog.jsonb_build_object(
-                          'ok', false, 'error', 'abandoned_by_operator',
-                          'output', pg_catalog.jsonb_build_object(
-                                      'attempts', k.reclaims + 1,
-                                      'claimed_at', k.claimed_at,
-                                      'lease_expires_at', k.lease_expires_at)),
-             resource_type = null,
-             resource_id = null,
-             lease_token = pg_catalog.gen_random_uuid(),
-             lease_expires_at = least(k.lease_expires_at, v_at),
-             retain_until = greatest(k.retain_until, v_at + (k.retain_until - k.lease_expires_at)),
-             redrive_at = null
-       where k.id = p_id
-         and k.status = 'processing'
-         and agent.idempotency_version(k.lease_token, k.lease_expires_at, k.reclaims) = p_version
-      returning k.*
-    )
-    select f.id, f.organization_id, f.scope, f.key, f.status, f.response ->> 'error', f.response,
-           f.resource_type, f.resource_id, f.reclaims + 1, f.claimed_at, f.retain_until,
-           f.request is not null, coalesce(pg_catalog.jsonb_array_length(f.replaced), 0), 1,
-           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at), f.traceparent
-      from ended f;
-end
-$_$;
-
-ALTER FUNCTION agent.idempotency_abandon(p_id uuid, p_version text) OWNER TO idempotency_owner;
-
--- supabase/schemas/40_function_idempotency_activity.sql
-
--- agent.idempotency_activity
---
--- Claims, replays and failures over time (public), for an operator's
--- console: one row per p_bucket_s seconds (whole minutes, up to a day) from
--- the minute of p_since to now, oldest first, every bucket answered (zeros
--- included). The buckets must
--- fit p_limit (1 to the row cap), else 22023. Claims are counted by their
--- latest claim time and failures by the claim time of the attempt that
--- failed, among claims the sweep has not retired; replays from
--- agent.idempotency_replays (7 days). Never writes.
-
-CREATE FUNCTION agent.idempotency_activity(p_since timestamp with time zone, p_bucket_s integer, p_limit integer) RETURNS SETOF agent.idempotency_activity_bucket
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
-    SET search_path TO ''
-    AS $$
-declare
-  v_at timestamptz := pg_catalog.clock_timestamp();
-  v_start timestamptz;
-  v_buckets bigint;
-begin
-  if p_limit is null or p_limit not between 1 and agent.idempotency_row_cap() then
-    raise exception 'p_limit must be between 1 and the row cap % buckets, got %', agent.idempotency_row_cap(), p_limit
-      using errcode = '22023';
-  end if;
-  if p_bucket_s is null or p_bucket_s not between 60 and 86400 or p_bucket_s % 60 <> 0 then
-    raise exception 'p_bucket_s must be whole minutes, 60 to 86400 seconds, got %', p_bucket_s using errcode = '22023';
-  end if;
-  if p_since is null or p_since >= v_at then
-    raise exception 'p_since must be a time in the past, got %', p_since using errcode = '22023';
-  end if;
-  v_start := pg_catalog.date_trunc('minute', p_since);
-  v_buckets := pg_catalog.ceil(extract(epoch from v_at - v_start) / p_bucket_s)::bigint;
-  if v_buckets > p_limit then
-    raise exception 'from % to now is % buckets of % s, more than p_limit %', v_start, v_buckets, p_bucket_s, p_limit
-      using errcode = '22023',
-            hint = 'start later, or take longer buckets';
-  end if;
-  return query
-    with buckets as (
-      select n, v_start + n * p_bucket_s * interval '1 second' as bucket
-        from pg_catalog.generate_series(0::bigint, v_buckets - 1) n
-    ), claims as (
-      select pg_catalog.floor(extract(epoch from k.claimed_at - v_start) / p_bucket_s)::bigint as n,
-             pg_catalog.count(*) as claims,
-             pg_catalog.count(*) filter (where k.status = 'completed' and k.response -> 'ok' = 'false'::jsonb)
-               as failures
-        from agent.idempotency_keys k
-       where k.claimed_at >= v_start
-       group by 1
-    ), replays as (
-      select pg_catalog.floor(extract(epoch from r.minute - v_start) / p_bucket_s)::bigint as n,
-             pg_catalog.sum(r.replays)::bigint as replays
-        from agent.idempotency_replays r
-       where r.minute >= v_start
-       group by 1
-    )
-    select b.bucket, coalesce(c.claims, 0), coalesce(r.replays, 0), coalesce(c.failures, 0)
-      from buckets b
-      left join claims c on c.n = b.n
-      left join replays r on r.n = b.n
-     order by b.bucket;
-end
-$$;
-
-ALTER FUNCTION agent.idempotency_activity(p_since timestamp with time zone, p_bucket_s integer, p_limit integer) OWNER TO idempotency_owner;
 
 -- supabase/schemas/40_function_idempotency_canonical_json.sql
 
@@ -1074,36 +808,6 @@ $$;
 
 ALTER FUNCTION agent.idempotency_check_key(p_organization_id uuid, p_scope text, p_key text) OWNER TO idempotency_owner;
 
--- supabase/schemas/40_function_idempotency_check_traceparent.sql
-
--- agent.idempotency_check_traceparent
---
--- The traceparent a claim stores, checked: NULL or empty for none, else a W3C
--- Trace Context traceparent of version 00 (00-<32 hex trace id>-<16 hex
--- parent id>-<2 hex flags>, lowercase, neither id all zeros). Anything else
--- is refused (22023) naming p_name. Private.
-
-CREATE FUNCTION agent.idempotency_check_traceparent(p_traceparent text, p_name text) RETURNS text
-    LANGUAGE plpgsql IMMUTABLE
-    SET search_path TO ''
-    AS $_$
-begin
-  if p_traceparent is null or p_traceparent = '' then
-    return null;
-  end if;
-  if p_traceparent !~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
-     or substr(p_traceparent, 4, 32) = '00000000000000000000000000000000'
-     or substr(p_traceparent, 37, 16) = '0000000000000000' then
-    raise exception '% must be a W3C traceparent of version 00 (00-<32 hex>-<16 hex>-<2 hex>, lowercase, ids not all zeros), got %',
-                    p_name, pg_catalog.left(p_traceparent, 80)
-      using errcode = '22023';
-  end if;
-  return p_traceparent;
-end
-$_$;
-
-ALTER FUNCTION agent.idempotency_check_traceparent(p_traceparent text, p_name text) OWNER TO idempotency_owner;
-
 -- supabase/schemas/40_function_idempotency_check_work.sql
 
 -- agent.idempotency_check_work
@@ -1161,10 +865,9 @@ ALTER FUNCTION agent.idempotency_check_work(p_scope text, p_request jsonb) OWNER
 -- refused (conflict: same key, another request), decided by
 -- agent.idempotency_decide. A repeat with the same lease token after a lost
 -- answer answers that caller's own claim. p_request is the work the claim
--- carries, for re-drive; p_traceparent the W3C traceparent of the caller's
--- span, stored with the claim so whoever runs the work again links to it.
+-- carries, for re-drive.
 
-CREATE FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb DEFAULT NULL::jsonb, p_traceparent text DEFAULT NULL::text) RETURNS SETOF agent.idempotency_claim_outcome
+CREATE FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb DEFAULT NULL::jsonb) RETURNS SETOF agent.idempotency_claim_outcome
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO ''
     SET lock_timeout TO '5s'
@@ -1172,11 +875,11 @@ CREATE FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_
 begin
   return query
     select * from agent.idempotency_decide(p_organization_id, p_scope, p_key, p_request_hash, p_lease_token,
-                                           p_lease_ms, null, true, true, p_request, p_traceparent);
+                                           p_lease_ms, null, true, true, p_request);
 end
 $$;
 
-ALTER FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb, p_traceparent text) OWNER TO idempotency_owner;
+ALTER FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) OWNER TO idempotency_owner;
 
 -- supabase/schemas/40_function_idempotency_claim_many.sql
 
@@ -1201,7 +904,6 @@ declare
   v_hashes text[];
   v_tokens uuid[];
   v_requests jsonb[];
-  v_traceparents text[];
   v_item jsonb;
   v_index integer;
   v_text text;
@@ -1252,12 +954,7 @@ begin
                       and (e.value ->> 'request_hash') ~ '^[0-9a-f]{64}$'
                       and pg_catalog.jsonb_typeof(e.value -> 'lease_token') = 'string'
                       and (e.value ->> 'lease_token')
-                          ~ '^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$'
-                      and (coalesce(pg_catalog.jsonb_typeof(e.value -> 'traceparent'), 'null') = 'null'
-                           or e.value ->> 'traceparent' = ''
-                           or ((e.value ->> 'traceparent') ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
-                               and substr(e.value ->> 'traceparent', 4, 32) <> '00000000000000000000000000000000'
-                               and substr(e.value ->> 'traceparent', 37, 16) <> '0000000000000000')),
+                          ~ '^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$',
                       false)
    order by e.ordinality
    limit 1;
@@ -1275,18 +972,15 @@ begin
         using errcode = '22023';
     end if;
     perform agent.idempotency_item_uuid(v_item, v_index, 'lease_token');
-    perform agent.idempotency_check_traceparent(agent.idempotency_item_text(v_item, v_index, 'traceparent', false),
-                                                'p_items[' || v_index || '].traceparent');
     raise exception 'p_items[%] is malformed', v_index using errcode = '22023';
   end if;
   -- The items' fields, and whether each is its key's first occurrence.
   select pg_catalog.array_agg(t.key order by t.n), pg_catalog.array_agg(t.hash order by t.n),
          pg_catalog.array_agg(t.token order by t.n), pg_catalog.array_agg(t.request order by t.n),
-         pg_catalog.array_agg(t.first order by t.n), pg_catalog.array_agg(t.traceparent order by t.n)
-    into v_keys, v_hashes, v_tokens, v_requests, v_firsts, v_traceparents
+         pg_catalog.array_agg(t.first order by t.n)
+    into v_keys, v_hashes, v_tokens, v_requests, v_firsts
     from (select e.ordinality as n, e.value ->> 'key' as key, e.value ->> 'request_hash' as hash,
                  (e.value ->> 'lease_token')::uuid as token, nullif(e.value -> 'request', 'null'::jsonb) as request,
-                 nullif(e.value ->> 'traceparent', '') as traceparent,
                  pg_catalog.row_number() over (partition by e.value ->> 'key' order by e.ordinality) = 1 as first
             from pg_catalog.jsonb_array_elements(p_items) with ordinality e) t;
   -- The first item whose token an earlier item named, and that item.
@@ -1328,17 +1022,16 @@ begin
   -- can change a row between this decision and the answer read below.
   v_at := pg_catalog.clock_timestamp();
   with firsts as (
-    select v_keys[i] as key, v_hashes[i] as hash, v_tokens[i] as token, v_requests[i] as request,
-           v_traceparents[i] as traceparent
+    select v_keys[i] as key, v_hashes[i] as hash, v_tokens[i] as token, v_requests[i] as request
       from pg_catalog.generate_subscripts(v_keys, 1) i
      where v_firsts[i]
   ), decided as (
     insert into agent.idempotency_keys as k
       (organization_id, scope, key, request_hash, status, lease_token,
-       claimed_at, lease_expires_at, retain_until, request, redrive_at, traceparent)
+       claimed_at, lease_expires_at, retain_until, request, redrive_at)
     select p_organization_id, p_scope, f.key, f.hash, 'processing', f.token,
            v_at, v_at + v_lease, v_at + v_lease + v_retain,
-           f.request, case when f.request is not null then v_at + v_lease end, f.traceparent
+           f.request, case when f.request is not null then v_at + v_lease end
       from firsts f
      order by f.key
     on conflict (organization_id, scope, key) do update
@@ -1348,8 +1041,7 @@ begin
            retain_until = greatest(k.retain_until, v_at + v_lease + v_retain),
            reclaims = k.reclaims + 1,
            request = coalesce(k.request, excluded.request),
-           redrive_at = case when coalesce(k.request, excluded.request) is not null then v_at + v_lease end,
-           traceparent = coalesce(k.traceparent, excluded.traceparent)
+           redrive_at = case when coalesce(k.request, excluded.request) is not null then v_at + v_lease end
      where k.status = 'processing'
        and k.request_hash = excluded.request_hash
        and k.lease_expires_at <= pg_catalog.clock_timestamp()
@@ -1395,8 +1087,7 @@ begin
            case when o.outcome = 'completed' then k.resource_id end,
            case when o.outcome = 'completed' then k.response end,
            k.claimed_at, k.lease_expires_at, k.retain_until,
-           k.status = 'processing' and k.lease_expires_at > pg_catalog.clock_timestamp(),
-           case when o.outcome in ('claimed', 'reclaimed') then k.traceparent end
+           k.status = 'processing' and k.lease_expires_at > pg_catalog.clock_timestamp()
       from pg_catalog.generate_subscripts(v_keys, 1) i
       join pg_catalog.unnest(v_rows) k on k.key = v_keys[i]
      cross join lateral (
@@ -1411,14 +1102,6 @@ begin
   if v_answered <> pg_catalog.cardinality(v_keys) then
     raise exception 'claim_many answered % of % items', v_answered, pg_catalog.cardinality(v_keys)
       using errcode = 'XX000';
-  end if;
-  -- Items answered from the journal, counted as replays.
-  select pg_catalog.count(*) into v_answered
-    from pg_catalog.generate_subscripts(v_keys, 1) i
-    join pg_catalog.unnest(v_rows) k on k.key = v_keys[i]
-   where k.status = 'completed' and k.request_hash = v_hashes[i];
-  if v_answered > 0 then
-    perform agent.idempotency_count_replays(p_scope, v_answered);
   end if;
 end
 $_$;
@@ -1659,26 +1342,6 @@ $$;
 
 ALTER FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) OWNER TO idempotency_owner;
 
--- supabase/schemas/40_function_idempotency_count_replays.sql
-
--- agent.idempotency_count_replays
---
--- Counts p_replays claims of p_scope answered from the journal, in this
--- minute's row of this backend (agent.idempotency_replays). Private: the
--- claim functions call it.
-
-CREATE FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) RETURNS void
-    LANGUAGE sql
-    SET search_path TO ''
-    AS $$
-  insert into agent.idempotency_replays as r (minute, scope, backend, replays)
-  values (pg_catalog.date_trunc('minute', pg_catalog.clock_timestamp()), p_scope, pg_catalog.pg_backend_pid(),
-          p_replays)
-  on conflict (minute, scope, backend) do update set replays = r.replays + excluded.replays
-$$;
-
-ALTER FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) OWNER TO idempotency_owner;
-
 -- supabase/schemas/40_function_idempotency_decide.sql
 
 -- agent.idempotency_decide
@@ -1692,10 +1355,9 @@ ALTER FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) O
 -- just read (compare and set) for a takeover. A statement that loses a race
 -- is tried again, up to 4 passes; a key that keeps changing hands after that
 -- raises 40001, for the caller to retry. Answers reclaimable where it may not
--- take over a passed lease itself. p_traceparent (W3C) is stored with a new
--- claim and kept by takeovers; the holder is answered the first one stored.
+-- take over a passed lease itself.
 
-CREATE FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb DEFAULT NULL::jsonb, p_traceparent text DEFAULT NULL::text) RETURNS SETOF agent.idempotency_claim_outcome
+CREATE FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb DEFAULT NULL::jsonb) RETURNS SETOF agent.idempotency_claim_outcome
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $_$
@@ -1707,7 +1369,6 @@ declare
   v_won boolean := false;
   v_outcome text;
   v_request jsonb := nullif(p_request, 'null'::jsonb);
-  v_traceparent text;
   r agent.idempotency_keys;
 begin
   -- One test on the way in; the messages are built only for a refusal.
@@ -1744,9 +1405,6 @@ begin
   if v_request is not null then
     perform agent.idempotency_check_work(p_scope, v_request);
   end if;
-  if p_traceparent is not null then
-    v_traceparent := agent.idempotency_check_traceparent(p_traceparent, 'p_traceparent');
-  end if;
 
   v_lease := p_lease_ms * interval '1 millisecond';
   -- What the caller asks for; the scope's policy is the floor of it.
@@ -1762,10 +1420,10 @@ begin
       -- same statement: no policy row, no insert.
       insert into agent.idempotency_keys as k
         (organization_id, scope, key, request_hash, status, lease_token,
-         claimed_at, lease_expires_at, retain_until, request, redrive_at, traceparent)
+         claimed_at, lease_expires_at, retain_until, request, redrive_at)
       select p_organization_id, p_scope, p_key, p_request_hash, 'processing', p_lease_token,
              v_at, v_at + v_lease, v_at + v_lease + greatest(s.retain, v_retain),
-             v_request, case when v_request is not null then v_at + v_lease end, v_traceparent
+             v_request, case when v_request is not null then v_at + v_lease end
         from agent.idempotency_scopes s
        where s.scope = p_scope
           or (s.scope like '%.*'
@@ -1820,8 +1478,7 @@ begin
            retain_until = greatest(k.retain_until, v_at + v_lease + v_retain),
            reclaims = k.reclaims + 1,
            request = coalesce(k.request, v_request),
-           redrive_at = case when coalesce(k.request, v_request) is not null then v_at + v_lease end,
-           traceparent = coalesce(k.traceparent, v_traceparent)
+           redrive_at = case when coalesce(k.request, v_request) is not null then v_at + v_lease end
      where k.id = r.id
        and k.lease_token = r.lease_token
        and k.status = 'processing'
@@ -1835,11 +1492,6 @@ begin
   end loop;
   if v_outcome is null then
     raise exception 'the key %/% kept changing hands; try again', p_scope, p_key using errcode = '40001';
-  end if;
-  -- A replay writes nothing to the journal; it is counted, for the
-  -- console's plot, in an unlogged table of its own.
-  if v_outcome = 'completed' then
-    perform agent.idempotency_count_replays(p_scope, 1);
   end if;
 
   -- A win that waited: the lease starts now, and the retention, counted
@@ -1864,13 +1516,12 @@ begin
     case when v_outcome = 'completed' then r.resource_id end,
     case when v_outcome = 'completed' then r.response end,
     r.claimed_at, r.lease_expires_at, r.retain_until,
-    r.status = 'processing' and r.lease_expires_at > pg_catalog.clock_timestamp(),
-    case when v_outcome in ('claimed', 'reclaimed') then r.traceparent end
+    r.status = 'processing' and r.lease_expires_at > pg_catalog.clock_timestamp()
   )::agent.idempotency_claim_outcome;
 end
 $_$;
 
-ALTER FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb, p_traceparent text) OWNER TO idempotency_owner;
+ALTER FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb) OWNER TO idempotency_owner;
 
 -- supabase/schemas/40_function_idempotency_delete_expired.sql
 
@@ -1984,41 +1635,6 @@ $$;
 
 ALTER FUNCTION agent.idempotency_extend(p_claim_id uuid, p_lease_token uuid, p_lease_ms bigint, p_organization_id uuid) OWNER TO idempotency_owner;
 
--- supabase/schemas/40_function_idempotency_failure_counts.sql
-
--- agent.idempotency_failure_counts
---
--- Per scope, the journaled failures (public), for an operator's console: how
--- many, how many can be sent back after a fix (they carry their work), how
--- many went to a dead-letter queue, and the oldest. Scopes with the most
--- failures first, at most p_limit (1 to the row cap). Never writes.
-
-CREATE FUNCTION agent.idempotency_failure_counts(p_limit integer DEFAULT 100) RETURNS SETOF agent.idempotency_failure_count
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
-    SET search_path TO ''
-    AS $$
-begin
-  if p_limit is null or p_limit not between 1 and agent.idempotency_row_cap() then
-    raise exception 'p_limit must be between 1 and the row cap % scopes, got %', agent.idempotency_row_cap(), p_limit
-      using errcode = '22023';
-  end if;
-  return query
-    select k.scope,
-           pg_catalog.count(*),
-           pg_catalog.count(*) filter (where k.request is not null),
-           pg_catalog.count(*) filter (where k.dead_lettered_at is not null),
-           pg_catalog.min(k.claimed_at)
-      from agent.idempotency_keys k
-     where k.status = 'completed'
-       and k.response -> 'ok' = 'false'::jsonb
-     group by k.scope
-     order by pg_catalog.count(*) desc, k.scope
-     limit p_limit;
-end
-$$;
-
-ALTER FUNCTION agent.idempotency_failure_counts(p_limit integer) OWNER TO idempotency_owner;
-
 -- supabase/schemas/40_function_idempotency_failures.sql
 
 -- agent.idempotency_failures
@@ -2050,7 +1666,7 @@ begin
            f.resource_type, f.resource_id, f.reclaims + 1, f.claimed_at, f.retain_until,
            f.request is not null, coalesce(jsonb_array_length(f.replaced), 0),
            (count(*) over ())::integer,
-           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at), f.traceparent
+           coalesce((f.replaced -> 0 ->> 'claimed_at')::timestamptz, f.claimed_at)
       from failed f
      order by f.claimed_at, f.id;
 end
@@ -2144,44 +1760,6 @@ end
 $$;
 
 ALTER FUNCTION agent.idempotency_get(p_organization_id uuid, p_scope text, p_key text) OWNER TO idempotency_owner;
-
--- supabase/schemas/40_function_idempotency_in_flight.sql
-
--- agent.idempotency_in_flight
---
--- Per scope, what is in flight (public), for an operator's console: claims
--- still processing, how many under a live lease, how many are orphans
--- waiting for a re-drive, the oldest claim and the oldest lease end. Scopes
--- with the most claims processing first, at most p_limit of them (1 to the
--- plane's row cap). Reads every processing claim; never writes.
-
-CREATE FUNCTION agent.idempotency_in_flight(p_limit integer DEFAULT 100) RETURNS SETOF agent.idempotency_in_flight_scope
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
-    SET search_path TO ''
-    AS $$
-declare
-  v_at timestamptz := pg_catalog.clock_timestamp();
-begin
-  if p_limit is null or p_limit not between 1 and agent.idempotency_row_cap() then
-    raise exception 'p_limit must be between 1 and the row cap % scopes, got %', agent.idempotency_row_cap(), p_limit
-      using errcode = '22023';
-  end if;
-  return query
-    select k.scope,
-           pg_catalog.count(*),
-           pg_catalog.count(*) filter (where k.lease_expires_at > v_at),
-           pg_catalog.count(*) filter (where k.redrive_at <= v_at),
-           pg_catalog.min(k.claimed_at),
-           pg_catalog.min(k.lease_expires_at)
-      from agent.idempotency_keys k
-     where k.status = 'processing'
-     group by k.scope
-     order by pg_catalog.count(*) desc, k.scope
-     limit p_limit;
-end
-$$;
-
-ALTER FUNCTION agent.idempotency_in_flight(p_limit integer) OWNER TO idempotency_owner;
 
 -- supabase/schemas/40_function_idempotency_item_text.sql
 
@@ -2455,37 +2033,6 @@ begin
   end loop;
 end
 $$;
-
--- supabase/schemas/40_function_idempotency_processing.sql
-
--- agent.idempotency_processing
---
--- The claims still processing in a scope, a family (webhook.*) or every
--- scope (*) (public), oldest claim first, at most p_limit (1 to the row cap):
--- for an operator to find a stuck claim. Answers no lease token and no work;
--- version is what agent.idempotency_abandon compares. Never writes.
-
-CREATE FUNCTION agent.idempotency_processing(p_scope text, p_limit integer) RETURNS SETOF agent.idempotency_processing_claim
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
-    SET search_path TO ''
-    AS $$
-declare
-  v_prefix text;
-begin
-  v_prefix := agent.idempotency_failures_scope(p_scope, p_limit, null);
-  return query
-    select k.id, k.organization_id, k.scope, k.key, k.claimed_at, k.lease_expires_at,
-           k.lease_expires_at > pg_catalog.clock_timestamp(), k.reclaims + 1, k.request is not null,
-           agent.idempotency_version(k.lease_token, k.lease_expires_at, k.reclaims)
-      from agent.idempotency_keys k
-     where k.status = 'processing'
-       and (k.scope = p_scope or (v_prefix is not null and left(k.scope, char_length(v_prefix)) = v_prefix))
-     order by k.claimed_at, k.id
-     limit p_limit;
-end
-$$;
-
-ALTER FUNCTION agent.idempotency_processing(p_scope text, p_limit integer) OWNER TO idempotency_owner;
 
 -- supabase/schemas/40_function_idempotency_queue_check.sql
 
@@ -2898,12 +2445,10 @@ ALTER FUNCTION agent.idempotency_queue_settle(p_queue text, p_dead_letter_queue 
 -- A message may name its organization_id; it must be one of p_organizations
 -- (p_organization_id alone by default). The tokens are the caller's, one per
 -- slot, as a claim's; a lost answer leaves what it took to its lease, as a
--- worker that stopped would. p_traceparent, the consumer's W3C traceparent,
--- is stored with each claim the take makes; claimed, reclaimed and redriven
--- items answer the trace that first claimed them. Needs the pgmq privileges
--- that agent.idempotency_queue_privileges lists.
+-- worker that stopped would. Needs the pgmq privileges that
+-- agent.idempotency_queue_privileges lists.
 
-CREATE FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer DEFAULT 5, p_scope text DEFAULT NULL::text, p_organizations uuid[] DEFAULT NULL::uuid[], p_row_cap integer DEFAULT NULL::integer, p_traceparent text DEFAULT NULL::text) RETURNS SETOF agent.idempotency_queue_item
+CREATE FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer DEFAULT 5, p_scope text DEFAULT NULL::text, p_organizations uuid[] DEFAULT NULL::uuid[], p_row_cap integer DEFAULT NULL::integer) RETURNS SETOF agent.idempotency_queue_item
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO ''
     SET lock_timeout TO '5s'
@@ -2933,7 +2478,6 @@ declare
   v_failure jsonb;
   v_archive bigint[] := '{}'::bigint[];
   v_work record;
-  v_traceparent text := agent.idempotency_check_traceparent(p_traceparent, 'p_traceparent');
   -- 2^1024 - 2^970: from here on the nearest IEEE 754 double is infinity,
   -- which no JSON reader of a client can hash or hand on.
   c_beyond constant jsonb := pg_catalog.jsonb_build_object('max', 179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792::numeric);
@@ -3054,7 +2598,7 @@ begin
                case when v_reason is null then 'unclaimed' else 'malformed' end,
                null, null, null, null, null, null, null,
                case when v_reason is null then coalesce(v_body -> 'payload', 'null'::jsonb) end,
-               null, false, false, v_reason, null, null)::agent.idempotency_queue_item;
+               null, false, false, v_reason, null)::agent.idempotency_queue_item;
     v_items := v_items || v_item;
     v_hashes := v_hashes || case when v_reason is null
                                  then agent.idempotency_request_hash(coalesce(v_body -> 'payload', 'null'::jsonb)) end;
@@ -3089,7 +2633,7 @@ begin
   for v_org in select pg_catalog.unnest(coalesce(v_orgs, '{}')) loop
     select pg_catalog.jsonb_agg(pg_catalog.jsonb_build_object(
              'key', v_items[i].key, 'request_hash', v_hashes[i], 'lease_token', p_lease_tokens[i],
-             'request', v_items[i].payload, 'traceparent', v_traceparent) order by i)
+             'request', v_items[i].payload) order by i)
       into v_claims
       from pg_catalog.generate_subscripts(v_items, 1) i
      where v_items[i].outcome = 'unclaimed' and v_items[i].organization_id = v_org;
@@ -3114,7 +2658,6 @@ begin
         v_items[v_index].outcome := v_claim.outcome;
         if v_claim.outcome in ('claimed', 'reclaimed') then
           v_items[v_index].lease_token := v_claim.lease_token;
-          v_items[v_index].traceparent := v_claim.traceparent;
         elsif v_claim.outcome = 'completed' then
           v_items[v_index].response := v_claim.response;
         end if;
@@ -3198,7 +2741,7 @@ begin
                                case when v_work.status = 'processing' then 'redriven' else 'completed' end,
                                null, v_work.id, v_work.lease_token, v_work.lease_expires_at, v_work.retain_until,
                                v_work.status = 'processing', v_work.attempt, v_work.request, v_work.response,
-                               false, false, null, null, v_work.traceparent)::agent.idempotency_queue_item;
+                               false, false, null, null)::agent.idempotency_queue_item;
         if v_work.status = 'completed' and v_work.response -> 'ok' = 'false'::jsonb then
           -- Re-driven as often as its scope allows: journaled as dead_lettered.
           update agent.idempotency_keys k
@@ -3236,7 +2779,7 @@ begin
 end
 $_$;
 
-ALTER FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer, p_traceparent text) OWNER TO idempotency_owner;
+ALTER FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer) OWNER TO idempotency_owner;
 
 -- supabase/schemas/40_function_idempotency_reclaim.sql
 
@@ -3483,8 +3026,7 @@ begin
            case when t.status = 'processing' then t.request end,
            t.reclaims + 1, t.claimed_at, t.lease_expires_at, t.retain_until,
            case when t.status = 'completed' then t.response end,
-           (count(*) over ())::integer,
-           t.traceparent
+           (count(*) over ())::integer
       from answered t
      order by t.lease_expires_at, t.id;
 end
@@ -3577,7 +3119,7 @@ begin
            (s.replaced -> -1 ->> 'attempts')::integer, s.claimed_at, s.retain_until,
            true, jsonb_array_length(s.replaced),
            (count(*) over ())::integer,
-           (s.replaced -> 0 ->> 'claimed_at')::timestamptz, s.traceparent
+           (s.replaced -> 0 ->> 'claimed_at')::timestamptz
       from sent s
      order by s.id;
 end
@@ -3699,8 +3241,7 @@ ALTER FUNCTION agent.idempotency_request_hash(p_value jsonb) OWNER TO idempotenc
 -- request) that nobody re-drove, which is journaled as a dead letter
 -- (swept_unredriven) and kept for its scope's retention from now. Rows
 -- another transaction holds are left for the next pass. Answers one row:
--- deleted, dead_lettered. Each pass also trims the counts of replays
--- (agent.idempotency_replays) older than 7 days, as many rows as the row cap.
+-- deleted, dead_lettered.
 
 CREATE FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) RETURNS SETOF agent.idempotency_retired
     LANGUAGE plpgsql SECURITY DEFINER
@@ -3757,10 +3298,6 @@ begin
     raise warning 'idempotency sweep: % unfinished claims carrying work passed their retention unredriven; journaled as dead letters (swept_unredriven)', v_dead
       using hint = 'schedule a re-drive for their scopes (idem redrive), then send them back: idem redrive --failed';
   end if;
-  delete from agent.idempotency_replays r
-   where r.ctid = any (array(select o.ctid from agent.idempotency_replays o
-                              where o.minute < pg_catalog.clock_timestamp() - interval '7 days'
-                              limit agent.idempotency_row_cap()));
   return next (v_deleted, v_dead)::agent.idempotency_retired;
 end
 $$;
@@ -4035,36 +3572,6 @@ $$;
 
 ALTER FUNCTION agent.idempotency_sweep(p_bound integer, p_row_cap integer) OWNER TO idempotency_owner;
 
--- supabase/schemas/40_function_idempotency_sweep_backlog.sql
-
--- agent.idempotency_sweep_backlog
---
--- Claims past their retention that no sweep has retired yet (public), by
--- the day (UTC) their retention ended, oldest day first, at most p_limit
--- days (1 to the row cap). A backlog that grows is a sweep that does not
--- keep up. Never writes.
-
-CREATE FUNCTION agent.idempotency_sweep_backlog(p_limit integer DEFAULT 100) RETURNS SETOF agent.idempotency_sweep_backlog_day
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
-    SET search_path TO ''
-    AS $$
-begin
-  if p_limit is null or p_limit not between 1 and agent.idempotency_row_cap() then
-    raise exception 'p_limit must be between 1 and the row cap % days, got %', agent.idempotency_row_cap(), p_limit
-      using errcode = '22023';
-  end if;
-  return query
-    select (k.retain_until at time zone 'UTC')::date, pg_catalog.count(*)
-      from agent.idempotency_keys k
-     where k.retain_until < pg_catalog.clock_timestamp()
-     group by 1
-     order by 1
-     limit p_limit;
-end
-$$;
-
-ALTER FUNCTION agent.idempotency_sweep_backlog(p_limit integer) OWNER TO idempotency_owner;
-
 -- supabase/schemas/40_function_idempotency_try_claim.sql
 
 -- agent.idempotency_try_claim
@@ -4122,29 +3629,6 @@ end;
 $$;
 
 ALTER FUNCTION agent.idempotency_utf16_order(p_key text) OWNER TO idempotency_owner;
-
--- supabase/schemas/40_function_idempotency_version.sql
-
--- agent.idempotency_version
---
--- A processing claim's version, as agent.idempotency_processing shows it and
--- agent.idempotency_abandon compares it: hex SHA-256 of its lease token, lease
--- end (microseconds since the epoch) and takeover count. Any claim, takeover
--- or heartbeat changes it; the token cannot be read back from it. Private.
-
-CREATE FUNCTION agent.idempotency_version(p_lease_token uuid, p_lease_expires_at timestamp with time zone, p_reclaims integer) RETURNS text
-    LANGUAGE sql IMMUTABLE
-    SET search_path TO ''
-    AS $$
-  select pg_catalog.encode(
-           pg_catalog.sha256(pg_catalog.convert_to(
-             p_lease_token::text || '/'
-               || (extract(epoch from p_lease_expires_at) * 1000000)::bigint::text || '/'
-               || p_reclaims::text, 'UTF8')),
-           'hex')
-$$;
-
-ALTER FUNCTION agent.idempotency_version(p_lease_token uuid, p_lease_expires_at timestamp with time zone, p_reclaims integer) OWNER TO idempotency_owner;
 
 -- supabase/schemas/40_function_provider_job_lookup.sql
 
@@ -4377,7 +3861,6 @@ $trigger$;
 
 REVOKE ALL ON TABLE agent.idempotency_keys FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_scopes FROM PUBLIC, anon, authenticated, service_role;
-REVOKE ALL ON TABLE agent.idempotency_replays FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_scheduled_calls FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.idempotency_settings FROM PUBLIC, anon, authenticated, service_role;
 REVOKE ALL ON TABLE agent.provider_jobs FROM PUBLIC, anon, authenticated, service_role;
@@ -4428,12 +3911,10 @@ REVOKE ALL ON FUNCTION agent.idempotency_check_item(p_item jsonb, p_index intege
 
 REVOKE ALL ON FUNCTION agent.idempotency_check_key(p_organization_id uuid, p_scope text, p_key text) FROM PUBLIC;
 
-REVOKE ALL ON FUNCTION agent.idempotency_check_traceparent(p_traceparent text, p_name text) FROM PUBLIC;
-
 REVOKE ALL ON FUNCTION agent.idempotency_check_work(p_scope text, p_request jsonb) FROM PUBLIC;
 
-REVOKE ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb, p_traceparent text) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb, p_traceparent text) TO service_role;
+REVOKE ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_claim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_request jsonb) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_claim_many(p_organization_id uuid, p_scope text, p_lease_ms bigint, p_items jsonb, p_row_cap integer) TO service_role;
@@ -4446,7 +3927,7 @@ GRANT ALL ON FUNCTION agent.idempotency_complete(p_claim_id uuid, p_lease_token 
 REVOKE ALL ON FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_complete_many(p_organization_id uuid, p_items jsonb, p_row_cap integer) TO service_role;
 
-REVOKE ALL ON FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb, p_traceparent text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION agent.idempotency_decide(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint, p_may_insert boolean, p_may_take_over boolean, p_request jsonb) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION agent.idempotency_delete_expired(p_ids uuid[]) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_delete_expired(p_ids uuid[]) TO service_role;
@@ -4499,8 +3980,8 @@ REVOKE ALL ON FUNCTION agent.idempotency_queue_privileges(p_queue text, p_dead_l
 REVOKE ALL ON FUNCTION agent.idempotency_queue_settle(p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_queue_settle(p_queue text, p_dead_letter_queue text, p_items jsonb, p_row_cap integer) TO service_role;
 
-REVOKE ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer, p_traceparent text) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer, p_traceparent text) TO service_role;
+REVOKE ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION agent.idempotency_queue_take(p_queue text, p_dead_letter_queue text, p_organization_id uuid, p_lease_ms bigint, p_lease_tokens uuid[], p_max_reads integer, p_scope text, p_organizations uuid[], p_row_cap integer) TO service_role;
 
 REVOKE ALL ON FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.idempotency_reclaim(p_organization_id uuid, p_scope text, p_key text, p_request_hash text, p_lease_token uuid, p_lease_ms bigint, p_retain_ms bigint) TO service_role;
@@ -4562,41 +4043,3 @@ GRANT ALL ON FUNCTION agent.run_admit(p_organization_id uuid, p_start_key text, 
 
 REVOKE ALL ON FUNCTION agent.run_get(p_organization_id uuid, p_start_key text, p_admission_token uuid) FROM PUBLIC;
 GRANT ALL ON FUNCTION agent.run_get(p_organization_id uuid, p_start_key text, p_admission_token uuid) TO service_role;
-
--- The console's reads and its one action (idem console).
-REVOKE ALL ON TYPE agent.idempotency_activity_bucket FROM PUBLIC;
-GRANT ALL ON TYPE agent.idempotency_activity_bucket TO service_role;
-
-REVOKE ALL ON TYPE agent.idempotency_failure_count FROM PUBLIC;
-GRANT ALL ON TYPE agent.idempotency_failure_count TO service_role;
-
-REVOKE ALL ON TYPE agent.idempotency_in_flight_scope FROM PUBLIC;
-GRANT ALL ON TYPE agent.idempotency_in_flight_scope TO service_role;
-
-REVOKE ALL ON TYPE agent.idempotency_processing_claim FROM PUBLIC;
-GRANT ALL ON TYPE agent.idempotency_processing_claim TO service_role;
-
-REVOKE ALL ON TYPE agent.idempotency_sweep_backlog_day FROM PUBLIC;
-GRANT ALL ON TYPE agent.idempotency_sweep_backlog_day TO service_role;
-
-REVOKE ALL ON FUNCTION agent.idempotency_abandon(p_id uuid, p_version text) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_abandon(p_id uuid, p_version text) TO service_role;
-
-REVOKE ALL ON FUNCTION agent.idempotency_activity(p_since timestamp with time zone, p_bucket_s integer, p_limit integer) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_activity(p_since timestamp with time zone, p_bucket_s integer, p_limit integer) TO service_role;
-
-REVOKE ALL ON FUNCTION agent.idempotency_failure_counts(p_limit integer) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_failure_counts(p_limit integer) TO service_role;
-
-REVOKE ALL ON FUNCTION agent.idempotency_in_flight(p_limit integer) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_in_flight(p_limit integer) TO service_role;
-
-REVOKE ALL ON FUNCTION agent.idempotency_processing(p_scope text, p_limit integer) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_processing(p_scope text, p_limit integer) TO service_role;
-
-REVOKE ALL ON FUNCTION agent.idempotency_sweep_backlog(p_limit integer) FROM PUBLIC;
-GRANT ALL ON FUNCTION agent.idempotency_sweep_backlog(p_limit integer) TO service_role;
-
-REVOKE ALL ON FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) FROM PUBLIC;
-
-REVOKE ALL ON FUNCTION agent.idempotency_version(p_lease_token uuid, p_lease_expires_at timestamp with time zone, p_reclaims integer) FROM PUBLIC;

@@ -5,7 +5,9 @@
 -- agent.idempotency_keys, so the console's plot of replays over time reads
 -- it here. A backend runs one transaction at a time, so each counter row is
 -- only ever written by one transaction at a time: counting never waits on
--- a lock and never takes part in a deadlock. UNLOGGED (no WAL, no replica;
+-- a lock and never takes part in a deadlock (a prepared transaction of a
+-- two-phase commit, which outlives its backend, is the one exception: a
+-- new backend given its pid would wait for it to be committed). UNLOGGED (no WAL, no replica;
 -- emptied by a crash, which a plot can afford); the sweep trims rows older
 -- than 7 days. Written and read only through the functions.
 

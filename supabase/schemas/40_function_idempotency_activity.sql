@@ -25,7 +25,7 @@ begin
   if p_bucket_s is null or p_bucket_s not between 60 and 86400 or p_bucket_s % 60 <> 0 then
     raise exception 'p_bucket_s must be whole minutes, 60 to 86400 seconds, got %', p_bucket_s using errcode = '22023';
   end if;
-  if p_since is null or p_since >= v_at then
+  if p_since is null or not pg_catalog.isfinite(p_since) or p_since >= v_at then
     raise exception 'p_since must be a time in the past, got %', p_since using errcode = '22023';
   end if;
   v_start := pg_catalog.date_trunc('minute', p_since);

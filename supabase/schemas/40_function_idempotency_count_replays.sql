@@ -2,7 +2,8 @@
 --
 -- Counts p_replays claims of p_scope answered from the journal, in this
 -- minute's row of this backend (agent.idempotency_replays). Private: the
--- claim functions call it.
+-- claim functions call it. Claims a Rust client answers from its own replay
+-- cache never reach the plane, so they are not counted.
 
 CREATE FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) RETURNS void
     LANGUAGE sql

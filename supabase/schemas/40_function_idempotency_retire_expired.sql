@@ -5,8 +5,8 @@
 -- request) that nobody re-drove, which is journaled as a dead letter
 -- (swept_unredriven) and kept for its scope's retention from now. Rows
 -- another transaction holds are left for the next pass. Answers one row:
--- deleted, dead_lettered. Each pass also trims the counts of replays
--- (agent.idempotency_replays) older than 7 days, as many rows as the row cap.
+-- deleted, dead_lettered. Every pass, even one given no ids, also trims the
+-- replay counts older than 7 days (agent.idempotency_trim_replays).
 
 CREATE FUNCTION agent.idempotency_retire_expired(p_ids uuid[]) RETURNS SETOF agent.idempotency_retired
     LANGUAGE plpgsql SECURITY DEFINER
@@ -63,10 +63,7 @@ begin
     raise warning 'idempotency sweep: % unfinished claims carrying work passed their retention unredriven; journaled as dead letters (swept_unredriven)', v_dead
       using hint = 'schedule a re-drive for their scopes (idem redrive), then send them back: idem redrive --failed';
   end if;
-  delete from agent.idempotency_replays r
-   where r.ctid = any (array(select o.ctid from agent.idempotency_replays o
-                              where o.minute < pg_catalog.clock_timestamp() - interval '7 days'
-                              limit agent.idempotency_row_cap()));
+  perform agent.idempotency_trim_replays();
   return next (v_deleted, v_dead)::agent.idempotency_retired;
 end
 $$;

@@ -228,4 +228,6 @@ GRANT ALL ON FUNCTION agent.idempotency_sweep_backlog(p_limit integer) TO servic
 
 REVOKE ALL ON FUNCTION agent.idempotency_count_replays(p_scope text, p_replays bigint) FROM PUBLIC;
 
+REVOKE ALL ON FUNCTION agent.idempotency_trim_replays() FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION agent.idempotency_version(p_lease_token uuid, p_lease_expires_at timestamp with time zone, p_reclaims integer) FROM PUBLIC;

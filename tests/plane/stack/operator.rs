@@ -297,6 +297,7 @@ async fn the_console_reads_count_what_the_journal_holds_and_refuse_an_unbounded_
         ("idempotency_in_flight", json!({"p_limit": 51})),
         ("idempotency_processing", json!({"p_scope": "*", "p_limit": 51})),
         ("idempotency_failure_counts", json!({"p_limit": 51})),
+        ("idempotency_sweep_backlog", json!({"p_limit": 51})),
         ("idempotency_sweep_backlog", json!({"p_limit": 0})),
         ("idempotency_activity", json!({"p_since": since, "p_bucket_s": 60, "p_limit": 51})),
         ("idempotency_activity", json!({"p_since": two_hours_ago, "p_bucket_s": 60, "p_limit": 50})),
@@ -304,5 +305,41 @@ async fn the_console_reads_count_what_the_journal_holds_and_refuse_an_unbounded_
         let message = refused(&stack, function, args.clone()).await;
         assert!(message.contains("p_limit"), "{function} {args}: {message}");
     }
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_sweep_pass_trims_the_replay_counts_a_day_at_a_time() {
+    let stack = stack().await;
+    // Counts of ten days ago, eight and a half, and now, of one backend.
+    sqlx::query(
+        "insert into agent.idempotency_replays (minute, scope, backend, replays)
+         select date_trunc('minute', now() - d * interval '1 day'), 'webhook.operator', 1, 1
+           from unnest(array[10, 8.5, 0]) d",
+    )
+    .execute(stack.db())
+    .await
+    .expect("counts");
+    let left = || async {
+        let days: Vec<f64> = sqlx::query_scalar(
+            "select round(extract(epoch from now() - minute) / 86400)::float8 from agent.idempotency_replays
+              order by minute",
+        )
+        .fetch_all(stack.db())
+        .await
+        .expect("left");
+        days
+    };
+
+    // A pass with nothing expired still trims, the oldest day first: the
+    // ten-day-old count, then the 8.5-day-old one; today's stays.
+    let sweeper = idempotency_plane::sweeper::Sweeper::new(client(&stack), 10).expect("a sweeper");
+    let report = sweeper.pass().await.expect("a pass");
+    assert_eq!(report.read, 0);
+    assert_eq!(left().await, [9.0, 0.0], "one day trimmed");
+    sweeper.pass().await.expect("a pass");
+    assert_eq!(left().await, [0.0], "the next day trimmed");
+    sweeper.pass().await.expect("a pass");
+    assert_eq!(left().await, [0.0], "what is younger than 7 days stays");
     stack.stop().await.unwrap();
 }

@@ -46,7 +46,7 @@ async fn the_schema_passes_the_linter_checks() {
                                       'idempotency_canonical_json', 'idempotency_request_hash',
                                       'idempotency_queue_check', 'idempotency_queue_letter', 'idempotency_queue_items',
                                       'idempotency_queue_lock', 'idempotency_queue_privileges',
-                                      'idempotency_check_traceparent', 'idempotency_count_replays',
+                                      'idempotency_check_traceparent', 'idempotency_count_replays', 'idempotency_trim_replays',
                                       'idempotency_version')
                 and not (p.prosecdef and p.proowner = 'idempotency_owner'::regrole)",
         ),

@@ -197,9 +197,11 @@ mod tests {
         assert!(creates, "{file} drops {kind} agent.{name} after its latest definition");
         let rest = &sql[at..];
         let end = if kind == "function" {
-            // The body's dollar quote: `$$`, or `$_$` as pg_dump writes one
-            // whose body holds `$$` (a declared-schema file copied whole).
-            let quote = ["$$", "$_$"]
+            // The body's dollar quote: `$$`, `$_$` as pg_dump writes one
+            // whose body holds `$$` (a declared-schema file copied whole),
+            // or `$function$` as Supabase's diff writes every body (a
+            // drafted migration).
+            let quote = ["$$", "$_$", "$function$"]
                 .into_iter()
                 .filter_map(|quote| rest.find(quote).map(|at| (at, quote)))
                 .min()
@@ -217,6 +219,22 @@ mod tests {
         let open = definition.find('(').expect("the fields");
         let fields = &definition[open + 1..definition.rfind(')').expect("the fields' end")];
         fields.split(',').map(|field| tokens(field)[0].clone()).collect()
+    }
+
+    /// The attributes `alter type agent.<name> add attribute` adds, in the
+    /// order the migrations add them (a drafted migration quotes its names).
+    fn added_attributes(name: &str) -> Vec<String> {
+        let prefix = format!("alter type agent.{name} add attribute ");
+        MIGRATIONS
+            .iter()
+            .flat_map(|(_, sql)| {
+                let lower = sql.to_ascii_lowercase().replace('"', "");
+                lower
+                    .match_indices(&prefix)
+                    .map(|(at, _)| tokens(&lower[at + prefix.len()..])[0].clone())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
     }
 
     /// The names of the columns a statement's `returning` list answers: an
@@ -316,9 +334,12 @@ mod tests {
             "{file}: the unique key"
         );
 
-        // The answer: the outcome type's columns, in order.
+        // The answer: the outcome type's columns, in order, with those
+        // later migrations added to it.
         let (file, outcome) = latest("type", "idempotency_claim_outcome");
-        assert_eq!(returning_names(&floor), type_fields(outcome), "{file}: the claim's answer");
+        let mut fields = type_fields(outcome);
+        fields.extend(added_attributes("idempotency_claim_outcome"));
+        assert_eq!(returning_names(&floor), fields, "{file} and later: the claim's answer");
     }
 
     #[test]
