@@ -188,9 +188,11 @@ fn strings(value: &AnyValue, out: &mut Vec<String>) {
     }
 }
 
-/// Every attribute text of a span: its own, its events' and its links'.
+/// Every text of a span: its name, its events' names (a log line's
+/// message), and the attributes of the span, its events and its links.
 fn attribute_texts(span: &Span) -> Vec<String> {
     let mut out = vec![span.name.clone()];
+    out.extend(span.events.iter().map(|event| event.name.clone()));
     let attributes = span
         .attributes
         .iter()
@@ -372,6 +374,14 @@ async fn a_claim_a_replay_and_a_redrive_linked_to_the_first_trace_reach_the_coll
     assert!(
         spans().iter().filter(|span| span.trace_id == orphaned_trace).all(|span| span.links.is_empty()),
         "the first trace links to nothing"
+    );
+    assert!(
+        spans().iter().filter(|span| span.trace_id == claimed.trace_id).all(|span| span.links.is_empty()),
+        "work run by the worker that claimed it links to nothing"
+    );
+    assert!(
+        spans().iter().any(|span| span.name == "idempotency.effect" && span.trace_id == claimed.trace_id),
+        "the first worker's effect has a span"
     );
 
     // No attribute anywhere carries a raw key.
