@@ -4,7 +4,8 @@
 // click, confirm) and asking the scope's re-drive route from the page runs
 // its work exactly once, and a second re-drive finds nothing; ending a
 // stuck claim from the page is refused once the claim changed behind the
-// page's back, and done once the page shows it afresh. Around the page:
+// page's back, and done once the page shows it afresh; ending one that
+// carries no work is confirmed as permanent. Around the page:
 // the API refuses a request without the session token (403, nothing
 // changed), a foreign Host (403), another origin (403); no answer carries a
 // CORS header; and no answer the browser saw holds the service key.
@@ -48,6 +49,7 @@ const SCOPE = `webhook.console_${randomUUID().slice(0, 8)}`;
 const ORG = randomUUID();
 const WORK = { event: "invoice.paid", invoice: "in_console_1", amount: 4200 };
 const STUCK_WORK = { event: "invoice.paid", invoice: "in_console_stuck" };
+const BARE_REQUEST = { event: "invoice.paid", invoice: "in_console_bare" };
 
 for (const [name, value] of [["IDEM_POSTGREST_URL", PLANE], ["IDEM_SERVICE_KEY", KEY], ["IDEM_BIN", IDEM]]) {
   if (!value) throw new Error(`${name} is not set: run tests/console/run.sh`);
@@ -74,8 +76,9 @@ async function rpc(fn, args) {
 
 const sha256 = (value) => createHash("sha256").update(JSON.stringify(value)).digest("hex");
 
-/** Claims `key` carrying `work`, held for `leaseMs`; answers the claim. */
-async function claim(key, work, leaseMs) {
+/** Claims `key` carrying `work` (none when `carry` is false: only its
+ * hash), held for `leaseMs`; answers the claim. */
+async function claim(key, work, leaseMs, carry = true) {
   const token = randomUUID();
   const [row] = await rpc("idempotency_claim", {
     p_organization_id: ORG,
@@ -84,7 +87,7 @@ async function claim(key, work, leaseMs) {
     p_request_hash: sha256(work),
     p_lease_token: token,
     p_lease_ms: leaseMs,
-    p_request: work,
+    ...(carry ? { p_request: work } : {}),
   });
   assert.equal(row.outcome, "claimed", JSON.stringify(row));
   return { id: row.id, token };
@@ -200,53 +203,80 @@ let userDataDir;
 let browser;
 let page;
 const seen = []; // every answer the browser got: [url, headers, body]
+const recording = new Set(); // answers whose body is still being read into `seen`
 const pageProblems = [];
 
+/** Until the page is settled: every read and action it started is done and
+ * shown (body's data-loading, which the page counts, is 0). What the test
+ * reads of the panels is read after this, never while answers arrive. */
+async function settled() {
+  await page.waitForFunction(() => document.body.dataset.loading === "0", null, { timeout: TIMEOUT_MS });
+}
+
+/** The action's message, once the page is settled after it (the panels
+ * read again). */
 async function message() {
   await page.waitForFunction(() => {
     const text = document.getElementById("message").textContent;
     return text && text !== "…";
   }, null, { timeout: TIMEOUT_MS });
+  await settled();
   return page.textContent("#message");
 }
 
-async function confirmInPage() {
+/** The open confirm dialog: its title, text and confirm button. */
+async function dialogShown() {
+  const dialog = page.locator("dialog#confirm");
+  await dialog.waitFor({ state: "visible", timeout: TIMEOUT_MS });
+  return {
+    title: await dialog.locator("#confirm-title").textContent(),
+    text: await dialog.locator("#confirm-text").textContent(),
+    ok: await dialog.locator("#confirm-ok").textContent(),
+  };
+}
+
+async function answerDialog(button) {
   const dialog = page.locator("dialog#confirm");
   await dialog.waitFor({ state: "visible", timeout: TIMEOUT_MS });
   await page.evaluate(() => (document.getElementById("message").textContent = ""));
-  await dialog.locator("#confirm-ok").click();
+  await dialog.locator(button).click();
   await dialog.waitFor({ state: "hidden", timeout: TIMEOUT_MS });
 }
 
+const confirmInPage = () => answerDialog("#confirm-ok");
+const cancelInPage = () => answerDialog("#confirm-cancel");
+
+/** Clicks Refresh; done once that read (and any under way) is shown. */
 async function refresh() {
-  const before = await page.getAttribute("body", "data-loaded");
+  const before = Number(await page.getAttribute("body", "data-loaded"));
   await page.click("#refresh");
-  await page.waitForFunction((was) => document.body.dataset.loaded !== was, before, { timeout: TIMEOUT_MS });
+  await page.waitForFunction(
+    (was) => Number(document.body.dataset.loaded) > was && document.body.dataset.loading === "0",
+    before,
+    { timeout: TIMEOUT_MS },
+  );
 }
 
 // ---- fixtures ------------------------------------------------------------
 
 const failed = {};
 const stuck = {};
+const bare = {};
 
-/** Claims, replays and failures of the last 24 hours, as the plane counts them. */
-async function activityTotals() {
-  const since = new Date(Date.now() - 86_400_000).toISOString();
-  const buckets = await rpc("idempotency_activity", { p_since: since, p_bucket_s: 900, p_limit: 98 });
+/** Claims, replays and failures summed over an activity answer's buckets. */
+function activityTotals(buckets) {
   const sum = (name) => buckets.reduce((total, bucket) => total + Number(bucket[name]), 0);
   return { claims: sum("claims"), replays: sum("replays"), failures: sum("failures") };
 }
 
-let activityBefore;
-
 before(async () => {
-  // What the plane did before this test (nothing, on a fresh plane).
-  activityBefore = await activityTotals();
   // A failure journaled with its work: the first attempt failed.
   Object.assign(failed, await claim("evt-console-failed", WORK, 30_000));
   await complete(failed.id, failed.token, { ok: false, error: "vendor_timeout: the vendor did not answer" });
   // A claim its worker holds (a long lease), carrying work: stuck.
   Object.assign(stuck, await claim("evt-console-stuck", STUCK_WORK, 600_000));
+  // Another, whose caller kept no work with it: ending it is for good.
+  Object.assign(bare, await claim("evt-console-bare", BARE_REQUEST, 600_000, false));
 
   await new Promise((resolve) => route.listen(0, "127.0.0.1", resolve));
   consoleUrl = await startConsole(`http://127.0.0.1:${route.address().port}/redrive`);
@@ -265,12 +295,16 @@ before(async () => {
   page.on("console", (entry) => {
     if (entry.type() === "error") pageProblems.push(`console error: ${entry.text()}`);
   });
-  page.on("response", async (response) => {
-    try {
-      seen.push([response.url(), await response.allHeaders(), await response.text()]);
-    } catch {
-      // A body the browser no longer holds (a navigation moved on).
-    }
+  page.on("response", (response) => {
+    const record = (async () => {
+      try {
+        seen.push([response.url(), await response.allHeaders(), await response.text()]);
+      } catch {
+        // A body the browser no longer holds (a navigation moved on).
+      }
+    })();
+    recording.add(record);
+    record.finally(() => recording.delete(record));
   });
 });
 
@@ -294,10 +328,15 @@ test("the page is served on loopback, framed by nobody, with its own script only
   assert.match(csp, /frame-ancestors 'none'/);
   assertNoCors(headers, "the page");
   await page.waitForSelector("body[data-loaded]");
+  await settled();
   assert.match(await page.textContent("#plane"), /the plane at http:\/\/127\.0\.0\.1:\d+\//);
 });
 
 test("the page lists the failure this test journaled, with its error and attempts, as one that can be sent back", async () => {
+  // Read afresh, keeping the activity answer the page plots.
+  const activityAnswer = page.waitForResponse((response) => response.url().includes("/api/activity?"));
+  await refresh();
+  const activity = await (await activityAnswer).json();
   const row = page.locator(`#failures tr[data-claim-id="${failed.id}"]`);
   await row.waitFor();
   const cells = await row.locator("td").allTextContents();
@@ -308,14 +347,19 @@ test("the page lists the failure this test journaled, with its error and attempt
   assert.equal(cells[5], "0×", "never sent back");
   assert.equal(cells[6], "can be sent back");
   assert.equal(await row.locator("input.select").isEnabled(), true);
-  // The stuck claim is in flight in its scope; the dead-letter panel counts the failure.
+  // The stuck claims are in flight in their scope; the dead-letter panel counts the failure.
   const inFlight = await page.locator(`#in-flight tr[data-scope="${SCOPE}"] td`).allTextContents();
-  assert.deepEqual(inFlight.slice(0, 4), [SCOPE, "1", "1", "0"], "one claim processing, live, no orphan");
+  assert.deepEqual(inFlight.slice(0, 4), [SCOPE, "2", "2", "0"], "two claims processing, live, no orphan");
   const counts = await page.locator(`#dead-letters tr[data-scope="${SCOPE}"] td`).allTextContents();
   assert.deepEqual(counts.slice(0, 5), ["—", SCOPE, "0", "1", "1"], "no dead letter, one failure, re-drivable");
-  // Activity: the two claims and the failure are plotted.
-  const { claims, replays, failures } = activityBefore;
-  const totals = `claims ${claims + 2}, replays ${replays}, failures ${failures + 1} since`;
+  // Activity: the page shows what the console answered it, which counts
+  // this test's three claims and its failure (and whatever else the plane
+  // did in the window: it may be shared).
+  const { claims, replays, failures } = activityTotals(activity.rows);
+  assert.ok(claims >= 3 && failures >= 1, JSON.stringify(activity));
+  assert.equal(activity.bucket_s, 900, "a day in quarters of an hour");
+  const totals = `claims ${claims.toLocaleString("en")}, replays ${replays.toLocaleString("en")}, ` +
+    `failures ${failures.toLocaleString("en")} since`;
   assert.ok((await page.textContent("#activity-totals")).startsWith(totals), totals);
   assert.equal(await page.locator("#activity svg polyline.series").count(), 3);
 });
@@ -368,9 +412,10 @@ test("sending the failure back from the page (tick, confirm) makes the next re-d
   await page.click("#send-back");
   await confirmInPage();
   assert.equal(await message(), "sent back 1");
-  // Sent back: an orphan again, which the page offers to re-drive.
+  // Sent back (the panels read again since): an orphan again, which the
+  // page offers to re-drive.
   const orphans = page.locator(`#orphans tr[data-scope="${SCOPE}"]`);
-  await orphans.waitFor();
+  assert.equal(await orphans.count(), 1, "listed as an orphan");
   assert.equal((await orphans.locator("td").allTextContents())[1], "1");
   assert.equal(await page.locator(`#failures tr[data-claim-id="${failed.id}"]`).count(), 0, "no longer listed as failed");
 
@@ -391,7 +436,8 @@ test("ending a stuck claim from the page is refused once it changed since shown,
   await page.locator(`#in-flight tr[data-scope="${SCOPE}"] button.show-claims`).click();
   const row = page.locator(`#processing tr[data-claim-id="${stuck.id}"]`);
   await row.waitFor();
-  assert.equal((await row.locator("td").allTextContents())[4], "live");
+  await settled();
+  assert.deepEqual((await row.locator("td").allTextContents()).slice(4, 7), ["live", "1", "kept"]);
 
   // Its worker extends the lease behind the page's back: the claim changed.
   const extended = await rpc("idempotency_extend", {
@@ -402,6 +448,10 @@ test("ending a stuck claim from the page is refused once it changed since shown,
   });
   assert.ok(extended, "the worker still holds it: its lease was extended");
   await row.locator("button.abandon").click();
+  const shown = await dialogShown();
+  assert.equal(shown.title, "End this claim as a failure?");
+  assert.match(shown.text, /Every later claim of its key replays the failure until it is sent back\.$/);
+  assert.equal(shown.ok, "End as failure");
   await confirmInPage();
   assert.match(await message(), /^changed since shown: refresh/);
   const unchanged = await get("evt-console-stuck");
@@ -426,7 +476,39 @@ test("ending a stuck claim from the page is refused once it changed since shown,
   assert.equal(cells[6], "can be sent back");
 });
 
+test("ending a claim that carries no work is confirmed as permanent, and it cannot be sent back", async () => {
+  const row = page.locator(`#processing tr[data-claim-id="${bare.id}"]`);
+  await row.waitFor();
+  await settled();
+  assert.equal((await row.locator("td").allTextContents())[6], "none", "no work kept");
+  await row.locator("button.abandon").click();
+  const shown = await dialogShown();
+  assert.equal(shown.title, "End this claim permanently?");
+  assert.match(shown.text, /cannot be sent back/);
+  assert.match(shown.text, /every retry of this key will be answered with this failure until its retention ends\.$/);
+  assert.doesNotMatch(shown.text, /until it is sent back/);
+  assert.equal(shown.ok, "End permanently");
+  // Cancelled: nothing written.
+  await cancelInPage();
+  assert.equal(await message(), "nothing done");
+  assert.equal((await get("evt-console-bare")).status, "processing");
+
+  await row.locator("button.abandon").click();
+  assert.equal((await dialogShown()).ok, "End permanently");
+  await confirmInPage();
+  assert.equal(await message(), `ended ${SCOPE}/evt-console-bare as a failure (abandoned_by_operator)`);
+  const ended = await get("evt-console-bare");
+  assert.equal(ended.status, "completed");
+  assert.equal(ended.response.error, "abandoned_by_operator");
+  const cells = await page.locator(`#failures tr[data-claim-id="${bare.id}"] td`).allTextContents();
+  assert.equal(cells[3], "abandoned_by_operator");
+  assert.equal(cells[6], "no: its work was not kept");
+  assert.equal(await page.locator(`#failures tr[data-claim-id="${bare.id}"] input.select`).isEnabled(), false);
+});
+
 test("the browser never saw the service key, and the page raised no error", async () => {
+  await settled();
+  await Promise.all([...recording]);
   assert.ok(seen.length >= 10, `the browser's answers were recorded (${seen.length})`);
   for (const [url, headers, body] of seen) {
     assert.ok(url.startsWith(consoleUrl), `the page talked to the console only, not ${url}`);

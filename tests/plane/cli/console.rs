@@ -1,7 +1,9 @@
 //! `idem console` run as an operator runs it, against a local stack, its API
 //! called over HTTP as its page calls it (the page itself runs in a real
 //! Chromium in tests/console/): what the console refuses, and that a refusal
-//! changes nothing. (What it refuses before serving anything, an address
+//! changes nothing; that what the plane refuses is the request's fault (4xx),
+//! not a failure of the plane; and that every panel reads within a small row
+//! cap. (What it refuses before serving anything, an address
 //! beyond loopback among them, is in `usage`.)
 
 use std::process::Stdio;
@@ -16,7 +18,7 @@ use uuid::Uuid;
 use idempotency_plane::local::LocalStack;
 use idempotency_plane::postgrest::Repeat;
 
-use crate::support::harness::{client, stack, within};
+use crate::support::harness::{client, set_plane_row_cap, stack, within};
 
 const SCOPE: &str = "webhook.console";
 const TOKEN_HEADER: &str = "x-idem-console-token";
@@ -249,5 +251,112 @@ async fn idem_console_ends_a_stuck_claim_only_when_unchanged_since_shown() {
     // A version that is not one the plane makes is refused before the plane.
     let (status, _, _) = console.post("/api/abandon", with_token(&session), json!({"id": id, "version": ""})).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
+    stack.stop().await.expect("stop");
+}
+
+/// The version the console shows for claim `id` in SCOPE.
+async fn shown_version(console: &Console, session: &str, id: Uuid) -> String {
+    let (status, _, answer) = console.get(&format!("/api/processing?scope={SCOPE}"), with_token(session)).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let row = answer["rows"].as_array().and_then(|rows| rows.iter().find(|row| row["id"] == id.to_string()));
+    row.and_then(|row| row["version"].as_str()).unwrap_or_else(|| panic!("the claim in {answer}")).to_owned()
+}
+
+#[tokio::test]
+async fn idem_console_answers_input_the_plane_refuses_with_400_or_404_and_changes_nothing() {
+    let stack = stack().await;
+    let org = Uuid::new_v4();
+    let (id, _) = claim(&stack, org, "stuck-2", 600_000).await;
+    let console = Console::start(&stack).await;
+    let session = console.token().await;
+    let version = shown_version(&console, &session, id).await;
+
+    // A version the plane does not make: refused by the plane (22023), the
+    // request's fault, with the plane's own words; nothing written.
+    for malformed in ["not-a-version", &"z".repeat(64), &version[..63]] {
+        let (status, _, refused) =
+            console.post("/api/abandon", with_token(&session), json!({"id": id, "version": malformed})).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{malformed}: {refused}");
+        let error = refused["error"].as_str().unwrap_or_default();
+        assert!(error.contains("p_version must be the 64 hex digits"), "{error}");
+    }
+    // A scope that is not one: 400; one the plane does not know: 404.
+    for (scope, expected, says) in [
+        ("Not%20A%20Scope!", StatusCode::BAD_REQUEST, "p_scope must be a scope"),
+        ("nowhere.console", StatusCode::NOT_FOUND, "unknown scope nowhere.console"),
+    ] {
+        let (status, _, refused) = console.get(&format!("/api/processing?scope={scope}"), with_token(&session)).await;
+        assert_eq!(status, expected, "{scope}: {refused}");
+        let error = refused["error"].as_str().unwrap_or_default();
+        assert!(error.contains(says), "{scope}: {error}");
+    }
+    // Nothing changed: the claim is processing, at the version shown.
+    assert_eq!(get(&stack, org, "stuck-2").await["status"], "processing");
+    assert_eq!(shown_version(&console, &session, id).await, version);
+    // And shown, it is ended as ever.
+    let (status, _, ended) =
+        console.post("/api/abandon", with_token(&session), json!({"id": id, "version": version})).await;
+    assert_eq!(status, StatusCode::OK, "{ended}");
+    stack.stop().await.expect("stop");
+}
+
+#[tokio::test]
+async fn idem_console_reads_every_panel_within_a_small_plane_row_cap() {
+    const CAP: u64 = 20;
+    let stack = stack().await;
+    let org = Uuid::new_v4();
+    // A failure and a claim in flight, so that there is something to read.
+    let (failed, token) = claim(&stack, org, "failed-2", 60_000).await;
+    rpc(
+        &stack,
+        "idempotency_complete",
+        json!({"p_claim_id": failed, "p_lease_token": token, "p_response": {"ok": false, "error": "boom"},
+               "p_organization_id": org}),
+    )
+    .await;
+    claim(&stack, org, "stuck-3", 600_000).await;
+    // The plane's own cap, below the server's (and the configured one).
+    set_plane_row_cap(&stack, CAP as i32).await;
+    let console = Console::start(&stack).await;
+    let session = console.token().await;
+
+    let (status, _, about) = console.get("/api/about", with_token(&session)).await;
+    assert_eq!(status, StatusCode::OK, "{about}");
+    assert_eq!((about["row_cap"].as_u64(), about["panel_rows"].as_u64()), (Some(CAP), Some(CAP)), "{about}");
+    for path in [
+        "/api/in-flight",
+        "/api/processing?scope=*",
+        "/api/processing?scope=webhook.console",
+        "/api/orphans",
+        "/api/failures",
+        "/api/failure-counts",
+        "/api/sweep-backlog",
+        "/api/activity?window=1h",
+        "/api/activity?window=24h",
+        "/api/activity?window=7d",
+    ] {
+        let (status, _, answer) = console.get(path, with_token(&session)).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {answer}");
+        let bound = answer["bound"].as_u64().unwrap_or_else(|| panic!("{path}: its bound in {answer}"));
+        let rows = answer["rows"].as_array().unwrap_or_else(|| panic!("{path}: its rows in {answer}"));
+        assert!(bound <= CAP && rows.len() as u64 <= bound, "{path}: {bound} bound, {} rows", rows.len());
+    }
+    let (_, _, failures) = console.get("/api/failures", with_token(&session)).await;
+    assert_eq!(failures["rows"][0]["id"], failed.to_string(), "{failures}");
+    // The activity plots: coarser buckets, the whole window still shown.
+    let (_, _, week) = console.get("/api/activity?window=7d", with_token(&session)).await;
+    assert_eq!((week["bucket_s"].as_u64(), week["bound"].as_u64()), (Some(86_400), Some(9)), "{week}");
+    let (_, _, hour) = console.get("/api/activity?window=1h", with_token(&session)).await;
+    assert_eq!(hour["bucket_s"].as_u64(), Some(300), "{hour}");
+    let claims: u64 = hour["rows"].as_array().into_iter().flatten().filter_map(|row| row["claims"].as_u64()).sum();
+    assert_eq!(claims, 2, "{hour}");
+
+    // Sending back stays within the cap too: more ids than it, refused.
+    let ids: Vec<Uuid> = (0..=CAP).map(|_| Uuid::new_v4()).collect();
+    let (status, _, refused) = console.post("/api/send-back", with_token(&session), json!({"claim_ids": ids})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+    let (status, _, sent) = console.post("/api/send-back", with_token(&session), json!({"claim_ids": [failed]})).await;
+    assert_eq!(status, StatusCode::OK, "{sent}");
+    assert_eq!(sent["message"], "sent back 1");
     stack.stop().await.expect("stop");
 }

@@ -80,7 +80,7 @@ pub(crate) async fn run(args: ConsoleArgs) -> Result<ExitCode, BoxError> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let bound = listener.local_addr()?;
     let plane = client.config().redacted_url();
-    let console = Arc::new(api::Console { repo: PostgrestRepository::new(client), routes });
+    let console = Arc::new(api::Console::new(PostgrestRepository::new(client), routes));
     let app =
         guard::guarded(page::router(&token).merge(api::router(console)), Arc::new(guard::Gate::new(bound, token)));
     // The URL alone on stdout: a reader may close it once it has the line

@@ -107,11 +107,13 @@ function boundNote(data) {
 
 // ---- the confirm step ----------------------------------------------------
 
-/** Shows `text` in the page's confirm dialog; resolves whether confirmed. */
-function confirmStep(title, text) {
+/** Shows `text` in the page's confirm dialog, its confirm button saying
+ * `okLabel`; resolves whether confirmed. */
+function confirmStep(title, text, okLabel = "Confirm") {
   const dialog = document.getElementById("confirm");
   document.getElementById("confirm-title").textContent = title;
   document.getElementById("confirm-text").textContent = text;
+  document.getElementById("confirm-ok").textContent = okLabel;
   return new Promise((resolve) => {
     const ok = document.getElementById("confirm-ok");
     const cancel = document.getElementById("confirm-cancel");
@@ -148,6 +150,37 @@ const state = {
   routes: [],
 };
 
+/** Which read of each panel is the latest: an answer to an older one that
+ * arrives after it is dropped, so a panel never goes back to older rows. */
+const reads = new Map();
+
+/** Starts a read of `panel`: answers whether it is still the latest. */
+function reading(panel) {
+  const n = (reads.get(panel) ?? 0) + 1;
+  reads.set(panel, n);
+  return () => reads.get(panel) === n;
+}
+
+/** Reads and actions under way, and those done, on body as data-loading
+ * and data-loaded (a counter): the page is settled when data-loading is 0,
+ * every panel showing the latest answer it asked for. */
+let loading = 0;
+let loaded = 0;
+
+/** Runs `load`, counted in data-loading until done, then in data-loaded. */
+async function tracked(load) {
+  loading += 1;
+  document.body.dataset.loading = String(loading);
+  try {
+    return await load();
+  } finally {
+    loading -= 1;
+    loaded += 1;
+    document.body.dataset.loading = String(loading);
+    document.body.dataset.loaded = String(loaded);
+  }
+}
+
 async function loadAbout() {
   const { ok, data } = await api("/api/about");
   const plane = document.getElementById("plane");
@@ -164,7 +197,9 @@ async function loadAbout() {
 
 async function loadInFlight() {
   const table = document.getElementById("in-flight");
+  const latest = reading("in-flight");
   const { ok, data } = await api("/api/in-flight");
+  if (!latest()) return;
   if (!ok) return failed(table, 7, data.error);
   const rows = data.rows.map((row) =>
     el(
@@ -176,7 +211,7 @@ async function loadInFlight() {
       number(row.orphans),
       cell(when(row.oldest_claimed_at)),
       cell(when(row.oldest_lease_expires_at)),
-      el("td", {}, el("button", { type: "button", class: "show-claims", onclick: () => showProcessing(row.scope) }, "Show claims")),
+      el("td", {}, el("button", { type: "button", class: "show-claims", onclick: () => tracked(() => showProcessing(row.scope)) }, "Show claims")),
     )
   );
   fill(table, rows, 7, "nothing in flight" + boundNote(data));
@@ -190,6 +225,7 @@ async function showProcessing(scope) {
 async function loadProcessing() {
   const scope = state.processingScope;
   const panel = document.getElementById("processing-panel");
+  const latest = reading("processing");
   if (scope === null) {
     panel.hidden = true;
     return;
@@ -198,6 +234,7 @@ async function loadProcessing() {
   document.getElementById("processing-title").textContent = `Claims processing in ${scope}`;
   const table = document.getElementById("processing");
   const { ok, data } = await api(`/api/processing?scope=${encodeURIComponent(scope)}`);
+  if (!latest()) return;
   if (!ok) return failed(table, 8, data.error);
   const rows = data.rows.map((claim) =>
     el(
@@ -213,7 +250,7 @@ async function loadProcessing() {
       el(
         "td",
         {},
-        el("button", { type: "button", class: "abandon danger", onclick: () => abandon(claim) }, "End as failure…"),
+        el("button", { type: "button", class: "abandon danger", onclick: () => tracked(() => abandon(claim)) }, "End as failure…"),
       ),
     )
   );
@@ -221,12 +258,24 @@ async function loadProcessing() {
 }
 
 async function abandon(claim) {
-  const confirmed = await confirmStep(
-    "End this claim as a failure?",
+  const what =
     `${claim.scope} / ${claim.key} (claim ${claim.id}, attempt ${claim.attempt}) will be journaled as a failure ` +
-      "(abandoned_by_operator), and its worker fenced off, if it is unchanged since shown. " +
-      "Every later claim of its key replays the failure until it is sent back.",
-  );
+    "(abandoned_by_operator), and its worker fenced off, if it is unchanged since shown. ";
+  // Without its work, the failure can never be sent back to re-drive: the
+  // key answers it until its retention ends.
+  const confirmed = claim.carries_work
+    ? await confirmStep(
+      "End this claim as a failure?",
+      what + "Every later claim of its key replays the failure until it is sent back.",
+      "End as failure",
+    )
+    : await confirmStep(
+      "End this claim permanently?",
+      what +
+        "It carries no work, so this cannot be undone: it cannot be sent back, and every retry of this key " +
+        "will be answered with this failure until its retention ends.",
+      "End permanently",
+    );
   if (!confirmed) return say("nothing done");
   const { ok } = await act("/api/abandon", { id: claim.id, version: claim.version });
   if (ok) await loadAll();
@@ -234,7 +283,9 @@ async function abandon(claim) {
 
 async function loadOrphans() {
   const table = document.getElementById("orphans");
+  const latest = reading("orphans");
   const { ok, data } = await api("/api/orphans");
+  if (!latest()) return;
   if (!ok) return failed(table, 5, data.error);
   const rows = data.rows.map((row) =>
     el(
@@ -254,7 +305,7 @@ async function loadOrphans() {
             class: "redrive",
             disabled: !row.route,
             title: row.route ? "ask the scope's re-drive route for a pass" : "no re-drive route named for this scope",
-            onclick: () => redriveNow(row.scope, row.orphans),
+            onclick: () => tracked(() => redriveNow(row.scope, row.orphans)),
           },
           "Re-drive now…",
         ),
@@ -277,7 +328,9 @@ async function redriveNow(scope, orphans) {
 
 async function loadFailures() {
   const table = document.getElementById("failures");
+  const latest = reading("failures");
   const { ok, data } = await api("/api/failures");
+  if (!latest()) return;
   if (!ok) return failed(table, 8, data.error);
   const shown = new Set(data.rows.map((row) => row.id));
   for (const id of state.selected) if (!shown.has(id)) state.selected.delete(id);
@@ -333,7 +386,9 @@ async function sendBack() {
 
 async function loadFailureCounts() {
   const table = document.getElementById("dead-letters");
+  const latest = reading("failure-counts");
   const { ok, data } = await api("/api/failure-counts");
+  if (!latest()) return;
   if (!ok) return failed(table, 6, data.error);
   const rows = data.rows.map((row) =>
     el(
@@ -352,7 +407,9 @@ async function loadFailureCounts() {
 
 async function loadSweepBacklog() {
   const table = document.getElementById("sweep-backlog");
+  const latest = reading("sweep-backlog");
   const { ok, data } = await api("/api/sweep-backlog");
+  if (!latest()) return;
   if (!ok) return failed(table, 2, data.error);
   const rows = data.rows.map((row) => el("tr", {}, cell(row.retain_date), number(row.rows)));
   fill(table, rows, 2, "nothing waits for the sweep" + boundNote(data));
@@ -366,7 +423,9 @@ async function loadActivity() {
   const windowName = document.getElementById("window").value;
   const target = document.getElementById("activity");
   const totals = document.getElementById("activity-totals");
+  const latest = reading("activity");
   const { ok, data } = await api(`/api/activity?window=${encodeURIComponent(windowName)}`);
+  if (!latest()) return;
   if (!ok) {
     totals.textContent = `could not read: ${data.error}`;
     target.replaceChildren();
@@ -426,20 +485,22 @@ function plot(data) {
 
 // ---- start ---------------------------------------------------------------
 
-async function loadAll() {
-  await Promise.all([
-    loadInFlight(),
-    loadProcessing(),
-    loadOrphans(),
-    loadFailures(),
-    loadFailureCounts(),
-    loadSweepBacklog(),
-    loadActivity(),
-  ]);
-  document.body.dataset.loaded = String(Date.now());
+/** Reads every panel again; done when each shows its answer. */
+function loadAll() {
+  return tracked(() =>
+    Promise.all([
+      loadInFlight(),
+      loadProcessing(),
+      loadOrphans(),
+      loadFailures(),
+      loadFailureCounts(),
+      loadSweepBacklog(),
+      loadActivity(),
+    ])
+  );
 }
 
 document.getElementById("refresh").addEventListener("click", () => loadAll());
-document.getElementById("send-back").addEventListener("click", () => sendBack());
-document.getElementById("window").addEventListener("change", () => loadActivity());
-loadAbout().then(loadAll);
+document.getElementById("send-back").addEventListener("click", () => tracked(sendBack));
+document.getElementById("window").addEventListener("change", () => tracked(loadActivity));
+tracked(() => loadAbout().then(loadAll));
