@@ -192,7 +192,7 @@ impl<R: IdempotencyRepository + BatchClaims> IdempotencyService<R> {
         }
         .instrument(span.clone())
         .await
-        .inspect_err(|error| crate::telemetry::record_error(&span, error))
+        .inspect_err(|error| crate::telemetry::record_error(&span, error.kind()))
     }
 
     /// Completes every claim of `organization_id` in one round trip, each as

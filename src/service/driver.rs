@@ -214,7 +214,7 @@ impl<R: IdempotencyRepository + OrphanedWork> EffectDriver<R> {
                 span.record("redriven", span_count(taken.len() - dead));
                 span.record("dead_lettered", span_count(dead));
             }
-            Err(error) => crate::telemetry::record_error(&span, error),
+            Err(error) => crate::telemetry::record_error(&span, error.kind()),
         }
         taken
     }

@@ -300,7 +300,7 @@ impl<R: IdempotencyRepository> Held<R> {
     pub async fn run<T>(&self, effect: impl Future<Output = T>) -> Result<T, Cut> {
         let ran = self.run_in_span(effect).instrument(self.span.clone()).await;
         if let Err(cut) = &ran {
-            crate::telemetry::record_error_type(&self.span, cut.as_str());
+            crate::telemetry::record_error(&self.span, cut.as_str());
         }
         ran
     }
@@ -781,11 +781,11 @@ impl<R> Held<R> {
         record(scope, settled);
         self.span.record(crate::telemetry::SPAN_ENDING, settled.as_str());
         if let Settled::LeftToLease(why) = settled {
-            crate::telemetry::record_error_type(&tracing::Span::current(), why.kind());
+            crate::telemetry::record_error(&tracing::Span::current(), why.kind());
             // An unknown outcome follows a cut the effect's span already
             // carries (`timed_out`, …), or is the caller's call.
             if !matches!(why, LeftToLease::OutcomeUnknown(_)) {
-                crate::telemetry::record_error_type(&self.span, why.kind());
+                crate::telemetry::record_error(&self.span, why.kind());
             }
         }
         metrics::histogram!(

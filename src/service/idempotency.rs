@@ -168,7 +168,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         }
         .instrument(span.clone())
         .await
-        .inspect_err(|error| record_error(&span, error))
+        .inspect_err(|error: &Error| record_error(&span, error.kind()))
     }
 
     /// Claims the key for `lease`, or answers why not, in one round trip.
@@ -238,7 +238,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         }
         .instrument(span.clone())
         .await
-        .inspect_err(|error| record_error(&span, error))
+        .inspect_err(|error: &Error| record_error(&span, error.kind()))
     }
 
     /// Completes `claim` with its answer. `LeaseMovedOn` when another worker
@@ -301,7 +301,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         }
         .instrument(span.clone())
         .await
-        .inspect_err(|error| record_error(&span, error))
+        .inspect_err(|error: &Error| record_error(&span, error.kind()))
     }
 
     /// The stored form of a response above the limit: a [`ResponseRef`] to
@@ -344,7 +344,7 @@ impl<R: IdempotencyRepository> IdempotencyService<R> {
         }
         .instrument(span.clone())
         .await
-        .inspect_err(|error| record_error(&span, error))
+        .inspect_err(|error: &Error| record_error(&span, error.kind()))
     }
 }
 

@@ -25,7 +25,7 @@ mod spans;
 #[cfg(feature = "otel")]
 pub mod otel;
 
-pub(crate) use spans::{current_traceparent, link_to_origin, record_error, record_error_type, span_count};
+pub(crate) use spans::{current_traceparent, link_to_origin, record_error, span_count};
 pub use spans::{
     key_hash, SPAN_ATTEMPT, SPAN_ENDING, SPAN_ERROR_TYPE, SPAN_KEY_HASH, SPAN_OUTCOME, SPAN_RECLAIMED, SPAN_REPLAYED,
     SPAN_SCOPE,

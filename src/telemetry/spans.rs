@@ -11,8 +11,6 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::error::Error;
-
 /// The scope a span's call or effect is in.
 pub const SPAN_SCOPE: &str = "idempotency.scope";
 /// What a claim or read found: `claimed`, `reclaimed`, `replayed`,
@@ -29,8 +27,9 @@ pub const SPAN_RECLAIMED: &str = "idempotency.reclaimed";
 pub const SPAN_ENDING: &str = "idempotency.ending";
 /// [`key_hash`] of the idempotency key: the key itself is never recorded.
 pub const SPAN_KEY_HASH: &str = "idempotency.key_hash";
-/// The kind of error a span ended with ([`Error::kind`], or how an effect
-/// was cut); the span's OpenTelemetry status is then `error`.
+/// The kind of error a span ended with ([`Error::kind`](crate::Error::kind),
+/// or how an effect was cut); the span's OpenTelemetry status is then
+/// `error`.
 pub const SPAN_ERROR_TYPE: &str = "error.type";
 
 /// The first 16 hex characters (64 bits) of SHA-256 over the key's UTF-8
@@ -46,15 +45,11 @@ pub fn key_hash(key: &str) -> String {
     hex::encode(&digest[..8])
 }
 
-/// Records `error` on `span`: `error.type` is its kind and the span's
-/// status is `error` (`otel.status_code`). The span must have declared both
-/// fields (as `field::Empty`).
-pub(crate) fn record_error(span: &tracing::Span, error: &Error) {
-    record_error_type(span, error.kind());
-}
-
-/// Records an error of kind `kind` on `span`, as [`record_error`] does.
-pub(crate) fn record_error_type(span: &tracing::Span, kind: &str) {
+/// Records an error of kind `kind` on `span` (an error's
+/// [`kind`](crate::Error::kind), or how an effect was cut): `error.type` is
+/// `kind` and the span's status is `error` (`otel.status_code`). The span
+/// must have declared both fields (as `field::Empty`).
+pub(crate) fn record_error(span: &tracing::Span, kind: &str) {
     span.record(SPAN_ERROR_TYPE, kind);
     span.record("otel.status_code", "error");
 }

@@ -201,7 +201,7 @@ impl<R: IdempotencyRepository + BatchClaims + PlaneQueues + 'static> QueueConsum
                 span.record("ran", crate::telemetry::span_count(drained.ran));
                 span.record("redriven", crate::telemetry::span_count(drained.redriven));
             }
-            Err(error) => crate::telemetry::record_error(&span, error),
+            Err(error) => crate::telemetry::record_error(&span, error.kind()),
         }
         drained
     }
